@@ -1,0 +1,65 @@
+"""`qeffect train`: train the configured pipeline (the embedded tiny CPU default with no arguments)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from qeffect.cli.app import app
+from qeffect.cli.common import Backend, Device, Schedule, config_from_cli, write_json
+
+
+@app.command("train")
+def train(
+    config: Path | None = typer.Option(None, "--config", "-c", help="Run config TOML (default: embedded tiny CPU config)."),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Optimizer steps."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for parameters and data order."),
+    schedule: Schedule | None = typer.Option(None, "--schedule", help="Pipeline schedule."),
+    backend: Backend | None = typer.Option(None, "--backend", help="FP8 backend."),
+    device: Device | None = typer.Option(None, "--device", help="cpu or cuda."),
+    data: str | None = typer.Option(None, "--data", help="C4-format JSON-lines file or glob of shards (.json[.gz])."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="A tokenizer.json (default: the bundled BPE)."),
+    pp: int | None = typer.Option(None, "--pp", min=1, help="Pipeline-parallel degree."),
+    dp: int | None = typer.Option(None, "--dp", min=1, help="Data-parallel degree (needs torchrun)."),
+    out: Path | None = typer.Option(None, "--out", help="Run folder (default: <train.run_dir>/<time>-<schedule>-<backend>)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the run summary JSON here."),
+) -> None:
+    """Train a GPT pipeline with FP8 delayed scaling and checked split F / dI / dW actions.
+
+    With no arguments: the embedded tiny CPU config on the bundled Jargon File asset. For several
+    processes: `torchrun --nproc-per-node N -m qeffect train --pp P --dp D` with P x D = N.
+    Writes metrics.jsonl, config.json and summary.json into the run folder.
+    """
+    cfg = config_from_cli(config, **{
+        "train.steps": steps, "train.seed": seed, "pipeline.schedule": schedule.value if schedule else None,
+        "fp8.backend": backend.value if backend else None, "train.device": device.value if device else None,
+        "train.data": data, "train.tokenizer": tokenizer, "pipeline.pp": pp, "pipeline.dp": dp,
+    })
+    from qeffect.runtime.train import train as run_train
+
+    console = Console()
+    with Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task("steps", total=cfg.train.steps, info="")
+
+        def on_step(m) -> None:
+            info = f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {m.step_time_s * 1e3:.1f} ms/step"
+            if m.heldout_ce is not None:
+                info += f"  held-out {m.heldout_ce:.4f}"
+            bar.update(task, advance=1, info=info)
+
+        summary = run_train(cfg, out=out, on_step=on_step)
+    if summary.run_dir is None:  # not global rank 0
+        return
+    console.print(f"run folder: {summary.run_dir}")
+    console.print(f"training cross-entropy: first ten {summary.first_ten_ce:.4f}, last ten {summary.last_ten_ce:.4f}, "
+                  f"ratio {summary.last_to_first_ratio:.3f}")
+    if summary.heldout_first is not None:
+        console.print(f"held-out cross-entropy: {summary.heldout_first:.4f} -> {summary.heldout_last:.4f}")
+    console.print(f"median step {summary.median_step_time_s * 1e3:.1f} ms, {summary.tokens_per_s:,.0f} tokens/s, "
+                  f"{summary.seconds:.1f} s in all")
+    if json_out:
+        write_json(json_out, summary)

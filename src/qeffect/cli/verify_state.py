@@ -1,0 +1,100 @@
+"""`qeffect verify-state`: bitwise comparison against native eager, or `--faults` contract injections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from qeffect.cli.app import app
+from qeffect.cli.common import Backend, Device, PathMode, Schedule, config_from_cli, write_json
+from qeffect.errors import UserError
+
+
+def _faults(json_out: Path | None, console: Console) -> int:
+    from qeffect.verify.faults import run_faults
+
+    report = run_faults()
+    table = Table(title="contract fault injection (CPU)")
+    table.add_column("family", no_wrap=True)
+    table.add_column("injection")
+    table.add_column("rejected operation")
+    for col in ("first invalid", "state preserved", "result"):
+        table.add_column(col, no_wrap=True)
+    for r in report.injections:
+        table.add_row(r.family, r.injection, r.rejected_operation or "-", "yes" if r.first_invalid else "NO",
+                      "yes" if r.state_preserved else "NO", "pass" if r.passed else "FAIL")
+    console.print(table)
+    console.print(f"{len(report.injections)} injections in {len(report.families)} families; "
+                  f"CUDA initialized: {report.cuda_initialized}; {'PASS' if report.passed else 'FAIL'}")
+    if json_out:
+        write_json(json_out, report)
+    return 0 if report.passed else 1
+
+
+@app.command("verify-state")
+def verify_state(
+    config: Path | None = typer.Option(None, "--config", "-c", help="Run config TOML (default: the embedded tiny CPU config)."),
+    faults: bool = typer.Option(False, "--faults", help="Run the CPU-only contract fault injections instead."),
+    steps: int = typer.Option(20, "--steps", min=1, help="Optimizer steps to compare."),
+    schedule: Schedule | None = typer.Option(None, "--schedule", help="Pipeline schedule (default: the config's)."),
+    path: PathMode = typer.Option(PathMode.eager, "--path", help="qeffect mode to compare with native eager."),
+    device: Device | None = typer.Option(None, "--device", help="cpu or cuda (default: the config's)."),
+    backend: Backend | None = typer.Option(None, "--backend", help="FP8 backend (default: the config's)."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for parameters and synthetic data."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
+) -> None:
+    """Prove a qeffect mode bitwise equal to the native eager reference, action by action.
+
+    Runs the native reference (full autograd backward, Interleaved 1F1B) and the qeffect mode from
+    the same seed, parameters, data and FP8 recipe, and compares loss, activations, gradients,
+    parameters, AdamW state, FP8 scaling state, cache contents and epochs, and resource counts with
+    torch.equal after every action and optimizer step. Exit 1 on any mismatch, naming the first.
+    """
+    console = Console()
+    if faults:
+        raise typer.Exit(_faults(json_out, console))
+    cfg = config_from_cli(config, **{"pipeline.schedule": schedule.value if schedule else None,
+                                     "train.device": device.value if device else None,
+                                     "fp8.backend": backend.value if backend else None,
+                                     "train.seed": seed})
+    _check_device(cfg.train.device, path.value)
+    from qeffect.verify.state import run_verify_state
+
+    with Progress(TextColumn("verify-state"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("steps", total=steps, info="")
+        report = run_verify_state(cfg, steps=steps, path=path.value,
+                                  progress=lambda s, loss: bar.update(task, advance=1, info=f"loss {loss:.4f}"))
+    table = Table(title=f"verify-state: {report.schedule} / {report.path} / {report.backend} on {report.device}, "
+                        f"{report.steps} steps")
+    table.add_column("category")
+    table.add_column("compared", justify="right")
+    table.add_column("mismatches", justify="right")
+    for c in report.categories:
+        table.add_row(c.category, str(c.compared), str(c.mismatches), style=None if c.mismatches == 0 else "red")
+    console.print(table)
+    ro = report.amax_rollover
+    console.print(f"amax history length {ro.amax_history_len}: {ro.forward_updates_per_module} forward and "
+                  f"{ro.backward_updates_per_module} backward updates per module "
+                  f"({'rolled over' if ro.rolled_over else 'NO rollover'}); {report.seconds:.1f} s")
+    if report.first_divergence:
+        d = report.first_divergence
+        console.print(f"[red]first divergence: step {d.step}, action {d.action}, stage {d.stage}, "
+                      f"microbatch {d.microbatch}, {d.category}: {d.tensor}[/red]")
+    console.print("PASS: bitwise equal" if report.passed else "[red]FAIL[/red]")
+    if json_out:
+        write_json(json_out, report)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _check_device(device: str, path: str) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available on this machine")
+    if path != "eager" and device != "cuda":
+        raise UserError(f"--path {path} captures CUDA graphs and needs --device cuda")

@@ -1,0 +1,133 @@
+"""Validated run configuration, loaded from TOML. One pydantic model per concern.
+
+Errors name the file and the dotted field so that a user can fix the TOML without reading code.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from qeffect.errors import UserError
+
+DEFAULT_CONFIG = "tiny.toml"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    vocab_size: int = Field(32768, ge=2)
+    hidden: int = Field(64, ge=1)
+    ffn: int = Field(256, ge=1)
+    heads: int = Field(4, ge=1)
+    layers_per_chunk: int = Field(1, ge=1)
+    seq_len: int = Field(32, ge=2)
+    microbatch_size: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> ModelConfig:
+        if self.hidden % self.heads:
+            raise ValueError(f"heads ({self.heads}) must divide hidden ({self.hidden})")
+        return self
+
+
+class PipelineConfig(_Strict):
+    pp: int = Field(2, ge=1)
+    dp: int = Field(1, ge=1)
+    chunks_per_rank: int = Field(2, ge=1)
+    microbatches: int = Field(4, ge=1)
+    schedule: Literal["interleaved", "zbv"] = "interleaved"
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks_per_rank
+
+
+class FP8Config(_Strict):
+    backend: Literal["reference", "te"] = "reference"
+    margin: int = Field(0, ge=0)
+    amax_history_len: int = Field(4, ge=1)
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    head: Literal["backend", "torchao"] = "backend"
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(3e-3, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(60, ge=1)
+    seed: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    path: Literal["eager", "captured-copy", "captured-direct"] = "eager"
+    offload: Literal["off", "release", "resident"] = "off"
+    eval_every: int = Field(20, ge=0)
+    eval_batches: int = Field(4, ge=1)
+    data: str = ""
+    tokenizer: str = ""
+    run_dir: str = "runs"
+
+
+class RunConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    fp8: FP8Config = FP8Config()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+
+    def with_overrides(self, **dotted: object) -> RunConfig:
+        """Return a copy with `section.field` overrides applied (None values are ignored)."""
+        data = self.model_dump()
+        for key, value in dotted.items():
+            if value is None:
+                continue
+            section, field = key.split(".", 1)
+            data[section][field] = value
+        return validate_config(data, source="command line")
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        parts.append(f"{loc}: {msg}")
+    return f"{source}: invalid configuration: " + "; ".join(parts)
+
+
+def validate_config(data: dict, source: str) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise UserError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | Path | None = None) -> RunConfig:
+    """Load a TOML file; `None` loads the embedded tiny CPU default."""
+    if path is None:
+        text = resources.files("qeffect.configs").joinpath(DEFAULT_CONFIG).read_text()
+        source = f"<embedded {DEFAULT_CONFIG}>"
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"{p}: config file not found")
+        text = p.read_text()
+        source = str(p)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"{source}: not valid TOML: {err}") from None
+    return validate_config(data, source)

@@ -1,0 +1,297 @@
+"""Gradient arena: preallocated, fixed-address weight-gradient destinations ("direct placement").
+
+Captured ``dW`` graphs write matrix gradients straight into fixed views instead of returning fresh
+tensors, so the arena must prove what autograd would otherwise guarantee: each destination is exactly
+the view it claims to be (shape, dtype, device, stride and data_ptr), no write lands in another
+view's storage, and every ``(param, microbatch)`` view is written exactly once per optimizer epoch
+before the commit.
+
+Layout: one flat zero-initialized buffer per dtype; inside it, for each parameter (in spec order) the
+``M`` microbatch views follow each other, each starting at a multiple of 256 bytes from the buffer
+start (CUDA allocations are themselves 512-byte aligned). Addresses never change for the life of the
+arena (``abort``/``rebuild`` keep the buffers), which is what graph capture needs.
+
+Bitwise order: with one view per microbatch the schedule may run ``dW`` in any order (non-LIFO, ZB-V),
+yet :meth:`GradientArena.sum_microbatches` always sums in the fixed order ``m = 0, 1, ..., M-1``
+(``acc = view(0).clone(); acc += view(1); ...``). That is the order in which a reference that
+accumulates gradients microbatch by microbatch adds them, so every schedule order is bitwise equal to
+the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from .errors import ArenaViolation
+
+ALIGN_BYTES = 256
+
+Spec = tuple[tuple[int, ...], torch.dtype]
+
+
+def _vk(name: str, m: int) -> str:
+    return f"{name}[m={m}]"
+
+
+class GradientArena:
+    """Fixed views ``view(name, m)`` for every matrix parameter ``name`` and microbatch slot ``m``."""
+
+    def __init__(
+        self,
+        specs: dict[str, Spec],
+        microbatches: int,
+        device: str | torch.device = "cpu",
+        name: str = "arena",
+    ) -> None:
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+        if not specs:
+            raise ValueError("GradientArena needs at least one parameter spec")
+        self.name = name
+        self.device = torch.device(device)
+        self.microbatches = microbatches
+        self.specs: dict[str, Spec] = {}
+        for pname, spec in specs.items():
+            shape, dtype = spec
+            shape = tuple(shape)
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+                raise ValueError(f"arena spec {pname!r}: shape must be positive ints, got {shape!r}")
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"arena spec {pname!r}: dtype must be a torch.dtype, got {dtype!r}")
+            self.specs[pname] = (shape, dtype)
+
+        # Plan offsets per dtype, then allocate one buffer per dtype.
+        offsets: dict[tuple[str, int], tuple[torch.dtype, int, int]] = {}
+        sizes: dict[torch.dtype, int] = {}
+        for pname, (shape, dtype) in self.specs.items():
+            itemsize = dtype.itemsize
+            align = max(1, ALIGN_BYTES // itemsize)
+            numel = math.prod(shape)
+            off = sizes.get(dtype, 0)
+            for m in range(microbatches):
+                off = -(-off // align) * align
+                offsets[(pname, m)] = (dtype, off, numel)
+                off += numel
+            sizes[dtype] = off
+        self._buffers: dict[torch.dtype, torch.Tensor] = {
+            dt: torch.zeros(n, dtype=dt, device=self.device) for dt, n in sizes.items()
+        }
+        # The buffers' own device (``"cuda"`` becomes ``cuda:0``) is what tensors are compared with.
+        self.device = next(iter(self._buffers.values())).device
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self._ranges: list[tuple[int, int, tuple[str, int]]] = []
+        for (pname, m), (dt, off, numel) in offsets.items():
+            v = self._buffers[dt][off : off + numel].view(self.specs[pname][0])
+            self._views[(pname, m)] = v
+            start = v.data_ptr()
+            self._ranges.append((start, start + numel * v.element_size(), (pname, m)))
+
+        self._written: set[tuple[str, int]] = set()
+        self._epoch = 0
+        self._usable = True
+        self._finalized = False
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def usable(self) -> bool:
+        return self._usable
+
+    @property
+    def finalized(self) -> bool:
+        return self._finalized
+
+    @property
+    def written(self) -> frozenset[tuple[str, int]]:
+        return frozenset(self._written)
+
+    @property
+    def nbytes(self) -> int:
+        """Reserved bytes (including alignment padding)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def keys(self) -> Iterator[tuple[str, int]]:
+        """All ``(name, m)`` in layout order."""
+        return iter(self._views)
+
+    def view(self, name: str, m: int) -> torch.Tensor:
+        """The fixed destination of ``dW`` for parameter ``name``, microbatch slot ``m``."""
+        return self._lookup(name, m, "view")
+
+    def missing(self) -> list[tuple[str, int]]:
+        """Views not written in this epoch, in layout order."""
+        return [k for k in self._views if k not in self._written]
+
+    def snapshot(self) -> tuple:
+        """Hashable host-side picture: epoch, usability, writes and the fixed buffer addresses."""
+        return (
+            self.name,
+            self._epoch,
+            self._usable,
+            self._finalized,
+            tuple(sorted(self._written)),
+            tuple((str(dt), b.data_ptr()) for dt, b in self._buffers.items()),
+        )
+
+    # ---------------------------------------------------------------- checking
+    def bind(self, name: str, m: int, dest: torch.Tensor) -> torch.Tensor:
+        """Check that ``dest`` is exactly the fixed view for ``(name, m)``; return the view."""
+        self._require_usable("bind", name, m)
+        view = self._lookup(name, m, "bind")
+        self._check_binding(name, m, view, dest, "bind")
+        return view
+
+    def record_write(self, name: str, m: int, dest: torch.Tensor) -> None:
+        """Record that a ``dW`` wrote ``dest`` for ``(name, m)``. All checks run before any mutation."""
+        self.check_write(name, m, dest, op="record_write")
+        self._written.add((name, m))
+
+    def check_write(self, name: str, m: int, dest: torch.Tensor, op: str = "check_write") -> None:
+        """Every check of :meth:`record_write`, without recording: call it *before* the ``dW`` writes,
+        so a duplicate, aliased or misbound write is refused before it touches the buffer."""
+        self._require_usable(op, name, m)
+        view = self._lookup(name, m, op)
+        if _binding_mismatch(view, dest) is not None:
+            others = [k for k in self._overlapping(dest) if k != (name, m)]
+            if others:
+                names = ", ".join(_vk(*k) for k in others)
+                raise ArenaViolation(
+                    f"aliased write for arena '{self.name}' view {_vk(name, m)}: expected a write confined "
+                    f"to {_vk(name, m)}, found a destination overlapping view(s) {names}",
+                    relation="aliased write", key=(name, m), expected=(name, m), found=others)
+            self._check_binding(name, m, view, dest, op)
+        if (name, m) in self._written:
+            raise ArenaViolation(
+                f"duplicate write for arena '{self.name}' view {_vk(name, m)}: expected exactly one write in "
+                f"epoch {self._epoch}, found a second write",
+                relation="duplicate write", key=(name, m), expected=1, found=2)
+
+    def finalize(self) -> None:
+        """Require every view written exactly once in this epoch (before the optimizer commit)."""
+        self._require_usable("finalize", None, None)
+        missing = self.missing()
+        if missing:
+            names = ", ".join(_vk(*k) for k in missing)
+            raise ArenaViolation(
+                f"missing writes for arena '{self.name}' epoch {self._epoch}: expected all "
+                f"{len(self._views)} views written, found {len(missing)} missing: {names}",
+                relation="missing write", key=missing[0], expected=len(self._views),
+                found=len(self._views) - len(missing))
+        self._finalized = True
+
+    def sum_microbatches(self, name: str) -> torch.Tensor:
+        """Sum the microbatch gradients of ``name`` in the fixed order m = 0, 1, ..., M-1.
+
+        ``acc = view(0).clone(); acc += view(1); acc += view(2); ...`` -- exactly the order of a
+        reference that accumulates microbatch by microbatch, whatever order the schedule ran ``dW``
+        in. This fixed order is what makes every schedule bitwise equal to the reference.
+        """
+        self._require_usable("sum_microbatches", name, None)
+        if not self._finalized:
+            raise ArenaViolation(
+                f"sum before finalize for arena '{self.name}' parameter {name}: expected a finalized epoch "
+                f"{self._epoch}, found {len(self.missing())} missing writes",
+                relation="sum before finalize", key=name, expected="finalized", found="not finalized")
+        acc = self._lookup(name, 0, "sum_microbatches").clone()
+        for m in range(1, self.microbatches):
+            acc += self._views[(name, m)]
+        return acc
+
+    # ------------------------------------------------------------- transitions
+    def advance_epoch(self, zero: bool = True) -> int:
+        """Start the next optimizer epoch (called by the commit barrier after a successful step).
+
+        Clears the writes and, by default, zeroes the buffers on the device (no host sync) so that an
+        accumulating kernel (TE fused wgrad accumulation) and an overwriting one both leave exactly the
+        microbatch gradient in each view.
+        """
+        self._require_usable("advance_epoch", None, None)
+        if not self._finalized:
+            raise ArenaViolation(
+                f"advance before finalize for arena '{self.name}': expected a finalized epoch "
+                f"{self._epoch}, found {len(self.missing())} missing writes",
+                relation="advance before finalize", key=None, expected="finalized", found="not finalized")
+        if zero:
+            for b in self._buffers.values():
+                b.zero_()
+        self._written.clear()
+        self._finalized = False
+        self._epoch += 1
+        return self._epoch
+
+    def abort(self) -> None:
+        """Mark the arena unusable for this epoch (partially written); only :meth:`rebuild` recovers."""
+        self._usable = False
+        self._finalized = False
+
+    def rebuild(self, epoch: int | None = None) -> None:
+        """Make an aborted arena usable again: same addresses, zeroed contents, no writes.
+
+        ``epoch`` (optional) re-synchronizes the arena epoch, e.g. with ``e_W`` after a resume.
+        """
+        for b in self._buffers.values():
+            b.zero_()
+        self._written.clear()
+        self._finalized = False
+        self._usable = True
+        if epoch is not None:
+            self._epoch = epoch
+
+    # ----------------------------------------------------------------- helpers
+    def _require_usable(self, op: str, name: str | None, m: int | None) -> None:
+        if not self._usable:
+            where = f" view {_vk(name, m)}" if name is not None and m is not None else ""
+            raise ArenaViolation(
+                f"aborted arena for arena '{self.name}'{where}: expected a usable arena for {op}, found it "
+                f"aborted in epoch {self._epoch}; rebuild() it first",
+                relation="aborted arena", key=(name, m) if name is not None else None,
+                expected="usable", found="aborted")
+
+    def _lookup(self, name: str, m: int, op: str) -> torch.Tensor:
+        view = self._views.get((name, m))
+        if view is None:
+            raise ArenaViolation(
+                f"unknown view for arena '{self.name}': expected one of {len(self.specs)} parameters x "
+                f"{self.microbatches} microbatches, found ({name!r}, {m!r}) in {op}",
+                relation="unknown view", key=(name, m), expected=sorted(self.specs), found=(name, m))
+        return view
+
+    def _check_binding(self, name: str, m: int, view: torch.Tensor, dest: object, op: str) -> None:
+        diff = _binding_mismatch(view, dest)
+        if diff is not None:
+            prop, expected, found = diff
+            raise ArenaViolation(
+                f"wrong binding for arena '{self.name}' view {_vk(name, m)} in {op}: expected {prop} "
+                f"{expected}, found {found}",
+                relation="wrong binding", key=(name, m), expected=expected, found=found)
+
+    def _overlapping(self, dest: object) -> list[tuple[str, int]]:
+        if not isinstance(dest, torch.Tensor) or dest.device != self.device or dest.numel() == 0:
+            return []
+        start = dest.data_ptr()
+        extent = sum((s - 1) * st for s, st in zip(dest.shape, dest.stride(), strict=True)) + 1
+        end = start + extent * dest.element_size()
+        return [k for lo, hi, k in self._ranges if lo < end and start < hi]
+
+
+def _binding_mismatch(view: torch.Tensor, dest: object) -> tuple[str, object, object] | None:
+    """First property in which ``dest`` differs from ``view`` as (property, expected, found)."""
+    if not isinstance(dest, torch.Tensor):
+        return ("type", "torch.Tensor", type(dest).__name__)
+    if tuple(dest.shape) != tuple(view.shape):
+        return ("shape", tuple(view.shape), tuple(dest.shape))
+    if dest.dtype != view.dtype:
+        return ("dtype", view.dtype, dest.dtype)
+    if dest.device != view.device:
+        return ("device", view.device, dest.device)
+    if dest.data_ptr() != view.data_ptr():
+        return ("data_ptr", hex(view.data_ptr()), hex(dest.data_ptr()))
+    if dest.stride() != view.stride():
+        return ("stride", view.stride(), dest.stride())
+    return None

@@ -1,0 +1,227 @@
+"""Reference FP8 backend: a pure-PyTorch linear layer with TE delayed-scaling semantics.
+
+One `RefFP8Linear` owns three scaling states (input and weight in E4M3, output gradient in E5M2),
+a process-local quantized-weight cache, and a store of retained weight-gradient work:
+
+- `F`  quantizes the weight on the first microbatch after a commit (cache refresh: weight amax and
+  scale update) and the input on every call (input amax and scale update), then `Y = X W^T (+ b)`.
+- `dI` (the autograd backward of `F`) quantizes the output gradient once (grad amax and scale update),
+  computes `dX`, the bias gradient, and packages the rest as a `WgradWork`.
+- `dW` is `compute_wgrad(work)`: one `fp8_mm`, no state transition. With `delay_wgrad=False` it runs
+  inside the backward (the native path, like TE without `delay_wgrad_compute`); with `True` the work is
+  retained in `wgrad_store` and the stage runs it later. That timing is the only difference, so both
+  paths give the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from qeffect.fp8.gemm import fp8_mm
+from qeffect.fp8.recipe import DelayedScalingRecipe
+from qeffect.fp8.scaling import ScalingState
+
+STATE_NAMES: tuple[str, ...] = (
+    "input_amax_history",
+    "input_scale",
+    "weight_amax_history",
+    "weight_scale",
+    "grad_amax_history",
+    "grad_scale",
+)
+
+EMPTY_CACHE_MSG = "weight cache is empty: the first microbatch after a commit or resume must refresh it"
+
+
+@dataclass(frozen=True)
+class WgradWork:
+    """Everything `dW` needs for one (module, microbatch), retained between `dI` and `dW`.
+
+    `dW = fp8_mm(dy_q_t, dy_scale_inv, x_q_t, x_scale_inv)`: `dy_q_t` is `[out, N]` E5M2, `x_q_t` is
+    `[in, N]` E4M3, both contiguous; the scale inverses are those the tensors were quantized with.
+    """
+
+    dy_q_t: Tensor
+    dy_scale_inv: Tensor
+    x_q_t: Tensor
+    x_scale_inv: Tensor
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.dy_q_t, self.dy_scale_inv, self.x_q_t, self.x_scale_inv)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+@dataclass(frozen=True)
+class WeightCache:
+    """The quantized weight of one optimizer epoch: `w_q [out, in]`, `w_q_t [in, out]`, `scale_inv`."""
+
+    w_q: Tensor
+    w_q_t: Tensor
+    scale_inv: Tensor
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    """`y = fp8(x) fp8(W)^T (+ b)` on a 2-D input; backward is `dI` and, unless delayed, `dW`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        module: RefFP8Linear,
+        w_q: Tensor,
+        w_q_t: Tensor,
+        w_scale_inv: Tensor,
+    ) -> Tensor:
+        x_q, x_scale_inv = module.input_state().quantize(x)
+        y = fp8_mm(x_q, x_scale_inv, w_q, w_scale_inv, out_dtype=x.dtype)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(x_q, x_scale_inv, w_q_t, w_scale_inv)
+        ctx.module = module
+        ctx.x_dtype = x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x_q, x_scale_inv, w_q_t, w_scale_inv = ctx.saved_tensors
+        module: RefFP8Linear = ctx.module
+        # The one backward state transition of this module for this microbatch.
+        dy_q, dy_scale_inv = module.grad_state().quantize(dy)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8_mm(dy_q, dy_scale_inv, w_q_t, w_scale_inv, out_dtype=ctx.x_dtype)
+        dbias = None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            dbias = dy.sum(0, dtype=ctx.bias_dtype)
+        dw = None
+        if ctx.needs_input_grad[1]:
+            work = WgradWork(dy_q.t().contiguous(), dy_scale_inv, x_q.t().contiguous(), x_scale_inv)
+            if module.delay_wgrad:
+                module.wgrad_store.append(work)
+            else:
+                dw = module.compute_wgrad(work)
+        return dx, dw, dbias, None, None, None, None
+
+
+class RefFP8Linear(nn.Module):
+    """FP8 linear layer of the reference backend (a "matrix" module: its `weight` gets `dW`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        recipe: DelayedScalingRecipe,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.recipe = recipe
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        for prefix in ("input", "weight", "grad"):
+            self.register_buffer(
+                f"{prefix}_amax_history",
+                torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device),
+            )
+            self.register_buffer(f"{prefix}_scale", torch.ones((), dtype=torch.float32, device=device))
+        self.delay_wgrad = False
+        self.wgrad_store: list[WgradWork] = []
+        self._cache: WeightCache | None = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+    # -- scaling state ---------------------------------------------------------------------------
+    # Built over the buffers at each use so `.to()` / `load_state_dict` never leave a stale reference.
+    def _state(self, prefix: str, fp8_dtype: torch.dtype) -> ScalingState:
+        return ScalingState(
+            getattr(self, f"{prefix}_amax_history"),
+            getattr(self, f"{prefix}_scale"),
+            fp8_dtype,
+            self.recipe.margin,
+            self.recipe.amax_compute_algo,
+        )
+
+    def input_state(self) -> ScalingState:
+        return self._state("input", self.recipe.fwd_dtype)
+
+    def weight_state(self) -> ScalingState:
+        return self._state("weight", self.recipe.fwd_dtype)
+
+    def grad_state(self) -> ScalingState:
+        return self._state("grad", self.recipe.bwd_dtype)
+
+    def fp8_state(self) -> dict[str, Tensor]:
+        """The six persistent FP8 state tensors (the live buffers, not copies)."""
+        return {name: getattr(self, name) for name in STATE_NAMES}
+
+    # -- weight cache ------------------------------------------------------------------------------
+    @property
+    def cache_valid(self) -> bool:
+        return self._cache is not None
+
+    @property
+    def weight_cache(self) -> WeightCache | None:
+        return self._cache
+
+    def invalidate_cache(self) -> None:
+        """Drop the quantized weight (after a commit or a resume the next forward must refresh it)."""
+        self._cache = None
+
+    @torch.no_grad()
+    def refresh_cache(self) -> WeightCache:
+        """Quantize the weight with the current weight scale, then record its amax and update the scale.
+
+        New tensors every time: tapes of an earlier epoch may still hold the previous ones.
+        """
+        w_q, scale_inv = self.weight_state().quantize(self.weight)
+        self._cache = WeightCache(w_q, w_q.t().contiguous(), scale_inv)
+        return self._cache
+
+    # -- compute -----------------------------------------------------------------------------------
+    def forward(self, x: Tensor, is_first_microbatch: bool) -> Tensor:
+        if is_first_microbatch:
+            cache = self.refresh_cache()
+        else:
+            cache = self._cache
+            if cache is None:
+                raise RuntimeError(EMPTY_CACHE_MSG)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        y = _FP8LinearFn.apply(x2d, self.weight, self.bias, self, cache.w_q, cache.w_q_t, cache.scale_inv)
+        return y.reshape(*lead, self.out_features)
+
+    def compute_wgrad(self, work: WgradWork, out: Tensor | None = None) -> Tensor:
+        """`dW [out, in]` from retained work; with `out` it is written there (direct placement).
+
+        Touches no scaling state, so it may run at any time after `dI` and in any order.
+        """
+        return fp8_mm(
+            work.dy_q_t, work.dy_scale_inv, work.x_q_t, work.x_scale_inv, self.weight.dtype, out=out
+        )
+
+    def pop_wgrad_work(self) -> list[WgradWork]:
+        """Return the retained work (in `dI` order) and clear the store."""
+        work, self.wgrad_store = self.wgrad_store, []
+        return work

@@ -1,0 +1,249 @@
+"""GPT stage chunks built from an FP8 backend.
+
+A model of `num_stages * layers_per_chunk` pre-LayerNorm transformer layers is cut into `num_stages`
+chunks; the first owns the embeddings, the last the final norm, the output head and the loss. Every
+matrix product (qkv, proj, fc1, fc2, head) is a backend linear, so its weight gradient is `dW` work;
+all other parameters (norms, biases, embeddings) get their gradients in `dI`.
+
+Parameters are fp32 masters; activations run in the chunk's `dtype` (norms and the loss in fp32).
+`build_chunks` initializes every chunk from one CPU generator in stage order, so a seed gives the same
+parameters on any device and for any mapping of stages to ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qeffect.fp8.base import FP8Backend, is_backend_linear
+
+if TYPE_CHECKING:
+    from qeffect.config import RunConfig
+
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    vocab_size: int
+    hidden: int
+    ffn: int
+    heads: int
+    layers_per_chunk: int
+    seq_len: int
+    microbatch_size: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for field in (
+            "vocab_size",
+            "hidden",
+            "ffn",
+            "heads",
+            "layers_per_chunk",
+            "seq_len",
+            "microbatch_size",
+            "num_stages",
+        ):
+            if getattr(self, field) < 1:
+                raise ValueError(f"GPTShape.{field} must be >= 1, got {getattr(self, field)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"heads ({self.heads}) must divide hidden ({self.hidden})")
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> GPTShape:
+        m = cfg.model
+        return cls(
+            vocab_size=m.vocab_size,
+            hidden=m.hidden,
+            ffn=m.ffn,
+            heads=m.heads,
+            layers_per_chunk=m.layers_per_chunk,
+            seq_len=m.seq_len,
+            microbatch_size=m.microbatch_size,
+            num_stages=cfg.pipeline.num_stages,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers_per_chunk * self.num_stages
+
+
+def _layer_norm(ln: nn.LayerNorm, x: Tensor) -> Tensor:
+    """LayerNorm in fp32 with the fp32 master parameters, back in the activation dtype."""
+    return F.layer_norm(x.float(), ln.normalized_shape, ln.weight, ln.bias, ln.eps).to(x.dtype)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer layer: x + proj(attn(ln1 x)); x + fc2(gelu(fc1(ln2 x)))."""
+
+    def __init__(self, shape: GPTShape, backend: FP8Backend, *, device=None) -> None:
+        super().__init__()
+        h, f = shape.hidden, shape.ffn
+        self.heads = shape.heads
+        self.ln1 = nn.LayerNorm(h, device=device)
+        self.qkv = backend.linear(h, 3 * h, bias=True, device=device, dtype=torch.float32)
+        self.proj = backend.linear(h, h, bias=True, device=device, dtype=torch.float32)
+        self.ln2 = nn.LayerNorm(h, device=device)
+        self.fc1 = backend.linear(h, f, bias=True, device=device, dtype=torch.float32)
+        self.fc2 = backend.linear(f, h, bias=True, device=device, dtype=torch.float32)
+
+    def forward(self, x: Tensor, is_first_microbatch: bool) -> Tensor:
+        b, t, h = x.shape
+        qkv = self.qkv(_layer_norm(self.ln1, x), is_first_microbatch)
+        q, k, v = qkv.view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = a.transpose(1, 2).reshape(b, t, h)
+        x = x + self.proj(a, is_first_microbatch)
+        m = F.gelu(self.fc1(_layer_norm(self.ln2, x), is_first_microbatch), approximate="tanh")
+        return x + self.fc2(m, is_first_microbatch)
+
+
+class StageChunk(nn.Module):
+    """Stage `stage` of `num_stages`: [embeddings] + `layers_per_chunk` Blocks + [ln_f, head, loss]."""
+
+    def __init__(
+        self,
+        shape: GPTShape,
+        backend: FP8Backend,
+        stage: int,
+        *,
+        device=None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if not 0 <= stage < shape.num_stages:
+            raise ValueError(f"stage {stage} out of range for {shape.num_stages} stages")
+        self.shape = shape
+        self.stage = stage
+        self.num_stages = shape.num_stages
+        self.dtype = dtype
+        if self.is_first:
+            self.tok_emb = nn.Embedding(shape.vocab_size, shape.hidden, device=device)
+            self.pos_emb = nn.Embedding(shape.seq_len, shape.hidden, device=device)
+        self.blocks = nn.ModuleList(
+            Block(shape, backend, device=device) for _ in range(shape.layers_per_chunk)
+        )
+        if self.is_last:
+            self.ln_f = nn.LayerNorm(shape.hidden, device=device)
+            self.head = backend.linear(
+                shape.hidden, shape.vocab_size, bias=False, device=device, dtype=torch.float32
+            )
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def forward(self, x: Tensor, *, is_first_microbatch: bool, targets: Tensor | None = None) -> Tensor:
+        """Token ids [B, T] (first chunk) or hidden [B, T, H] -> hidden, logits or the mean loss."""
+        if self.is_first:
+            if x.dtype != torch.int64 or x.dim() != 2:
+                raise ValueError(f"stage 0 takes int64 token ids [B, T], got {x.dtype} {tuple(x.shape)}")
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = (self.tok_emb(x) + self.pos_emb(pos)).to(self.dtype)
+        elif x.dim() != 3 or x.shape[-1] != self.shape.hidden:
+            raise ValueError(
+                f"stage {self.stage} takes hidden [B, T, {self.shape.hidden}], got {tuple(x.shape)}"
+            )
+        for block in self.blocks:
+            x = block(x, is_first_microbatch)
+        if not self.is_last:
+            return x
+        logits = self.head(_layer_norm(self.ln_f, x), is_first_microbatch)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    # -- parameter classification -----------------------------------------------------------------
+    def matrix_linears(self) -> dict[str, nn.Module]:
+        """Qualified name -> backend linear (every qkv/proj/fc1/fc2 and the head)."""
+        return {name: m for name, m in self.named_modules() if is_backend_linear(m)}
+
+    def matrix_params(self) -> dict[str, nn.Parameter]:
+        """The backend linears' weights (their gradients are `dW`), named as in `named_parameters`."""
+        return {f"{name}.weight": m.weight for name, m in self.matrix_linears().items()}
+
+    def nonmatrix_params(self) -> dict[str, nn.Parameter]:
+        """All other parameters (norms, biases, embeddings): their gradients come in `dI`."""
+        matrix = {id(p) for p in self.matrix_params().values()}
+        return {name: p for name, p in self.named_parameters() if id(p) not in matrix}
+
+    def fp8_state(self) -> dict[str, Tensor]:
+        """`{linear}.{state}` -> live FP8 state tensor, for every backend linear."""
+        return {
+            f"{name}.{key}": t
+            for name, m in self.matrix_linears().items()
+            for key, t in m.fp8_state().items()
+        }
+
+    def set_delay_wgrad(self, flag: bool) -> None:
+        for m in self.matrix_linears().values():
+            m.delay_wgrad = flag
+
+    def invalidate_caches(self) -> None:
+        for m in self.matrix_linears().values():
+            m.invalidate_cache()
+
+    def pop_wgrad_work(self) -> dict[str, list]:
+        """Linear name -> its retained `dW` work (cleared from the modules)."""
+        return {name: m.pop_wgrad_work() for name, m in self.matrix_linears().items()}
+
+    @property
+    def caches_valid(self) -> bool:
+        return all(m.cache_valid for m in self.matrix_linears().values())
+
+
+def _init_value(name: str, shape: torch.Size, residual_std: float, gen: torch.Generator) -> Tensor:
+    """GPT-2 init of one parameter, drawn from `gen` (on CPU, so every device gets the same numbers)."""
+    leaf = name.rsplit(".", 2)
+    owner, kind = (leaf[-2] if len(leaf) > 1 else ""), leaf[-1]
+    if owner.startswith("ln"):  # ln1, ln2, ln_f
+        return torch.ones(shape) if kind == "weight" else torch.zeros(shape)
+    if kind == "bias":
+        return torch.zeros(shape)
+    std = residual_std if owner in ("proj", "fc2") else INIT_STD
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def build_chunks(
+    shape: GPTShape,
+    backend: FP8Backend,
+    *,
+    seed: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    stages: Sequence[int] | None = None,
+) -> list[StageChunk]:
+    """Build the model's chunks with a deterministic init; `stages` keeps only those (ascending).
+
+    One CPU `torch.Generator(seed)` is consumed in stage order and parameter-registration order over
+    *all* stages (skipped stages still draw their numbers), so a stage's parameters do not depend on
+    the device or on which stages a rank builds. Residual projections (proj, fc2) use
+    std 0.02 / sqrt(2 * n_layers) (GPT-2). The global RNG is left untouched.
+    """
+    keep = set(range(shape.num_stages) if stages is None else stages)
+    if not keep <= set(range(shape.num_stages)):
+        raise ValueError(f"stages {sorted(keep)} out of range for {shape.num_stages} stages")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    residual_std = INIT_STD / math.sqrt(2 * shape.num_layers)
+    chunks = []
+    for stage in range(shape.num_stages):
+        # Module constructors may draw from the global RNG (embedding init): fork it, then overwrite.
+        with torch.random.fork_rng(devices=[]):
+            chunk = StageChunk(shape, backend, stage, device="cpu", dtype=dtype)
+        with torch.no_grad():
+            for name, p in chunk.named_parameters():
+                p.copy_(_init_value(name, p.shape, residual_std, gen))
+        if stage in keep:
+            chunks.append(chunk.to(device))
+    return chunks

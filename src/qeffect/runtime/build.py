@@ -1,0 +1,67 @@
+"""Build the native reference or the qeffect runtime for a configuration, from the same seed."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from qeffect.config import RunConfig
+from qeffect.errors import UserError
+from qeffect.fp8 import DelayedScalingRecipe, get_backend
+from qeffect.model import GPTShape, build_chunks
+from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
+from qeffect.runtime.single import SingleProcessPipeline
+from qeffect.schedule import Schedule, build_native_schedule, build_schedule
+
+Path_ = Literal["eager", "captured-copy", "captured-direct"]
+
+
+def recipe_of(cfg: RunConfig) -> DelayedScalingRecipe:
+    return DelayedScalingRecipe(
+        margin=cfg.fp8.margin,
+        amax_history_len=cfg.fp8.amax_history_len,
+        amax_compute_algo=cfg.fp8.amax_compute_algo,
+    )
+
+
+def dtype_of(cfg: RunConfig) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.train.dtype]
+
+
+def schedule_of(cfg: RunConfig, native: bool = False) -> Schedule:
+    p = cfg.pipeline
+    try:
+        if native:
+            return build_native_schedule(p.pp, p.chunks_per_rank, p.microbatches)
+        return build_schedule(p.schedule, p.pp, p.chunks_per_rank, p.microbatches)
+    except ValueError as err:  # the schedule cannot take this shape: a config error, not a crash
+        raise UserError(f"pipeline: {err}") from None
+
+
+def build_chunks_for(cfg: RunConfig, device: str | torch.device) -> list[torch.nn.Module]:
+    backend = get_backend(cfg.fp8.backend, recipe_of(cfg))
+    return build_chunks(GPTShape.from_config(cfg), backend, seed=cfg.train.seed, device=device,
+                        dtype=dtype_of(cfg))
+
+
+def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: list[torch.nn.Module], *,
+               native: bool, direct: bool = True, fixed_order_sum: bool = True, reductions=None) -> BaseRank:
+    owned = {s: chunks[s] for s in schedule.stages_of(rank)}
+    p = cfg.pipeline
+    if native:
+        return NativeRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim)
+    return QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
+                       fixed_order_sum=fixed_order_sum, reductions=reductions)
+
+
+def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
+                         fixed_order_sum: bool = True, device: str | torch.device | None = None
+                         ) -> SingleProcessPipeline:
+    """All ranks of the configured pipeline in this process, parameters from `cfg.train.seed`."""
+    device = device or cfg.train.device
+    schedule = schedule_of(cfg, native=native)
+    chunks = build_chunks_for(cfg, device)
+    ranks = [build_rank(cfg, schedule, r, chunks, native=native, direct=direct, fixed_order_sum=fixed_order_sum)
+             for r in range(schedule.pp)]
+    return SingleProcessPipeline(ranks, schedule)

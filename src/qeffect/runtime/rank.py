@@ -1,0 +1,206 @@
+"""One pipeline rank: its chunks, its program, its contract objects and its optimizer commit.
+
+`QEffectRank` runs the checked split actions (F, dI, dW) through the contracts; `NativeRank` runs the
+native eager reference (F and full backward B). Both take their inputs from a `Transport` and run one
+action at a time, so the same classes serve the single-process executor (all ranks in one global order)
+and the torch.distributed executor (one rank per process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from qeffect.config import OptimConfig
+from qeffect.contracts import CommitBarrier, EpochClock, GradientArena, ReductionTracker, TapePool
+from qeffect.runtime.transport import Transport
+from qeffect.schedule import Action, ActionKind
+from qeffect.stage.actions import StageActions, arena_name
+from qeffect.stage.native import NativeStage
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, targets) of one microbatch
+Observer = Callable[[Action, "BaseRank"], None]
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    # foreach=False: the same per-parameter kernels on every device and in both runs.
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
+
+
+class BaseRank:
+    """Shared by both runtimes: chunk ownership, loss seed, data routing, optimizer."""
+
+    def __init__(self, rank: int, chunks: dict[int, torch.nn.Module], num_stages: int, microbatches: int,
+                 optim: OptimConfig) -> None:
+        self.rank = rank
+        self.chunks = dict(sorted(chunks.items()))
+        self.num_stages = num_stages
+        self.microbatches = microbatches
+        params = [p for c in self.chunks.values() for p in c.parameters()]
+        self.optimizer = make_optimizer(params, optim)
+        self.step_index = 0
+        self.losses: dict[int, torch.Tensor] = {}
+        self.last_output: torch.Tensor | None = None
+
+    def loss_seed(self, like: torch.Tensor) -> torch.Tensor:
+        """d(step loss)/d(microbatch loss): the step loss is the mean of the microbatch losses."""
+        return torch.full((), 1.0 / self.microbatches, dtype=like.dtype, device=like.device)
+
+    def _input(self, stage: int, m: int, batches: Sequence[Batch], transport: Transport) -> torch.Tensor:
+        return batches[m][0] if stage == 0 else transport.get("act", stage - 1, m)
+
+    def _targets(self, stage: int, m: int, batches: Sequence[Batch]) -> torch.Tensor | None:
+        return batches[m][1] if stage == self.num_stages - 1 else None
+
+    def _publish_forward(self, stage: int, m: int, out: torch.Tensor, transport: Transport) -> None:
+        self.last_output = out
+        if stage == self.num_stages - 1:
+            self.losses[m] = out
+        else:
+            transport.put("act", stage, m, out)
+
+    def _grad_output(self, stage: int, m: int, transport: Transport) -> torch.Tensor:
+        if stage == self.num_stages - 1:
+            return self.loss_seed(self.losses[m])
+        return transport.get("grad", stage + 1, m)
+
+    def step_loss(self) -> torch.Tensor | None:
+        """Mean microbatch loss, summed in microbatch order (None on ranks without the last stage)."""
+        if not self.losses:
+            return None
+        total = self.losses[0].clone()
+        for m in range(1, self.microbatches):
+            total += self.losses[m]
+        return total / self.microbatches
+
+    def fp8_state(self, stage: int) -> dict[str, torch.Tensor]:
+        return self.chunks[stage].fp8_state()
+
+
+class NativeRank(BaseRank):
+    """The native eager reference for one rank (F and full backward B)."""
+
+    def __init__(self, rank: int, chunks: dict[int, torch.nn.Module], num_stages: int, microbatches: int,
+                 optim: OptimConfig) -> None:
+        super().__init__(rank, chunks, num_stages, microbatches, optim)
+        self.stages = {s: NativeStage(c) for s, c in self.chunks.items()}
+        self.grad_input: torch.Tensor | None = None
+
+    def run(self, action: Action, batches: Sequence[Batch], transport: Transport) -> None:
+        s, m = action.stage, action.microbatch
+        st = self.stages[s]
+        if action.kind is ActionKind.F:
+            out = st.forward(m, self._input(s, m, batches, transport), self._targets(s, m, batches))
+            self._publish_forward(s, m, out, transport)
+        elif action.kind is ActionKind.B:
+            self.grad_input = st.backward(m, self._grad_output(s, m, transport))
+            if s > 0:
+                transport.put("grad", s, m, self.grad_input)
+        else:
+            raise ValueError(f"the native reference runs F and B only, got {action}")
+
+    def commit(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses_done = dict(self.losses)
+        self.losses.clear()
+        self.step_index += 1
+
+
+class QEffectRank(BaseRank):
+    """Checked split actions for one rank, with its tape pool, epoch clock, gradient arena and barrier."""
+
+    def __init__(self, rank: int, chunks: dict[int, torch.nn.Module], num_stages: int, microbatches: int,
+                 optim: OptimConfig, *, direct: bool = True, tape_capacity: int | None = None,
+                 reductions: ReductionTracker | None = None, fixed_order_sum: bool = True) -> None:
+        super().__init__(rank, chunks, num_stages, microbatches, optim)
+        device = next(next(iter(self.chunks.values())).parameters()).device
+        self.clock = EpochClock()
+        self.pool = TapePool(tape_capacity or len(self.chunks) * microbatches, name=f"rank{rank}.tapes")
+        specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for s, chunk in self.chunks.items():
+            for pname, p in chunk.matrix_params().items():
+                specs[arena_name(s, pname)] = (tuple(p.shape), p.dtype)
+        self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena")
+        self.reductions = reductions or ReductionTracker()
+        self.barrier = CommitBarrier(self.clock, [self.pool], [self.arena], self.reductions)
+        self.actions = {
+            s: StageActions(c, self.pool, self.clock, self.arena, direct=direct) for s, c in self.chunks.items()
+        }
+        self.tokens = {s: a.ledger.current for s, a in self.actions.items()}
+        self.refs: dict[tuple[int, int], object] = {}
+        self.direct = direct
+        self.fixed_order_sum = fixed_order_sum
+        self.dw_order: dict[int, list[int]] = {s: [] for s in self.chunks}
+        self.grad_input: torch.Tensor | None = None
+        self.last_wgrads: dict[str, torch.Tensor] = {}
+
+    def run(self, action: Action, batches: Sequence[Batch], transport: Transport) -> None:
+        s, m = action.stage, action.microbatch
+        act = self.actions[s]
+        if action.kind is ActionKind.F:
+            out = act.forward(m, self._input(s, m, batches, transport), self.tokens[s], self._targets(s, m, batches))
+            self.tokens[s] = out.token
+            self.refs[(s, m)] = out.ref
+            self._publish_forward(s, m, out.output, transport)
+        elif action.kind is ActionKind.DI:
+            res = act.input_grad(m, self.refs[(s, m)], self._grad_output(s, m, transport), self.tokens[s])
+            self.tokens[s] = res.token
+            self.grad_input = res.grad_input
+            if s > 0:
+                transport.put("grad", s, m, res.grad_input)
+        elif action.kind is ActionKind.DW:
+            res = act.weight_grad(m, self.refs.pop((s, m)), self.tokens[s])
+            self.tokens[s] = res.token
+            if not self.direct:
+                act.place_copies(m, res.grads)
+            self.last_wgrads = res.grads
+            self.dw_order[s].append(m)
+        else:
+            raise ValueError(f"qeffect runs F, dI and dW, got {action}")
+
+    def matrix_grad_prefix(self, stage: int, upto: int) -> dict[str, torch.Tensor]:
+        """Microbatch gradients 0..upto of a stage summed in fixed order (what `.grad` holds in the reference)."""
+        out = {}
+        for pname in self.chunks[stage].matrix_params():
+            name = arena_name(stage, pname)
+            acc = self.arena.view(name, 0).clone()
+            for k in range(1, upto + 1):
+                acc += self.arena.view(name, k)
+            out[pname] = acc
+        return out
+
+    def _load_grads(self) -> None:
+        if self.fixed_order_sum:
+            for act in self.actions.values():
+                act.load_matrix_grads()
+            return
+        # Deliberately wrong (fault injection only): accumulate in the order dW ran, like a single
+        # fused accumulation buffer would. Any non-ascending dW order then changes the bits.
+        for s, act in self.actions.items():
+            for pname, p in act.chunk.matrix_params().items():
+                order = self.dw_order[s]
+                acc = self.arena.view(arena_name(s, pname), order[0]).clone()
+                for k in order[1:]:
+                    acc += self.arena.view(arena_name(s, pname), k)
+                p.grad = acc
+
+    def commit(self, before_step: Callable[[], None] | None = None) -> None:
+        """Optimizer commit through the barrier: quiescence, fixed-order gradient sums, AdamW, epochs."""
+
+        def step() -> None:
+            self._load_grads()
+            if before_step is not None:
+                before_step()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        self.barrier.commit(step)
+        self.losses_done = dict(self.losses)
+        self.losses.clear()
+        self.dw_order = {s: [] for s in self.chunks}
+        self.step_index += 1

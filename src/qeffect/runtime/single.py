@@ -1,0 +1,45 @@
+"""Single-process executor: every rank's program runs in one valid global order on one device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from qeffect.runtime.rank import BaseRank, Batch, Observer
+from qeffect.runtime.transport import LocalTransport
+from qeffect.schedule import Schedule, global_order
+
+
+class SingleProcessPipeline:
+    """Runs all ranks of a schedule in one process (the CPU path and one-GPU verification)."""
+
+    def __init__(self, ranks: Sequence[BaseRank], schedule: Schedule) -> None:
+        if len(ranks) != schedule.pp:
+            raise ValueError(f"schedule has {schedule.pp} ranks, got {len(ranks)} rank objects")
+        self.ranks = list(ranks)
+        self.schedule = schedule
+        self.order = global_order(schedule)
+
+    def run_actions(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
+        """All actions of one step (no commit); returns the step loss."""
+        transport = LocalTransport()
+        for rank, action in self.order:
+            self.ranks[rank].run(action, batches, transport)
+            if observer is not None:
+                observer(action, self.ranks[rank])
+        if not transport.empty():
+            raise RuntimeError("a step ended with activations or gradients nobody consumed")
+        last = self.ranks[self.schedule.stage_to_rank[self.schedule.num_stages - 1]]
+        loss = last.step_loss()
+        assert loss is not None
+        return loss
+
+    def commit(self) -> None:
+        for r in self.ranks:
+            r.commit()
+
+    def step(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
+        loss = self.run_actions(batches, observer)
+        self.commit()
+        return loss

@@ -1,0 +1,184 @@
+"""Checked F / dI / dW actions for one stage chunk.
+
+Each action checks its contracts *before* its physical work and commits the transition only after the
+work succeeded (a failure aborts the tape). The actions keep explicit tensor signatures (inputs and
+outputs are plain tensors plus a `TapeRef` and an effect token).
+
+Why these are not `torch.library` custom ops: an action runs autograd inside (F records the chunk's
+graph into the tape, dI runs `torch.autograd.backward` over it) and mutates Python-side contract state
+(tape pool, ledger, cache version, arena bookkeeping). A custom op must be functional over tensors and
+opaque to autograd, so registering these would either hide the autograd graph that dI needs or force
+us to re-derive every layer's backward by hand. CUDA graphs capture the tensor work of the actions
+directly (graphs/), which is what the custom-op boundary would have bought us.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qeffect.contracts import (
+    Consumer,
+    EffectLedger,
+    EffectToken,
+    EpochClock,
+    GradientArena,
+    InvocationKey,
+    TapePool,
+    TapeRef,
+    WeightCacheVersion,
+)
+
+
+def arena_name(stage: int, param: str) -> str:
+    """Arena entry of a matrix parameter: unique across the chunks a rank owns."""
+    return f"s{stage}.{param}"
+
+
+@dataclass
+class ForwardOut:
+    output: torch.Tensor  # activation for the next stage, or the loss on the last stage (detached)
+    ref: TapeRef
+    token: EffectToken
+
+
+@dataclass
+class InputGradOut:
+    grad_input: torch.Tensor | None  # gradient for the previous stage (None on the first stage)
+    nonmatrix_grads: dict[str, torch.Tensor]  # accumulated `.grad` of norms, biases, embeddings
+    token: EffectToken
+
+
+@dataclass
+class WeightGradOut:
+    grads: dict[str, torch.Tensor]  # copy path: independent tensors; direct path: the arena views written
+    token: EffectToken
+
+
+@dataclass
+class StageActions:
+    """The three actions of one chunk, bound to the rank's contract objects.
+
+    `direct=True` is direct placement: dW's GEMM writes straight into the arena view bound for
+    (parameter, microbatch). `direct=False` is the copied-gradient path: dW returns independent
+    gradients and `place_copies` copies them into the arena.
+    """
+
+    chunk: torch.nn.Module
+    pool: TapePool
+    clock: EpochClock
+    arena: GradientArena
+    direct: bool = True
+    ledger: EffectLedger = field(init=False)
+    cache: WeightCacheVersion = field(init=False)
+
+    def __post_init__(self) -> None:
+        device = next(self.chunk.parameters()).device
+        self.ledger = EffectLedger(f"stage{self.stage}", device=device)
+        self.cache = WeightCacheVersion(f"stage{self.stage}")
+        self.chunk.set_delay_wgrad(True)
+        self._matrix = self.chunk.matrix_linears()
+        self._matrix_param = {name: f"{name}.weight" for name in self._matrix}
+
+    @property
+    def stage(self) -> int:
+        return self.chunk.stage
+
+    def key(self, m: int) -> InvocationKey:
+        return InvocationKey(e=self.clock.e_W, s=self.stage, m=m)
+
+    def arena_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {
+            arena_name(self.stage, pname): (tuple(lin.weight.shape), lin.weight.dtype)
+            for pname, lin in ((self._matrix_param[n], lin) for n, lin in self._matrix.items())
+        }
+
+    # ---------------------------------------------------------------- F
+    def forward(
+        self, m: int, inp: torch.Tensor, token: EffectToken, targets: torch.Tensor | None = None
+    ) -> ForwardOut:
+        key = self.key(m)
+        refresh = self.cache.check_forward(self.clock, first_microbatch=(m == 0))
+        token = self.ledger.consume(token, f"F{m}")
+        ref = self.pool.allocate(key)
+        try:
+            x = inp.detach()
+            if x.is_floating_point():
+                x.requires_grad_(True)  # a distinct retained input owned by the tape
+            with torch.enable_grad():
+                out = self.chunk(x, is_first_microbatch=refresh, targets=targets)
+        except BaseException:
+            self.pool.abort(ref)
+            raise
+        tape = self.pool.resolve(ref, key)
+        tape.payload.update(input=x, output=out)
+        return ForwardOut(out.detach(), ref, token)
+
+    # ---------------------------------------------------------------- dI
+    def input_grad(
+        self, m: int, ref: TapeRef, grad_output: torch.Tensor, token: EffectToken
+    ) -> InputGradOut:
+        key = self.key(m)
+        tape = self.pool.check_consumer(ref, key, Consumer.DI)
+        token = self.ledger.consume(token, f"dI{m}")
+        try:
+            x, out = tape.payload.pop("input"), tape.payload.pop("output")
+            torch.autograd.backward(out, grad_output)  # frees the forward graph: no retain_graph
+            work = {name: lin.pop_wgrad_work() for name, lin in self._matrix.items()}
+            for name, items in work.items():
+                if len(items) != 1:
+                    raise RuntimeError(f"{name}: expected one retained dW work item, found {len(items)}")
+            tape.payload["wgrad_work"] = {name: items[0] for name, items in work.items()}
+        except BaseException:
+            self.pool.abort(ref)
+            raise
+        self.pool.mark_consumed(ref, Consumer.DI)
+        grads = {n: p.grad for n, p in self.chunk.nonmatrix_params().items() if p.grad is not None}
+        return InputGradOut(x.grad if x.requires_grad else None, grads, token)
+
+    # ---------------------------------------------------------------- dW
+    def weight_grad(self, m: int, ref: TapeRef, token: EffectToken) -> WeightGradOut:
+        key = self.key(m)
+        tape = self.pool.check_consumer(ref, key, Consumer.DW)
+        if self.direct:  # check every destination (binding, duplicate, alias) before any GEMM writes
+            dests = {}
+            for n in self._matrix:
+                aname = arena_name(self.stage, self._matrix_param[n])
+                dests[n] = self.arena.bind(aname, m, self._view(n, m))
+                self.arena.check_write(aname, m, dests[n])
+        token = self.ledger.consume(token, f"dW{m}")
+        try:
+            work = tape.payload.pop("wgrad_work")
+            if set(work) != set(self._matrix):
+                raise RuntimeError(f"retained work covers {sorted(work)}, expected {sorted(self._matrix)}")
+            grads: dict[str, torch.Tensor] = {}
+            for name, lin in self._matrix.items():
+                pname = self._matrix_param[name]
+                if self.direct:
+                    grads[pname] = lin.compute_wgrad(work[name], out=dests[name])
+                    self.arena.record_write(arena_name(self.stage, pname), m, dests[name])
+                else:
+                    grads[pname] = lin.compute_wgrad(work[name])
+        except BaseException:
+            self.pool.abort(ref)
+            raise
+        self.pool.mark_consumed(ref, Consumer.DW)
+        return WeightGradOut(grads, token)
+
+    def place_copies(self, m: int, grads: dict[str, torch.Tensor]) -> None:
+        """Copied-gradient path: copy dW's independent gradients into the arena (the cost direct placement removes)."""
+        for pname, g in grads.items():
+            name = arena_name(self.stage, pname)
+            view = self.arena.view(name, m)
+            view.copy_(g)
+            self.arena.record_write(name, m, view)
+
+    def _view(self, linear_name: str, m: int) -> torch.Tensor:
+        return self.arena.view(arena_name(self.stage, self._matrix_param[linear_name]), m)
+
+    def load_matrix_grads(self) -> None:
+        """Set each matrix parameter's `.grad` to its microbatch gradients summed in fixed order m = 0..M-1."""
+        params = self.chunk.matrix_params()
+        for pname in self._matrix_param.values():
+            params[pname].grad = self.arena.sum_microbatches(arena_name(self.stage, pname))

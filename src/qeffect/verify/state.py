@@ -1,0 +1,380 @@
+"""Bitwise state verification: a qeffect mode against the native eager reference.
+
+Both runs are built from the same seed, parameters, data and recipe. Each step the reference runs
+first and records a fingerprint after every action (cloned tensors); the qeffect run then replays the
+step and compares its own fingerprint at the corresponding action with `torch.equal` over the tensors'
+bit patterns (so -0.0 vs 0.0 and NaN payloads count). A tolerance is never used.
+
+Correspondence: reference F(s,m) <-> qeffect F(s,m); reference B(s,m) <-> qeffect dI(s,m) (input
+gradient, non-matrix gradients, backward FP8 state) and qeffect dW(s,m) (matrix gradients: the
+reference's accumulated `.grad` against the arena's fixed-order prefix sum over microbatches 0..m,
+compared as soon as those slots are all written). At each commit: the gradients the optimizer sees,
+parameters, AdamW state, FP8 state, cache epochs and the step loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from pydantic import BaseModel
+
+from qeffect.config import RunConfig
+from qeffect.runtime.build import build_single_process, schedule_of
+from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
+from qeffect.schedule import Action, ActionKind, Schedule, validate
+
+CATEGORIES = (
+    "loss",
+    "activations",
+    "input_gradients",
+    "parameter_gradients",
+    "parameters",
+    "optimizer_state",
+    "fp8_state",
+    "cache_contents",
+    "cache_epochs",
+    "resource_counts",
+)
+
+# perturb-scale: double one FP8 input scale of the qeffect run at step 1 (must fail: fp8_state).
+# swap-dw: swap dW of two microbatches and sum microbatch gradients in execution order (must fail).
+# swap-dw-fixed: the same legal swap with the arena's fixed-order sum (must pass).
+Injection = Literal["perturb-scale", "swap-dw", "swap-dw-fixed"]
+
+
+class CategoryResult(BaseModel):
+    category: str
+    compared: int
+    mismatches: int
+
+
+class Divergence(BaseModel):
+    step: int
+    action: str
+    stage: int | None
+    microbatch: int | None
+    category: str
+    tensor: str
+
+
+class Rollover(BaseModel):
+    amax_history_len: int
+    forward_updates_per_module: int
+    backward_updates_per_module: int
+    weight_updates_per_module: int
+    rolled_over: bool
+
+
+class VerifyReport(BaseModel):
+    schema_version: int = 1
+    kind: Literal["verify-state"] = "verify-state"
+    schedule: str
+    path: str
+    backend: str
+    device: str
+    steps: int
+    pp: int
+    chunks_per_rank: int
+    microbatches: int
+    injection: str | None
+    categories: list[CategoryResult]
+    first_divergence: Divergence | None
+    amax_rollover: Rollover
+    losses: list[float]
+    seconds: float
+    torch_version: str
+    passed: bool
+
+
+Key = tuple  # (step, action-name, stage, microbatch)
+Records = dict[Key, dict[str, dict[str, torch.Tensor]]]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit pattern as integers, so equality is bitwise (sign of zero and NaNs included)."""
+    if t.dtype.is_floating_point:
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        return t.detach().contiguous().view(ints)
+    return t.detach()
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a).cpu(), bits(b).cpu())
+
+
+def _clone(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in d.items() if v is not None}
+
+
+def _cache_contents(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: lin.weight_cache.w_q for name, lin in chunk.matrix_linears().items() if lin.weight_cache is not None}
+
+
+def _nonmatrix_grads(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in chunk.nonmatrix_params().items() if p.grad is not None}
+
+
+def _all_params(rank: BaseRank) -> dict[str, torch.Tensor]:
+    return {f"s{s}.{n}": p for s, c in rank.chunks.items() for n, p in c.named_parameters()}
+
+
+def _optimizer_state(rank: BaseRank) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in _all_params(rank).items():
+        for k, v in rank.optimizer.state.get(p, {}).items():
+            out[f"{name}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+    return out
+
+
+def _fp8_part(state: dict[str, torch.Tensor], action: str) -> dict[str, torch.Tensor]:
+    """The FP8 state an action transitions: F the forward (input, weight) state, dI the backward state.
+
+    Comparing only that part keeps legal reorderings legal: ZB-V runs dI(s, m) before F(s, m+2) where
+    Interleaved 1F1B runs it after, which changes when the backward state moves but not its sequence.
+    """
+    backward = action == "dI"
+    return {k: v for k, v in state.items() if (".grad_" in k or k.startswith("grad_")) == backward}
+
+
+def _fp8(rank: BaseRank) -> dict[str, torch.Tensor]:
+    return {f"s{s}.{k}": v for s in rank.chunks for k, v in rank.fp8_state(s).items()}
+
+
+@dataclasses.dataclass
+class _Tally:
+    compared: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    mismatches: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    first: Divergence | None = None
+
+    def compare(self, key: Key, category: str, expected: dict[str, torch.Tensor],
+                found: dict[str, torch.Tensor]) -> None:
+        names = sorted(set(expected) | set(found))
+        for name in names:
+            self.compared[category] += 1
+            a, b = expected.get(name), found.get(name)
+            if a is None or b is None or not bitwise_equal(a, b):
+                self.mismatches[category] += 1
+                if self.first is None:
+                    step, act, s, m = key
+                    self.first = Divergence(step=step, action=act, stage=s, microbatch=m, category=category,
+                                            tensor=name)
+
+
+class _ReferenceRecorder:
+    """Fingerprints of the native reference, one step at a time."""
+
+    def __init__(self) -> None:
+        self.records: Records = {}
+        self.step = 0
+
+    def _put(self, key: Key, category: str, tensors: dict[str, torch.Tensor]) -> None:
+        self.records.setdefault(key, {}).setdefault(category, {}).update(_clone(tensors))
+
+    def __call__(self, action: Action, rank: BaseRank) -> None:
+        assert isinstance(rank, NativeRank)
+        s, m, st = action.stage, action.microbatch, self.step
+        chunk = rank.chunks[s]
+        if action.kind is ActionKind.F:
+            key = (st, "F", s, m)
+            cat = "loss" if s == rank.num_stages - 1 else "activations"
+            self._put(key, cat, {"output": rank.last_output})
+            self._put(key, "fp8_state", _fp8_part(rank.fp8_state(s), "F"))
+            self._put(key, "cache_contents", _cache_contents(chunk))
+            self._put(key, "cache_epochs", {"e_W": torch.tensor(st), "e_C": torch.tensor(st)})
+        elif action.kind is ActionKind.B:
+            key = (st, "dI", s, m)
+            if rank.grad_input is not None:
+                self._put(key, "input_gradients", {"grad_input": rank.grad_input})
+            self._put(key, "parameter_gradients", _nonmatrix_grads(chunk))
+            self._put(key, "fp8_state", _fp8_part(rank.fp8_state(s), "dI"))
+            self._put((st, "dW", s, m), "parameter_gradients",
+                      {n: p.grad for n, p in chunk.matrix_params().items()})
+
+    def before_step(self, rank: BaseRank) -> None:
+        self._put((self.step, "commit", None, None), "parameter_gradients",
+                  {f"s{s}.{n}": p.grad for s, c in rank.chunks.items() for n, p in c.named_parameters()})
+
+    def after_commit(self, rank: BaseRank) -> None:
+        key = (self.step, "commit", None, None)
+        self._put(key, "parameters", _all_params(rank))
+        self._put(key, "optimizer_state", _optimizer_state(rank))
+        self._put(key, "fp8_state", _fp8(rank))
+
+
+class _QEffectChecker:
+    """Compares the qeffect run against the reference records as its actions happen."""
+
+    def __init__(self, reference: _ReferenceRecorder, tally: _Tally, schedule: Schedule) -> None:
+        self.ref = reference
+        self.tally = tally
+        self.schedule = schedule
+        self.step = 0
+        self.next_prefix: dict[int, int] = {}
+        self.live: dict[int, int] = {}
+        self.dw_done: dict[int, int] = {}
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.next_prefix = dict.fromkeys(range(self.schedule.num_stages), 0)
+        self.dw_done = dict.fromkeys(range(self.schedule.pp), 0)
+
+    def _check(self, key: Key, category: str, found: dict[str, torch.Tensor]) -> None:
+        expected = self.ref.records.get(key, {}).get(category)
+        if expected is None:
+            expected = {}
+        self.tally.compare(key, category, expected, found)
+
+    def __call__(self, action: Action, rank: BaseRank) -> None:
+        assert isinstance(rank, QEffectRank)
+        s, m, st = action.stage, action.microbatch, self.step
+        chunk = rank.chunks[s]
+        r = rank.rank
+        if action.kind is ActionKind.F:
+            key = (st, "F", s, m)
+            cat = "loss" if s == rank.num_stages - 1 else "activations"
+            self._check(key, cat, {"output": rank.last_output})
+            self._check(key, "fp8_state", _fp8_part(rank.fp8_state(s), "F"))
+            self._check(key, "cache_contents", _cache_contents(chunk))
+            cache = rank.actions[s].cache
+            self._check(key, "cache_epochs", {"e_W": torch.tensor(rank.clock.e_W),
+                                              "e_C": torch.tensor(-1 if cache.e_C is None else cache.e_C)})
+            self.live[r] = self.live.get(r, 0) + 1
+        elif action.kind is ActionKind.DI:
+            key = (st, "dI", s, m)
+            if rank.grad_input is not None:
+                self._check(key, "input_gradients", {"grad_input": rank.grad_input})
+            self._check(key, "parameter_gradients", _nonmatrix_grads(chunk))
+            self._check(key, "fp8_state", _fp8_part(rank.fp8_state(s), "dI"))
+        elif action.kind is ActionKind.DW:
+            self.live[r] -= 1
+            self.dw_done[r] += len(chunk.matrix_params())  # one arena write per matrix parameter
+            written = {k for (name, k) in rank.arena.written if name.startswith(f"s{s}.")}
+            while self.next_prefix[s] in written:
+                k = self.next_prefix[s]
+                self._check((st, "dW", s, k), "parameter_gradients", rank.matrix_grad_prefix(s, k))
+                self.next_prefix[s] += 1
+        # resource counts: live tapes and arena writes against an independent count from the program
+        self.tally.compare((st, str(action.kind.value), s, m), "resource_counts",
+                           {"live_tapes": torch.tensor(self.live.get(r, 0)),
+                            "arena_writes": torch.tensor(self.dw_done.get(r, 0))},
+                           {"live_tapes": torch.tensor(rank.pool.live_count),
+                            "arena_writes": torch.tensor(len(rank.arena.written))})
+
+    def after_commit_all(self, ranks: list[BaseRank], loss: torch.Tensor, ref_loss: torch.Tensor,
+                         grads: dict[str, torch.Tensor]) -> None:
+        key = (self.step, "commit", None, None)
+        expected = self.ref.records.get(key, {})
+        found = {
+            "parameter_gradients": grads,
+            "parameters": {k: v for r in ranks for k, v in _all_params(r).items()},
+            "optimizer_state": {k: v for r in ranks for k, v in _optimizer_state(r).items()},
+            "fp8_state": {k: v for r in ranks for k, v in _fp8(r).items()},
+        }
+        for cat, tensors in found.items():
+            self.tally.compare(key, cat, expected.get(cat, {}), tensors)
+        self.tally.compare(key, "loss", {"step_loss": ref_loss}, {"step_loss": loss})
+        self.tally.compare(key, "cache_epochs",
+                           {f"rank{r.rank}.e_W": torch.tensor(self.step + 1) for r in ranks},
+                           {f"rank{r.rank}.e_W": torch.tensor(r.clock.e_W) for r in ranks})
+
+
+def synthetic_batches(cfg: RunConfig, step: int, device: str | torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic random tokens for (seed, step): bit-exact verification needs no real text."""
+    g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
+    mc = cfg.model
+    shape = (cfg.pipeline.microbatches, mc.microbatch_size, mc.seq_len + 1)
+    tokens = torch.randint(0, mc.vocab_size, shape, generator=g).to(device)
+    return [(tokens[m, :, :-1], tokens[m, :, 1:]) for m in range(shape[0])]
+
+
+def _swap_dw(schedule: Schedule) -> Schedule:
+    """Defer dW of microbatch 1 of rank 0's first stage until after its dW of microbatch 2 (legal)."""
+    stage = schedule.stages_of(0)[0]
+    prog = list(schedule.programs[0])
+    late = Action(ActionKind.DW, stage, 1)
+    prog.remove(late)
+    prog.insert(prog.index(Action(ActionKind.DW, stage, 2)) + 1, late)
+    swapped = dataclasses.replace(schedule, programs=(tuple(prog),) + tuple(schedule.programs[1:]))
+    validate(swapped)
+    return swapped
+
+
+def _grad_capture(rank: BaseRank, into: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """A pre-optimizer hook that clones the gradients the optimizer is about to use."""
+
+    def hook() -> None:
+        into.update({f"s{s}.{n}": p.grad.detach().clone() for s, c in rank.chunks.items()
+                     for n, p in c.named_parameters() if p.grad is not None})
+
+    return hook
+
+
+def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
+                     injection: Injection | None = None,
+                     progress: Callable[[int, float], None] | None = None) -> VerifyReport:
+    """Run the native reference and the qeffect mode side by side and compare every fingerprint."""
+    t0 = time.perf_counter()
+    device = cfg.train.device
+    if path != "eager":
+        raise NotImplementedError(f"--path {path} needs CUDA graph capture (graphs/), not built yet")
+    direct = True
+    native = build_single_process(cfg, native=True, device=device)
+    qeff = build_single_process(cfg, native=False, direct=direct, device=device,
+                                fixed_order_sum=(injection != "swap-dw"))
+    if injection in ("swap-dw", "swap-dw-fixed"):
+        if cfg.pipeline.microbatches < 3:
+            raise ValueError("the swap-dw injection needs at least 3 microbatches")
+        qeff.schedule = _swap_dw(qeff.schedule)
+        from qeffect.schedule import global_order
+
+        qeff.order = global_order(qeff.schedule)
+
+    ref = _ReferenceRecorder()
+    tally = _Tally()
+    checker = _QEffectChecker(ref, tally, qeff.schedule)
+    losses: list[float] = []
+    f_per_stage = 0
+    for step in range(steps):
+        batches = synthetic_batches(cfg, step, device)
+        ref.records = {}
+        ref.step = step
+        ref_loss = native.run_actions(batches, ref).clone()
+        for r in native.ranks:
+            ref.before_step(r)
+            r.commit()
+            ref.after_commit(r)
+
+        if injection == "perturb-scale" and step == 1:
+            lin = next(iter(qeff.ranks[0].chunks.values())).matrix_linears()
+            first = next(iter(lin.values()))
+            with torch.no_grad():
+                first.input_scale.mul_(2.0)
+        checker.begin_step(step)
+        loss = qeff.run_actions(batches, checker)
+        grads: dict[str, torch.Tensor] = {}
+        for r in qeff.ranks:
+            r.commit(before_step=_grad_capture(r, grads))
+        checker.after_commit_all(qeff.ranks, loss, ref_loss, grads)
+        losses.append(float(loss))
+        f_per_stage += cfg.pipeline.microbatches
+        if progress is not None:
+            progress(step, float(loss))
+
+    L = cfg.fp8.amax_history_len
+    rollover = Rollover(amax_history_len=L, forward_updates_per_module=f_per_stage,
+                        backward_updates_per_module=f_per_stage, weight_updates_per_module=steps,
+                        rolled_over=f_per_stage > L)
+    cats = [CategoryResult(category=c, compared=tally.compared[c], mismatches=tally.mismatches[c])
+            for c in CATEGORIES]
+    passed = all(c.mismatches == 0 for c in cats) and all(c.compared > 0 for c in cats if c.category != "input_gradients" or cfg.pipeline.num_stages > 1)
+    sched = schedule_of(cfg)
+    return VerifyReport(
+        schedule=cfg.pipeline.schedule, path=path, backend=cfg.fp8.backend, device=str(device), steps=steps,
+        pp=sched.pp, chunks_per_rank=cfg.pipeline.chunks_per_rank, microbatches=cfg.pipeline.microbatches,
+        injection=injection, categories=cats, first_divergence=tally.first, amax_rollover=rollover,
+        losses=losses, seconds=time.perf_counter() - t0, torch_version=torch.__version__, passed=passed,
+    )

@@ -1,0 +1,192 @@
+"""Gradient arena: fixed views, binding checks, write accounting, fixed-order sum, abort/rebuild."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from qeffect.contracts import ALIGN_BYTES, ArenaViolation, GradientArena
+
+SPECS = {"w1": ((3, 4), torch.float32), "w2": ((5,), torch.bfloat16), "w3": ((2, 2), torch.float32)}
+
+
+def make(M=3):
+    return GradientArena(SPECS, microbatches=M, name="g")
+
+
+def write_all(arena, order=None):
+    keys = list(arena.keys()) if order is None else order
+    for k in keys:
+        arena.record_write(*k, arena.view(*k))
+
+
+def test_layout_fixed_aligned_disjoint():
+    a = make()
+    keys = list(a.keys())
+    assert keys == [(n, m) for n in SPECS for m in range(3)]
+    spans = []
+    for n, m in keys:
+        v = a.view(n, m)
+        shape, dtype = SPECS[n]
+        assert tuple(v.shape) == shape and v.dtype == dtype and v.is_contiguous()
+        assert v.data_ptr() % ALIGN_BYTES == a.view(n, 0).data_ptr() % ALIGN_BYTES
+        spans.append((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()))
+        assert torch.count_nonzero(v) == 0
+    spans.sort()
+    assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:], strict=False))
+    assert a.view("w1", 1).data_ptr() - a.view("w1", 0).data_ptr() == ALIGN_BYTES  # 48 bytes, padded
+    assert a.nbytes >= sum(torch.Size(s).numel() * d.itemsize * 3 for s, d in SPECS.values())
+    assert a.view("w1", 2) is a.view("w1", 2)
+
+
+def test_bind_checks_each_property():
+    a = make()
+    v = a.view("w1", 0)
+    assert a.bind("w1", 0, v) is v
+    assert a.bind("w1", 0, v.view(3, 4)) is v  # another tensor object on the same storage is fine
+    cases = {
+        "shape": v.view(4, 3),
+        "dtype": v.view(torch.int32),
+        "device": torch.empty(3, 4, device="meta"),
+        "data_ptr": torch.zeros(3, 4),
+        "stride": v.as_strided((3, 4), (1, 3)),
+        "type": [[0.0] * 4] * 3,
+    }
+    before = a.snapshot()
+    for prop, dest in cases.items():
+        with pytest.raises(ArenaViolation, match=f"wrong binding .* expected {prop}") as ei:
+            a.bind("w1", 0, dest)
+        assert ei.value.relation == "wrong binding" and ei.value.key == ("w1", 0)
+    with pytest.raises(ArenaViolation, match="unknown view"):
+        a.bind("w1", 3, v)
+    with pytest.raises(ArenaViolation, match="unknown view"):
+        a.view("nope", 0)
+    assert a.snapshot() == before
+
+
+def test_record_write_rejections_preserve_state():
+    a = make()
+    a.record_write("w1", 0, a.view("w1", 0))
+    before = a.snapshot()
+    with pytest.raises(ArenaViolation, match="duplicate write"):
+        a.record_write("w1", 0, a.view("w1", 0))
+    with pytest.raises(ArenaViolation, match=r"aliased write .* w1\[m=1\]") as ei:
+        a.record_write("w1", 2, a.view("w1", 1))
+    assert ei.value.found == [("w1", 1)]
+    # a destination spanning two views names both
+    flat = a.view("w3", 0).view(-1)
+    span = torch.as_strided(flat, (8,), (1,))  # w3 m=0 has 4 elements; 8 reaches into padding only
+    assert not [k for k in a._overlapping(span) if k != ("w3", 0)]
+    big = torch.as_strided(flat, (2, 4), (64, 1))  # rows at w3 m=0 and w3 m=1
+    with pytest.raises(ArenaViolation, match=r"aliased write .*w3\[m=1\]"):
+        a.record_write("w3", 0, big)
+    with pytest.raises(ArenaViolation, match=r"aliased write .*w3\[m=0\], w3\[m=1\]"):
+        a.record_write("w3", 2, big)
+    with pytest.raises(ArenaViolation, match="wrong binding .* data_ptr"):
+        a.record_write("w1", 1, torch.zeros(3, 4))
+    with pytest.raises(ArenaViolation, match="unknown view"):
+        a.record_write("w9", 0, torch.zeros(1))
+    assert a.snapshot() == before and a.written == {("w1", 0)}
+    a.check_write("w1", 1, a.view("w1", 1))
+    assert a.snapshot() == before  # check_write records nothing
+    with pytest.raises(ArenaViolation, match="duplicate write"):
+        a.check_write("w1", 0, a.view("w1", 0))
+
+
+def test_finalize_missing_then_complete():
+    a = make(2)
+    a.record_write("w2", 1, a.view("w2", 1))
+    with pytest.raises(ArenaViolation, match="missing write") as ei:
+        a.finalize()
+    assert "w1[m=0]" in str(ei.value) and "w2[m=0]" in str(ei.value) and "w2[m=1]" not in str(ei.value)
+    assert a.missing() == [("w1", 0), ("w1", 1), ("w2", 0), ("w3", 0), ("w3", 1)] and not a.finalized
+    with pytest.raises(ArenaViolation, match="sum before finalize"):
+        a.sum_microbatches("w1")
+    with pytest.raises(ArenaViolation, match="advance before finalize"):
+        a.advance_epoch()
+    write_all(a, [k for k in a.keys() if k != ("w2", 1)])
+    assert a.finalize() is None and a.finalized and a.missing() == []
+
+
+def test_sum_fixed_order_bitwise_any_write_order():
+    M = 5
+    gen = torch.Generator().manual_seed(0)
+    # magnitudes spread over many binades so that the summation order changes the bits
+    grads = [(torch.randn(3, 4, generator=gen) * 10.0 ** (3 * m - 6)).float() for m in range(M)]
+    ref = grads[0].clone()
+    for g in grads[1:]:
+        ref += g  # the reference accumulates microbatch by microbatch
+    rev = grads[-1].clone()
+    for g in reversed(grads[:-1]):
+        rev += g
+    assert not torch.equal(ref, rev)  # the data is order-sensitive, so this test can fail
+
+    for seed in range(4):
+        a = GradientArena({"w": ((3, 4), torch.float32)}, microbatches=M)
+        order = list(range(M))
+        random.Random(seed).shuffle(order)
+        for m in order:  # dW in an arbitrary (non-LIFO) schedule order
+            d = a.bind("w", m, a.view("w", m))
+            d.add_(grads[m])
+            a.record_write("w", m, d)
+        a.finalize()
+        out = a.sum_microbatches("w")
+        assert torch.equal(out, ref)
+        assert out.data_ptr() != a.view("w", 0).data_ptr()  # a clone: views stay intact
+        assert torch.equal(a.view("w", 0), grads[0])
+
+
+def test_advance_epoch_clears_and_zeroes_keeping_addresses():
+    a = make(2)
+    ptrs = {k: a.view(*k).data_ptr() for k in a.keys()}
+    for k in a.keys():
+        a.view(*k).fill_(1)
+    write_all(a)
+    a.finalize()
+    assert a.advance_epoch() == 1 and a.epoch == 1
+    assert a.written == frozenset() and not a.finalized and len(a.missing()) == 6
+    assert all(torch.count_nonzero(a.view(*k)) == 0 for k in a.keys())
+    assert {k: a.view(*k).data_ptr() for k in a.keys()} == ptrs
+    write_all(a)  # each view can be written again in the new epoch
+    a.finalize()
+    a.view("w1", 0).fill_(2)
+    a.advance_epoch(zero=False)
+    assert torch.all(a.view("w1", 0) == 2)
+
+
+def test_abort_unusable_until_rebuild():
+    a = make(2)
+    ptrs = {k: a.view(*k).data_ptr() for k in a.keys()}
+    a.record_write("w1", 0, a.view("w1", 0))
+    a.view("w1", 0).fill_(3)
+    a.abort()
+    assert not a.usable
+    before = a.snapshot()
+    for call in (lambda: a.bind("w1", 1, a.view("w1", 1)), lambda: a.record_write("w1", 1, a.view("w1", 1)),
+                 a.finalize, lambda: a.sum_microbatches("w1"), a.advance_epoch,
+                 lambda: a.check_write("w1", 1, a.view("w1", 1))):
+        with pytest.raises(ArenaViolation, match="aborted arena"):
+            call()
+    assert a.snapshot() == before
+    a.rebuild()
+    assert a.usable and a.written == frozenset() and a.epoch == 0
+    assert torch.count_nonzero(a.view("w1", 0)) == 0
+    assert {k: a.view(*k).data_ptr() for k in a.keys()} == ptrs
+    write_all(a)
+    a.finalize()
+    a.abort()
+    a.rebuild(epoch=4)
+    assert a.epoch == 4 and a.usable
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError):
+        GradientArena(SPECS, microbatches=0)
+    with pytest.raises(ValueError):
+        GradientArena({}, microbatches=1)
+    with pytest.raises(ValueError):
+        GradientArena({"w": ((0, 3), torch.float32)}, microbatches=1)
+    with pytest.raises(ValueError):
+        GradientArena({"w": ((2,), "float32")}, microbatches=1)  # type: ignore[dict-item]

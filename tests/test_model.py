@@ -1,0 +1,157 @@
+"""GPT stage chunks: shapes, deterministic init, parameter classification, a CPU training smoke test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qeffect.config import RunConfig
+from qeffect.fp8 import STATE_NAMES, DelayedScalingRecipe, ReferenceBackend, is_backend_linear
+from qeffect.model import GPTShape, StageChunk, build_chunks
+
+BACKEND = ReferenceBackend(DelayedScalingRecipe())
+
+
+def _shape(num_stages=2, layers_per_chunk=1, **kw) -> GPTShape:
+    base = dict(vocab_size=64, hidden=32, ffn=64, heads=4, seq_len=8, microbatch_size=2)
+    base.update(kw)
+    return GPTShape(layers_per_chunk=layers_per_chunk, num_stages=num_stages, **base)
+
+
+def test_shape_from_config_and_validation():
+    cfg = RunConfig().with_overrides(**{"model.hidden": 48, "model.heads": 6, "pipeline.pp": 3})
+    s = GPTShape.from_config(cfg)
+    assert (s.hidden, s.heads, s.num_stages) == (48, 6, 3 * cfg.pipeline.chunks_per_rank)
+    assert s.vocab_size == cfg.model.vocab_size and s.seq_len == cfg.model.seq_len
+    assert s.num_layers == s.layers_per_chunk * s.num_stages
+    with pytest.raises(ValueError, match="divide"):
+        _shape(heads=5)
+    with pytest.raises(ValueError):
+        _shape(num_stages=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_shapes(dtype):
+    s = _shape(num_stages=3, layers_per_chunk=2)
+    chunks = build_chunks(s, BACKEND, seed=0, dtype=dtype)
+    assert [c.stage for c in chunks] == [0, 1, 2]
+    assert [(c.is_first, c.is_last) for c in chunks] == [(True, False), (False, False), (False, True)]
+    ids = torch.randint(0, 64, (2, 8))
+    h = chunks[0](ids, is_first_microbatch=True)
+    assert h.shape == (2, 8, 32) and h.dtype == dtype
+    h = chunks[1](h, is_first_microbatch=True)
+    assert h.shape == (2, 8, 32) and h.dtype == dtype
+    logits = chunks[2](h, is_first_microbatch=True)
+    assert logits.shape == (2, 8, 64) and logits.dtype == dtype
+    loss = chunks[2](h, is_first_microbatch=False, targets=ids)
+    assert loss.shape == () and loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert all(p.dtype == torch.float32 for c in chunks for p in c.parameters())
+    with pytest.raises(ValueError, match="token ids"):
+        chunks[0](h, is_first_microbatch=False)
+    with pytest.raises(ValueError, match="hidden"):
+        chunks[1](ids, is_first_microbatch=False)
+
+
+def test_single_stage_is_first_and_last():
+    (chunk,) = build_chunks(_shape(num_stages=1), BACKEND, seed=0)
+    assert chunk.is_first and chunk.is_last
+    ids = torch.randint(0, 64, (2, 8))
+    assert chunk(ids, is_first_microbatch=True, targets=ids).shape == ()
+    assert chunk(ids, is_first_microbatch=False).shape == (2, 8, 64)
+
+
+def _params(chunks):
+    return {f"{c.stage}.{k}": v for c in chunks for k, v in c.state_dict().items()}
+
+
+def test_build_chunks_deterministic_per_seed():
+    s = _shape(num_stages=3)
+    rng_before = torch.random.get_rng_state()
+    a, b, c = (_params(build_chunks(s, BACKEND, seed=seed)) for seed in (7, 7, 8))
+    assert torch.equal(torch.random.get_rng_state(), rng_before), "build_chunks must not touch the global RNG"
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    differ = [k for k in a if not torch.equal(a[k], c[k])]
+    assert differ and all(k.endswith("weight") for k in differ)
+    # Building a subset of stages (a rank's chunks) gives the same tensors as the full build.
+    (mid,) = build_chunks(s, BACKEND, seed=7, stages=[1])
+    assert mid.stage == 1 and all(torch.equal(v, a[f"1.{k}"]) for k, v in mid.state_dict().items())
+    with pytest.raises(ValueError):
+        build_chunks(s, BACKEND, seed=7, stages=[3])
+
+
+def test_init_values():
+    s = _shape(num_stages=2, layers_per_chunk=2)
+    first, last = build_chunks(s, BACKEND, seed=0)
+    blk = first.blocks[0]
+    assert torch.equal(blk.ln1.weight, torch.ones(32)) and torch.equal(blk.ln1.bias, torch.zeros(32))
+    assert torch.equal(blk.qkv.bias, torch.zeros(96))
+    assert 0.015 < blk.fc1.weight.std().item() < 0.025
+    assert 0.015 < first.tok_emb.weight.std().item() < 0.025
+    resid = 0.02 / (2 * s.num_layers) ** 0.5
+    assert 0.7 * resid < blk.fc2.weight.std().item() < 1.3 * resid
+    assert torch.equal(last.ln_f.weight, torch.ones(32)) and last.head.bias is None
+    assert all(torch.equal(t, torch.ones(())) for n, t in last.fp8_state().items() if n.endswith("scale"))
+
+
+def test_parameter_classification_and_fp8_state():
+    for chunk in build_chunks(_shape(num_stages=2, layers_per_chunk=2), BACKEND, seed=0):
+        named = dict(chunk.named_parameters())
+        linears = chunk.matrix_linears()
+        expect = {f"blocks.{i}.{n}" for i in range(2) for n in ("qkv", "proj", "fc1", "fc2")}
+        if chunk.is_last:
+            expect.add("head")
+        assert set(linears) == expect and all(is_backend_linear(m) for m in linears.values())
+        assert sum(is_backend_linear(m) for m in chunk.modules()) == len(expect)
+        matrix, nonmatrix = chunk.matrix_params(), chunk.nonmatrix_params()
+        assert set(matrix) == {f"{n}.weight" for n in expect}
+        assert all(named[k] is p for k, p in {**matrix, **nonmatrix}.items())
+        assert set(matrix).isdisjoint(nonmatrix) and set(matrix) | set(nonmatrix) == set(named)
+        assert any(k.endswith("qkv.bias") for k in nonmatrix) and any("ln1" in k for k in nonmatrix)
+        assert ("tok_emb.weight" in nonmatrix) == chunk.is_first
+        state = chunk.fp8_state()
+        assert set(state) == {f"{n}.{s}" for n in expect for s in STATE_NAMES}
+        sd = chunk.state_dict()
+        assert all(torch.equal(sd[k], v) for k, v in state.items())
+
+
+def test_delay_wgrad_and_cache_toggles():
+    (chunk,) = build_chunks(_shape(num_stages=1), BACKEND, seed=0)
+    ids = torch.randint(0, 64, (2, 8))
+    assert not chunk.caches_valid
+    chunk.set_delay_wgrad(True)
+    chunk(ids, is_first_microbatch=True, targets=ids).backward()
+    assert chunk.caches_valid
+    assert all(p.grad is None for p in chunk.matrix_params().values())
+    assert all(p.grad is not None for p in chunk.nonmatrix_params().values())
+    work = chunk.pop_wgrad_work()
+    assert set(work) == set(chunk.matrix_linears()) and all(len(w) == 1 for w in work.values())
+    assert all(m.wgrad_store == [] for m in chunk.matrix_linears().values())
+    chunk.invalidate_caches()
+    assert not chunk.caches_valid
+    with pytest.raises(RuntimeError, match="weight cache is empty"):
+        chunk(ids, is_first_microbatch=False)
+    chunk.set_delay_wgrad(False)
+    chunk(ids, is_first_microbatch=True, targets=ids).backward()
+    assert all(p.grad is not None for p in chunk.matrix_params().values())
+
+
+def test_training_smoke_loss_decreases():
+    torch.manual_seed(0)
+    s = _shape(num_stages=2, layers_per_chunk=1, seq_len=16)
+    chunks: list[StageChunk] = build_chunks(s, BACKEND, seed=0)
+    params = [p for c in chunks for p in c.parameters()]
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, 64, (2, 17), generator=g)
+    ids, targets = batch[:, :-1], batch[:, 1:]
+    losses = []
+    for _ in range(40):
+        opt.zero_grad()
+        h = chunks[0](ids, is_first_microbatch=True)
+        loss = chunks[1](h, is_first_microbatch=True, targets=targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(map(torch.isfinite, map(torch.tensor, losses)))
+    assert losses[-1] < 0.5 * losses[0], losses
