@@ -77,6 +77,10 @@ class TrainConfig(_Strict):
     data: str = ""
     tokenizer: str = ""
     run_dir: str = "runs"
+    # Checkpoints: every N steps (0: none) and always at the last step when either field is set;
+    # "" puts them under <run folder>/checkpoints.
+    checkpoint_every: int = Field(0, ge=0)
+    checkpoint_dir: str = ""
 
 
 class RunConfig(_Strict):

@@ -26,17 +26,30 @@ def train(
     dp: int | None = typer.Option(None, "--dp", min=1, help="Data-parallel degree (needs torchrun)."),
     out: Path | None = typer.Option(None, "--out", help="Run folder (default: <train.run_dir>/<time>-<schedule>-<backend>)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the run summary JSON here."),
+    checkpoint_every: int | None = typer.Option(
+        None, "--checkpoint-every", min=1, help="Save a checkpoint every N steps (and at the last step)."),
+    checkpoint_dir: Path | None = typer.Option(
+        None, "--checkpoint-dir", help="Checkpoint folder (default: <run folder>/checkpoints); step-<N>/ inside."),
+    resume: Path | None = typer.Option(
+        None, "--resume", help="Continue from this checkpoint (or a checkpoint folder's `latest`) up to --steps."),
 ) -> None:
     """Train a GPT pipeline with FP8 delayed scaling and checked split F / dI / dW actions.
 
     With no arguments: the embedded tiny CPU config on the bundled Jargon File asset. For several
     processes: `torchrun --nproc-per-node N -m qeffect train --pp P --dp D` with P x D = N.
     Writes metrics.jsonl, config.json and summary.json into the run folder.
+
+    Checkpoints: `--checkpoint-every N` saves DIR/step-<N>/ (DCP tensors + qeffect.json) after every
+    N-th commit and after the last step; `--resume DIR --steps 8` continues a run from its saved step to
+    step 8. A resume with another pipeline shape, schedule, recipe or model is refused, naming each
+    difference.
     """
     cfg = config_from_cli(config, **{
         "train.steps": steps, "train.seed": seed, "pipeline.schedule": schedule.value if schedule else None,
         "fp8.backend": backend.value if backend else None, "train.device": device.value if device else None,
         "train.data": data, "train.tokenizer": tokenizer, "pipeline.pp": pp, "pipeline.dp": dp,
+        "train.checkpoint_every": checkpoint_every,
+        "train.checkpoint_dir": str(checkpoint_dir) if checkpoint_dir is not None else None,
     })
     from qeffect.runtime.train import train as run_train
 
@@ -49,12 +62,16 @@ def train(
             info = f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {m.step_time_s * 1e3:.1f} ms/step"
             if m.heldout_ce is not None:
                 info += f"  held-out {m.heldout_ce:.4f}"
-            bar.update(task, advance=1, info=info)
+            bar.update(task, completed=m.step, info=info)
 
-        summary = run_train(cfg, out=out, on_step=on_step)
+        summary = run_train(cfg, out=out, on_step=on_step, resume=resume)
     if summary.run_dir is None:  # not global rank 0
         return
     console.print(f"run folder: {summary.run_dir}")
+    if summary.resumed_from:
+        console.print(f"resumed from {summary.resumed_from} at step {summary.start_step}")
+    if summary.checkpoints:
+        console.print(f"checkpoints: {len(summary.checkpoints)}, last {summary.checkpoints[-1]}")
     console.print(f"training cross-entropy: first ten {summary.first_ten_ce:.4f}, last ten {summary.last_ten_ce:.4f}, "
                   f"ratio {summary.last_to_first_ratio:.3f}")
     if summary.heldout_first is not None:

@@ -16,12 +16,12 @@ from torch import nn
 from qeffect.errors import UserError
 from qeffect.fp8.recipe import DelayedScalingRecipe
 from qeffect.fp8.reference import STATE_NAMES, RefFP8Linear
+from qeffect.fp8.te import TE_MISSING_MSG, TEBackend
 
 BACKENDS: tuple[str, ...] = ("reference", "te")
 
-TE_MISSING_MSG = (
-    "--backend te needs Transformer Engine (pip install 'qeffect[te]'); it is not importable here"
-)
+__all__ = ["BACKENDS", "TE_MISSING_MSG", "FP8Backend", "ReferenceBackend", "TEBackend", "get_backend",
+           "is_backend_linear"]
 
 
 @runtime_checkable
@@ -89,11 +89,7 @@ def get_backend(name: str, recipe: DelayedScalingRecipe) -> FP8Backend:
     if name == "reference":
         return ReferenceBackend(recipe)
     if name == "te":
-        try:
-            import transformer_engine.pytorch  # noqa: F401
-        except Exception:  # an ImportError, or a broken install (missing CUDA libraries)
-            raise UserError(TE_MISSING_MSG) from None
-        raise NotImplementedError("the Transformer Engine backend (qeffect.fp8.te) is not implemented yet")
+        return TEBackend(recipe)  # UserError when Transformer Engine is not importable (lazy import)
     raise UserError(f"unknown FP8 backend {name!r}; choose one of: {', '.join(BACKENDS)}")
 
 

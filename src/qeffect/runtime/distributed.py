@@ -4,8 +4,9 @@ Global rank layout is data-parallel major: `global = dp_rank * pp + pp_rank`. Ea
 chunk from the seed (so parameters match the single-process run bit for bit) and keeps the stages its
 pipeline rank owns. Activations and input gradients move with point-to-point messages between actions
 (`isend` as soon as produced, `irecv` + wait when consumed; never inside an action). Before the commit,
-data-parallel replicas all-reduce their gradients (arena views and non-matrix `.grad`); the reduction is
-a resource tracked by the commit barrier, so a commit with a reduction in flight is rejected.
+data-parallel replicas all-reduce their gradients (arena views and non-matrix `.grad`) and merge their
+FP8 scaling state; the reduction is a resource tracked by the commit barrier, so a commit with a
+reduction in flight is rejected.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class DistributedPipeline:
         self.device = torch.device(cfg.train.device, _local_rank()) if cfg.train.device == "cuda" else torch.device("cpu")
         chunks = build_chunks_for(cfg, self.device)
         self.reductions = ReductionTracker(f"rank{self.topo.rank}.reductions")
+        self.reductions_run = 0
         self.rank: BaseRank = build_rank(cfg, self.schedule, self.topo.pp_rank, chunks, native=native,
                                          direct=direct, reductions=self.reductions)
         # Every process creates every group in the same order (a torch.distributed requirement).
@@ -158,7 +160,24 @@ class DistributedPipeline:
         for g in grads:
             dist.all_reduce(g, group=self.dp_group)
             g.div_(self.topo.dp)
+        self._merge_fp8_state()
         self.reductions.finish(handle)
+        self.reductions_run += 1
+
+    def _merge_fp8_state(self) -> None:
+        """Make replicas' delayed-scaling state identical at the step boundary.
+
+        Each replica saw other data, so its amax histories (and the scales derived from them) differ.
+        The merge is conservative and order-free: the elementwise max of every amax history and the
+        min of every scale (a smaller scale never saturates more), so every replica ends the step
+        with the same FP8 state, as it does with the same parameters.
+        """
+        for chunk in self.rank.chunks.values():
+            for name, t in chunk.fp8_state().items():
+                if "amax" in name:
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+                elif "scale" in name:
+                    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dp_group)
 
     def commit(self) -> None:
         self.reduce_gradients()

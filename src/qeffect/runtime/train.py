@@ -2,7 +2,13 @@
 
 Runs in one process (all ranks in one global order) or under torchrun (one pipeline rank per process,
 `pipeline.pp x pipeline.dp` processes). Everything that can be wrong with the input (config, data,
-tokenizer, world size) is checked before the run folder is created, so bad input writes nothing.
+tokenizer, world size, the checkpoint to resume from) is checked before the run folder is created, so bad
+input writes nothing.
+
+Checkpoints (`train.checkpoint_every`, `train.checkpoint_dir`) are taken after the commit of a step, at the
+quiescent optimizer boundary, into `<dir>/step-<8 digits>/` with `<dir>/latest` naming the newest; the
+last step is always saved when checkpointing is on. `resume=` loads one into the freshly built pipeline
+before the first step (so before any graph is built) and continues the step count from it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pydantic import BaseModel
 
 from qeffect.config import RunConfig
 from qeffect.data import DataStream, load_datasets, load_tokenizer
-from qeffect.errors import UserError
+from qeffect.errors import ReportError, UserError
 from qeffect.runtime.build import build_single_process
 
 SCHEMA_VERSION = 1
@@ -50,6 +56,9 @@ class TrainSummary(BaseModel):
     tokens_per_s: float
     seconds: float
     torch_version: str
+    start_step: int = 0
+    resumed_from: str | None = None
+    checkpoints: list[str] = []
 
 
 @dataclass
@@ -108,9 +117,22 @@ def evaluate(chunks: dict[int, torch.nn.Module], num_stages: int, batches, get, 
     return total / count if count else None
 
 
+def _checkpoint_root(cfg: RunConfig) -> Path | None:
+    """The configured checkpoint folder (None: under the run folder); refuse one that is a file."""
+    root = Path(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
+    if root is not None and root.exists() and not root.is_dir():
+        raise UserError(f"train.checkpoint_dir {root}: exists and is not a folder")
+    return root
+
+
 def train(cfg: RunConfig, *, out: Path | None = None,
-          on_step: Callable[[StepMetrics], None] | None = None) -> TrainSummary:
-    """Train `cfg.train.steps` optimizer steps; writes metrics.jsonl and summary.json on global rank 0."""
+          on_step: Callable[[StepMetrics], None] | None = None,
+          resume: str | Path | None = None) -> TrainSummary:
+    """Train up to step `cfg.train.steps`; writes metrics.jsonl and summary.json on global rank 0.
+
+    `resume`: a checkpoint folder (or a checkpoint root with a `latest` file) to continue from; the run
+    must have the checkpoint's pipeline shape, schedule, recipe and model (`UserError` otherwise).
+    """
     from qeffect.runtime import distributed as D
 
     t_start = time.perf_counter()
@@ -136,10 +158,32 @@ def train(cfg: RunConfig, *, out: Path | None = None,
         pipe = build_single_process(cfg, native=False)
         dp_rank, dp_size = 0, 1
     data = _prepare_data(cfg, dp_rank, dp_size)
+    checkpointing = bool(cfg.train.checkpoint_every or cfg.train.checkpoint_dir)
+    ck_root = _checkpoint_root(cfg)
+    start, resumed_from = 0, None
+    if resume is not None:
+        from qeffect.checkpoint import load_checkpoint, resolve_checkpoint
+
+        folder = resolve_checkpoint(resume)
+        try:
+            payload = load_checkpoint(pipe, folder, cfg, stream=data.stream)
+        except (UserError, ReportError) as err:
+            raise type(err)(f"--resume {err}") from None
+        start, resumed_from = payload.step, str(folder)
+        if start >= cfg.train.steps:
+            raise UserError(f"--resume {folder}: the checkpoint is at step {start}; train.steps = "
+                            f"{cfg.train.steps} leaves nothing to train")
     run_dir = _new_run_dir(cfg, out) if rank0 else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")
+    if checkpointing and ck_root is None:
+        ck_root = run_dir / "checkpoints" if run_dir is not None else None
+        if distributed:  # only global rank 0 knows its run folder
+            box = [ck_root]
+            torch.distributed.broadcast_object_list(box, src=0)
+            ck_root = box[0]
+    checkpoints: list[str] = []
     metrics_f = (run_dir / "metrics.jsonl").open("w") if run_dir is not None else None
 
     device = torch.device(cfg.train.device)
@@ -166,10 +210,19 @@ def train(cfg: RunConfig, *, out: Path | None = None,
         heldout.append((step, ce))
         return ce
 
+    def save(step: int) -> None:
+        from qeffect.checkpoint import save_checkpoint, step_dir, update_latest
+
+        assert ck_root is not None
+        folder = save_checkpoint(pipe, step_dir(ck_root, step), cfg, stream=data.stream, overwrite=True)
+        if rank0:
+            update_latest(ck_root, folder)
+        checkpoints.append(str(folder))
+
     try:
         if cfg.train.eval_every:
-            run_eval(0)
-        for step in range(1, cfg.train.steps + 1):
+            run_eval(start)
+        for step in range(start + 1, cfg.train.steps + 1):
             batches = [tuple(t.to(device) for t in data.stream.next_batch()) for _ in range(p.microbatches)]
             t0 = time.perf_counter()
             loss = float(pipe.step(batches))
@@ -185,6 +238,9 @@ def train(cfg: RunConfig, *, out: Path | None = None,
             if metrics_f is not None:
                 metrics_f.write(m.model_dump_json() + "\n")
                 metrics_f.flush()
+            if checkpointing and ((cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
+                                  or step == cfg.train.steps):
+                save(step)
             if on_step is not None and rank0:
                 on_step(m)
     finally:
@@ -201,6 +257,7 @@ def train(cfg: RunConfig, *, out: Path | None = None,
         heldout_ce=heldout, heldout_first=heldout[0][1] if heldout else None,
         heldout_last=heldout[-1][1] if heldout else None, median_step_time_s=med,
         tokens_per_s=tokens_per_step / med, seconds=time.perf_counter() - t_start, torch_version=torch.__version__,
+        start_step=start, resumed_from=resumed_from, checkpoints=checkpoints,
     )
     if run_dir is not None:
         (run_dir / "summary.json").write_text(summary.model_dump_json(indent=2) + "\n")

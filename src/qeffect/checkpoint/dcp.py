@@ -1,0 +1,366 @@
+"""Save and resume a qeffect pipeline with `torch.distributed.checkpoint` (DCP), in one or many processes.
+
+Save (at a quiescent optimizer boundary only):
+  1. every local rank passes `barrier.check_quiescent("checkpoint")`; in several processes the reasons are
+     gathered first, so either every process writes or none does (a premature checkpoint writes nothing);
+  2. DCP writes the tensors into `<DIR>.tmp-<token>` beside `DIR` (same file system, so a rename works);
+  3. global rank 0 hashes every file and writes `qeffect.json` (schema version, step, epochs, config,
+     recipe, stages, data position, RNG, file manifest) *last*, then renames the folder to `DIR`.
+A crash at any point leaves at most a `*.tmp-*` folder, never a half checkpoint under the final name.
+An existing non-empty `DIR` is refused unless it is a qeffect checkpoint and `overwrite=True` (the
+training loop replaces the checkpoint of the same step of an abandoned earlier attempt this way): the old
+folder is renamed aside, the new one renamed in, and the old one deleted.
+
+Resume (before any graph is built, into the already-built pipeline, in place): verify the manifest,
+refuse a different pipeline shape / schedule / recipe / model (naming each difference), load the
+numbers with DCP, restore `e_W` and the step, re-synchronize the arena epoch, invalidate every weight
+cache (the first forward refreshes it), then restore the data position and the RNG.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import qeffect
+from qeffect.checkpoint.state import (
+    DCP_METADATA_FILE,
+    LATEST_FILE,
+    PAYLOAD_FILE,
+    CheckpointPayload,
+    FileEntry,
+    LocalView,
+    ProcessPayload,
+    StagePayload,
+    config_differences,
+    fp8_key,
+    local_view,
+    optim_key,
+    param_key,
+    restore_rng,
+    rng_state,
+    tensor_state,
+)
+from qeffect.contracts import CommitViolation
+from qeffect.errors import ReportError, UserError
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _gather(view: LocalView, obj: Any) -> list[Any]:
+    """Every process's `obj` (in global rank order); just `[obj]` in one process."""
+    if not view.distributed:
+        return [obj]
+    out: list[Any] = [None] * view.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(view: LocalView, obj: Any) -> Any:
+    if not view.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _barrier(view: LocalView) -> None:
+    if view.distributed:
+        dist.barrier()
+
+
+def _agree(view: LocalView, error: str | None) -> list[str]:
+    """Collect every process's error before a collective, so that all raise together or none does."""
+    return [e for e in _gather(view, error) if e]
+
+
+def _device(view: LocalView) -> torch.device:
+    return next(next(iter(view.ranks[0].chunks.values())).parameters()).device
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / PAYLOAD_FILE).is_file() or (path / DCP_METADATA_FILE).is_file()
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a `--checkpoint-dir` root whose `latest` file names one."""
+    p = Path(path)
+    if not p.exists():
+        raise ReportError(f"{p}: no such checkpoint folder")
+    if not p.is_dir():
+        raise ReportError(f"{p}: not a folder (a checkpoint is a folder)")
+    if not is_checkpoint(p) and (p / LATEST_FILE).is_file():
+        name = (p / LATEST_FILE).read_text().strip()
+        if not name or "/" in name or name.startswith("."):
+            raise ReportError(f"{p / LATEST_FILE}: does not name a checkpoint folder ({name!r})")
+        return p / name
+    return p
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+# --------------------------------------------------------------------------------------------- save
+def check_quiescent(view: LocalView) -> None:
+    """Every local rank (and, in several processes, every process) must be quiescent for a checkpoint."""
+    local = [f"pipeline rank {r.rank}: {why}" for r in view.ranks for why in r.barrier.reasons("checkpoint")]
+    everywhere = [why for reasons in _gather(view, local) for why in reasons]
+    if everywhere:
+        e_W = view.ranks[0].clock.e_W
+        raise CommitViolation(
+            f"premature checkpoint at e_W={e_W}: expected quiescence (no live tapes, no arena writes or "
+            f"reductions in flight), found: " + "; ".join(everywhere),
+            relation="premature checkpoint", key=None, expected="quiescence", found=everywhere)
+
+
+def _stages(view: LocalView) -> list[dict]:
+    if view.dp_rank != 0:
+        return []
+    return [StagePayload(stage=s, pp_rank=r.rank, params=[n for n, _ in c.named_parameters()],
+                         fp8_linears=list(c.matrix_linears())).model_dump()
+            for r in view.ranks for s, c in r.chunks.items()]
+
+
+def save_checkpoint(pipe: Any, path: str | Path, cfg: Any, *, stream: Any = None,
+                    overwrite: bool = False) -> Path:
+    """Write a checkpoint of `pipe` (at an optimizer boundary) to `path`; every process must call this.
+
+    `stream` is this process's `DataStream` (its position is saved). Returns the final folder.
+    Raises `CommitViolation` (nothing written) unless every rank is quiescent, `UserError` when `path`
+    exists and may not be replaced.
+    """
+    view = local_view(pipe)
+    final = Path(path)
+    check_quiescent(view)
+    error = None
+    if view.global_rank == 0 and final.exists():
+        if not final.is_dir():
+            error = f"{final}: exists and is not a folder"
+        elif any(final.iterdir()) and not (overwrite and is_checkpoint(final)):
+            error = (f"{final}: folder exists and is not empty" +
+                     ("" if is_checkpoint(final) else " (and is not a checkpoint)") + "; not overwriting it")
+    errors = _agree(view, error)
+    if errors:
+        raise UserError(errors[0])
+
+    steps = {r.step_index for r in view.ranks}
+    epochs = {str(r.rank): r.clock.e_W for r in view.ranks}
+    device = _device(view)
+    me = ProcessPayload(global_rank=view.global_rank, dp_rank=view.dp_rank, pp_ranks=[r.rank for r in view.ranks],
+                        data=stream.state_dict() if stream is not None else None, rng=rng_state(device))
+    gathered = _gather(view, (sorted(steps), epochs, me.model_dump(), _stages(view)))
+    all_steps = {s for g in gathered for s in g[0]}
+    if len(all_steps) != 1:
+        raise RuntimeError(f"ranks disagree on the step index: {sorted(all_steps)}")
+    all_epochs: dict[str, int] = {}
+    for g in gathered:
+        all_epochs.update(g[1])
+    token = _broadcast(view, f"{os.getpid()}-{time.time_ns():x}")
+    tmp = final.with_name(f"{final.name}.tmp-{token}")
+    if view.global_rank == 0:
+        tmp.mkdir(parents=True)
+    _barrier(view)
+
+    try:
+        dcp.save(tensor_state(view), storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not view.distributed)
+    except BaseException:
+        if view.global_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _barrier(view)
+    error = None
+    if view.global_rank == 0:
+        try:
+            payload = _payload(cfg, view, tmp, all_steps.pop(), all_epochs, gathered)
+            write_text_atomic(tmp / PAYLOAD_FILE, payload.model_dump_json(indent=2) + "\n")
+            _fsync_dir(tmp)
+            _install(tmp, final, token)
+        except Exception as err:  # noqa: BLE001 - every process must learn that the save failed
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not view.distributed:
+                raise
+            error = f"{final}: checkpoint not written: {err}"
+    errors = _agree(view, error)
+    if errors:
+        raise RuntimeError(errors[0])
+    return final
+
+
+def _payload(cfg: Any, view: LocalView, tmp: Path, step: int, epochs: dict[str, int],
+             gathered: list) -> CheckpointPayload:
+    from qeffect.runtime.build import recipe_of
+
+    files = {}
+    for f in sorted(tmp.rglob("*")):
+        if f.is_file():
+            files[f.relative_to(tmp).as_posix()] = FileEntry(bytes=f.stat().st_size, sha256=_sha256(f))
+    p = cfg.pipeline
+    return CheckpointPayload(
+        step=step, epochs=dict(sorted(epochs.items(), key=lambda kv: int(kv[0]))),
+        config=cfg.model_dump(), recipe={"backend": cfg.fp8.backend, **recipe_of(cfg).to_dict()},
+        schedule=p.schedule, pp=p.pp, dp=p.dp, chunks_per_rank=p.chunks_per_rank,
+        microbatches=p.microbatches, num_stages=p.num_stages, world_size=view.world_size,
+        launch="torchrun" if view.distributed else "single-process",
+        stages=sorted((StagePayload(**s) for g in gathered for s in g[3]), key=lambda s: s.stage),
+        processes=[ProcessPayload(**g[2]) for g in gathered], files=files,
+        qeffect_version=qeffect.__version__, torch_version=torch.__version__,
+    )
+
+
+def _install(tmp: Path, final: Path, token: str) -> None:
+    """Rename the finished temporary folder to its final name (replacing an old checkpoint there)."""
+    old = None
+    if final.exists():
+        if any(final.iterdir()):
+            old = final.with_name(f"{final.name}.old-{token}")
+            os.replace(final, old)
+        else:
+            final.rmdir()
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def update_latest(root: str | Path, folder: Path) -> None:
+    """Point `root/latest` at `folder` (atomically; written after the folder is in place)."""
+    write_text_atomic(Path(root) / LATEST_FILE, folder.name + "\n")
+
+
+# --------------------------------------------------------------------------------------------- load
+def load_checkpoint(pipe: Any, path: str | Path, cfg: Any, *, stream: Any = None) -> CheckpointPayload:
+    """Restore `pipe` (freshly built, no step run yet) from the checkpoint at `path`; every process calls it.
+
+    Raises `ReportError` for an unreadable checkpoint and `UserError` when the checkpoint's pipeline
+    shape, schedule, recipe or model differ from `cfg` (the message names each difference).
+    """
+    from qeffect.checkpoint.inspect import open_checkpoint
+
+    view = local_view(pipe)
+    ck = open_checkpoint(resolve_checkpoint(path))
+    payload, md, folder = ck.payload, ck.metadata, ck.path
+    diffs = config_differences(payload.config, cfg.model_dump())
+    if diffs:
+        raise UserError(f"{folder}: checkpoint differs from this run: " + "; ".join(diffs))
+    check_quiescent(view)
+
+    want: dict[str, torch.Tensor] = {}
+    new_state: list[tuple[Any, torch.nn.Parameter, dict[str, torch.Tensor]]] = []
+    error = None
+    saved = md.state_dict_metadata
+    try:
+        for r in view.ranks:
+            for s, chunk in r.chunks.items():
+                for name, p in chunk.named_parameters():
+                    want[param_key(s, name)] = p.detach()
+                    prefix = optim_key(s, name, "")
+                    st: dict[str, torch.Tensor] = {}
+                    for key, meta in saved.items():
+                        if key.startswith(prefix) and "." not in key[len(prefix):]:
+                            k = key[len(prefix):]
+                            dev = torch.device("cpu") if k == "step" else p.device
+                            st[k] = want[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype,
+                                                            device=dev)
+                    if st:
+                        new_state.append((r.optimizer, p, st))
+                for name, t in chunk.fp8_state().items():
+                    want[fp8_key(s, name, view.dp_rank, view.dp)] = t
+        missing = [k for k in want if k not in saved]
+        if missing:
+            error = f"{folder}: checkpoint lacks {len(missing)} tensor(s) this run needs, e.g. {missing[:3]}"
+        else:
+            bad = [f"{k} {tuple(saved[k].size)} {saved[k].properties.dtype} vs {tuple(t.shape)} {t.dtype}"
+                   for k, t in want.items()
+                   if tuple(saved[k].size) != tuple(t.shape) or saved[k].properties.dtype != t.dtype]
+            if bad:
+                error = f"{folder}: tensor shape or dtype differs from this run: {bad[0]}"
+    except Exception as err:  # noqa: BLE001 - turned into one agreed error below
+        error = f"{folder}: {err}"
+    errors = _agree(view, error)
+    if errors:
+        raise ReportError(errors[0])
+
+    failure = None
+    try:
+        dcp.load(want, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=not view.distributed)
+    except Exception as err:  # noqa: BLE001 - DCP's CheckpointException carries whole tracebacks
+        failure = f"{folder}: cannot read checkpoint tensors ({_first_line(err)})"
+    if failure:
+        raise ReportError(failure)
+
+    for opt, p, st in new_state:
+        opt.state[p] = st
+    device = _device(view)
+    for r in view.ranks:
+        e_W = payload.epochs.get(str(r.rank))
+        if e_W is None:
+            raise ReportError(f"{folder}: no epoch saved for pipeline rank {r.rank}")
+        r.clock.restore(e_W)
+        r.step_index = payload.step
+        r.arena.rebuild(epoch=e_W)
+        for s, chunk in r.chunks.items():
+            chunk.invalidate_caches()
+            r.actions[s].cache.invalidate()
+    proc = _process_entry(payload, view)
+    if stream is not None:
+        if proc.data is None:
+            raise ReportError(f"{folder}: no data-stream position saved for data-parallel rank {view.dp_rank}")
+        stream.load_state_dict(proc.data)
+    restore_rng(proc.rng, device)
+    return payload
+
+
+def _process_entry(payload: CheckpointPayload, view: LocalView) -> ProcessPayload:
+    """The same process if the launch matches, else the first process of the same data-parallel replica."""
+    for p in payload.processes:
+        if payload.world_size == view.world_size and p.global_rank == view.global_rank:
+            return p
+    for p in payload.processes:
+        if p.dp_rank == view.dp_rank:
+            return p
+    raise ReportError(f"no process state saved for data-parallel rank {view.dp_rank}")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    lines = [ln.strip() for ln in text if ln.strip() and not ln.strip().startswith(("Traceback", "File "))]
+    msg = lines[-1] if lines else type(err).__name__
+    return msg[:300]

@@ -1,0 +1,128 @@
+"""`qeffect inspect-checkpoint`: read a checkpoint's DCP metadata and qeffect payload without a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from qeffect.cli.app import app
+
+
+def _mib(n: int) -> str:
+    return f"{n:,} B ({n / 2**20:.2f} MiB)" if n >= 2**20 else f"{n:,} B"
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _render(report, console: Console, modules: int) -> None:
+    console.print(f"checkpoint {report.path}: step {report.step}, e_W per pipeline rank "
+                  f"{report.epochs}, schema {report.checkpoint_schema_version}, {report.launch} "
+                  f"(world size {report.world_size})")
+    p = report.pipeline
+    console.print(f"pipeline: schedule {report.schedule}, pp {p['pp']}, dp {p['dp']}, {p['chunks_per_rank']} "
+                  f"chunks per rank ({p['num_stages']} stages), {p['microbatches']} microbatches")
+    console.print("recipe: " + ", ".join(f"{k} {v}" for k, v in report.recipe.items()))
+    model = report.config.get("model", {})
+    console.print("model: " + ", ".join(f"{k} {v}" for k, v in model.items()))
+
+    sizes = Table(title="bytes")
+    for col in ("section", "tensors", "numbers", "stored"):
+        sizes.add_column(col, justify="right" if col != "section" else "left")
+    for name, s in report.sections.items():
+        sizes.add_row(name, str(s.tensors), _mib(s.logical_bytes), _mib(s.stored_bytes))
+    sizes.add_row("qeffect.json", "-", "-", _mib(report.payload_bytes))
+    console.print(sizes)
+    console.print(f"total checkpoint bytes {_mib(report.total_bytes)}; qeffect runtime state (FP8 tensors as "
+                  f"stored + qeffect.json) {_mib(report.qeffect_runtime_state_bytes)} = "
+                  f"{100 * report.qeffect_runtime_state_fraction:.2f}%")
+
+    stages = Table(title="per stage")
+    for col in ("stage", "pp rank", "params", "param bytes", "optim bytes", "fp8 tensors", "fp8 numbers",
+                "fp8 stored", "json", "qeffect payload"):
+        stages.add_column(col, justify="right")
+    for s in report.stages:
+        stages.add_row(str(s.stage), str(s.pp_rank), str(s.params), f"{s.param_bytes:,}", f"{s.optim_bytes:,}",
+                       str(s.fp8_tensors), f"{s.fp8_bytes:,}", f"{s.fp8_stored_bytes:,}",
+                       f"{s.payload_json_bytes:,}", f"{s.qeffect_payload_bytes:,}")
+    console.print(stages)
+
+    fp8 = Table(title="FP8 state per module (amax range over every history; scale of input / weight / grad)")
+    for col in ("module", "history", "amax range", "scale range", "amax last (in/w/g)", "scale (in/w/g)"):
+        fp8.add_column(col, justify="left" if col == "module" else "right")
+    shown = report.fp8_modules if modules <= 0 else report.fp8_modules[:modules]
+    for m in shown:
+        fp8.add_row(m.module, str(m.history_len), f"{_g(m.amax_range[0])} .. {_g(m.amax_range[1])}",
+                    f"{_g(m.scale_range[0])} .. {_g(m.scale_range[1])}",
+                    " / ".join(_g(t.amax_last) for t in m.tensors.values()),
+                    " / ".join(_g(t.scale) for t in m.tensors.values()))
+    console.print(fp8)
+    if len(shown) < len(report.fp8_modules):
+        console.print(f"({len(report.fp8_modules) - len(shown)} more modules; --modules 0 shows all)")
+    for d in report.data:
+        console.print(f"data position: epoch {d.get('epoch')}, cursor {d.get('cursor')} "
+                      f"(data-parallel rank {d.get('dp_rank')})")
+    console.print(f"cache: {report.cache_semantics}")
+    console.print("not saved (process-local): " + ", ".join(report.not_saved))
+
+
+def _render_diff(diff, console: Console) -> None:
+    console.print(f"a: {diff.a}\nb: {diff.b}")
+    console.print(f"{diff.tensors_compared} tensors compared bitwise; {len(diff.tensors_differing)} differ; "
+                  f"{len(diff.only_in_a)} only in a; {len(diff.only_in_b)} only in b")
+    if diff.tensors_differing:
+        t = Table(title="differing tensors")
+        t.add_column("key")
+        t.add_column("difference")
+        for d in diff.tensors_differing:
+            what = d.reason if d.reason != "bits" else f"{d.differing_elements} of {d.elements} elements"
+            t.add_row(d.key, what)
+        console.print(t)
+    for k in diff.only_in_a:
+        console.print(f"only in a: {k}")
+    for k in diff.only_in_b:
+        console.print(f"only in b: {k}")
+    for s in diff.state_differences:
+        console.print(f"state differs: {s}")
+    for s in diff.other_config_differences:
+        console.print(f"(not counted) config: {s}")
+    console.print("IDENTICAL" if diff.identical else "[red]DIFFERENT[/red]")
+
+
+@app.command("inspect-checkpoint")
+def inspect_checkpoint(
+    path: Path = typer.Argument(..., help="Checkpoint folder (or a checkpoint root with a `latest` file)."),
+    json_flag: bool = typer.Option(False, "--json", help="Print the report as JSON (CheckpointReport) instead."),
+    diff: Path | None = typer.Option(
+        None, "--diff", help="Compare with another checkpoint, tensor by tensor (bitwise); exit 1 if they differ."),
+    modules: int = typer.Option(12, "--modules", min=0, help="FP8 modules to list in the table (0: all)."),
+) -> None:
+    """Summarize a checkpoint without building a model: step and epochs, recipe, configuration, sizes
+    (total checkpoint bytes against qeffect runtime-state bytes, per stage), and per-module FP8 state.
+
+    With --diff OTHER: every tensor is loaded from both and compared on its bits, and the step, epochs,
+    data position, RNG, recipe and run-shape configuration are compared; exit 0 when identical, 1
+    otherwise (other config fields such as steps or paths are listed but not counted). A folder that is
+    not a checkpoint, a missing or truncated or corrupted file, or an unknown schema version: one line
+    on stderr, exit 1.
+    """
+    from qeffect.checkpoint import diff_checkpoints
+    from qeffect.checkpoint import inspect_checkpoint as run_inspect
+
+    console = Console()
+    if diff is not None:
+        result = diff_checkpoints(path, diff)
+        if json_flag:
+            typer.echo(result.model_dump_json(indent=2))
+        else:
+            _render_diff(result, console)
+        raise typer.Exit(0 if result.identical else 1)
+    report = run_inspect(path)
+    if json_flag:
+        typer.echo(report.model_dump_json(indent=2))
+    else:
+        _render(report, console, modules)

@@ -1,0 +1,427 @@
+"""Transformer Engine FP8 backend: `transformer_engine.pytorch.Linear` behind qeffect's linear API.
+
+Transformer Engine is imported lazily (inside functions only): `import qeffect.fp8.te` works on a
+machine without it, and `TEBackend(...)` raises `UserError` there.
+
+Design (TE 2.20; see DESIGN.md §4):
+
+- **Scaling-state isolation.** TE's delayed scaling keeps every module's amax history in process-global
+  buffers keyed by the recipe's text, and each autocast exit (forward) and the backward of the first
+  module of an autocast region (backward) rolls the histories of *every* registered module. A module's
+  state would then depend on the global order of all chunks' actions (ZB-V reorders them, and the native
+  reference and the qeffect run live in one process during verification). So our modules never join
+  those buffers (their `fp8_meta` carries a placeholder buffer entry, which makes
+  `add_fp8_tensors_to_global_buffer` skip them) and each module performs TE's own fused update kernel
+  (`fused_amax_and_scale_update_after_reduction`, the kernel TE's reduce-and-update calls) on its own
+  state: the forward state right after its forward (`F`), the backward state right after its autograd
+  backward node ran (`dI`, a node post-hook). Exactly one update per module and action, at the same
+  logical point in the native reference and in the split path. Single process, no amax reduction.
+- **Autocast.** Each forward runs inside `te.pytorch.autocast(recipe=...)` (explicit `DelayedScaling`
+  from our recipe, HYBRID) and, when the activations are narrower than the fp32 master weights, inside
+  `torch.autocast` (TE requires parameter dtype == input dtype outside an AMP region). No chunk-level
+  context is needed, so the backend needs no `forward_context` hook.
+- **Retained dW.** Modules are built with `delay_wgrad_compute=True` (so TE's FIFO `WeightGradStore`
+  exists) and switched with `delay_wgrad`: off, TE computes wgrad inside the backward (native reference);
+  on, the backward queues the wgrad GEMM and `pop_wgrad_work()` hands out one `TEWgradWork` handle per
+  backward. `compute_wgrad(handle)` must be called in dI order (checked) and pops TE's queue directly
+  (`wgrad_store.pop()`, what `backward_dw()` does minus assigning `weight.grad`).
+- **Weight-gradient destination: compute then copy.** The native path's weight gradient is TE's bf16
+  wgrad GEMM output cast to the fp32 `.grad` by autograd. `fuse_wgrad_accumulation=True` would make the
+  GEMM write (and accumulate) fp32 straight into `main_grad`: more precise, so different bits (measured
+  on the H200, see the report), and its destination is bound at `dI` time, not at `dW`. So `dW` runs the
+  GEMM into TE's bf16 output and copies it into the arena view (an exact cast, the same one autograd
+  does for the native `.grad`).
+- **Weight cache.** `forward(x, is_first_microbatch=True)` re-quantizes the weight into TE's cached
+  workspace (in place, fixed address); `False` reuses it. `invalidate_cache()` only marks it stale (a
+  later `False` raises, like the reference) and keeps TE's buffer for a fixed address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from qeffect.errors import UserError
+from qeffect.fp8.recipe import DelayedScalingRecipe
+from qeffect.fp8.reference import EMPTY_CACHE_MSG
+
+TE_MISSING_MSG = (
+    "--backend te needs Transformer Engine (pip install 'qeffect[te]'); it is not importable here"
+)
+
+# Per role: (fp8_meta key, column in that state's [history, n] tensors, our state name prefix).
+# TE's forward state has 3 columns (GEMM1 input, weight, output), the backward state 2 (grad output,
+# grad input); `output` and `grad_input` are only used with fp8_output / fp8_grad, but they are state.
+STATE_ROLES: tuple[tuple[str, int, str], ...] = (
+    ("scaling_fwd", 0, "input"),
+    ("scaling_fwd", 1, "weight"),
+    ("scaling_fwd", 2, "output"),
+    ("scaling_bwd", 0, "grad"),
+    ("scaling_bwd", 1, "grad_input"),
+)
+TE_STATE_NAMES: tuple[str, ...] = tuple(
+    f"{prefix}_{kind}" for _, _, prefix in STATE_ROLES for kind in ("amax_history", "scale")
+)
+FORWARD_STATE: tuple[str, ...] = tuple(n for n in TE_STATE_NAMES if not n.startswith("grad_"))
+BACKWARD_STATE: tuple[str, ...] = tuple(n for n in TE_STATE_NAMES if n.startswith("grad_"))
+
+# A placeholder for TE's "index in the global amax buffers" entry: a module that has one is never
+# appended to those buffers again. Shaped like the real entry (fwd pos, fwd key, bwd pos, bwd key) so
+# TE code that unpacks it (amax-history resizing) works; the keys name no buffer.
+_UNREGISTERED = [0, "qeffect-private-forward", 0, "qeffect-private-backward"]
+
+
+def te_available() -> bool:
+    """Whether `transformer_engine.pytorch` imports here (it needs CUDA libraries)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # an ImportError, or a broken install (missing CUDA libraries)
+        return False
+    return True
+
+
+def require_te() -> None:
+    if not te_available():
+        raise UserError(TE_MISSING_MSG)
+
+
+def te_recipe_kwargs(recipe: DelayedScalingRecipe) -> dict[str, Any]:
+    """`transformer_engine.common.recipe.DelayedScaling` arguments for our recipe (format by name).
+
+    `reduce_amax=False`: amaxes are never all-reduced (our modules update their own state; a
+    data-parallel amax reduction would be a separate, explicit step).
+    """
+    return {
+        "margin": recipe.margin,
+        "fp8_format": recipe.fp8_format,
+        "amax_history_len": recipe.amax_history_len,
+        "amax_compute_algo": recipe.amax_compute_algo,
+        "reduce_amax": False,
+    }
+
+
+def make_te_recipe(recipe: DelayedScalingRecipe) -> Any:
+    """The explicit TE `DelayedScaling` recipe for `recipe`."""
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    kw = te_recipe_kwargs(recipe)
+    kw["fp8_format"] = getattr(Format, kw["fp8_format"])
+    return DelayedScaling(**kw)
+
+
+@dataclass(frozen=True, eq=False)
+class TEWgradWork:
+    """Handle for one queued wgrad GEMM in a module's TE `WeightGradStore` (FIFO).
+
+    The tensors stay inside TE's store; the handle names the module and the position (`seq`, counted
+    from 1 per module) so `compute_wgrad` can prove it drains the queue in order.
+    """
+
+    owner: int  # id() of the module
+    seq: int
+
+
+class WgradFifo:
+    """Bookkeeping over TE's per-module FIFO of delayed wgrad GEMMs (pure Python, CPU-testable).
+
+    `record()` after each delayed backward (the store grew by one), `pop_pending()` hands the new
+    handles to `dI`, `check_next(work)` before draining one, `consume(work)` after.
+    """
+
+    def __init__(self, owner: int) -> None:
+        self.owner = owner
+        self._seq = 0
+        self._pending: list[TEWgradWork] = []
+        self._queued: deque[TEWgradWork] = deque()  # everything in TE's store, oldest first
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def record(self, store_size: int | None = None) -> TEWgradWork:
+        self._seq += 1
+        work = TEWgradWork(self.owner, self._seq)
+        self._pending.append(work)
+        self._queued.append(work)
+        if store_size is not None and store_size != len(self._queued):
+            raise RuntimeError(
+                f"TE WeightGradStore holds {store_size} wgrad GEMMs, qeffect expected {len(self._queued)}"
+            )
+        return work
+
+    def pop_pending(self) -> list[TEWgradWork]:
+        work, self._pending = self._pending, []
+        return work
+
+    def check_next(self, work: object) -> None:
+        if not isinstance(work, TEWgradWork) or work.owner != self.owner:
+            raise RuntimeError(f"compute_wgrad got {work!r}, not a retained dW item of this module")
+        if not self._queued or work is not self._queued[0]:
+            nxt = self._queued[0].seq if self._queued else None
+            raise RuntimeError(
+                f"dW out of dI order: TE's WeightGradStore is FIFO; got item {work.seq}, next is {nxt}"
+            )
+        if work in self._pending:
+            raise RuntimeError(f"dW item {work.seq} was never handed out by pop_wgrad_work()")
+
+    def consume(self, work: TEWgradWork) -> None:
+        self.check_next(work)
+        self._queued.popleft()
+
+    def clear(self) -> None:
+        self._pending = []
+        self._queued.clear()
+
+
+@dataclass(frozen=True)
+class TEWeightCache:
+    """TE's cached FP8 weight (`Float8Tensor` workspace), exposed like the reference's `WeightCache`."""
+
+    w_q: Tensor  # [out, in] E4M3 (rowwise data)
+    w_q_t: Tensor | None  # [in, out] E4M3 (columnwise data, for dgrad), if TE made it
+    scale_inv: Tensor
+
+
+@functools.cache
+def te_linear_class() -> type[nn.Module]:
+    """`TELinear`, a subclass of `transformer_engine.pytorch.Linear` (built on first use: lazy import)."""
+    import transformer_engine.pytorch as te
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager, get_fp8_te_dtype
+
+    buffer_key = FP8GlobalStateManager.get_buffer_info()
+
+    class TELinear(te.Linear):
+        """qeffect's matrix module on TE: the `RefFP8Linear` API over `te.Linear` (weight, bias named so)."""
+
+        qeffect_matrix_linear = True
+
+        def __init__(
+            self,
+            in_features: int,
+            out_features: int,
+            bias: bool,
+            recipe: DelayedScalingRecipe,
+            te_recipe: Any,
+            *,
+            device: torch.device | str | None = None,
+            dtype: torch.dtype = torch.float32,
+        ) -> None:
+            super().__init__(
+                in_features,
+                out_features,
+                bias=bias,
+                params_dtype=dtype,
+                device="cuda" if device is None else device,
+                delay_wgrad_compute=True,  # creates the FIFO store; `delay_wgrad` switches it
+                fuse_wgrad_accumulation=False,
+            )
+            if not bias:
+                self.bias = None  # TE leaves an empty tensor; the reference API has None
+            self.recipe = recipe
+            self._te_recipe = te_recipe
+            self.fp8_meta[buffer_key] = list(_UNREGISTERED)
+            self._fifo = WgradFifo(id(self))
+            self._cache_valid = False
+            self.delay_wgrad = False
+
+        def extra_repr(self) -> str:
+            return (
+                f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.use_bias}, delay_wgrad={self.delay_wgrad}"
+            )
+
+        # -- retained dW switch ------------------------------------------------------------------
+        @property
+        def delay_wgrad(self) -> bool:
+            return self.wgrad_store.delay_wgrad_compute()
+
+        @delay_wgrad.setter
+        def delay_wgrad(self, flag: bool) -> None:
+            if flag:
+                self.wgrad_store.enable_delay_wgrad_compute()
+            else:
+                self.wgrad_store.disable_delay_wgrad_compute()
+
+        # -- scaling state -------------------------------------------------------------------------
+        @property
+        def fp8_initialized_state(self) -> bool:
+            return "scaling_fwd" in self.fp8_meta and "scaling_bwd" in self.fp8_meta
+
+        def fp8_state(self) -> dict[str, Tensor]:
+            """Amax histories and scales per role, as live views of TE's state (empty before the first forward)."""
+            if not self.fp8_initialized_state:
+                return {}
+            out: dict[str, Tensor] = {}
+            for key, col, prefix in STATE_ROLES:
+                st = self.fp8_meta[key]
+                out[f"{prefix}_amax_history"] = st.amax_history[:, col]
+                out[f"{prefix}_scale"] = st.scale[col]
+            return out
+
+        def _update_scaling(self, key: str, forward: bool) -> None:
+            """TE's delayed-scaling update (roll the amax history, recompute scales) for this module only."""
+            st = self.fp8_meta[key]
+            tex.fused_amax_and_scale_update_after_reduction(
+                st.amax_history[0].clone(),  # TE passes a concatenated copy of the current amaxes
+                [st.amax_history],
+                [st.scale],
+                self._te_recipe.amax_compute_algo,
+                get_fp8_te_dtype(self._te_recipe, forward),
+                float(self._te_recipe.margin),
+            )
+
+        def extra_state(self) -> Tensor:
+            """TE's persistent FP8 state (recipe, scales, amax histories) as its serialized byte tensor."""
+            return self.get_extra_state()
+
+        def load_extra_state(self, state: Tensor) -> None:
+            self.set_extra_state(state)
+            self.fp8_meta[buffer_key] = list(_UNREGISTERED)
+
+        # -- weight cache --------------------------------------------------------------------------
+        @property
+        def cache_valid(self) -> bool:
+            return self._cache_valid
+
+        @property
+        def weight_cache(self) -> TEWeightCache | None:
+            ws = self._fp8_workspaces.get("weight")
+            if not self._cache_valid or ws is None or getattr(ws, "_data", None) is None:
+                return None
+            data = ws._data
+            w_t = getattr(ws, "_transpose", None)
+            fp8 = self.recipe.fwd_dtype
+            return TEWeightCache(
+                data.view(fp8) if data.dtype == torch.uint8 else data,
+                None if w_t is None else (w_t.view(fp8) if w_t.dtype == torch.uint8 else w_t),
+                ws._scale_inv,
+            )
+
+        def invalidate_cache(self) -> None:
+            """Mark the quantized weight stale (TE's buffer is kept: fixed address for graph capture)."""
+            self._cache_valid = False
+
+        # -- compute -------------------------------------------------------------------------------
+        def _contexts(self, act_dtype: torch.dtype) -> contextlib.ExitStack:
+            stack = contextlib.ExitStack()
+            stack.enter_context(te.autocast(enabled=True, recipe=self._te_recipe))
+            # No module of ours may trigger TE's global backward reduce-and-update.
+            FP8GlobalStateManager.quantization_state.is_first_fp8_module = False
+            if act_dtype != self.weight.dtype:
+                stack.enter_context(torch.autocast("cuda", dtype=act_dtype, cache_enabled=False))
+            return stack
+
+        def forward(self, x: Tensor, is_first_microbatch: bool) -> Tensor:  # type: ignore[override]
+            if not is_first_microbatch and not self._cache_valid:
+                raise RuntimeError(EMPTY_CACHE_MSG)
+            if x.shape[-1] != self.in_features:
+                raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
+            delayed = self.delay_wgrad
+            with self._contexts(x.dtype):
+                y = super().forward(x, is_first_microbatch=bool(is_first_microbatch))
+            if is_first_microbatch:
+                self._cache_valid = True
+            if torch.is_grad_enabled():  # TE updates forward scaling only in grad mode, too
+                self._update_scaling("scaling_fwd", forward=True)
+                node = y.grad_fn
+                if node is not None:
+                    if type(node).__name__ != "_LinearBackward":
+                        raise RuntimeError(
+                            f"unexpected TE output node {type(node).__name__}: the backward FP8 update "
+                            "must run after TE's _Linear backward"
+                        )
+                    node.register_hook(functools.partial(self._after_backward, delayed))
+            return y
+
+        def _after_backward(self, delayed: bool, grad_inputs: Any, grad_outputs: Any) -> None:
+            """Node post-hook: TE's backward of this microbatch is done (dI, or dI+dW when not delayed)."""
+            self._update_scaling("scaling_bwd", forward=False)
+            if delayed and self.weight.requires_grad:
+                self._fifo.record(self.wgrad_store.context.qsize())
+
+        def pop_wgrad_work(self) -> list[TEWgradWork]:
+            """Handles for the wgrad GEMMs queued since the last call (one per delayed backward)."""
+            return self._fifo.pop_pending()
+
+        def compute_wgrad(self, work: TEWgradWork, out: Tensor | None = None) -> Tensor:
+            """Run the oldest queued wgrad GEMM (must be `work`); write `dW` into `out` or return it (fp32)."""
+            self._fifo.check_next(work)
+            if out is not None and (
+                out.shape != self.weight.shape or out.dtype != self.weight.dtype or out.device != self.weight.device
+            ):
+                raise ValueError(
+                    f"dW destination must be {tuple(self.weight.shape)} {self.weight.dtype} on "
+                    f"{self.weight.device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
+                )
+            (wgrad, _bgrad), _ = self.wgrad_store.pop()
+            self._fifo.consume(work)
+            if out is None:
+                return wgrad.to(self.weight.dtype)
+            out.copy_(wgrad)
+            return out
+
+        def discard_wgrad_work(self) -> int:
+            """Drop every queued wgrad GEMM (after an aborted epoch); returns how many were dropped."""
+            n = len(self._fifo)
+            while self.wgrad_store.context is not None and self.wgrad_store.context.qsize():
+                self.wgrad_store.context.get_nowait()
+            self._fifo.clear()
+            return n
+
+    # Read/write access to single state tensors by the reference's names (fault injection uses them).
+    def _state_property(name: str) -> property:
+        return property(lambda self: self.fp8_state()[name])
+
+    for _name in TE_STATE_NAMES:
+        setattr(TELinear, _name, _state_property(_name))
+
+    return TELinear
+
+
+class TEBackend:
+    """Transformer Engine `Linear` with delayed scaling, retained dW and a cached FP8 weight."""
+
+    name = "te"
+    state_transitions: dict[str, tuple[str, ...]] = {
+        "F": FORWARD_STATE,
+        "dI": BACKWARD_STATE,
+        "dW": (),
+    }
+    persistent_state: tuple[str, ...] = TE_STATE_NAMES
+    retained_object = (
+        "TE WeightGradStore FIFO per module (delay_wgrad_compute); pop_wgrad_work hands out one TEWgradWork "
+        "handle per dI, compute_wgrad drains them in dI order"
+    )
+    wgrad_destination = (
+        "compute_wgrad(work, out=view): a tensor of the weight's shape, dtype (fp32) and device, overwritten "
+        "with the bf16 wgrad GEMM output (copy); or a fresh fp32 tensor without out"
+    )
+    cache_refresh = (
+        "forward(x, is_first_microbatch=True) re-quantizes the weight into TE's cached workspace (in place); "
+        "False reuses it and raises RuntimeError after invalidate_cache()"
+    )
+
+    def __init__(self, recipe: DelayedScalingRecipe) -> None:
+        require_te()
+        self.recipe = recipe
+        self.te_recipe = make_te_recipe(recipe)
+
+    def linear(
+        self,
+        in_f: int,
+        out_f: int,
+        bias: bool,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> nn.Module:
+        return te_linear_class()(in_f, out_f, bias, self.recipe, self.te_recipe, device=device, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"TEBackend({self.recipe})"

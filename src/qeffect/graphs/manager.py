@@ -1,0 +1,221 @@
+"""CUDA graph manager: one graph stream, one memory pool, and the two-way handshake at every replay.
+
+Why two-way (paper, Fig. 2): GraphPP launched a replay on its graph stream and handed control straight
+back (one-way). Nothing ordered the graph after the caller's writes of its inputs, and nothing ordered
+the caller's reads of the outputs after the graph: stale reads in 600 of 600 producer-consumer checks.
+Here every replay is
+
+1. graph stream waits on the caller's current stream (caller -> graph edge),
+2. dynamic inputs are copied into the static input buffers ON the graph stream, after that edge,
+3. the graph is replayed on the graph stream,
+4. the caller's stream waits on an external event recorded at the graph tail during capture.
+
+No host synchronization anywhere on that path. `protocol="one-way"` drops steps 1 and 4 on purpose, to
+reproduce GraphPP's defect (`qeffect.graphs.handshake` measures both).
+
+Every CUDA call goes through a `GraphBackend`, so the bookkeeping and the exact order of handshake
+operations are testable on a CPU-only machine with fakes; importing this module touches no CUDA.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from qeffect.graphs.stats import GraphStats
+
+HandshakeProtocol = Literal["two-way", "one-way"]
+
+
+class GraphBackend(Protocol):
+    """The CUDA operations the manager needs. Streams must offer `wait_stream(s)` and `wait_event(e)`,
+    graphs `replay()`, events `record()`."""
+
+    def new_stream(self) -> Any: ...
+    def current_stream(self) -> Any: ...
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+    def graph_pool_handle(self) -> Any: ...
+    def new_graph(self) -> Any: ...
+    def capture(self, graph: Any, pool: Any, stream: Any) -> AbstractContextManager[Any]: ...
+    def new_external_event(self) -> Any: ...
+    def copy_(self, dst: Tensor, src: Tensor) -> None: ...
+    def record_stream(self, tensor: Tensor, stream: Any) -> None: ...
+    def memory_allocated(self) -> int: ...
+    def memory_reserved(self) -> int: ...
+
+
+class TorchCudaBackend:
+    """The real backend: torch.cuda on one device. Constructed only when a manager is built."""
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"GraphManager needs a CUDA device, got {self.device}")
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def use_stream(self, stream: torch.cuda.Stream) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def graph_pool_handle(self) -> Any:
+        with torch.cuda.device(self.device):
+            return torch.cuda.graph_pool_handle()
+
+    def new_graph(self) -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
+
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> AbstractContextManager[Any]:
+        return torch.cuda.graph(graph, pool=pool, stream=stream)
+
+    def new_external_event(self) -> torch.cuda.Event:
+        # external=True: the record inside the capture becomes a graph node that fires on every replay,
+        # so a wait on it after a replay orders the caller behind that replay's tail.
+        return torch.cuda.Event(external=True)
+
+    def copy_(self, dst: Tensor, src: Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def record_stream(self, tensor: Tensor, stream: torch.cuda.Stream) -> None:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def memory_reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+
+@dataclass
+class CapturedAction:
+    """One captured graph: its static input buffers (fixed addresses), static outputs and tail event.
+
+    `outputs` are the tensors `fn` returned at capture; every replay overwrites them in place, so a
+    caller that keeps a result across replays must clone it (on its own stream, after `replay`).
+    """
+
+    name: str
+    graph: Any
+    static_inputs: dict[str, Tensor]
+    outputs: Any
+    tail_event: Any
+    capture_seconds: float
+    memory_allocated_before: int
+    memory_allocated_after: int
+    memory_reserved_before: int
+    memory_reserved_after: int
+    replays: int = field(default=0)
+
+
+class GraphManager:
+    """Owns the graph stream and the shared graph memory pool; captures and replays stage actions."""
+
+    def __init__(self, device: torch.device | str = "cuda", *, protocol: HandshakeProtocol = "two-way",
+                 backend: GraphBackend | None = None) -> None:
+        if protocol not in ("two-way", "one-way"):
+            raise ValueError(f"protocol must be 'two-way' or 'one-way', got {protocol!r}")
+        self.protocol: HandshakeProtocol = protocol
+        self.backend: GraphBackend = backend if backend is not None else TorchCudaBackend(device)
+        self.stream = self.backend.new_stream()
+        self.pool = self.backend.graph_pool_handle()
+        self.actions: dict[str, CapturedAction] = {}
+        self.stats = GraphStats(protocol=protocol)
+
+    # ------------------------------------------------------------------------------------ capture
+    def capture(self, name: str, fn: Callable[[], Any], *, static_inputs: dict[str, Tensor],
+                warmup: int = 2) -> CapturedAction:
+        """Warm `fn` up `warmup` times on the graph stream, then capture it into one graph.
+
+        Warm-up runs execute the body FOR REAL: any state `fn` mutates (FP8 amax histories and scales,
+        the effect token, optimizer state, counters) advances `warmup` extra times, and the capture
+        itself records without executing. Callers with such state must snapshot it before and restore
+        it after `capture`, or pass `warmup=0` when the body needs no warm-up (no lazy
+        initialization, no cuBLAS workspace or autotuning to settle).
+
+        `fn` must read its inputs only from `static_inputs` (the buffers replay copies into) and
+        must not synchronize the host. Capture itself synchronizes the device once (setup, not the
+        hot path).
+
+        All graphs share one memory pool. That is safe under any replay order because replays are
+        serialized on the one graph stream and the manager keeps every action's `outputs` alive:
+        anything `fn` allocates and needs after the replay must be among its outputs (or be kept
+        alive by the caller for the manager's lifetime), never freed and then read.
+        """
+        if name in self.actions:
+            raise ValueError(f"a graph named {name!r} is already captured")
+        be = self.backend
+        allocated_before, reserved_before = be.memory_allocated(), be.memory_reserved()
+        t0 = time.perf_counter()
+        caller = be.current_stream()
+        if warmup > 0:
+            self.stream.wait_stream(caller)
+            with be.use_stream(self.stream):
+                for _ in range(warmup):
+                    fn()
+            caller.wait_stream(self.stream)
+        graph = be.new_graph()
+        tail = be.new_external_event()
+        with be.capture(graph, self.pool, self.stream):
+            outputs = fn()
+            tail.record()  # inside the capture: current stream is the graph stream
+        seconds = time.perf_counter() - t0
+        allocated_after, reserved_after = be.memory_allocated(), be.memory_reserved()
+        action = CapturedAction(name=name, graph=graph, static_inputs=dict(static_inputs), outputs=outputs,
+                                tail_event=tail, capture_seconds=seconds,
+                                memory_allocated_before=allocated_before, memory_allocated_after=allocated_after,
+                                memory_reserved_before=reserved_before, memory_reserved_after=reserved_after)
+        self.actions[name] = action
+        self.stats.record_capture(name, seconds, allocated_before, reserved_before, allocated_after, reserved_after)
+        return action
+
+    # ------------------------------------------------------------------------------------- replay
+    def replay(self, action: CapturedAction, dynamic: dict[str, Tensor] | None = None) -> Any:
+        """Replay `action` with the handshake of `self.protocol`; returns its static outputs.
+
+        Two-way: the returned outputs are safe to read on the caller's current stream right away;
+        dynamic inputs may be freed by the caller right away (record_stream keeps their memory alive
+        until the graph stream's copy is done). One-way (the defect) gives neither guarantee.
+        """
+        be = self.backend
+        caller = be.current_stream()
+        two_way = self.protocol == "two-way"
+        if two_way:
+            self.stream.wait_stream(caller)  # (1) caller -> graph edge
+        with be.use_stream(self.stream):
+            if dynamic:
+                for key, src in dynamic.items():  # (2) after the edge, on the graph stream
+                    try:
+                        dst = action.static_inputs[key]
+                    except KeyError:
+                        raise KeyError(f"graph {action.name!r} has no static input {key!r}") from None
+                    if dst.shape != src.shape or dst.dtype != src.dtype:
+                        raise ValueError(f"graph {action.name!r}: dynamic input {key!r} is {src.dtype}"
+                                         f"{tuple(src.shape)}, its static buffer {dst.dtype}{tuple(dst.shape)}")
+                    be.copy_(dst, src)
+                    be.record_stream(src, self.stream)
+            action.graph.replay()  # (3)
+        if two_way:
+            caller.wait_event(action.tail_event)  # (4) graph tail -> caller
+        action.replays += 1
+        self.stats.record_replay(2 if two_way else 0)
+        return action.outputs
+
+    # -------------------------------------------------------------------------------------- stats
+    def mark_step(self) -> int:
+        """Sample allocated memory at the end of a step (for persistent-growth accounting)."""
+        allocated = self.backend.memory_allocated()
+        self.stats.mark_step(allocated)
+        return allocated
+
+    def persistent_growth_per_step(self) -> float:
+        return self.stats.persistent_growth_per_step()

@@ -1,0 +1,310 @@
+"""Transformer Engine backend: CPU-checkable parts always; the rest (`gpu`) needs CUDA and TE.
+
+GPU tests use the tiny model on CUDA with bf16 activations; the paper shapes are checked with the
+`verify-state` command (examples/configs/h2048.toml) on the H200.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qeffect.config import load_config
+from qeffect.errors import UserError
+from qeffect.fp8.base import TE_MISSING_MSG, get_backend
+from qeffect.fp8.recipe import DelayedScalingRecipe
+from qeffect.fp8.te import (
+    BACKWARD_STATE,
+    FORWARD_STATE,
+    TE_STATE_NAMES,
+    TEBackend,
+    TEWgradWork,
+    WgradFifo,
+    te_available,
+    te_recipe_kwargs,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_TE = te_available()
+needs_te = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not HAS_TE, reason="needs Transformer Engine"),
+]
+
+
+# ------------------------------------------------------------------------------------------ CPU
+def test_import_does_not_import_transformer_engine() -> None:
+    code = "import sys, qeffect.fp8.te, qeffect.fp8; print(any(m.startswith('transformer_engine') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(HAS_TE, reason="Transformer Engine is importable here")
+def test_missing_te_is_a_user_error() -> None:
+    r = DelayedScalingRecipe()
+    with pytest.raises(UserError) as err:
+        get_backend("te", r)
+    assert str(err.value) == TE_MISSING_MSG
+    with pytest.raises(UserError):
+        TEBackend(r)
+
+
+def test_recipe_mapping() -> None:
+    r = DelayedScalingRecipe(margin=2, amax_history_len=7, amax_compute_algo="most_recent")
+    assert te_recipe_kwargs(r) == {
+        "margin": 2,
+        "fp8_format": "HYBRID",
+        "amax_history_len": 7,
+        "amax_compute_algo": "most_recent",
+        "reduce_amax": False,
+    }
+
+
+def test_protocol_state_split() -> None:
+    assert TEBackend.state_transitions["dW"] == ()
+    assert set(TEBackend.state_transitions["F"]) | set(TEBackend.state_transitions["dI"]) == set(TE_STATE_NAMES)
+    # verify-state splits forward vs backward state by a `grad_` prefix: the backend must agree.
+    assert all(n.startswith("grad_") for n in BACKWARD_STATE)
+    assert not any(n.startswith("grad_") for n in FORWARD_STATE)
+    assert {"grad_amax_history", "grad_scale", "input_scale", "weight_amax_history"} <= set(TE_STATE_NAMES)
+
+
+def test_wgrad_fifo_order_and_handout() -> None:
+    f = WgradFifo(owner=1)
+    a = f.record(store_size=1)
+    assert f.pop_pending() == [a] and f.pop_pending() == []
+    b = f.record(store_size=2)
+    with pytest.raises(RuntimeError, match="never handed out"):
+        f.check_next(a) if False else f.consume(b)  # b is not the oldest: order error first
+    assert len(f) == 2
+    assert f.pop_pending() == [b]
+    with pytest.raises(RuntimeError, match="out of dI order"):
+        f.consume(b)
+    f.consume(a)
+    f.consume(b)
+    assert len(f) == 0
+    with pytest.raises(RuntimeError, match="out of dI order"):
+        f.consume(b)  # already drained
+    with pytest.raises(RuntimeError, match="not a retained dW item"):
+        f.check_next(TEWgradWork(owner=2, seq=1))
+    with pytest.raises(RuntimeError, match="not a retained dW item"):
+        f.check_next("work")
+
+
+def test_wgrad_fifo_detects_store_drift() -> None:
+    f = WgradFifo(owner=1)
+    f.record(store_size=1)
+    with pytest.raises(RuntimeError, match="WeightGradStore holds 3"):
+        f.record(store_size=3)
+
+
+def test_fifo_handout_before_drain() -> None:
+    f = WgradFifo(owner=1)
+    a = f.record()
+    with pytest.raises(RuntimeError, match="never handed out"):
+        f.consume(a)
+    f.pop_pending()
+    f.consume(a)
+    f.record()
+    f.clear()
+    assert len(f) == 0 and f.pop_pending() == []
+
+
+@pytest.mark.parametrize(("name", "hidden", "ffn", "heads", "mbs"),
+                         [("h2048", 2048, 8192, 16, 4), ("h4096", 4096, 11008, 32, 8)])
+def test_paper_configs(name: str, hidden: int, ffn: int, heads: int, mbs: int) -> None:
+    cfg = load_config(ROOT / "examples" / "configs" / f"{name}.toml")
+    m, p = cfg.model, cfg.pipeline
+    assert (m.hidden, m.ffn, m.heads, m.seq_len, m.microbatch_size) == (hidden, ffn, heads, 256, 1)
+    assert (m.vocab_size, m.layers_per_chunk, p.pp, p.chunks_per_rank, p.microbatches) == (32768, 1, 2, 2, mbs)
+    assert (cfg.train.device, cfg.train.dtype, cfg.fp8.amax_history_len) == ("cuda", "bfloat16", 4)
+    assert p.num_stages * m.layers_per_chunk == 4
+
+
+# ------------------------------------------------------------------------------------------ GPU
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    if t.dtype.is_floating_point:
+        t = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.cpu()
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _pair(delay: tuple[bool, bool], in_f: int = 64, out_f: int = 128, bias: bool = True):
+    backend = TEBackend(DelayedScalingRecipe(amax_history_len=4))
+    g = torch.Generator().manual_seed(0)
+    mods = []
+    for d in delay:
+        lin = backend.linear(in_f, out_f, bias, device="cuda", dtype=torch.float32)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(out_f, in_f, generator=g.manual_seed(1)) * 0.05)
+            if bias:
+                lin.bias.copy_(torch.randn(out_f, generator=g.manual_seed(2)) * 0.05)
+        lin.delay_wgrad = d
+        mods.append(lin)
+    return mods
+
+
+def _inputs(m: int, in_f: int = 64, out_f: int = 128):
+    g = torch.Generator().manual_seed(100 + m)
+    x = (torch.randn(2, 32, in_f, generator=g) * (1 + m)).to("cuda", torch.bfloat16)
+    dy = (torch.randn(2, 32, out_f, generator=g) * 1e-2 * (1 + m)).to("cuda", torch.bfloat16)
+    return x, dy
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_split_backward_equals_native(direct: bool) -> None:
+    for mark in needs_te:
+        if mark.name == "skipif" and mark.args[0]:
+            pytest.skip(mark.kwargs["reason"])
+    native, split = _pair((False, True))
+    acc = None
+    for m in range(3):
+        x, dy = _inputs(m)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya, yb = native(xa, is_first_microbatch=(m == 0)), split(xb, is_first_microbatch=(m == 0))
+        assert _same(ya, yb)
+        assert all(_same(native.fp8_state()[k], split.fp8_state()[k]) for k in FORWARD_STATE)
+        assert _same(native.weight_cache.w_q, split.weight_cache.w_q)
+        assert native.weight_cache.w_q.dtype == torch.float8_e4m3fn
+        ya.backward(dy)
+        yb.backward(dy)
+        assert native.pop_wgrad_work() == [] and split.weight.grad is None
+        work = split.pop_wgrad_work()
+        assert len(work) == 1
+        assert _same(xa.grad, xb.grad) and _same(native.bias.grad, split.bias.grad)
+        assert all(_same(native.fp8_state()[k], split.fp8_state()[k]) for k in BACKWARD_STATE)
+        if direct:
+            view = torch.full_like(split.weight, float("nan"))
+            dw = split.compute_wgrad(work[0], out=view)
+            assert dw is view
+        else:
+            dw = split.compute_wgrad(work[0])
+        assert dw.dtype == torch.float32
+        acc = dw.clone() if acc is None else acc.add_(dw)  # the arena's fixed-order sum
+        assert _same(native.weight.grad, acc)
+    assert split.weight.grad is None
+
+
+pytestmark_gpu = needs_te
+
+
+def _skip_without_te() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not HAS_TE:
+        pytest.skip("needs Transformer Engine")
+
+
+@pytest.mark.gpu
+def test_fifo_enforced_and_cache_checked() -> None:
+    _skip_without_te()
+    (lin,) = _pair((True,))
+    items = []
+    for m in range(2):
+        x, dy = _inputs(m)
+        y = lin(x.requires_grad_(True), is_first_microbatch=(m == 0))
+        y.backward(dy)
+        items += lin.pop_wgrad_work()
+    assert len(items) == 2 and items[0].seq == 1 and items[1].seq == 2
+    with pytest.raises(RuntimeError, match="out of dI order"):
+        lin.compute_wgrad(items[1])
+    with pytest.raises(ValueError, match="dW destination"):
+        lin.compute_wgrad(items[0], out=torch.empty(3, 3, device="cuda"))
+    lin.compute_wgrad(items[0])
+    lin.compute_wgrad(items[1])
+    assert lin.wgrad_store.context.qsize() == 0
+    lin.invalidate_cache()
+    assert not lin.cache_valid and lin.weight_cache is None
+    with pytest.raises(RuntimeError, match="weight cache is empty"):
+        lin(_inputs(0)[0], is_first_microbatch=False)
+    lin(_inputs(0)[0], is_first_microbatch=True)
+    assert lin.cache_valid and lin.weight_cache is not None
+
+
+@pytest.mark.gpu
+def test_modules_do_not_share_scaling_state() -> None:
+    """TE's global amax buffers would roll every module's history at any autocast exit: ours must not."""
+    _skip_without_te()
+    a, b = _pair((False, False))
+    x, dy = _inputs(0)
+    b(x.requires_grad_(True), is_first_microbatch=True).backward(dy)
+    before = {k: v.clone() for k, v in b.fp8_state().items()}
+    for m in range(3):
+        xa, dya = _inputs(m + 1)
+        a(xa.requires_grad_(True), is_first_microbatch=(m == 0)).backward(dya)
+    assert all(_same(before[k], v) for k, v in b.fp8_state().items())
+    assert not all(_same(before[k], v) for k, v in a.fp8_state().items())
+
+
+@pytest.mark.gpu
+def test_extra_state_round_trip() -> None:
+    _skip_without_te()
+    a, b = _pair((False, False))
+    for m in range(2):
+        x, dy = _inputs(m)
+        a(x.requires_grad_(True), is_first_microbatch=(m == 0)).backward(dy)
+    b.load_extra_state(a.extra_state())
+    assert set(b.fp8_state()) == set(TE_STATE_NAMES)
+    assert all(_same(a.fp8_state()[k], b.fp8_state()[k]) for k in TE_STATE_NAMES)
+    x, _ = _inputs(5)
+    assert _same(a(x, is_first_microbatch=True), b(x, is_first_microbatch=True))
+
+
+def _tiny_te(schedule: str = "interleaved"):
+    return load_config().with_overrides(**{"train.device": "cuda", "fp8.backend": "te",
+                                           "train.dtype": "bfloat16", "pipeline.schedule": schedule})
+
+
+@pytest.mark.gpu
+def test_native_te_runs_are_deterministic() -> None:
+    _skip_without_te()
+    from qeffect.runtime.build import build_single_process
+    from qeffect.verify.state import synthetic_batches
+
+    cfg = _tiny_te()
+    runs = []
+    for _ in range(2):
+        pipe = build_single_process(cfg, native=True, device="cuda")
+        losses = [pipe.step(synthetic_batches(cfg, s, "cuda")) for s in range(3)]
+        state = {f"s{s}.{n}": p for r in pipe.ranks for s, c in r.chunks.items() for n, p in c.named_parameters()}
+        state.update({f"s{s}.{k}": v for r in pipe.ranks for s, c in r.chunks.items()
+                      for k, v in c.fp8_state().items()})
+        runs.append((losses, state))
+    (la, sa), (lb, sb) = runs
+    assert all(_same(x, y) for x, y in zip(la, lb, strict=True))
+    assert set(sa) == set(sb) and all(_same(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_verify_state_te_tiny(schedule: str) -> None:
+    _skip_without_te()
+    from qeffect.verify.state import run_verify_state
+
+    report = run_verify_state(_tiny_te(schedule), steps=3)
+    assert report.passed, report.first_divergence
+    assert report.amax_rollover.rolled_over
+    by = {c.category: c for c in report.categories}
+    assert by["fp8_state"].compared > 0 and by["cache_contents"].compared > 0
+
+
+@pytest.mark.gpu
+def test_perturbed_te_scale_is_caught() -> None:
+    _skip_without_te()
+    from qeffect.verify.state import run_verify_state
+
+    report = run_verify_state(_tiny_te(), steps=2, injection="perturb-scale")
+    assert not report.passed
+    d = report.first_divergence
+    assert d is not None and d.step == 1 and d.action == "F" and d.category == "fp8_state"

@@ -1,0 +1,72 @@
+"""`qeffect train`: the embedded default learns, and bad input fails in one line, writing nothing."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+QEFFECT = [sys.executable, "-m", "qeffect"]
+
+
+def qeffect(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*QEFFECT, *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def test_default_train_learns(tmp_path: Path) -> None:
+    """The README's first command: `qeffect train` with no arguments, on the CPU."""
+    proc = qeffect(tmp_path, "train")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert summary["last_to_first_ratio"] < 0.8
+    assert summary["heldout_last"] < summary["heldout_first"]
+    lines = (runs[0] / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == summary["steps"] == 60
+    assert "ratio" in proc.stdout
+
+
+def _bad_shards(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok", "timestamp": "t", "url": "u"}\n{"text": broken\n')
+    gz = tmp_path / "bad.json.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write('{"text": "fine"}\n{oops\n')
+    cfg = tmp_path / "heads.toml"
+    cfg.write_text("[model]\nhidden = 64\nheads = 5\n")
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[train]\nstepz = 3\n")
+    mb = tmp_path / "mb.toml"
+    mb.write_text("[pipeline]\nmicrobatches = 5\n")
+    return {
+        "missing data": ("--data=" + str(tmp_path / "nope.jsonl"), "nope.jsonl"),
+        "empty shard": ("--data=" + str(empty), "empty shard"),
+        "malformed line": ("--data=" + str(bad), "bad.jsonl:2"),
+        "malformed gz line": ("--data=" + str(gz), "bad.json.gz:2"),
+        "heads": ("--config=" + str(cfg), "heads (5) must divide hidden (64)"),
+        "unknown field": ("--config=" + str(unknown), "train.stepz: unknown field"),
+        "microbatches": ("--config=" + str(mb), "microbatches=5"),
+        "world size": ("--dp=2", "torchrun"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing data", "empty shard", "malformed line", "malformed gz line", "heads",
+                                  "unknown field", "microbatches", "world size"])
+def test_bad_input_one_line_exit_2_writes_nothing(tmp_path: Path, case: str) -> None:
+    arg, needle = _bad_shards(tmp_path)[case]
+    out = tmp_path / "run"
+    proc = qeffect(tmp_path, "train", arg, "--steps", "2", "--out", str(out))
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("qeffect: error:"), err
+    assert needle in err
+    assert not out.exists() and not (tmp_path / "runs").exists()
