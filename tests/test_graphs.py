@@ -327,11 +327,14 @@ def test_cli_capture_without_cuda_is_one_line_exit_2(monkeypatch: pytest.MonkeyP
     assert err == "qeffect: error: qeffect capture needs a CUDA device; none is available\n"
 
 
-def test_cli_capture_config_is_not_built_yet(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_cli_capture_config_errors_are_one_line(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert _main(["capture", "--config", "x.toml"]) == 2
+    assert _main(["capture", "--config", str(tmp_path / "x.toml")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "capturing stage actions is not built yet" in err
+    assert err.count("\n") == 1 and "x.toml: config file not found" in err
+    assert _main(["capture", "--path", "eager"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--path must be captured-copy or captured-direct" in err
 
 
 @pytest.mark.parametrize(("stale", "code"), [({"one-way": 5, "two-way": 0}, 0), ({"one-way": 5, "two-way": 2}, 1)])

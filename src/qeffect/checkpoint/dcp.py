@@ -19,7 +19,6 @@ cache (the first forward refreshes it), then restore the data position and the R
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import time
@@ -31,8 +30,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import qeffect
+from qeffect.checkpoint.files import (
+    DCP_ERRORS,
+    first_line,
+    fsync_dir,
+    quiet_dcp,
+    sha256_file,
+    write_text_atomic,
+)
+from qeffect.checkpoint.inspect import is_checkpoint, open_checkpoint, resolve_checkpoint
 from qeffect.checkpoint.state import (
-    DCP_METADATA_FILE,
     LATEST_FILE,
     PAYLOAD_FILE,
     CheckpointPayload,
@@ -83,55 +90,6 @@ def _agree(view: LocalView, error: str | None) -> list[str]:
 
 def _device(view: LocalView) -> torch.device:
     return next(next(iter(view.ranks[0].chunks.values())).parameters()).device
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def is_checkpoint(path: Path) -> bool:
-    return (path / PAYLOAD_FILE).is_file() or (path / DCP_METADATA_FILE).is_file()
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a `--checkpoint-dir` root whose `latest` file names one."""
-    p = Path(path)
-    if not p.exists():
-        raise ReportError(f"{p}: no such checkpoint folder")
-    if not p.is_dir():
-        raise ReportError(f"{p}: not a folder (a checkpoint is a folder)")
-    if not is_checkpoint(p) and (p / LATEST_FILE).is_file():
-        name = (p / LATEST_FILE).read_text().strip()
-        if not name or "/" in name or name.startswith("."):
-            raise ReportError(f"{p / LATEST_FILE}: does not name a checkpoint folder ({name!r})")
-        return p / name
-    return p
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -200,7 +158,13 @@ def save_checkpoint(pipe: Any, path: str | Path, cfg: Any, *, stream: Any = None
     _barrier(view)
 
     try:
-        dcp.save(tensor_state(view), storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not view.distributed)
+        with quiet_dcp():
+            dcp.save(tensor_state(view), storage_writer=dcp.FileSystemWriter(str(tmp)),
+                     no_dist=not view.distributed)
+    except DCP_ERRORS as err:
+        if view.global_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"{final}: checkpoint not written ({first_line(err)})") from err
     except BaseException:
         if view.global_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -211,7 +175,7 @@ def save_checkpoint(pipe: Any, path: str | Path, cfg: Any, *, stream: Any = None
         try:
             payload = _payload(cfg, view, tmp, all_steps.pop(), all_epochs, gathered)
             write_text_atomic(tmp / PAYLOAD_FILE, payload.model_dump_json(indent=2) + "\n")
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             _install(tmp, final, token)
         except Exception as err:  # noqa: BLE001 - every process must learn that the save failed
             shutil.rmtree(tmp, ignore_errors=True)
@@ -231,7 +195,7 @@ def _payload(cfg: Any, view: LocalView, tmp: Path, step: int, epochs: dict[str, 
     files = {}
     for f in sorted(tmp.rglob("*")):
         if f.is_file():
-            files[f.relative_to(tmp).as_posix()] = FileEntry(bytes=f.stat().st_size, sha256=_sha256(f))
+            files[f.relative_to(tmp).as_posix()] = FileEntry(bytes=f.stat().st_size, sha256=sha256_file(f))
     p = cfg.pipeline
     return CheckpointPayload(
         step=step, epochs=dict(sorted(epochs.items(), key=lambda kv: int(kv[0]))),
@@ -255,7 +219,7 @@ def _install(tmp: Path, final: Path, token: str) -> None:
         else:
             final.rmdir()
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -272,8 +236,6 @@ def load_checkpoint(pipe: Any, path: str | Path, cfg: Any, *, stream: Any = None
     Raises `ReportError` for an unreadable checkpoint and `UserError` when the checkpoint's pipeline
     shape, schedule, recipe or model differ from `cfg` (the message names each difference).
     """
-    from qeffect.checkpoint.inspect import open_checkpoint
-
     view = local_view(pipe)
     ck = open_checkpoint(resolve_checkpoint(path))
     payload, md, folder = ck.payload, ck.metadata, ck.path
@@ -320,9 +282,10 @@ def load_checkpoint(pipe: Any, path: str | Path, cfg: Any, *, stream: Any = None
 
     failure = None
     try:
-        dcp.load(want, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=not view.distributed)
-    except Exception as err:  # noqa: BLE001 - DCP's CheckpointException carries whole tracebacks
-        failure = f"{folder}: cannot read checkpoint tensors ({_first_line(err)})"
+        with quiet_dcp():
+            dcp.load(want, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=not view.distributed)
+    except DCP_ERRORS as err:  # DCP's CheckpointException carries whole tracebacks: keep one line
+        failure = f"{folder}: cannot read checkpoint tensors ({first_line(err)})"
     if failure:
         raise ReportError(failure)
 
@@ -357,10 +320,3 @@ def _process_entry(payload: CheckpointPayload, view: LocalView) -> ProcessPayloa
         if p.dp_rank == view.dp_rank:
             return p
     raise ReportError(f"no process state saved for data-parallel rank {view.dp_rank}")
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    lines = [ln.strip() for ln in text if ln.strip() and not ln.strip().startswith(("Traceback", "File "))]
-    msg = lines[-1] if lines else type(err).__name__
-    return msg[:300]

@@ -19,8 +19,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ValidationError
 
+from qeffect.checkpoint.files import DCP_ERRORS, first_line, quiet_dcp, sha256_file
 from qeffect.checkpoint.state import (
     DCP_METADATA_FILE,
+    LATEST_FILE,
     PAYLOAD_FILE,
     SUPPORTED_SCHEMA_VERSIONS,
     CheckpointPayload,
@@ -40,10 +42,23 @@ class OpenCheckpoint:
     payload_bytes: int
 
 
-def _sha256(path: Path) -> str:
-    from qeffect.checkpoint.dcp import _sha256 as sha
+def is_checkpoint(path: Path) -> bool:
+    return (path / PAYLOAD_FILE).is_file() or (path / DCP_METADATA_FILE).is_file()
 
-    return sha(path)
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a `--checkpoint-dir` root whose `latest` file names one."""
+    p = Path(path)
+    if not p.exists():
+        raise ReportError(f"{p}: no such checkpoint folder")
+    if not p.is_dir():
+        raise ReportError(f"{p}: not a folder (a checkpoint is a folder)")
+    if not is_checkpoint(p) and (p / LATEST_FILE).is_file():
+        name = (p / LATEST_FILE).read_text().strip()
+        if not name or "/" in name or name.startswith("."):
+            raise ReportError(f"{p / LATEST_FILE}: does not name a checkpoint folder ({name!r})")
+        return p / name
+    return p
 
 
 def open_checkpoint(path: str | Path, *, verify: bool = True) -> OpenCheckpoint:
@@ -88,11 +103,11 @@ def open_checkpoint(path: str | Path, *, verify: bool = True) -> OpenCheckpoint:
             raise ReportError(f"{p}: {kind} {name} is truncated ({size} of {entry.bytes} bytes)")
         if size > entry.bytes:
             raise ReportError(f"{p}: {kind} {name} is corrupted ({size} bytes, expected {entry.bytes})")
-        if verify and _sha256(f) != entry.sha256:
+        if verify and sha256_file(f) != entry.sha256:
             raise ReportError(f"{p}: {kind} {name} is corrupted (SHA-256 differs from the manifest)")
     try:
         md = dcp.FileSystemReader(str(p)).read_metadata()
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing here
+    except DCP_ERRORS as err:  # any unpickling failure means the same thing here
         raise ReportError(f"{p}: DCP {DCP_METADATA_FILE} cannot be read ({type(err).__name__}: {err})") from None
     for info in md.storage_data.values():
         f = p / info.relative_path
@@ -116,11 +131,11 @@ def load_tensors(ck: OpenCheckpoint, keys: list[str] | None = None) -> dict[str,
     if not out:
         return out
     try:
-        dcp.load(out, storage_reader=dcp.FileSystemReader(str(ck.path)), no_dist=True)
-    except Exception as err:  # noqa: BLE001 - DCP's CheckpointException carries whole tracebacks
-        from qeffect.checkpoint.dcp import _first_line
+        with quiet_dcp():
+            dcp.load(out, storage_reader=dcp.FileSystemReader(str(ck.path)), no_dist=True)
+    except DCP_ERRORS as err:  # DCP's CheckpointException carries whole tracebacks: keep one line
 
-        raise ReportError(f"{ck.path}: cannot read checkpoint tensors ({_first_line(err)})") from None
+        raise ReportError(f"{ck.path}: cannot read checkpoint tensors ({first_line(err)})") from None
     return out
 
 
@@ -161,7 +176,7 @@ class FP8ModuleSummary(BaseModel):
     stage: int
     replica: int | None
     history_len: int
-    amax_range: tuple[float, float]  # over every history of the module
+    amax_range: tuple[float, float]  # over the module's tensors (input / weight / grad) of their window max
     scale_range: tuple[float, float]
     tensors: dict[str, FP8TensorState]  # input / weight / grad
 
@@ -201,8 +216,6 @@ def _logical(m: Any) -> int:
 
 def inspect_checkpoint(path: str | Path) -> CheckpointReport:
     """Sizes, epochs, recipe, configuration and per-module FP8 summaries of one checkpoint."""
-    from qeffect.checkpoint.dcp import resolve_checkpoint
-
     ck = open_checkpoint(resolve_checkpoint(path))
     pl, md = ck.payload, ck.metadata
     stored: dict[str, int] = {}
@@ -278,13 +291,13 @@ def fp8_summaries(tensors: dict[str, torch.Tensor]) -> list[FP8ModuleSummary]:
                                        scale=float(sc.reshape(-1)[0]) if sc is not None else float("nan"))
         if not per:
             continue
-        hist = torch.cat([states[f"{k}_amax_history"].float().reshape(-1) for k in kinds])
+        amaxes = [p.amax_max for p in per.values()]
         scales = [p.scale for p in per.values()]
         prefix = f"dp{dp}." if dp is not None else ""
         out.append(FP8ModuleSummary(
             module=f"{prefix}s{stage}.{name}", stage=stage, replica=dp,
             history_len=max(p.history_len for p in per.values()),
-            amax_range=(float(hist.min()), float(hist.max())), scale_range=(min(scales), max(scales)),
+            amax_range=(min(amaxes), max(amaxes)), scale_range=(min(scales), max(scales)),
             tensors=per))
     return out
 
@@ -362,8 +375,6 @@ def _state_differences(a: CheckpointPayload, b: CheckpointPayload) -> list[str]:
 
 def diff_checkpoints(a: str | Path, b: str | Path) -> CheckpointDiff:
     """Bitwise, tensor by tensor; plus the training state in the payloads. `identical` decides exit 0/1."""
-    from qeffect.checkpoint.dcp import resolve_checkpoint
-
     ca, cb = open_checkpoint(resolve_checkpoint(a)), open_checkpoint(resolve_checkpoint(b))
     ta, tb = load_tensors(ca), load_tensors(cb)
     tensors = compare_tensors(ta, tb)

@@ -1,4 +1,4 @@
-"""`qeffect capture`: CUDA graph capture; today only `--handshake-check` (one-way vs two-way replay)."""
+"""`qeffect capture`: capture a config's stage actions as CUDA graphs, or `--handshake-check`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qeffect.cli.app import app, fail
-from qeffect.cli.common import write_json
+from qeffect.cli.common import Backend, PathMode, Schedule, config_from_cli, write_json
 from qeffect.errors import UserError
 
 
@@ -20,6 +20,10 @@ def capture(
                                          help="Run the producer-consumer race check of both replay protocols."),
     processes: int = typer.Option(3, "--processes", min=1, help="Fresh processes per protocol."),
     checks: int = typer.Option(200, "--checks", min=1, help="Producer-consumer checks per process."),
+    path: PathMode = typer.Option(PathMode.captured_direct, "--path", help="captured-copy or captured-direct."),
+    schedule: Schedule | None = typer.Option(None, "--schedule", help="Pipeline schedule (default: the config's)."),
+    backend: Backend | None = typer.Option(None, "--backend", help="FP8 backend (default: the config's)."),
+    steps: int = typer.Option(50, "--steps", min=1, help="Steps replayed after capture (memory growth)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
 ) -> None:
     """Capture stage actions into CUDA graphs, or check the replay handshake.
@@ -33,12 +37,12 @@ def capture(
 
     if not torch.cuda.is_available():
         raise UserError("qeffect capture needs a CUDA device; none is available")
+    console = Console()
     if not handshake_check:
-        raise NotImplementedError("qeffect capture --config: capturing stage actions is not built yet; "
-                                  "use --handshake-check")
+        _capture_config(config, path, schedule, backend, steps, json_out, console)
+        return
     from qeffect.graphs.handshake import HandshakeError, run_handshake_suite
 
-    console = Console()
     command = f"qeffect capture --handshake-check --processes {processes} --checks {checks}" + \
         (f" --json {json_out}" if json_out else "")
     try:
@@ -60,3 +64,38 @@ def capture(
     if json_out:
         write_json(json_out, report)
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _capture_config(config: Path | None, path: PathMode, schedule: Schedule | None, backend: Backend | None,
+                    steps: int, json_out: Path | None, console: Console) -> None:
+    if path is PathMode.eager:
+        raise UserError("qeffect capture: --path must be captured-copy or captured-direct")
+    cfg = config_from_cli(config, **{"pipeline.schedule": schedule.value if schedule else None,
+                                     "fp8.backend": backend.value if backend else None, "train.device": "cuda"})
+    from qeffect.profile.capture import run_capture
+
+    with console.status(f"capturing every stage action ({path.value}) and replaying {steps} steps"):
+        r = run_capture(cfg, path=path.value, steps=steps)
+    table = Table(title=f"capture: {r.schedule} / {r.path} / {r.backend} on {r.device_name}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("graphs per rank (expected 3 x M x chunks)", f"{r.graphs_per_rank} ({r.expected_graphs_per_rank})"),
+        ("graphs in all", str(r.graph_count)),
+        ("capture host time", f"{r.capture_host_seconds:.3f} s"),
+        ("setup (build + capture)", f"{r.setup_seconds:.3f} s"),
+        ("arena bytes", f"{r.arena_bytes:,}"),
+        ("allocated before / after capture", f"{r.memory_allocated_before_capture:,} / "
+                                             f"{r.memory_allocated_after_capture:,}"),
+        ("reserved after capture", f"{r.memory_reserved_after_capture:,}"),
+        ("median step", f"{r.median_step_seconds * 1e3:.2f} ms"),
+        ("replays / handoffs per step", f"{r.replays_per_step:.0f} / {r.handoffs_per_step:.0f}"),
+        (f"persistent growth per step over {r.steps} steps", f"{r.persistent_growth_bytes_per_step:,.0f} B"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    console.print("PASS" if r.passed else "[red]FAIL[/red]")
+    if json_out:
+        write_json(json_out, r)
+    raise typer.Exit(0 if r.passed else 1)

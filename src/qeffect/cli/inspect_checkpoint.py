@@ -15,6 +15,13 @@ def _mib(n: int) -> str:
     return f"{n:,} B ({n / 2**20:.2f} MiB)" if n >= 2**20 else f"{n:,} B"
 
 
+def _short(n: int) -> str:
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def _g(x: float) -> str:
     return f"{x:.4g}"
 
@@ -30,7 +37,7 @@ def _render(report, console: Console, modules: int) -> None:
     model = report.config.get("model", {})
     console.print("model: " + ", ".join(f"{k} {v}" for k, v in model.items()))
 
-    sizes = Table(title="bytes")
+    sizes = Table(title="checkpoint bytes")
     for col in ("section", "tensors", "numbers", "stored"):
         sizes.add_column(col, justify="right" if col != "section" else "left")
     for name, s in report.sections.items():
@@ -41,28 +48,26 @@ def _render(report, console: Console, modules: int) -> None:
                   f"stored + qeffect.json) {_mib(report.qeffect_runtime_state_bytes)} = "
                   f"{100 * report.qeffect_runtime_state_fraction:.2f}%")
 
-    stages = Table(title="per stage")
-    for col in ("stage", "pp rank", "params", "param bytes", "optim bytes", "fp8 tensors", "fp8 numbers",
-                "fp8 stored", "json", "qeffect payload"):
+    stages = Table(title="per stage (numbers = numel x element size; stored = bytes in the shard files)")
+    for col in ("stage", "rank", "params", "optimizer", "fp8 tensors", "fp8 numbers", "qeffect payload"):
         stages.add_column(col, justify="right")
     for s in report.stages:
-        stages.add_row(str(s.stage), str(s.pp_rank), str(s.params), f"{s.param_bytes:,}", f"{s.optim_bytes:,}",
-                       str(s.fp8_tensors), f"{s.fp8_bytes:,}", f"{s.fp8_stored_bytes:,}",
-                       f"{s.payload_json_bytes:,}", f"{s.qeffect_payload_bytes:,}")
+        stages.add_row(str(s.stage), str(s.pp_rank), _short(s.param_bytes), _short(s.optim_bytes),
+                       str(s.fp8_tensors), _short(s.fp8_bytes), _short(s.qeffect_payload_bytes))
     console.print(stages)
+    console.print("qeffect payload of a stage = its FP8 tensors as stored + its entry in qeffect.json")
 
-    fp8 = Table(title="FP8 state per module (amax range over every history; scale of input / weight / grad)")
-    for col in ("module", "history", "amax range", "scale range", "amax last (in/w/g)", "scale (in/w/g)"):
-        fp8.add_column(col, justify="left" if col == "module" else "right")
+    fp8 = Table(title="FP8 state per module (ranges over input / weight / grad; amax = history max)")
+    for col in ("module", "history", "amax range", "scale range"):
+        fp8.add_column(col, justify="left" if col == "module" else "right", no_wrap=True)
     shown = report.fp8_modules if modules <= 0 else report.fp8_modules[:modules]
     for m in shown:
         fp8.add_row(m.module, str(m.history_len), f"{_g(m.amax_range[0])} .. {_g(m.amax_range[1])}",
-                    f"{_g(m.scale_range[0])} .. {_g(m.scale_range[1])}",
-                    " / ".join(_g(t.amax_last) for t in m.tensors.values()),
-                    " / ".join(_g(t.scale) for t in m.tensors.values()))
+                    f"{_g(m.scale_range[0])} .. {_g(m.scale_range[1])}")
     console.print(fp8)
     if len(shown) < len(report.fp8_modules):
-        console.print(f"({len(report.fp8_modules) - len(shown)} more modules; --modules 0 shows all)")
+        console.print(f"({len(report.fp8_modules) - len(shown)} more modules; --modules 0 lists all, --json "
+                      "has each tensor's last amax and scale)")
     for d in report.data:
         console.print(f"data position: epoch {d.get('epoch')}, cursor {d.get('cursor')} "
                       f"(data-parallel rank {d.get('dp_rank')})")

@@ -57,8 +57,12 @@ class EffectLedger:
     def history(self) -> list[tuple[int, str]]:
         return list(self._history)
 
-    def consume(self, token: EffectToken, action: str) -> EffectToken:
-        """Check that ``token`` is current, then produce and return the next token."""
+    def consume(self, token: EffectToken, action: str, value: torch.Tensor | None = None) -> EffectToken:
+        """Check that ``token`` is current, then produce and return the next token.
+
+        ``value``: the next token's device value when a captured graph already computed it from this
+        token's value (the graph's token output); otherwise a kernel computes ``token.value + 1`` here.
+        """
         cur = self._current
         if not isinstance(token, EffectToken):
             raise EffectTokenViolation.build("not an effect token", key=self.name, expected="EffectToken",
@@ -76,7 +80,7 @@ class EffectLedger:
                 "forged token", key=self.name, expected=f"the ledger's current token (seq {cur.seq})",
                 found=f"another token object with seq {token.seq}", note=f"action {action}")
         # Device-side dependency: the next value is computed from this one by a kernel, not on the host.
-        nxt = EffectToken(token.value + 1, cur.seq + 1, self.name)
+        nxt = EffectToken(token.value + 1 if value is None else value, cur.seq + 1, self.name)
         self._history.append((cur.seq, action))
         self._current = nxt
         return nxt

@@ -187,6 +187,23 @@ class TEWeightCache:
     scale_inv: Tensor
 
 
+def _linear_node(node: Any, depth: int = 4) -> Any:
+    """TE's `_Linear` autograd node behind `y.grad_fn` (directly, or under a few view/reshape nodes).
+
+    The backward FP8 update is a post-hook on this node: it must run after TE's backward quantized the
+    output gradient (recording its amax), never before.
+    """
+    if node is None:
+        return None
+    frontier = [node]
+    for _ in range(depth):
+        for n in frontier:
+            if type(n).__name__ == "_LinearBackward":
+                return n
+        frontier = [nxt for n in frontier for nxt, _ in n.next_functions if nxt is not None]
+    raise RuntimeError(f"no TE _LinearBackward node behind {type(node).__name__}: cannot place the backward FP8 update")
+
+
 @functools.cache
 def te_linear_class() -> type[nn.Module]:
     """`TELinear`, a subclass of `transformer_engine.pytorch.Linear` (built on first use: lazy import)."""
@@ -276,13 +293,36 @@ def te_linear_class() -> type[nn.Module]:
                 float(self._te_recipe.margin),
             )
 
-        def extra_state(self) -> Tensor:
-            """TE's persistent FP8 state (recipe, scales, amax histories) as its serialized byte tensor."""
-            return self.get_extra_state()
+        def extra_state(self) -> dict[str, Tensor]:
+            """Persistent FP8 state as plain tensors (copies), safe to checkpoint without pickle.
 
-        def load_extra_state(self, state: Tensor) -> None:
-            self.set_extra_state(state)
-            self.fp8_meta[buffer_key] = list(_UNREGISTERED)
+            TE's own `get_extra_state()` (the module's `_extra_state` in `state_dict`) pickles the
+            recipe with it, and TE 2.20 refuses to load that unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1.
+            """
+            if not self.fp8_initialized_state:
+                return {}
+            out = {}
+            for key, tag in (("scaling_fwd", "fwd"), ("scaling_bwd", "bwd")):
+                out[f"{tag}_scale"] = self.fp8_meta[key].scale.detach().clone()
+                out[f"{tag}_amax_history"] = self.fp8_meta[key].amax_history.detach().clone()
+            return out
+
+        def load_extra_state(self, state: dict[str, Tensor]) -> None:
+            """Copy `extra_state()` output into the live state (allocating it before a first forward)."""
+            if not state:
+                return
+            if not self.fp8_initialized_state:
+                self.fp8_meta["num_gemms"] = 1
+                self.fp8_meta["recipe"] = self._te_recipe
+                with te.autocast(enabled=True, recipe=self._te_recipe):
+                    self.init_fp8_meta_tensors(self._te_recipe)
+            with torch.no_grad():
+                for key, tag in (("scaling_fwd", "fwd"), ("scaling_bwd", "bwd")):
+                    for name in ("scale", "amax_history"):
+                        dst, src = getattr(self.fp8_meta[key], name), state[f"{tag}_{name}"]
+                        if dst.shape != src.shape:
+                            raise ValueError(f"{tag}_{name}: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
+                        dst.copy_(src)
 
         # -- weight cache --------------------------------------------------------------------------
         @property
@@ -329,13 +369,8 @@ def te_linear_class() -> type[nn.Module]:
                 self._cache_valid = True
             if torch.is_grad_enabled():  # TE updates forward scaling only in grad mode, too
                 self._update_scaling("scaling_fwd", forward=True)
-                node = y.grad_fn
+                node = _linear_node(y.grad_fn)
                 if node is not None:
-                    if type(node).__name__ != "_LinearBackward":
-                        raise RuntimeError(
-                            f"unexpected TE output node {type(node).__name__}: the backward FP8 update "
-                            "must run after TE's _Linear backward"
-                        )
                     node.register_hook(functools.partial(self._after_backward, delayed))
             return y
 

@@ -83,7 +83,8 @@ class TorchCudaBackend:
         return torch.cuda.Event(external=True)
 
     def copy_(self, dst: Tensor, src: Tensor) -> None:
-        dst.copy_(src, non_blocking=True)
+        with torch.no_grad():  # static inputs may be leaves that require grad (a stage's input activation)
+            dst.copy_(src, non_blocking=True)
 
     def record_stream(self, tensor: Tensor, stream: torch.cuda.Stream) -> None:
         if tensor.is_cuda:
@@ -133,7 +134,7 @@ class GraphManager:
 
     # ------------------------------------------------------------------------------------ capture
     def capture(self, name: str, fn: Callable[[], Any], *, static_inputs: dict[str, Tensor],
-                warmup: int = 2) -> CapturedAction:
+                warmup: int = 2, private_pool: bool = False) -> CapturedAction:
         """Warm `fn` up `warmup` times on the graph stream, then capture it into one graph.
 
         Warm-up runs execute the body FOR REAL: any state `fn` mutates (FP8 amax histories and scales,
@@ -146,10 +147,10 @@ class GraphManager:
         must not synchronize the host. Capture itself synchronizes the device once (setup, not the
         hot path).
 
-        All graphs share one memory pool. That is safe under any replay order because replays are
-        serialized on the one graph stream and the manager keeps every action's `outputs` alive:
-        anything `fn` allocates and needs after the replay must be among its outputs (or be kept
-        alive by the caller for the manager's lifetime), never freed and then read.
+        By default graphs share one memory pool. A block that one capture frees (a temporary) can then
+        back another graph's output, so a shared pool is safe only when graphs replay in capture order
+        or free nothing that others keep. `private_pool=True` gives the graph its own pool: any replay
+        order is safe (what stage actions need: schedules reorder F, dI and dW).
         """
         if name in self.actions:
             raise ValueError(f"a graph named {name!r} is already captured")
@@ -165,7 +166,8 @@ class GraphManager:
             caller.wait_stream(self.stream)
         graph = be.new_graph()
         tail = be.new_external_event()
-        with be.capture(graph, self.pool, self.stream):
+        pool = be.graph_pool_handle() if private_pool else self.pool
+        with be.capture(graph, pool, self.stream):
             outputs = fn()
             tail.record()  # inside the capture: current stream is the graph stream
         seconds = time.perf_counter() - t0

@@ -9,6 +9,7 @@ import torch
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
 from qeffect.fp8 import DelayedScalingRecipe, get_backend
+from qeffect.graphs.manager import GraphManager
 from qeffect.model import GPTShape, build_chunks
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.runtime.single import SingleProcessPipeline
@@ -46,22 +47,46 @@ def build_chunks_for(cfg: RunConfig, device: str | torch.device) -> list[torch.n
 
 
 def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: list[torch.nn.Module], *,
-               native: bool, direct: bool = True, fixed_order_sum: bool = True, reductions=None) -> BaseRank:
+               native: bool, direct: bool = True, fixed_order_sum: bool = True, reductions=None,
+               manager: GraphManager | None = None) -> BaseRank:
     owned = {s: chunks[s] for s in schedule.stages_of(rank)}
-    p = cfg.pipeline
+    p, mc = cfg.pipeline, cfg.model
     if native:
         return NativeRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim)
-    return QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
-                       fixed_order_sum=fixed_order_sum, reductions=reductions)
+    activation = ((mc.microbatch_size, mc.seq_len, mc.hidden), dtype_of(cfg))
+    r = QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
+                    fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
+                    activation=activation)
+    if manager is not None:
+        r.capture(mc.microbatch_size, mc.seq_len)
+    return r
+
+
+def check_path(path: str, device: str | torch.device) -> None:
+    """Captured paths need CUDA graphs: a clear error instead of a crash on a CPU."""
+    if path != "eager" and torch.device(device).type != "cuda":
+        raise UserError(f"path {path} captures CUDA graphs and needs a CUDA device (train.device = cuda)")
 
 
 def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
-                         fixed_order_sum: bool = True, device: str | torch.device | None = None
-                         ) -> SingleProcessPipeline:
-    """All ranks of the configured pipeline in this process, parameters from `cfg.train.seed`."""
+                         fixed_order_sum: bool = True, device: str | torch.device | None = None,
+                         path: Path_ = "eager") -> SingleProcessPipeline:
+    """All ranks of the configured pipeline in this process, parameters from `cfg.train.seed`.
+
+    `path`: "eager" runs the checked actions eagerly; "captured-copy" / "captured-direct" capture every
+    action as a CUDA graph (copied gradients / direct placement into the arena).
+    """
     device = device or cfg.train.device
+    check_path("eager" if native else path, device)
     schedule = schedule_of(cfg, native=native)
     chunks = build_chunks_for(cfg, device)
-    ranks = [build_rank(cfg, schedule, r, chunks, native=native, direct=direct, fixed_order_sum=fixed_order_sum)
+    manager = None
+    if not native and path != "eager":
+        manager = GraphManager(device)
+        direct = path == "captured-direct"
+    ranks = [build_rank(cfg, schedule, r, chunks, native=native, direct=direct, fixed_order_sum=fixed_order_sum,
+                        manager=manager)
              for r in range(schedule.pp)]
-    return SingleProcessPipeline(ranks, schedule)
+    pipe = SingleProcessPipeline(ranks, schedule)
+    pipe.manager = manager
+    return pipe

@@ -14,6 +14,8 @@ import torch
 
 from qeffect.config import OptimConfig
 from qeffect.contracts import CommitBarrier, EpochClock, GradientArena, ReductionTracker, TapePool
+from qeffect.graphs.captured import CapturedStageActions
+from qeffect.graphs.manager import GraphManager
 from qeffect.runtime.transport import Transport
 from qeffect.schedule import Action, ActionKind
 from qeffect.stage.actions import StageActions, arena_name
@@ -116,7 +118,9 @@ class QEffectRank(BaseRank):
 
     def __init__(self, rank: int, chunks: dict[int, torch.nn.Module], num_stages: int, microbatches: int,
                  optim: OptimConfig, *, direct: bool = True, tape_capacity: int | None = None,
-                 reductions: ReductionTracker | None = None, fixed_order_sum: bool = True) -> None:
+                 reductions: ReductionTracker | None = None, fixed_order_sum: bool = True,
+                 manager: GraphManager | None = None, activation: tuple[tuple[int, ...], torch.dtype] | None = None
+                 ) -> None:
         super().__init__(rank, chunks, num_stages, microbatches, optim)
         device = next(next(iter(self.chunks.values())).parameters()).device
         self.clock = EpochClock()
@@ -128,9 +132,18 @@ class QEffectRank(BaseRank):
         self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena")
         self.reductions = reductions or ReductionTracker()
         self.barrier = CommitBarrier(self.clock, [self.pool], [self.arena], self.reductions)
-        self.actions = {
-            s: StageActions(c, self.pool, self.clock, self.arena, direct=direct) for s, c in self.chunks.items()
-        }
+        if manager is None:
+            self.actions = {
+                s: StageActions(c, self.pool, self.clock, self.arena, direct=direct) for s, c in self.chunks.items()
+            }
+        else:  # captured: the same checked protocol, graph replays as the physical actions
+            shape, dtype = activation
+            self.actions = {
+                s: CapturedStageActions(c, self.pool, self.clock, self.arena, direct=direct, manager=manager,
+                                        input_shape=shape, input_dtype=dtype)
+                for s, c in self.chunks.items()
+            }
+        self.manager = manager
         self.tokens = {s: a.ledger.current for s, a in self.actions.items()}
         self.refs: dict[tuple[int, int], object] = {}
         self.direct = direct
@@ -162,6 +175,11 @@ class QEffectRank(BaseRank):
             self.dw_order[s].append(m)
         else:
             raise ValueError(f"qeffect runs F, dI and dW, got {action}")
+
+    def capture(self, microbatch_size: int, seq_len: int) -> None:
+        """Capture every action of every owned chunk (captured mode only)."""
+        for act in self.actions.values():
+            act.capture(self.microbatches, microbatch_size, seq_len)
 
     def matrix_grad_prefix(self, stage: int, upto: int) -> dict[str, torch.Tensor]:
         """Microbatch gradients 0..upto of a stage summed in fixed order (what `.grad` holds in the reference)."""

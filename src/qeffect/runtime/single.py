@@ -20,6 +20,7 @@ class SingleProcessPipeline:
         self.ranks = list(ranks)
         self.schedule = schedule
         self.order = global_order(schedule)
+        self.manager = None  # the GraphManager when the actions are captured
 
     def run_actions(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
         """All actions of one step (no commit); returns the step loss."""

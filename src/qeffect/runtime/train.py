@@ -148,6 +148,9 @@ def train(cfg: RunConfig, *, out: Path | None = None,
     elif p.dp != 1:
         raise UserError(f"pipeline.dp = {p.dp} needs {p.pp * p.dp} processes: launch with "
                         f"torchrun --nproc-per-node {p.pp * p.dp} -m qeffect train ...")
+    # A seeded run is reproducible down to the global RNG state that checkpoints save (torch seeds the
+    # default generator randomly per process); nothing in training draws from it today.
+    torch.manual_seed(cfg.train.seed)
     rank0 = True
     if distributed:
         D.init_from_env(cfg.train.device)

@@ -36,6 +36,41 @@ def arena_name(stage: int, param: str) -> str:
     return f"s{stage}.{param}"
 
 
+def input_grad_body(chunk: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, grad_output: torch.Tensor,
+                    *, retain_graph: bool) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """dI's tensor work (shared by the eager and the captured path): the input gradient and this
+    microbatch's non-matrix gradients as independent tensors. The matrix modules' retained `dW` work
+    lands in their stores (delay_wgrad), not in any `.grad`."""
+    names, params = zip(*chunk.nonmatrix_params().items(), strict=True)
+    inputs = ([x] if x.requires_grad else []) + list(params)
+    grads = torch.autograd.grad(out, inputs, grad_output, retain_graph=retain_graph, allow_unused=True)
+    grad_in = grads[0] if x.requires_grad else None
+    nonmatrix = dict(zip(names, grads[1:] if x.requires_grad else grads, strict=True))
+    return grad_in, {n: g for n, g in nonmatrix.items() if g is not None}
+
+
+def take_wgrad_work(matrix: dict[str, torch.nn.Module]) -> dict[str, object]:
+    """Move each matrix module's retained dW work (exactly one item per dI) out of the module."""
+    work = {name: lin.pop_wgrad_work() for name, lin in matrix.items()}
+    for name, items in work.items():
+        if len(items) != 1:
+            raise RuntimeError(f"{name}: expected one retained dW work item, found {len(items)}")
+    return {name: items[0] for name, items in work.items()}
+
+
+def accumulate_grads(chunk: torch.nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    """Accumulate a microbatch's non-matrix gradients into `.grad` exactly as autograd's
+    AccumulateGrad does for the reference (first: a copy; later: an in-place add), so the bits match."""
+    params = chunk.nonmatrix_params()
+    with torch.no_grad():
+        for name, g in grads.items():
+            p = params[name]
+            if p.grad is None:
+                p.grad = g.detach().clone()
+            else:
+                p.grad += g
+
+
 @dataclass
 class ForwardOut:
     output: torch.Tensor  # activation for the next stage, or the loss on the last stage (detached)
@@ -124,18 +159,17 @@ class StageActions:
         token = self.ledger.consume(token, f"dI{m}")
         try:
             x, out = tape.payload.pop("input"), tape.payload.pop("output")
-            torch.autograd.backward(out, grad_output)  # frees the forward graph: no retain_graph
-            work = {name: lin.pop_wgrad_work() for name, lin in self._matrix.items()}
-            for name, items in work.items():
-                if len(items) != 1:
-                    raise RuntimeError(f"{name}: expected one retained dW work item, found {len(items)}")
-            tape.payload["wgrad_work"] = {name: items[0] for name, items in work.items()}
+            grad_in, grads = input_grad_body(self.chunk, x, out, grad_output, retain_graph=False)
+            tape.payload["wgrad_work"] = take_wgrad_work(self._matrix)
+            accumulate_grads(self.chunk, grads)
         except BaseException:
             self.pool.abort(ref)
             raise
         self.pool.mark_consumed(ref, Consumer.DI)
-        grads = {n: p.grad for n, p in self.chunk.nonmatrix_params().items() if p.grad is not None}
-        return InputGradOut(x.grad if x.requires_grad else None, grads, token)
+        return InputGradOut(grad_in, self.nonmatrix_grads(), token)
+
+    def nonmatrix_grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in self.chunk.nonmatrix_params().items() if p.grad is not None}
 
     # ---------------------------------------------------------------- dW
     def weight_grad(self, m: int, ref: TapeRef, token: EffectToken) -> WeightGradOut:

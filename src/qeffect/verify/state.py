@@ -85,6 +85,7 @@ class VerifyReport(BaseModel):
     first_divergence: Divergence | None
     amax_rollover: Rollover
     losses: list[float]
+    graphs: dict | None = None  # captured paths: graph count, replays, handoffs, memory growth
     seconds: float
     torch_version: str
     passed: bool
@@ -319,12 +320,9 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
     """Run the native reference and the qeffect mode side by side and compare every fingerprint."""
     t0 = time.perf_counter()
     device = cfg.train.device
-    if path != "eager":
-        raise NotImplementedError(f"--path {path} needs CUDA graph capture (graphs/), not built yet")
-    direct = True
     native = build_single_process(cfg, native=True, device=device)
-    qeff = build_single_process(cfg, native=False, direct=direct, device=device,
-                                fixed_order_sum=(injection != "swap-dw"))
+    qeff = build_single_process(cfg, native=False, direct=(path != "captured-copy"), device=device,
+                                fixed_order_sum=(injection != "swap-dw"), path=path)
     if injection in ("swap-dw", "swap-dw-fixed"):
         if cfg.pipeline.microbatches < 3:
             raise ValueError("the swap-dw injection needs at least 3 microbatches")
@@ -360,6 +358,8 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
             r.commit(before_step=_grad_capture(r, grads))
         checker.after_commit_all(qeff.ranks, loss, ref_loss, grads)
         losses.append(float(loss))
+        if qeff.manager is not None:
+            qeff.manager.mark_step()
         f_per_stage += cfg.pipeline.microbatches
         if progress is not None:
             progress(step, float(loss))
@@ -372,9 +372,18 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
             for c in CATEGORIES]
     passed = all(c.mismatches == 0 for c in cats) and all(c.compared > 0 for c in cats if c.category != "input_gradients" or cfg.pipeline.num_stages > 1)
     sched = schedule_of(cfg)
+    graphs = None
+    if qeff.manager is not None:
+        st = qeff.manager.stats
+        graphs = {"graph_count": st.graph_count, "graphs_per_rank": st.graph_count // sched.pp,
+                  "expected_per_rank": 3 * cfg.pipeline.microbatches * cfg.pipeline.chunks_per_rank,
+                  "replays": st.replay_count, "handoffs": st.handoffs,
+                  "capture_host_seconds": st.capture_host_seconds,
+                  "persistent_growth_bytes_per_step": qeff.manager.persistent_growth_per_step()}
+        passed = passed and graphs["graphs_per_rank"] == graphs["expected_per_rank"]
     return VerifyReport(
         schedule=cfg.pipeline.schedule, path=path, backend=cfg.fp8.backend, device=str(device), steps=steps,
         pp=sched.pp, chunks_per_rank=cfg.pipeline.chunks_per_rank, microbatches=cfg.pipeline.microbatches,
         injection=injection, categories=cats, first_divergence=tally.first, amax_rollover=rollover,
-        losses=losses, seconds=time.perf_counter() - t0, torch_version=torch.__version__, passed=passed,
+        losses=losses, graphs=graphs, seconds=time.perf_counter() - t0, torch_version=torch.__version__, passed=passed,
     )

@@ -1,0 +1,182 @@
+"""Captured stage actions: every F / dI / dW of a chunk is one CUDA graph per microbatch slot.
+
+`CapturedStageActions` keeps the checked protocol of `StageActions` (tape pool, effect token, cache
+epoch, arena) and replaces only the physical action by a graph replay through the `GraphManager`
+(two-way handshake). Graph count is 3 x M per chunk.
+
+Capture, per chunk: all F graphs first, then all dI graphs, then all dW graphs. dI is captured with
+`torch.autograd.grad(..., retain_graph=True)` over the autograd graph that F's capture recorded (the
+make_graphed_callables technique), so every saved activation, the retained dW work (the FP8 operands
+each linear stores in dI) and every output stay at fixed addresses for the life of the graphs. Each
+graph gets its own memory pool: with one shared pool a block freed inside one capture could be handed
+to another graph's live output, and replaying the first in a different order than it was captured
+(ZB-V reorders) would overwrite it. Warm-up and capture execute the bodies for real, so the FP8 state is
+snapshotted before and restored (in place, same addresses) after; caches, tokens and arena are rewritten
+by the first replays.
+
+The effect token's device update and the reference backend's amax/scale updates are inside the graphs;
+accumulating non-matrix gradients into `.grad` and copying gradients (copy path) run eagerly between
+replays, on the caller stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qeffect.contracts import Consumer, EffectToken, TapeRef
+from qeffect.graphs.manager import CapturedAction, GraphManager
+from qeffect.stage.actions import (
+    ForwardOut,
+    InputGradOut,
+    StageActions,
+    WeightGradOut,
+    accumulate_grads,
+    arena_name,
+    input_grad_body,
+    take_wgrad_work,
+)
+
+
+@dataclass
+class SlotGraphs:
+    F: CapturedAction
+    dI: CapturedAction | None = None
+    dW: CapturedAction | None = None
+
+
+@dataclass
+class CapturedStageActions(StageActions):
+    """Graph-replayed F / dI / dW for one chunk (`direct` selects direct placement or copied gradients)."""
+
+    manager: GraphManager | None = None
+    input_shape: tuple[int, ...] = ()
+    input_dtype: torch.dtype = torch.float32
+    slots: dict[int, SlotGraphs] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------------------------ capture
+    def capture(self, microbatches: int, microbatch_size: int, seq_len: int) -> None:
+        """Capture 3 x `microbatches` graphs for this chunk (see the module docstring for the order)."""
+        assert self.manager is not None
+        chunk, dev = self.chunk, next(self.chunk.parameters()).device
+        first, last = chunk.stage == 0, chunk.stage == chunk.num_stages - 1
+        saved = {k: v.detach().clone() for k, v in chunk.fp8_state().items()}
+        self._x: dict[int, torch.Tensor] = {}
+        self._tgt: dict[int, torch.Tensor] = {}
+        self._gout: dict[int, torch.Tensor] = {}
+        self._tok: dict[int, torch.Tensor] = {}
+        self._out: dict[int, torch.Tensor] = {}
+        self._work: dict[int, dict[str, object]] = {}
+        tag = f"s{self.stage}"
+        for m in range(microbatches):
+            if first:
+                x = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
+            else:
+                x = torch.zeros(self.input_shape, dtype=self.input_dtype, device=dev, requires_grad=True)
+            self._x[m] = x
+            self._tok[m] = torch.zeros((), dtype=torch.int64, device=dev)
+            inputs = {"x": x, "token": self._tok[m]}
+            if last:
+                self._tgt[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
+                inputs["targets"] = self._tgt[m]
+
+            def f_body(m: int = m) -> tuple[torch.Tensor, torch.Tensor]:
+                out = chunk(self._x[m], is_first_microbatch=(m == 0), targets=self._tgt.get(m))
+                self._out[m] = out
+                return out, self._tok[m] + 1
+
+            self.slots[m] = SlotGraphs(F=self.manager.capture(f"{tag}.F{m}", f_body, static_inputs=inputs,
+                                                              warmup=0, private_pool=True))
+        for m in range(microbatches):
+            out = self._out[m]
+            self._gout[m] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
+
+            def di_body(m: int = m) -> tuple:
+                grad_in, grads = input_grad_body(chunk, self._x[m], self._out[m], self._gout[m], retain_graph=True)
+                self._work[m] = take_wgrad_work(self._matrix)
+                return grad_in, grads, self._tok[m] + 1
+
+            self.slots[m].dI = self.manager.capture(
+                f"{tag}.dI{m}", di_body, static_inputs={"grad": self._gout[m], "token": self._tok[m]},
+                warmup=0, private_pool=True)
+        for m in range(microbatches):
+
+            def dw_body(m: int = m) -> tuple:
+                grads = {}
+                for name, lin in self._matrix.items():
+                    pname = self._matrix_param[name]
+                    if self.direct:
+                        grads[pname] = lin.compute_wgrad(self._work[m][name], out=self._view(name, m))
+                    else:
+                        grads[pname] = lin.compute_wgrad(self._work[m][name])
+                return grads, self._tok[m] + 1
+
+            self.slots[m].dW = self.manager.capture(f"{tag}.dW{m}", dw_body, static_inputs={"token": self._tok[m]},
+                                                    warmup=0, private_pool=True)
+        with torch.no_grad():
+            for k, v in chunk.fp8_state().items():
+                v.copy_(saved[k])
+        torch.cuda.synchronize(dev)
+
+    # ------------------------------------------------------------------------------------ actions
+    def forward(self, m: int, inp: torch.Tensor, token: EffectToken,
+                targets: torch.Tensor | None = None) -> ForwardOut:
+        key = self.key(m)
+        graphs = self.slots[m]
+        refresh = self.cache.check_forward(self.clock, first_microbatch=(m == 0))
+        if refresh != (m == 0):  # the slot-0 graph is the one that refreshes the weight cache
+            raise RuntimeError(f"stage {self.stage}: cache refresh on microbatch {m} is not captured")
+        out, tok = graphs.F.outputs
+        prev = token
+        token = self.ledger.consume(token, f"F{m}", value=tok)
+        ref = self.pool.allocate(key)
+        dynamic = {"x": inp, "token": prev.value}
+        if targets is not None:
+            dynamic["targets"] = targets
+        try:
+            self.manager.replay(graphs.F, dynamic)
+        except BaseException:
+            self.pool.abort(ref)
+            raise
+        self.pool.resolve(ref, key).payload.update(slot=m)
+        return ForwardOut(out.detach(), ref, token)
+
+    def input_grad(self, m: int, ref: TapeRef, grad_output: torch.Tensor, token: EffectToken) -> InputGradOut:
+        key = self.key(m)
+        self.pool.check_consumer(ref, key, Consumer.DI)
+        graphs = self.slots[m]
+        grad_in, grads, tok = graphs.dI.outputs
+        prev = token
+        token = self.ledger.consume(token, f"dI{m}", value=tok)
+        try:
+            self.manager.replay(graphs.dI, {"grad": grad_output, "token": prev.value})
+            accumulate_grads(self.chunk, grads)
+        except BaseException:
+            self.pool.abort(ref)
+            raise
+        self.pool.mark_consumed(ref, Consumer.DI)
+        return InputGradOut(grad_in, self.nonmatrix_grads(), token)
+
+    def weight_grad(self, m: int, ref: TapeRef, token: EffectToken) -> WeightGradOut:
+        key = self.key(m)
+        self.pool.check_consumer(ref, key, Consumer.DW)
+        if self.direct:  # the captured destinations must still be the arena's views (address checked)
+            for n in self._matrix:
+                aname = arena_name(self.stage, self._matrix_param[n])
+                self.arena.bind(aname, m, self._view(n, m))
+                self.arena.check_write(aname, m, self._view(n, m))
+        graphs = self.slots[m]
+        grads, tok = graphs.dW.outputs
+        prev = token
+        token = self.ledger.consume(token, f"dW{m}", value=tok)
+        try:
+            self.manager.replay(graphs.dW, {"token": prev.value})
+            if self.direct:
+                for pname, dest in grads.items():
+                    self.arena.record_write(arena_name(self.stage, pname), m, dest)
+        except BaseException:
+            self.pool.abort(ref)
+            raise
+        self.pool.mark_consumed(ref, Consumer.DW)
+        return WeightGradOut(grads, token)
