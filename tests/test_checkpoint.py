@@ -124,6 +124,27 @@ def test_resumed_steps_are_bitwise_equal_to_uninterrupted(schedule, tmp_path) ->
     assert_same(state_bits(resumed), state_bits(ref))
 
 
+def test_load_into_a_used_pipeline_is_in_place(saved) -> None:
+    """Loading keeps every tensor's address (what captured graphs hold), optimizer state included."""
+    path, cfg, bits = saved
+    pipe = trained(cfg, 3)
+    live = tensor_state(local_view(pipe))
+    ptrs = {k: v.data_ptr() for k, v in live.items()}
+    load_checkpoint(pipe, path, cfg)
+    after = tensor_state(local_view(pipe))
+    assert {k: v.data_ptr() for k, v in after.items()} == ptrs
+    assert_same({k: v.clone() for k, v in after.items()}, bits)
+
+
+def test_state_without_a_place_is_refused(saved, monkeypatch) -> None:
+    """A module that exposes no FP8 state (a TE module before its first forward) must not load silently."""
+    path, cfg, _ = saved
+    pipe = build_single_process(cfg, native=False)
+    monkeypatch.setattr(pipe.ranks[0].chunks[0], "fp8_state", lambda: {})
+    with pytest.raises(ReportError, match=r"no place for.*fp8\.s0\.blocks\.0"):
+        load_checkpoint(pipe, path, cfg)
+
+
 def test_the_oracle_can_fail(saved, tmp_path) -> None:
     """Skipping one piece of state on load breaks bitwise equality (the comparison is not vacuous)."""
     path, cfg, bits = saved
@@ -323,3 +344,42 @@ def test_diff_is_bitwise() -> None:
     diff = compare_tensors(a, b)
     assert [(d.key, d.differing_elements) for d in diff] == [("z", 1)]  # -0.0 != 0.0 bitwise
     assert compare_tensors({"x": torch.ones(2)}, {"x": torch.ones(2, dtype=torch.float64)})[0].reason.startswith("dtype")
+
+
+# ------------------------------------------------------------------------------ train --resume (CLI)
+@pytest.fixture(scope="module")
+def default_ck(tmp_path_factory) -> Path:
+    """A step-0 checkpoint of the embedded tiny default (what `qeffect train --resume` runs against)."""
+    from qeffect.runtime.train import _prepare_data
+
+    cfg = load_config()
+    path = tmp_path_factory.mktemp("default") / "step-0"
+    save_checkpoint(build_single_process(cfg, native=False), path, cfg, stream=_prepare_data(cfg, 0, 1).stream)
+    return path
+
+
+def test_train_resume_refuses_other_schedule_and_recipe(default_ck, tmp_path, capsys) -> None:
+    from importlib import resources
+
+    text = resources.files("qeffect.configs").joinpath("tiny.toml").read_text()
+    assert "margin = 0" in text
+    config = tmp_path / "margin1.toml"
+    config.write_text(text.replace("margin = 0", "margin = 1"))
+    out = tmp_path / "run"
+    rc, _, err = _cli(capsys, "train", "--config", str(config), "--schedule", "zbv", "--steps", "2",
+                      "--resume", str(default_ck), "--out", str(out))
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith(f"qeffect: error: --resume {default_ck}: checkpoint differs from this run: ")
+    assert "pipeline.schedule: checkpoint 'interleaved', run 'zbv'" in err and "fp8.margin: checkpoint 0, run 1" in err
+    assert not out.exists()  # refused before the run folder is created
+
+
+def test_train_resume_needs_steps_left_and_an_existing_folder(default_ck, tmp_path, capsys) -> None:
+    ck = copy_of(default_ck, tmp_path)
+    _edit_payload(ck, step=5, epochs={"0": 5, "1": 5})  # qeffect.json is outside the file manifest
+    rc, _, err = _cli(capsys, "train", "--steps", "3", "--resume", str(ck), "--out", str(tmp_path / "run"))
+    assert rc == 2 and "checkpoint is at step 5" in err and "nothing to train" in err
+    rc, _, err = _cli(capsys, "train", "--steps", "3", "--resume", str(tmp_path / "nope"),
+                      "--out", str(tmp_path / "run"))
+    assert rc == 1 and "no such checkpoint folder" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()

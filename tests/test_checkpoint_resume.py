@@ -3,13 +3,14 @@
 For each schedule (Interleaved, ZB-V) and launch (one process; torchrun PP=2 over gloo):
   a) `train --steps 8 --checkpoint-every 8`: the uninterrupted run;
   b) `train --steps 3 --checkpoint-every 3`: saves at step 3 and exits;
-  c) a NEW process `train --steps 8 --resume b/checkpoints --checkpoint-every 8`.
+  c) a NEW process `train --steps 8 --resume b/checkpoints --checkpoint-every 8 --checkpoint-dir c-checkpoints`.
 The step-8 checkpoints of a) and c) must be identical tensor by tensor, bit for bit (parameters, AdamW
 state, FP8 amax histories and scales, rolled over: history length 4 < 8 steps), with equal step, epochs,
 data position and RNG, and the losses of steps 4..8 in metrics.jsonl must be equal floats.
 
-The tiny default configuration, exactly as `qeffect train` runs it (held-out evaluation included: it
-must leave training untouched). The two runs a) and b) of one case run concurrently.
+The tiny default configuration: in one process exactly as `qeffect train` runs it (held-out evaluation
+included: it must leave training untouched); under torchrun without evaluation, to keep CI fast. The two
+runs a) and b) of one case run concurrently.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -74,14 +76,21 @@ def _losses(run: Path) -> dict[int, float]:
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_fresh_process_resume_is_bitwise_equal(schedule: str, torchrun: bool, tmp_path: Path) -> None:
     common = ["--schedule", schedule]
+    if torchrun:
+        text = resources.files("qeffect.configs").joinpath("tiny.toml").read_text()
+        assert "eval_every = 20" in text
+        (tmp_path / "no-eval.toml").write_text(text.replace("eval_every = 20", "eval_every = 0"))
+        common += ["--config", str(tmp_path / "no-eval.toml")]
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     _run_all([(a, [*common, "--steps", "8", "--checkpoint-every", "8"]),
               (b, [*common, "--steps", "3", "--checkpoint-every", "3"])], torchrun)
     assert (b / "checkpoints" / "latest").read_text().strip() == "step-00000003"
-    _run_all([(c, [*common, "--steps", "8", "--checkpoint-every", "8", "--resume", str(b / "checkpoints")])],
-             torchrun)
+    c_ck = tmp_path / "c-checkpoints"
+    _run_all([(c, [*common, "--steps", "8", "--checkpoint-every", "8", "--checkpoint-dir", str(c_ck),
+                   "--resume", str(b / "checkpoints")])], torchrun)
 
-    ref, resumed = a / "checkpoints" / "step-00000008", c / "checkpoints" / "step-00000008"
+    ref, resumed = a / "checkpoints" / "step-00000008", c_ck / "step-00000008"
+    assert (c_ck / "latest").read_text().strip() == "step-00000008" and not (c / "checkpoints").exists()
     diff = diff_checkpoints(ref, resumed)
     assert diff.identical, diff.model_dump_json(indent=2)[:3000]
     assert diff.tensors_compared > 300 and not diff.only_in_a and not diff.only_in_b

@@ -52,6 +52,7 @@ from qeffect.checkpoint.state import (
     local_view,
     optim_key,
     param_key,
+    parse_key,
     restore_rng,
     rng_state,
     tensor_state,
@@ -83,7 +84,7 @@ def _barrier(view: LocalView) -> None:
         dist.barrier()
 
 
-def _agree(view: LocalView, error: str | None) -> list[str]:
+def _agree(view: LocalView, error: Any) -> list[Any]:
     """Collect every process's error before a collective, so that all raise together or none does."""
     return [e for e in _gather(view, error) if e]
 
@@ -253,32 +254,27 @@ def load_checkpoint(pipe: Any, path: str | Path, cfg: Any, *, stream: Any = None
             for s, chunk in r.chunks.items():
                 for name, p in chunk.named_parameters():
                     want[param_key(s, name)] = p.detach()
-                    prefix = optim_key(s, name, "")
-                    st: dict[str, torch.Tensor] = {}
-                    for key, meta in saved.items():
-                        if key.startswith(prefix) and "." not in key[len(prefix):]:
-                            k = key[len(prefix):]
-                            dev = torch.device("cpu") if k == "step" else p.device
-                            st[k] = want[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype,
-                                                            device=dev)
-                    if st:
-                        new_state.append((r.optimizer, p, st))
+                    new_state.append((r.optimizer, p, _optimizer_targets(saved, s, name, p, r.optimizer, want)))
                 for name, t in chunk.fp8_state().items():
                     want[fp8_key(s, name, view.dp_rank, view.dp)] = t
-        missing = [k for k in want if k not in saved]
-        if missing:
-            error = f"{folder}: checkpoint lacks {len(missing)} tensor(s) this run needs, e.g. {missing[:3]}"
-        else:
-            bad = [f"{k} {tuple(saved[k].size)} {saved[k].properties.dtype} vs {tuple(t.shape)} {t.dtype}"
-                   for k, t in want.items()
-                   if tuple(saved[k].size) != tuple(t.shape) or saved[k].properties.dtype != t.dtype]
-            if bad:
-                error = f"{folder}: tensor shape or dtype differs from this run: {bad[0]}"
+        error = _check_targets(folder, saved, want, view)
+        for r in view.ranks:
+            if str(r.rank) not in payload.epochs:
+                error = error or f"{folder}: no epoch saved for pipeline rank {r.rank}"
+        proc = _process_entry(payload, view)
+        if error is None and stream is not None:
+            if proc.data is None:
+                error = f"{folder}: no data-stream position saved for data-parallel rank {view.dp_rank}"
+            else:
+                stream.load_state_dict(proc.data)  # checks that the data and batching match, then seeks
+    except UserError as err:
+        error = ("user", f"{folder}: {err}")
     except Exception as err:  # noqa: BLE001 - turned into one agreed error below
         error = f"{folder}: {err}"
     errors = _agree(view, error)
-    if errors:
-        raise ReportError(errors[0])
+    if errors:  # every process raises, before any tensor is touched
+        kind, msg = errors[0] if isinstance(errors[0], tuple) else ("report", errors[0])
+        raise (UserError if kind == "user" else ReportError)(msg)
 
     failure = None
     try:
@@ -289,26 +285,69 @@ def load_checkpoint(pipe: Any, path: str | Path, cfg: Any, *, stream: Any = None
     if failure:
         raise ReportError(failure)
 
-    for opt, p, st in new_state:
-        opt.state[p] = st
+    for opt, p, st in new_state:  # the same tensors where they existed: addresses stay fixed
+        if st:
+            opt.state[p] = st
+        else:
+            opt.state.pop(p, None)
     device = _device(view)
     for r in view.ranks:
-        e_W = payload.epochs.get(str(r.rank))
-        if e_W is None:
-            raise ReportError(f"{folder}: no epoch saved for pipeline rank {r.rank}")
+        e_W = payload.epochs[str(r.rank)]
         r.clock.restore(e_W)
         r.step_index = payload.step
         r.arena.rebuild(epoch=e_W)
         for s, chunk in r.chunks.items():
             chunk.invalidate_caches()
             r.actions[s].cache.invalidate()
-    proc = _process_entry(payload, view)
-    if stream is not None:
-        if proc.data is None:
-            raise ReportError(f"{folder}: no data-stream position saved for data-parallel rank {view.dp_rank}")
-        stream.load_state_dict(proc.data)
     restore_rng(proc.rng, device)
     return payload
+
+
+def _optimizer_targets(saved: dict, stage: int, name: str, p: torch.nn.Parameter, opt: Any,
+                       want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Load targets for one parameter's optimizer state: its existing tensors (in place) or new ones.
+
+    AdamW keeps `step` on the CPU unless it is capturable or fused, the moments on the parameter's device.
+    """
+    prefix = optim_key(stage, name, "")
+    current = opt.state.get(p, {})
+    out: dict[str, torch.Tensor] = {}
+    for key, meta in saved.items():
+        if not key.startswith(prefix) or "." in key[len(prefix):]:
+            continue
+        k = key[len(prefix):]
+        size, dtype = tuple(meta.size), meta.properties.dtype
+        old = current.get(k)
+        if isinstance(old, torch.Tensor) and tuple(old.shape) == size and old.dtype == dtype:
+            out[k] = old
+        else:
+            dev = torch.device("cpu") if k == "step" else p.device
+            out[k] = torch.empty(size, dtype=dtype, device=dev)
+        want[key] = out[k]
+    return out
+
+
+def _check_targets(folder: Path, saved: dict, want: dict[str, torch.Tensor], view: LocalView) -> str | None:
+    """Every tensor this run needs is saved with its shape and dtype, and nothing of ours is left over."""
+    missing = [k for k in want if k not in saved]
+    if missing:
+        return f"{folder}: checkpoint lacks {len(missing)} tensor(s) this run needs, e.g. {missing[:3]}"
+    bad = [f"{k} {tuple(saved[k].size)} {saved[k].properties.dtype} vs {tuple(t.shape)} {t.dtype}"
+           for k, t in want.items()
+           if tuple(saved[k].size) != tuple(t.shape) or saved[k].properties.dtype != t.dtype]
+    if bad:
+        return f"{folder}: tensor shape or dtype differs from this run: {bad[0]}"
+    stages = {s for r in view.ranks for s in r.chunks}
+    replica = view.dp_rank if view.dp > 1 else None
+    extra = []
+    for k in saved:
+        pk = parse_key(k)
+        if pk.stage in stages and k not in want and (pk.section != "fp8" or pk.dp == replica):
+            extra.append(k)
+    if extra:  # e.g. FP8 state of a module that exposes none yet (a TE module before its first forward)
+        return (f"{folder}: checkpoint holds {len(extra)} tensor(s) of this process's stages that the run has "
+                f"no place for, e.g. {sorted(extra)[:3]}")
+    return None
 
 
 def _process_entry(payload: CheckpointPayload, view: LocalView) -> ProcessPayload:
@@ -319,4 +358,4 @@ def _process_entry(payload: CheckpointPayload, view: LocalView) -> ProcessPayloa
     for p in payload.processes:
         if p.dp_rank == view.dp_rank:
             return p
-    raise ReportError(f"no process state saved for data-parallel rank {view.dp_rank}")
+    raise ValueError(f"no process state saved for data-parallel rank {view.dp_rank}")

@@ -116,7 +116,14 @@ class CapturedStageActions(StageActions):
                                                     warmup=0, private_pool=True)
         with torch.no_grad():
             for k, v in chunk.fp8_state().items():
-                v.copy_(saved[k])
+                if k in saved:
+                    v.copy_(saved[k])
+                elif "amax" in k:  # created lazily by the capture itself (te): back to its fresh value
+                    v.zero_()
+                elif "scale" in k:
+                    v.fill_(1.0)
+                else:
+                    raise RuntimeError(f"{k}: FP8 state created during capture with no known fresh value")
         torch.cuda.synchronize(dev)
 
     # ------------------------------------------------------------------------------------ actions

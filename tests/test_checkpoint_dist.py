@@ -1,0 +1,47 @@
+"""Checkpoints under torchrun with data parallelism (PP=1 x DP=2, gloo): gathered quiescence, per-replica
+FP8 keys, parameters saved once, bitwise resume. The worker is tests/dist/run_resume.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qeffect.checkpoint import inspect_checkpoint, open_checkpoint
+
+WORKER = Path(__file__).parent / "dist" / "run_resume.py"
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dp2_save_refusal_and_resume(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={_free_port()}", str(WORKER), "--out", str(tmp_path), "--pp", "1", "--dp", "2",
+           "--steps", "3", "--save-at", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in (0, 1):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["premature"] == "premature checkpoint"  # rank 1 had no live tape, and refused too
+        assert not res["premature_written"]
+        assert res["loaded_step"] == 1 and res["e_W"] == 1
+        assert res["same_keys"] and res["keys"] > 100 and res["differing"] == []
+
+    ck = tmp_path / "ck"
+    keys = set(open_checkpoint(ck).metadata.state_dict_metadata)
+    assert "fp8.dp0.s0.blocks.0.qkv.input_scale" in keys and "fp8.dp1.s0.blocks.0.qkv.input_scale" in keys
+    assert "model.s0.tok_emb.weight" in keys and not any(k.startswith("model.dp") for k in keys)
+    report = inspect_checkpoint(ck)
+    assert report.world_size == 2 and report.pipeline["dp"] == 2 and report.launch == "torchrun"
+    assert {m.replica for m in report.fp8_modules} == {0, 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "rank0.json", "rank1.json"]
