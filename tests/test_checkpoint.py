@@ -312,8 +312,9 @@ def test_inspect_json_validates(saved, capsys) -> None:
         assert 0 < m.amax_range[0] <= m.amax_range[1] and m.scale_range[0] > 0
 
 
-def test_inspect_prints_sizes_and_fp8(saved, capsys) -> None:
+def test_inspect_prints_sizes_and_fp8(saved, capsys, monkeypatch) -> None:
     path, _, _ = saved
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps at 80 columns without a terminal
     rc, out, _ = _cli(capsys, "inspect-checkpoint", str(path.parent / path.name), "--modules", "0")
     assert rc == 0
     for text in ("step 2", "total checkpoint bytes", "qeffect runtime state", "per stage",

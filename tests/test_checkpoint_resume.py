@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from qeffect.checkpoint import diff_checkpoints, inspect_checkpoint
+from qeffect.checkpoint import CheckpointReport, diff_checkpoints, inspect_checkpoint
+from qeffect.cli.app import main
 
 TIMEOUT = 600
 
@@ -74,7 +75,8 @@ def _losses(run: Path) -> dict[int, float]:
     pytest.param(True, id="torchrun-pp2", marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
-def test_fresh_process_resume_is_bitwise_equal(schedule: str, torchrun: bool, tmp_path: Path) -> None:
+def test_fresh_process_resume_is_bitwise_equal(schedule: str, torchrun: bool, tmp_path: Path, capsys,
+                                              monkeypatch) -> None:
     common = ["--schedule", schedule]
     if torchrun:
         text = resources.files("qeffect.configs").joinpath("tiny.toml").read_text()
@@ -96,6 +98,7 @@ def test_fresh_process_resume_is_bitwise_equal(schedule: str, torchrun: bool, tm
     assert diff.tensors_compared > 300 and not diff.only_in_a and not diff.only_in_b
     report = inspect_checkpoint(resumed)
     assert report.step == 8 and set(report.epochs.values()) == {8}
+    assert len(report.fp8_modules) == 17 and all(m.history_len == 4 for m in report.fp8_modules)
     assert report.launch == ("torchrun" if torchrun else "single-process")
     assert report.world_size == (2 if torchrun else 1)
 
@@ -104,3 +107,24 @@ def test_fresh_process_resume_is_bitwise_equal(schedule: str, torchrun: bool, tm
     assert [lc[s] for s in range(4, 9)] == [la[s] for s in range(4, 9)]
     summary = json.loads((c / "summary.json").read_text())
     assert summary["start_step"] == 3 and summary["resumed_from"].endswith("step-00000003")
+
+    # the command line on the tiny default's checkpoint: sizes, FP8 summaries, --json, --diff
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps at 80 columns without a terminal
+    rc, out = _cli(capsys, "inspect-checkpoint", str(resumed), "--modules", "0")
+    assert rc == 0
+    for text in ("step 8", "total checkpoint bytes", "qeffect runtime state", "per stage", "FP8 state per module",
+                 "s3.head", schedule):
+        assert text in out
+    rc, out = _cli(capsys, "inspect-checkpoint", str(c_ck), "--json")
+    assert rc == 0 and CheckpointReport.model_validate_json(out).qeffect_runtime_state_bytes > 0
+    rc, out = _cli(capsys, "inspect-checkpoint", str(ref), "--diff", str(resumed))
+    assert rc == 0 and "IDENTICAL" in out
+    rc, out = _cli(capsys, "inspect-checkpoint", str(ref), "--diff", str(b / "checkpoints"))
+    assert rc == 1 and "step: 8 vs 3" in out
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    out, _ = capsys.readouterr()
+    return int(exc.value.code or 0), out

@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,9 @@ from qeffect.checkpoint.state import (
 )
 from qeffect.contracts import CommitViolation
 from qeffect.errors import ReportError, UserError
+
+if TYPE_CHECKING:
+    from qeffect.config import RunConfig
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -118,7 +121,7 @@ def _stages(view: LocalView) -> list[dict]:
             for r in view.ranks for s, c in r.chunks.items()]
 
 
-def save_checkpoint(pipe: Any, path: str | Path, cfg: Any, *, stream: Any = None,
+def save_checkpoint(pipe: Any, path: str | Path, cfg: RunConfig, *, stream: Any = None,
                     overwrite: bool = False) -> Path:
     """Write a checkpoint of `pipe` (at an optimizer boundary) to `path`; every process must call this.
 
@@ -189,7 +192,7 @@ def save_checkpoint(pipe: Any, path: str | Path, cfg: Any, *, stream: Any = None
     return final
 
 
-def _payload(cfg: Any, view: LocalView, tmp: Path, step: int, epochs: dict[str, int],
+def _payload(cfg: RunConfig, view: LocalView, tmp: Path, step: int, epochs: dict[str, int],
              gathered: list) -> CheckpointPayload:
     from qeffect.runtime.build import recipe_of
 
@@ -231,7 +234,7 @@ def update_latest(root: str | Path, folder: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- load
-def load_checkpoint(pipe: Any, path: str | Path, cfg: Any, *, stream: Any = None) -> CheckpointPayload:
+def load_checkpoint(pipe: Any, path: str | Path, cfg: RunConfig, *, stream: Any = None) -> CheckpointPayload:
     """Restore `pipe` (freshly built, no step run yet) from the checkpoint at `path`; every process calls it.
 
     Raises `ReportError` for an unreadable checkpoint and `UserError` when the checkpoint's pipeline

@@ -63,7 +63,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def open_checkpoint(path: str | Path, *, verify: bool = True) -> OpenCheckpoint:
     """Validate the folder and read its payload and DCP metadata (no tensor data is loaded)."""
-    p = Path(path)
+    try:
+        return _open(Path(path), verify)
+    except OSError as err:  # unreadable file, permissions: still one line naming the path
+        raise ReportError(f"{path}: cannot read the checkpoint ({err.strerror or err})") from None
+
+
+def _open(p: Path, verify: bool) -> OpenCheckpoint:
     if not p.exists():
         raise ReportError(f"{p}: no such checkpoint folder")
     if not p.is_dir():
