@@ -169,10 +169,7 @@ class CapturedStageActions(StageActions):
         key = self.key(m)
         self.pool.check_consumer(ref, key, Consumer.DW)
         if self.direct:  # the captured destinations must still be the arena's views (address checked)
-            for n in self._matrix:
-                aname = arena_name(self.stage, self._matrix_param[n])
-                self.arena.bind(aname, m, self._view(n, m))
-                self.arena.check_write(aname, m, self._view(n, m))
+            self.checked_destinations(m)
         graphs = self.slots[m]
         grads, tok = graphs.dW.outputs
         prev = token

@@ -167,8 +167,8 @@ def train(cfg: RunConfig, *, out: Path | None = None,
     if resume is not None:
         from qeffect.checkpoint import load_checkpoint, resolve_checkpoint
 
-        folder = resolve_checkpoint(resume)
         try:
+            folder = resolve_checkpoint(resume)
             payload = load_checkpoint(pipe, folder, cfg, stream=data.stream)
         except (UserError, ReportError) as err:
             raise type(err)(f"--resume {err}") from None

@@ -175,12 +175,8 @@ class StageActions:
     def weight_grad(self, m: int, ref: TapeRef, token: EffectToken) -> WeightGradOut:
         key = self.key(m)
         tape = self.pool.check_consumer(ref, key, Consumer.DW)
-        if self.direct:  # check every destination (binding, duplicate, alias) before any GEMM writes
-            dests = {}
-            for n in self._matrix:
-                aname = arena_name(self.stage, self._matrix_param[n])
-                dests[n] = self.arena.bind(aname, m, self._view(n, m))
-                self.arena.check_write(aname, m, dests[n])
+        if self.direct:
+            dests = self.checked_destinations(m)
         token = self.ledger.consume(token, f"dW{m}")
         try:
             work = tape.payload.pop("wgrad_work")
@@ -199,6 +195,16 @@ class StageActions:
             raise
         self.pool.mark_consumed(ref, Consumer.DW)
         return WeightGradOut(grads, token)
+
+    def checked_destinations(self, m: int) -> dict[str, torch.Tensor]:
+        """Direct placement: check every arena destination of dW(m) (binding: shape, dtype, device,
+        data_ptr; no duplicate, no alias) before any GEMM writes. Returns linear name -> view."""
+        dests = {}
+        for n in self._matrix:
+            aname = arena_name(self.stage, self._matrix_param[n])
+            dests[n] = self.arena.bind(aname, m, self._view(n, m))
+            self.arena.check_write(aname, m, dests[n])
+        return dests
 
     def place_copies(self, m: int, grads: dict[str, torch.Tensor]) -> None:
         """Copied-gradient path: copy dW's independent gradients into the arena (the cost direct placement removes)."""

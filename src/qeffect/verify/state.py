@@ -169,6 +169,24 @@ class _Tally:
                                             tensor=name)
 
 
+def _forward_fingerprint(rank: BaseRank, s: int, e_W: int, e_C: int | None) -> dict[str, dict[str, torch.Tensor]]:
+    """What F(s, m) must reproduce: its output, the forward FP8 state, the cached weights, the epochs."""
+    cat = "loss" if s == rank.num_stages - 1 else "activations"
+    return {cat: {"output": rank.last_output},
+            "fp8_state": _fp8_part(rank.fp8_state(s), "F"),
+            "cache_contents": _cache_contents(rank.chunks[s]),
+            "cache_epochs": {"e_W": torch.tensor(e_W), "e_C": torch.tensor(-1 if e_C is None else e_C)}}
+
+
+def _input_grad_fingerprint(rank: BaseRank, s: int) -> dict[str, dict[str, torch.Tensor]]:
+    """What dI(s, m) must reproduce: the input gradient, non-matrix `.grad`, the backward FP8 state."""
+    out = {"parameter_gradients": _nonmatrix_grads(rank.chunks[s]),
+           "fp8_state": _fp8_part(rank.fp8_state(s), "dI")}
+    if rank.grad_input is not None:
+        out["input_gradients"] = {"grad_input": rank.grad_input}
+    return out
+
+
 class _ReferenceRecorder:
     """Fingerprints of the native reference, one step at a time."""
 
@@ -184,18 +202,12 @@ class _ReferenceRecorder:
         s, m, st = action.stage, action.microbatch, self.step
         chunk = rank.chunks[s]
         if action.kind is ActionKind.F:
-            key = (st, "F", s, m)
-            cat = "loss" if s == rank.num_stages - 1 else "activations"
-            self._put(key, cat, {"output": rank.last_output})
-            self._put(key, "fp8_state", _fp8_part(rank.fp8_state(s), "F"))
-            self._put(key, "cache_contents", _cache_contents(chunk))
-            self._put(key, "cache_epochs", {"e_W": torch.tensor(st), "e_C": torch.tensor(st)})
+            # the reference refreshes its cache on every step's first microbatch: e_C = e_W = step
+            for cat, tensors in _forward_fingerprint(rank, s, st, st).items():
+                self._put((st, "F", s, m), cat, tensors)
         elif action.kind is ActionKind.B:
-            key = (st, "dI", s, m)
-            if rank.grad_input is not None:
-                self._put(key, "input_gradients", {"grad_input": rank.grad_input})
-            self._put(key, "parameter_gradients", _nonmatrix_grads(chunk))
-            self._put(key, "fp8_state", _fp8_part(rank.fp8_state(s), "dI"))
+            for cat, tensors in _input_grad_fingerprint(rank, s).items():
+                self._put((st, "dI", s, m), cat, tensors)
             self._put((st, "dW", s, m), "parameter_gradients",
                       {n: p.grad for n, p in chunk.matrix_params().items()})
 
@@ -239,21 +251,13 @@ class _QEffectChecker:
         chunk = rank.chunks[s]
         r = rank.rank
         if action.kind is ActionKind.F:
-            key = (st, "F", s, m)
-            cat = "loss" if s == rank.num_stages - 1 else "activations"
-            self._check(key, cat, {"output": rank.last_output})
-            self._check(key, "fp8_state", _fp8_part(rank.fp8_state(s), "F"))
-            self._check(key, "cache_contents", _cache_contents(chunk))
-            cache = rank.actions[s].cache
-            self._check(key, "cache_epochs", {"e_W": torch.tensor(rank.clock.e_W),
-                                              "e_C": torch.tensor(-1 if cache.e_C is None else cache.e_C)})
+            found = _forward_fingerprint(rank, s, rank.clock.e_W, rank.actions[s].cache.e_C)
+            for cat, tensors in found.items():
+                self._check((st, "F", s, m), cat, tensors)
             self.live[r] = self.live.get(r, 0) + 1
         elif action.kind is ActionKind.DI:
-            key = (st, "dI", s, m)
-            if rank.grad_input is not None:
-                self._check(key, "input_gradients", {"grad_input": rank.grad_input})
-            self._check(key, "parameter_gradients", _nonmatrix_grads(chunk))
-            self._check(key, "fp8_state", _fp8_part(rank.fp8_state(s), "dI"))
+            for cat, tensors in _input_grad_fingerprint(rank, s).items():
+                self._check((st, "dI", s, m), cat, tensors)
         elif action.kind is ActionKind.DW:
             self.live[r] -= 1
             self.dw_done[r] += len(chunk.matrix_params())  # one arena write per matrix parameter
