@@ -168,10 +168,13 @@ class CapturedStageActions(StageActions):
     def weight_grad(self, m: int, ref: TapeRef, token: EffectToken) -> WeightGradOut:
         key = self.key(m)
         self.pool.check_consumer(ref, key, Consumer.DW)
-        if self.direct:  # the captured destinations must still be the arena's views (address checked)
-            self.checked_destinations(m)
         graphs = self.slots[m]
         grads, tok = graphs.dW.outputs
+        if self.direct:  # the destinations captured into the graph must be the arena's views (data_ptr too)
+            for pname, dest in grads.items():
+                aname = arena_name(self.stage, pname)
+                self.arena.bind(aname, m, dest)
+                self.arena.check_write(aname, m, dest)
         prev = token
         token = self.ledger.consume(token, f"dW{m}", value=tok)
         try:
