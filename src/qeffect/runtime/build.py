@@ -48,7 +48,7 @@ def build_chunks_for(cfg: RunConfig, device: str | torch.device) -> list[torch.n
 
 def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: list[torch.nn.Module], *,
                native: bool, direct: bool = True, fixed_order_sum: bool = True, reductions=None,
-               manager: GraphManager | None = None) -> BaseRank:
+               manager: GraphManager | None = None, capture: bool = True) -> BaseRank:
     owned = {s: chunks[s] for s in schedule.stages_of(rank)}
     p, mc = cfg.pipeline, cfg.model
     if native:
@@ -57,7 +57,7 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: list[torch
     r = QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
                     fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
                     activation=activation)
-    if manager is not None:
+    if manager is not None and capture:
         r.capture(mc.microbatch_size, mc.seq_len)
     return r
 
@@ -70,11 +70,13 @@ def check_path(path: str, device: str | torch.device) -> None:
 
 def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
                          fixed_order_sum: bool = True, device: str | torch.device | None = None,
-                         path: Path_ = "eager") -> SingleProcessPipeline:
+                         path: Path_ = "eager", capture: bool = True) -> SingleProcessPipeline:
     """All ranks of the configured pipeline in this process, parameters from `cfg.train.seed`.
 
     `path`: "eager" runs the checked actions eagerly; "captured-copy" / "captured-direct" capture every
-    action as a CUDA graph (copied gradients / direct placement into the arena).
+    action as a CUDA graph (copied gradients / direct placement into the arena). `capture=False` defers
+    the capture to `capture_graphs(cfg, pipe)`, so a resume can restore numerical state before any graph
+    is built.
     """
     device = device or cfg.train.device
     check_path("eager" if native else path, device)
@@ -85,8 +87,17 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
         manager = GraphManager(device)
         direct = path == "captured-direct"
     ranks = [build_rank(cfg, schedule, r, chunks, native=native, direct=direct, fixed_order_sum=fixed_order_sum,
-                        manager=manager)
+                        manager=manager, capture=capture)
              for r in range(schedule.pp)]
     pipe = SingleProcessPipeline(ranks, schedule)
     pipe.manager = manager
     return pipe
+
+
+def capture_graphs(cfg: RunConfig, pipe: SingleProcessPipeline) -> None:
+    """Capture every action of a pipeline built with `capture=False` (after a checkpoint was loaded)."""
+    if pipe.manager is None:
+        return  # eager path: nothing to capture
+    for r in pipe.ranks:
+        r.capture(cfg.model.microbatch_size, cfg.model.seq_len)
+
