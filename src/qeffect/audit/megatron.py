@@ -235,7 +235,10 @@ def parse_crash(output: str) -> dict[str, Any]:
             exc_type, message = m.group(1).rsplit(".", 1)[-1], (m.group(2) or "")
             break
     megatron = [f for f in frames if "/megatron/" in f[0].replace("\\", "/")]
-    where = (lambda f: f"{_short(f[0])}:{f[1]} in {f[2]}")
+
+    def where(f: tuple[str, int, str]) -> str:
+        return f"{_short(f[0])}:{f[1]} in {f[2]}"
+
     return {"type": exc_type, "message": message, "megatron_location": where(megatron[-1]) if megatron else None,
             "origin_location": where(frames[-1]) if frames else None}
 
@@ -297,6 +300,7 @@ def run_audit(
     workdir: Path | None = None,
     log: Callable[[ModeRequest, ChildOutcome], None] | None = None,
     progress: Callable[[str], None] | None = None,
+    on_partial: Callable[[AuditReport], None] | None = None,
 ) -> AuditReport:
     """Run every mode at every pipeline shape, each in its own process, and build the report."""
     if steps <= warmup:
@@ -337,15 +341,29 @@ def run_audit(
                 else:
                     r = launch(mode, pp, vpp)
                 (wgrad if mode == DELAY_WGRAD else shape_runs).append(r)
-            eager = shape_runs[0] if shape_runs[0].status == "finished" else None
-            summarize(shape_runs[0], None)
-            for r in shape_runs[1:]:
-                summarize(r, eager)
+                if on_partial and not blocker:  # a report after every mode: a killed audit still leaves one
+                    _summarize_shape(shape_runs)
+                    on_partial(_report(shape, shape_source, steps, warmup, gpu_count, first_data,
+                                       runs + shape_runs, wgrad))
+            _summarize_shape(shape_runs)
             runs.extend(shape_runs)
     finally:
         if tmp:
             tmp.cleanup()
 
+    return _report(shape, shape_source, steps, warmup, gpu_count, first_data, runs, wgrad)
+
+
+def _summarize_shape(shape_runs: list[ModeResult]) -> None:
+    """Derived fields of one pipeline shape's rows; eager (the first row) is the reference if it finished."""
+    eager = shape_runs[0] if shape_runs[0].status == "finished" else None
+    summarize(shape_runs[0], None)
+    for r in shape_runs[1:]:
+        summarize(r, eager)
+
+
+def _report(shape: AuditShape, shape_source: str, steps: int, warmup: int, gpu_count: int,
+            first_data: dict[str, Any], runs: list[ModeResult], wgrad: list[ModeResult]) -> AuditReport:
     versions = Versions(**first_data["versions"]) if first_data.get("versions") else _installed_versions()
     common = dict(first_data.get("common_settings") or {})
     common.update({
@@ -360,8 +378,8 @@ def run_audit(
     return AuditReport(
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         versions=versions, device=first_data.get("device"), gpu_count=gpu_count, shape=shape,
-        shape_source=shape_source, steps=steps, warmup_steps=warmup, common_settings=common, runs=runs,
-        delayed_wgrad=wgrad,
+        shape_source=shape_source, steps=steps, warmup_steps=warmup, common_settings=common, runs=list(runs),
+        delayed_wgrad=list(wgrad),
         notes=[
             "Ratios are within Megatron: graph median / eager median step time at the same pipeline shape "
             "(full optimizer step, synchronized), after the warm-up steps (which include graph capture).",

@@ -168,7 +168,11 @@ def _run(args: argparse.Namespace, result: dict[str, Any], save: Any) -> None:
                                          device_id=torch.device("cuda", local))
 
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator

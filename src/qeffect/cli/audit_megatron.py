@@ -47,7 +47,8 @@ def audit_megatron(
     try:
         report = run_audit(shape, shape_source=source, steps=steps, warmup=warmup, timeout_s=timeout,
                            modes=[m.strip() for m in modes.split(",") if m.strip()], gpu_count=gpus,
-                           log=write_log, progress=lambda tag: console.print(f"running {tag} ...", style="dim"))
+                           log=write_log, progress=lambda tag: console.print(f"running {tag} ...", style="dim"),
+                           on_partial=(lambda partial: write_json(json_out, partial)) if json_out else None)
     finally:
         if log_file:
             log_file.close()

@@ -10,9 +10,10 @@ make_graphed_callables technique), so every saved activation, the retained dW wo
 each linear stores in dI) and every output stay at fixed addresses for the life of the graphs. Each
 graph gets its own memory pool: with one shared pool a block freed inside one capture could be handed
 to another graph's live output, and replaying the first in a different order than it was captured
-(ZB-V reorders) would overwrite it. Warm-up and capture execute the bodies for real, so the FP8 state is
-snapshotted before and restored (in place, same addresses) after; caches, tokens and arena are rewritten
-by the first replays.
+(ZB-V reorders) would overwrite it. One eager warm-up (F and dI of slot 0, on the graph stream) runs
+before the first capture so that libraries initialize outside it; warm-up and capture execute the
+bodies for real, so the FP8 state is snapshotted before and restored (in place, same addresses) after;
+caches, tokens and arena are rewritten by the first replays.
 
 The effect token's device update and the reference backend's amax/scale updates are inside the graphs;
 accumulating non-matrix gradients into `.grad` and copying gradients (copy path) run eagerly between
@@ -86,11 +87,14 @@ class CapturedStageActions(StageActions):
                 self._out[m] = out
                 return out, self._tok[m] + 1
 
+            if m == 0:
+                self._warm_up(f_body, dev)
             self.slots[m] = SlotGraphs(F=self.manager.capture(f"{tag}.F{m}", f_body, static_inputs=inputs,
                                                               warmup=0, private_pool=True))
         for m in range(microbatches):
             out = self._out[m]
-            self._gout[m] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
+            if m not in self._gout:
+                self._gout[m] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
 
             def di_body(m: int = m) -> tuple:
                 grad_in, grads = input_grad_body(chunk, self._x[m], self._out[m], self._gout[m], retain_graph=True)
@@ -125,6 +129,24 @@ class CapturedStageActions(StageActions):
                 else:
                     raise RuntimeError(f"{k}: FP8 state created during capture with no known fresh value")
         torch.cuda.synchronize(dev)
+
+    def _warm_up(self, f_body, dev: torch.device) -> None:
+        """One eager F and dI of slot 0 on the graph stream before any capture: libraries initialize
+        lazily (cuBLAS/cuBLASLt handles, FP8 GEMM and attention kernels, Transformer Engine's weight
+        workspace), and doing that inside a capture is an error. The FP8 state this moves is restored
+        with the rest after capture; retained dW work it leaves in a backend's queue is discarded."""
+        stream = self.manager.stream
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            out, _ = f_body(0)
+            self._gout[0] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
+            input_grad_body(self.chunk, self._x[0], out, self._gout[0], retain_graph=False)
+            take_wgrad_work(self._matrix)
+            for lin in self._matrix.values():
+                if hasattr(lin, "discard_wgrad_work"):
+                    lin.discard_wgrad_work()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self._out.clear()
 
     # ------------------------------------------------------------------------------------ actions
     def forward(self, m: int, inp: torch.Tensor, token: EffectToken,
