@@ -1,1 +1,38 @@
+"""Activation offload under CUDA graphs: fixed-VA VMM slots with swappable physical pages.
 
+`vmm.VmmSlot` keeps a graph's captured address valid while its memory is released and restored;
+`group.OffloadManager` / `OffloadGroup` move a captured forward's saved activations to pinned host
+memory and back around the replays (release or resident ping-pong mode, with look-ahead);
+`checks` is the GPU check behind `qeffect offload-check`. Importing this package needs neither a GPU
+nor `cuda.bindings` (imported lazily by `driver.load_bindings`).
+
+NOT YET RUN ON A GPU: everything here is tested on CPU against `fake.FakeDevice` only.
+"""
+
+from __future__ import annotations
+
+from qeffect.offload.driver import (
+    CudaDriverError,
+    OffloadUnavailable,
+    VmmDriver,
+    bindings_available,
+    load_bindings,
+)
+from qeffect.offload.group import (
+    MODES,
+    GroupState,
+    OffloadGroup,
+    OffloadManager,
+    OffloadMode,
+    OffloadStateError,
+    OffloadStats,
+    TensorSpec,
+    default_eligible,
+)
+from qeffect.offload.streams import StreamOps, TorchCudaStreams
+from qeffect.offload.vmm import VmmSlot, round_up, wrap_pointer
+
+__all__ = ["MODES", "CudaDriverError", "GroupState", "OffloadGroup", "OffloadManager", "OffloadMode",
+           "OffloadStateError", "OffloadStats", "OffloadUnavailable", "StreamOps", "TensorSpec", "TorchCudaStreams",
+           "VmmDriver", "VmmSlot", "bindings_available", "default_eligible", "load_bindings", "round_up",
+           "wrap_pointer"]

@@ -1,0 +1,174 @@
+"""`qeffect profile`: time the configuration matrix, render it as tables, JSON and PNG figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from qeffect.cli.app import app
+from qeffect.cli.common import Backend, Device, config_from_cli, write_json
+from qeffect.errors import ReportError, UserError
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.2f}"
+
+
+def _mib(x: int | float | None) -> str:
+    return "-" if x is None else f"{x / 2**20:,.1f}"
+
+
+def _num(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def render(report, console: Console) -> None:
+    """Rich tables of a `ProfileReport`: timings, resources, GEMM floor and the M analysis."""
+    cfg = report.config
+    title = (f"profile: h{cfg['model']['hidden']}, pp {cfg['pipeline']['pp']} x {cfg['pipeline']['chunks_per_rank']} "
+             f"chunks, M {cfg['pipeline']['microbatches']}, {report.backend} on {report.device_name}; "
+             f"{report.warmup} warm-up + {report.steps} timed steps")
+    t = Table(title=title)
+    t.add_column("configuration", no_wrap=True)
+    for col in ("median ms", "q1-q3 ms", "x native", "setup s", "break-even steps", "x floor"):
+        t.add_column(col, justify="right")
+    for c in report.configs:
+        if c.status != "ok":
+            continue
+        be = "-" if c.name == "native-eager" else ("never" if c.break_even_steps is None else f"{c.break_even_steps:.1f}")
+        t.add_row(c.name, _ms(c.median_step_seconds), f"{_ms(c.spread.q1)}-{_ms(c.spread.q3)}",
+                  _num(c.speedup_vs_native, "{:.2f}"), _num(c.setup_seconds, "{:.2f}"), be,
+                  _num(c.floor_ratio, "{:.1f}"))
+    console.print(t)
+    for c in report.configs:
+        if c.status != "ok":
+            style = "red" if c.status == "failed" else "dim"
+            console.print(f"[{style}]{c.status}: {c.name}: {c.reason}[/{style}]", highlight=False)
+    r = Table(title="resources per configuration")
+    r.add_column("configuration", no_wrap=True)
+    for col in ("peak alloc MiB", "peak resv MiB", "growth B/step", "graphs", "replays /step", "handoffs /step",
+                "arena MiB", "capture host s"):
+        r.add_column(col, justify="right")
+    for c in report.configs:
+        if c.status == "ok":
+            r.add_row(c.name, _mib(c.peak_allocated_bytes), _mib(c.peak_reserved_bytes),
+                      _num(c.persistent_growth_bytes_per_step, "{:,.0f}"), str(c.graph_count),
+                      _num(c.replays_per_step, "{:.0f}"), _num(c.handoffs_per_step, "{:.0f}"), _mib(c.arena_bytes),
+                      _num(c.capture_host_seconds, "{:.3f}"))
+    console.print(r)
+    for n in sorted({c.memory_note for c in report.configs if c.memory_note}):
+        console.print(f"memory: {n}", highlight=False)
+    f = report.floor
+    console.print(f"matrix FLOPs per step: {report.matrix_flops.total:,} ({report.matrix_flops.layers_only:,} in the "
+                  f"layers); FP8 GEMM on these shapes: {f.effective_tflops:.3g} TFLOP/s effective, "
+                  f"{f.peak_tflops:.3g} peak; floor {f.seconds * 1e3:.3f} ms "
+                  f"({f.seconds_layers_only * 1e3:.3f} ms layers only)", highlight=False)
+    if report.resources:
+        m = Table(title="resource analysis over M (graphs provisioned: 3 x M x chunks per rank)")
+        m.add_column("schedule", no_wrap=True)
+        for col in ("M", "graphs /rank", "arena MiB", "live tapes /rank", "pending dW /rank", "capture host s"):
+            m.add_column(col, justify="right")
+        for row in report.resources:
+            m.add_row(row.schedule, str(row.microbatches), str(row.graphs_per_rank), _mib(row.arena_bytes),
+                      ",".join(map(str, row.max_live_tapes)), ",".join(map(str, row.max_pending_dw)),
+                      _num(row.capture_host_seconds, "{:.3f}"))
+        console.print(m)
+        for n in sorted({f"M={row.microbatches} {row.schedule}: {row.capture_note}" if not
+                         row.capture_note.startswith("not run") else row.capture_note
+                         for row in report.resources if row.capture_note}):
+            console.print(f"capture: {n}", highlight=False)
+
+
+def _command(config: Path | None, device: Device | None, backend: Backend | None, steps: int, warmup: int,
+             microbatches: str | None, configs: str | None, json_out: Path | None, plot: Path | None) -> str:
+    parts = ["qeffect profile"]
+    for flag, value in (("--config", config), ("--device", device and device.value),
+                        ("--backend", backend and backend.value), ("--steps", steps), ("--warmup", warmup),
+                        ("--microbatches", microbatches), ("--configs", configs), ("--json", json_out),
+                        ("--plot", plot)):
+        if value is not None:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+@app.command("profile")
+def profile(
+    config: Path | None = typer.Option(None, "--config", "-c", help="Run config TOML (default: the embedded tiny CPU config)."),
+    device: Device | None = typer.Option(None, "--device", help="cpu or cuda (default: the config's)."),
+    backend: Backend | None = typer.Option(None, "--backend", help="FP8 backend (default: the config's)."),
+    steps: int = typer.Option(20, "--steps", min=1, help="Timed steps per configuration (after warm-up)."),
+    warmup: int = typer.Option(3, "--warmup", min=1, help="Warm-up steps, excluded from the statistics; the first is part of setup."),
+    microbatches: str | None = typer.Option(None, "--microbatches", help="Also analyse resources for these M, e.g. 2,4,8,16."),
+    configs: str | None = typer.Option(None, "--configs", help="Comma-separated subset (default: all): native-eager, qeffect-eager, captured-copy, "
+                                "captured-direct, captured-zbv-direct, te-graphed."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report as JSON to this file."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write PNG figures into this folder (needs matplotlib)."),
+    report_in: Path | None = typer.Option(None, "--report", help="Render a saved JSON report (tables, --plot) instead of running."),
+) -> None:
+    """Time native eager, qeffect eager, captured (copy, direct, ZB-V direct) and the TE anchor.
+
+    One model, one synthetic data sequence, one process. For each configuration: median step time
+    after warm-up and its spread, setup time (build + capture + first step), break-even steps against
+    native eager, peak and persistent memory (CUDA), graphs, replays and handoffs per step, arena bytes,
+    capture host time, and the ratio to the step's matrix-FLOP floor at the FP8 GEMM rate measured in
+    the same run. Configurations this machine cannot run are reported as not run, with the reason.
+    """
+    console = Console()
+    if plot is not None:
+        from qeffect.profile.plot import require_matplotlib
+
+        require_matplotlib()
+    if report_in is not None:
+        report = _load(report_in)
+    else:
+        report = _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console)
+    render(report, console)
+    if json_out and report_in is None:
+        write_json(json_out, report)
+        console.print(f"report: {json_out}")
+    if plot is not None:
+        from qeffect.profile.plot import write_plots
+
+        for p in write_plots(report, plot):
+            console.print(f"figure: {p}")
+    failed = [c.name for c in report.configs if c.status == "failed"]
+    if failed:
+        console.print(f"[red]failed: {', '.join(failed)}[/red]")
+    raise typer.Exit(1 if failed else 0)
+
+
+def _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console):
+    from qeffect.profile.matrix import run_profile
+    from qeffect.profile.resources import parse_microbatches
+
+    try:
+        ms = parse_microbatches(microbatches) if microbatches is not None else None
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    names = [n.strip() for n in configs.split(",")] if configs is not None else None
+    cfg = config_from_cli(config, **{"train.device": device.value if device else None,
+                                     "fp8.backend": backend.value if backend else None})
+    command = _command(config, device, backend, steps, warmup, microbatches, configs, json_out, plot)
+    with console.status("profiling") as status:
+        return run_profile(cfg, steps=steps, warmup=warmup, configs=names, microbatches=ms, command=command,
+                           config_path=str(config) if config else None,
+                           progress=lambda msg: status.update(f"profiling: {msg}"))
+
+
+def _load(path: Path):
+    from pydantic import ValidationError
+
+    from qeffect.profile.report import SCHEMA_VERSION, ProfileReport
+
+    if not path.is_file():
+        raise UserError(f"{path}: report file not found")
+    try:
+        report = ProfileReport.model_validate_json(path.read_text())
+    except ValidationError as err:
+        raise ReportError(f"{path}: not a qeffect profile report ({err.error_count()} schema errors)") from None
+    if report.schema_version != SCHEMA_VERSION:
+        raise ReportError(f"{path}: profile report schema {report.schema_version}, this qeffect reads {SCHEMA_VERSION}")
+    return report

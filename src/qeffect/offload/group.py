@@ -1,0 +1,650 @@
+"""Offload groups: the saved activations of one captured forward, kept at fixed VAs between F and backward.
+
+Life of a group (one per captured forward whose saved tensors are offloaded, e.g. one (chunk,
+microbatch slot) of a captured stage):
+
+1. discovery (`discovering`): an eager warm-up runs under `discovery_hooks()`; every eligible tensor
+   autograd saves is recorded (shape, stride, dtype, device). Autograd is unchanged.
+2. allocation (`OffloadManager.allocate`, -> `mapped`): outside any capture, the manager lays the
+   tensors out (256-byte aligned), reserves VMM slots, maps them and allocates pinned host buffers.
+3. capture (`capture_hooks()`, `mapped`): while F is captured, each saved tensor is copied into its
+   slot view and autograd keeps the view instead, so the captured backward reads the slot's VA. The
+   session checks count, order, shape/stride/dtype/device against discovery and data_ptr() == VA.
+4. forward offload (`after_forward`): the compute stream records `forward_done`; the D2H stream waits
+   on that event only and copies the slot to the group's pinned host buffer, then records `d2h_done`.
+   release mode: the host waits on `d2h_done` alone, unmaps and releases (-> `unmapped`).
+   resident mode: nothing else; the bank stays mapped (-> `resident_d2h_pending`).
+5. backward restore (`before_backward`): release: remap at the same VA and H2D on the H2D stream;
+   resident: H2D into the group's bank only if another group took the bank meanwhile
+   (`resident_reload_pending`); then the compute stream waits on `restore_done` (-> `mapped`).
+   Look-ahead: right after that, the NEXT group in backward order is restored on the H2D stream, so
+   its copy runs while the current backward graph runs.
+6. `after_backward` records `consumed` on the compute stream: the bytes are no longer needed.
+
+Modes. `release`: each group has its own slot; the device memory of a group exists only while its
+activations are on the device. After a consumed backward the slot is also released ("reaped", when
+its `consumed` event has completed; checked without blocking at every hook) and remapped, without
+H2D, before the next forward. Driver calls run on the hot path and `after_forward` blocks the host
+until that group's D2H is done (the unmap must not race the copy). `resident` (ping-pong): `num_banks`
+(2) slots mapped for the whole run; group i of the backward order uses bank i % num_banks, so the
+bank a backward reads and the bank the look-ahead restores into always differ. No driver calls and
+no host waits on the hot path. A bank is written (by a forward or a restore) only after its previous
+D2H finished and its previous backward consumer finished (stream waits on `bank.last_d2h` and
+`bank.last_consumed`). Host buffers stay per group. `off`: hooks only check the call order.
+
+States are explicit (`GroupState`); every hook checks the state and raises `OffloadStateError`
+naming the group, the hook and what was expected. Empty groups (nothing eligible) do no copies.
+
+Streams, events and copies go through `StreamOps`, driver calls through `VmmDriver`, so the whole
+state machine and its ordering run on CPU against `qeffect.offload.fake.FakeDevice`.
+
+NOT YET RUN ON A GPU: the CPU tests run this module against the fake device only; `qeffect
+offload-check` (and tests/test_offload_gpu.py) are the first runs with real streams and the driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from qeffect.offload.driver import VmmDriver
+from qeffect.offload.streams import StreamOps, TorchCudaStreams
+from qeffect.offload.vmm import VmmSlot, contiguous_stride, span_bytes
+
+OffloadMode = Literal["off", "release", "resident"]
+MODES: tuple[str, ...] = ("off", "release", "resident")
+ALIGNMENT = 256  # what cudaMalloc guarantees; vectorized kernels may rely on it
+
+
+class GroupState(StrEnum):
+    DISCOVERING = "discovering"  # recording saved-tensor descriptors; no memory yet
+    MAPPED = "mapped"  # the group's slot (or bank) is mapped; its bytes are there, or it holds nothing
+    UNMAPPED = "unmapped"  # release mode: no physical memory; live bytes (if any) are on the host
+    RESIDENT_D2H_PENDING = "resident_d2h_pending"  # resident: D2H enqueued; the bank still holds the bytes
+    RESIDENT_RELOAD_PENDING = "resident_reload_pending"  # resident: another group took the bank; bytes on host
+    CLOSED = "closed"  # terminal: the manager was closed
+
+
+class OffloadStateError(RuntimeError):
+    """A hook was called in a state that does not allow it (a protocol violation, not a CUDA error)."""
+
+
+def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Non-overlapping and dense: some permutation of the dims is contiguous (no gaps, no aliasing)."""
+    expected = 1
+    for st, n in sorted((int(s), int(n)) for n, s in zip(shape, stride, strict=True) if int(n) != 1):
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def default_eligible(t: Tensor) -> bool:
+    """Plain, dense, non-empty tensors that are not leaves requiring grad (nor views of them).
+
+    Parameters and static graph inputs are persistent anyway, and tensor subclasses (FP8 tensors)
+    cannot be copied into a plain view: those stay where autograd keeps them.
+    """
+    if type(t) is not torch.Tensor or t.numel() == 0:
+        return False
+    base = t._base if t._base is not None else t
+    if base.is_leaf and base.requires_grad:
+        return False
+    return _dense(t.shape, t.stride())
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What discovery recorded for one saved tensor; capture must see the same."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: Tensor) -> TensorSpec:
+        return cls(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+    @property
+    def nbytes(self) -> int:
+        return span_bytes(self.shape, self.stride, self.dtype.itemsize)
+
+    def mismatch(self, t: Tensor) -> str | None:
+        got = TensorSpec.of(t)
+        for f in ("shape", "stride", "dtype", "device"):
+            if getattr(got, f) != getattr(self, f):
+                return f"{f} {getattr(got, f)} != discovered {getattr(self, f)}"
+        return None
+
+
+@dataclass
+class RestoreRecord:
+    """One H2D restore (kept only with `timing=True`): events on the H2D stream around the copy."""
+
+    group: str
+    prefetched_under: str | None  # the group whose backward this restore ran under (look-ahead), if any
+    start: Any
+    end: Any
+
+
+@dataclass
+class OffloadStats:
+    d2h_copies: int = 0
+    d2h_bytes: int = 0
+    h2d_copies: int = 0
+    h2d_bytes: int = 0
+    maps: int = 0  # physical mappings created on the hot path (not counting allocate)
+    unmaps: int = 0
+    reaped: int = 0  # release mode: consumed slots released
+    prefetches: int = 0  # restores started by look-ahead
+    prefetches_wasted: int = 0  # resident: a prefetched restore evicted before its backward
+    reloads_skipped: int = 0  # resident: the bank still held the group's bytes at its backward
+    evictions: int = 0  # resident: a group's bytes left its bank (they are on the host)
+    restores: list[RestoreRecord] = field(default_factory=list)
+
+
+@dataclass
+class Bank:
+    """Resident mode: one of `num_banks` slots mapped for the whole run, shared by every group assigned to it."""
+
+    index: int
+    slot: VmmSlot
+    owner: OffloadGroup | None = None  # the group whose bytes (or forward) the bank holds now
+    last_d2h: Any = None  # event: the last D2H out of this bank (a writer must wait on it)
+    last_consumed: Any = None  # event: the last backward that read this bank (a writer must wait on it)
+
+
+class OffloadGroup:
+    """The saved activations of one captured forward. Create with `OffloadManager.group(name)`."""
+
+    def __init__(self, manager: OffloadManager, name: str, index: int) -> None:
+        self.manager, self.name, self.index = manager, name, index
+        self.state = GroupState.DISCOVERING
+        self.specs: list[TensorSpec] = []
+        self.offsets: list[int] = []
+        self.nbytes = 0
+        self.slot: VmmSlot | None = None  # release: its own; resident: its bank's
+        self.bank: Bank | None = None
+        self.host: Tensor | None = None
+        self.slot_bytes: Tensor | None = None  # uint8 view of [0, nbytes) of the slot (one copy per direction)
+        self.next_backward: OffloadGroup | None = None
+        self.live = False  # holds a forward's activations that its backward has not consumed yet
+        self.phase: Literal["forward", "backward"] | None = None
+        self._views: list[Tensor] = []
+        self.forward_done: Any = None
+        self.d2h_done: Any = None
+        self.restore_done: Any = None
+        self.consumed: Any = None
+        self._consumed_recorded = False
+        self._restore_pending = False  # restore enqueued; the compute stream has not waited on it yet
+
+    # ----------------------------------------------------------------------------------- discovery
+    def discover(self, t: Tensor) -> int | None:
+        """Record `t` as the next saved tensor if eligible; returns its index (None if not eligible)."""
+        if self.state is not GroupState.DISCOVERING:
+            raise OffloadStateError(f"group {self.name!r}: discover() after allocate() (state {self.state})")
+        if not self.manager._eligible(t):
+            return None
+        self.specs.append(TensorSpec.of(t))
+        return len(self.specs) - 1
+
+    @contextlib.contextmanager
+    def discovery_hooks(self) -> Iterator[OffloadGroup]:
+        """Record the tensors autograd saves in this block (an eager warm-up of the forward)."""
+        if self.state is not GroupState.DISCOVERING:
+            raise OffloadStateError(f"group {self.name!r}: discovery_hooks() after allocate() (state {self.state})")
+        seen: dict[tuple, Tensor] = {}  # holds the tensors: no address reuse inside one session
+
+        def pack(t: Tensor) -> Tensor:
+            if self.manager._eligible(t):
+                key = _key(t)
+                if key not in seen:
+                    seen[key] = t
+                    self.discover(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield self
+
+    # ------------------------------------------------------------------------------------- capture
+    @property
+    def views(self) -> list[Tensor]:
+        """The slot views, one per discovered tensor, in discovery order (fixed addresses)."""
+        self._allocated("views")
+        return list(self._views)
+
+    @property
+    def va(self) -> int | None:
+        """Address of the group's first byte (its slot's or bank's VA); None for an empty or 'off' group."""
+        return self.slot.va if self.slot is not None else None
+
+    def store(self, i: int, t: Tensor) -> Tensor:
+        """Copy `t` into slot view `i` (on the current stream: captured when inside a capture)."""
+        self._allocated("store")
+        reason = self.specs[i].mismatch(t)
+        if reason:
+            raise OffloadStateError(f"group {self.name!r}: saved tensor #{i} differs from discovery: {reason}")
+        view = self._views[i]
+        with torch.no_grad():
+            view.copy_(t)
+        return view
+
+    @contextlib.contextmanager
+    def capture_hooks(self) -> Iterator[OffloadGroup]:
+        """While F is captured: each eligible saved tensor goes into its slot view; autograd keeps the view.
+
+        The captured backward then reads the slot's VA. Must see exactly the discovered tensors, in
+        order. In `off` mode (and for an empty group) autograd is left alone.
+        """
+        self._allocated("capture_hooks")
+        if self.live or self.phase == "backward":
+            raise OffloadStateError(f"group {self.name!r}: capture_hooks() while its activations are live")
+        if self.state is not GroupState.MAPPED:
+            raise OffloadStateError(f"group {self.name!r}: capture_hooks() needs a mapped slot (state {self.state})")
+        if self.manager.mode == "off" or not self.specs:
+            yield self
+            return
+        seen: dict[tuple, tuple[Tensor, Tensor]] = {}
+        count = 0
+
+        def pack(t: Tensor) -> Tensor:
+            nonlocal count
+            if not self.manager._eligible(t):
+                return t
+            key = _key(t)
+            if key in seen:
+                return seen[key][0]
+            if count >= len(self.specs):
+                raise OffloadStateError(f"group {self.name!r}: capture saved more tensors than discovery "
+                                        f"({len(self.specs)})")
+            view = self.store(count, t)
+            seen[key] = (view, t)
+            count += 1
+            return view
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield self
+        if count != len(self.specs):
+            raise OffloadStateError(f"group {self.name!r}: capture saved {count} tensors, discovery {len(self.specs)}")
+        for i, v in enumerate(self._views):
+            if v.data_ptr() != self.slot.va + self.offsets[i]:
+                raise OffloadStateError(f"group {self.name!r}: view #{i} moved off its VA")
+
+    # ------------------------------------------------------------------------------------- hot path
+    def before_forward(self) -> None:
+        """Before the forward replay: make the slot writable (release: remap if reaped; resident:
+        claim the bank, the compute stream waiting on its previous D2H and backward consumer)."""
+        self._expect("before_forward", phase=None, live=False)
+        m = self.manager
+        if self._inactive():
+            self.phase = "forward"
+            return
+        m._maybe_reap(exclude=self)
+        cur = m.streams.current_stream()
+        if m.mode == "release":
+            if self.state is GroupState.UNMAPPED:
+                self.slot.map()  # a fresh mapping: the forward writes every view before anything reads it
+                m.stats.maps += 1
+                self.state = GroupState.MAPPED
+            elif self._consumed_recorded:  # the last backward's reads come before this forward's writes
+                m.streams.wait(cur, self.consumed)
+        else:
+            m._claim(self.bank, self, cur)
+            self.state = GroupState.MAPPED
+        self.phase = "forward"
+
+    def after_forward(self) -> None:
+        """After the forward replay: D2H on the D2H stream (waiting on forward_done only); release: unmap."""
+        self._expect("after_forward", phase="forward")
+        m = self.manager
+        self.phase, self.live = None, True
+        if self._inactive():
+            return
+        s = m.streams
+        s.record(self.forward_done, s.current_stream())
+        s.wait(m.d2h_stream, self.forward_done)
+        s.copy(self.host, self.slot_bytes, m.d2h_stream)
+        s.record(self.d2h_done, m.d2h_stream)
+        m.stats.d2h_copies += 1
+        m.stats.d2h_bytes += self.nbytes
+        if m.mode == "release":
+            # The host waits for this copy alone (and what it waited on: the forward), then unmaps.
+            self.slot.unmap(wait=lambda: s.synchronize_event(self.d2h_done))
+            m.stats.unmaps += 1
+            self.state = GroupState.UNMAPPED
+        else:
+            self.bank.last_d2h = self.d2h_done
+            self.state = GroupState.RESIDENT_D2H_PENDING
+
+    def prefetch(self) -> bool:
+        """Start this group's restore on the H2D stream now, if it needs one. True if one was started."""
+        self._allocated("prefetch")
+        return self.manager._prefetch(self, under=None)
+
+    def before_backward(self) -> None:
+        """Before the backward replay: restore if needed, make the compute stream wait on it, then
+        start the look-ahead restore of the next group in backward order."""
+        self._expect("before_backward", phase=None, live=True)
+        m = self.manager
+        if self._inactive():
+            self.phase = "backward"
+            return
+        m._maybe_reap(exclude=self)
+        if self.state in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
+            m._restore(self, under=None)
+        elif self.state is GroupState.RESIDENT_D2H_PENDING:
+            self.state = GroupState.MAPPED  # nobody took the bank: the forward's bytes are still there
+            m.stats.reloads_skipped += 1
+        elif not (self.state is GroupState.MAPPED and self._restore_pending):
+            raise OffloadStateError(f"group {self.name!r}: before_backward in state {self.state} with no restore")
+        if self._restore_pending:
+            m.streams.wait(m.streams.current_stream(), self.restore_done)
+            self._restore_pending = False
+        self.phase = "backward"
+        if m.lookahead and self.next_backward is not None:
+            m._prefetch(self.next_backward, under=self)
+
+    def after_backward(self) -> None:
+        """After the LAST replay that reads this group's saved tensors (dI, or dW if it reads them too)."""
+        self._expect("after_backward", phase="backward")
+        m = self.manager
+        self.phase, self.live = None, False
+        if self._inactive():
+            return
+        m.streams.record(self.consumed, m.streams.current_stream())
+        self._consumed_recorded = True
+        if m.mode == "resident":
+            self.bank.last_consumed = self.consumed
+
+    def discard(self) -> None:
+        """Drop live activations without a backward (an aborted tape). The slot stays allocated."""
+        self._allocated("discard")
+        if self.phase is not None:
+            raise OffloadStateError(f"group {self.name!r}: discard() during its {self.phase} (call after_{self.phase})")
+        if not self.live:
+            return
+        m = self.manager
+        self.live = False
+        if self._inactive():
+            return
+        if self._restore_pending:  # let the queued H2D finish before anyone writes the slot again
+            cur = m.streams.current_stream()
+            m.streams.wait(cur, self.restore_done)
+            m.streams.record(self.consumed, cur)
+            self._consumed_recorded = True
+            if self.bank is not None:
+                self.bank.last_consumed = self.consumed
+            self._restore_pending = False
+        if self.state in (GroupState.RESIDENT_D2H_PENDING, GroupState.RESIDENT_RELOAD_PENDING):
+            self.state = GroupState.MAPPED
+
+    # -------------------------------------------------------------------------------------- helpers
+    def _inactive(self) -> bool:
+        return self.manager.mode == "off" or self.nbytes == 0
+
+    def _allocated(self, op: str) -> None:
+        if self.state is GroupState.DISCOVERING:
+            raise OffloadStateError(f"group {self.name!r}: {op} before OffloadManager.allocate() (state discovering)")
+        if self.state is GroupState.CLOSED:
+            raise OffloadStateError(f"group {self.name!r}: {op} after the manager was closed")
+
+    def _expect(self, op: str, *, phase: str | None, live: bool | None = None) -> None:
+        self._allocated(op)
+        if self.phase != phase:
+            now = f"inside its {self.phase} (after before_{self.phase}, before after_{self.phase})" \
+                if self.phase else "outside forward and backward"
+            want = f"after before_{phase}" if phase else "outside forward and backward"
+            raise OffloadStateError(f"group {self.name!r}: {op} called {now}; it must come {want}")
+        if live is not None and self.live != live:
+            why = ("its forward activations are still live (after_backward not called yet)" if self.live
+                   else "it holds no forward activations (after_forward not called since the last backward)")
+            raise OffloadStateError(f"group {self.name!r}: {op} not allowed: {why}")
+
+    def __repr__(self) -> str:
+        return f"OffloadGroup({self.name!r}, {self.state}, live={self.live}, phase={self.phase}, nbytes={self.nbytes})"
+
+
+def _key(t: Tensor) -> tuple:
+    """Same bytes, same view: a tensor saved twice (x by three projections) is stored once."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t._version)
+
+
+class OffloadManager:
+    """Owns the groups of one device, their slots or banks, the D2H and H2D streams, and statistics.
+
+    `device`, `driver` and `streams` default to the real CUDA ones (built only for release and
+    resident modes); the CPU tests pass a `FakeDevice`'s.
+    """
+
+    def __init__(self, mode: OffloadMode = "release", *, device: torch.device | str | None = None,
+                 driver: VmmDriver | None = None, streams: StreamOps | None = None, num_banks: int = 2,
+                 lookahead: bool = True, release_consumed: bool = True, timing: bool = False,
+                 alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"offload mode must be one of {MODES}, got {mode!r}")
+        if num_banks < 2:
+            raise ValueError(f"resident ping-pong needs at least 2 banks, got {num_banks}")
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        self.mode: OffloadMode = mode
+        self.num_banks, self.lookahead, self.release_consumed = num_banks, lookahead, release_consumed
+        self.timing, self.alignment = timing, alignment
+        self._eligible_fn = eligible or default_eligible
+        self.groups: list[OffloadGroup] = []
+        self.banks: list[Bank] = []
+        self.stats = OffloadStats()
+        self.backward_order: list[OffloadGroup] = []
+        self._allocated = False
+        self._closed = False
+        if device is None:
+            device = torch.device("cuda", driver.ordinal) if driver is not None else torch.device("cuda")
+        self.device = torch.device(device)
+        self.driver: VmmDriver | None = driver
+        self.streams: StreamOps | None = streams
+        self._own_driver = False
+        if mode != "off":
+            if self.device.type == "cuda" and self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            if self.streams is None:
+                self.streams = TorchCudaStreams(self.device)
+            if self.driver is None:
+                self.driver = VmmDriver(self.device.index or 0)
+                self._own_driver = True
+        self.d2h_stream: Any = None
+        self.h2d_stream: Any = None
+
+    def _eligible(self, t: Tensor) -> bool:
+        return t.device == self.device and self._eligible_fn(t)
+
+    # ---------------------------------------------------------------------------------- building
+    def group(self, name: str) -> OffloadGroup:
+        if self._allocated:
+            raise OffloadStateError(f"group {name!r}: groups must be created before allocate()")
+        if any(g.name == name for g in self.groups):
+            raise ValueError(f"an offload group named {name!r} already exists")
+        g = OffloadGroup(self, name, len(self.groups))
+        self.groups.append(g)
+        return g
+
+    def allocate(self, backward_order: Sequence[OffloadGroup] | None = None) -> None:
+        """Lay out every group, create slots (release) or banks (resident), map them, pin host buffers.
+
+        `backward_order`: the order in which the groups' backwards run in a step (default: reverse
+        creation order, a layer stack). It links look-ahead and, in resident mode, assigns banks so
+        that consecutive backwards never share one. Call outside any capture.
+        """
+        if self._closed:
+            raise OffloadStateError("allocate() after close()")
+        if self._allocated:
+            raise OffloadStateError("allocate() was already called")
+        order = list(backward_order) if backward_order is not None else list(reversed(self.groups))
+        ids = [id(g) for g in order]
+        if len(set(ids)) != len(ids) or set(ids) != {id(g) for g in self.groups}:
+            names = [g.name for g in order]
+            raise ValueError(f"backward_order must list every group exactly once; got {names}, groups "
+                             f"{[g.name for g in self.groups]}")
+        self.backward_order = order
+        for a, b in zip(order, order[1:], strict=False):
+            a.next_backward = b
+        for g in self.groups:
+            off = 0
+            for spec in g.specs:
+                off = -(-off // self.alignment) * self.alignment
+                g.offsets.append(off)
+                off += spec.nbytes
+            g.nbytes = off
+        if self.mode != "off":
+            self._allocate_memory(order)
+        for g in self.groups:
+            g.state = GroupState.MAPPED
+        self._allocated = True
+
+    def _allocate_memory(self, order: list[OffloadGroup]) -> None:
+        s = self.streams
+        self.d2h_stream, self.h2d_stream = s.new_stream("d2h"), s.new_stream("h2d")
+        if self.mode == "release":
+            for g in self.groups:
+                if g.nbytes:
+                    g.slot = VmmSlot(self.driver, g.nbytes, device=self.device, name=g.name)
+        else:
+            need = [0] * self.num_banks
+            for pos, g in enumerate(order):
+                need[pos % self.num_banks] = max(need[pos % self.num_banks], g.nbytes)
+            self.banks = [Bank(b, VmmSlot(self.driver, n, device=self.device, name=f"bank{b}"))
+                          for b, n in enumerate(need) if n]
+            by_index = {b.index: b for b in self.banks}
+            for pos, g in enumerate(order):
+                if g.nbytes:
+                    g.bank = by_index[pos % self.num_banks]
+                    g.slot = g.bank.slot
+        for g in self.groups:
+            if not g.nbytes:
+                continue
+            g._views = [g.slot.tensor(sp.shape, sp.dtype, offset=o, stride=sp.stride) for sp, o in zip(g.specs, g.offsets,
+                                                                                                          strict=True)]
+            g.slot_bytes = g.slot.bytes(g.nbytes)
+            g.host = s.host_buffer(g.nbytes)
+            g.forward_done = s.new_event(f"{g.name}.forward_done")
+            g.d2h_done = s.new_event(f"{g.name}.d2h_done")
+            g.restore_done = s.new_event(f"{g.name}.restore_done", self.timing)
+            g.consumed = s.new_event(f"{g.name}.consumed")
+
+    # ------------------------------------------------------------------------------------- internals
+    def _claim(self, bank: Bank, g: OffloadGroup, writer: Any) -> None:
+        """Resident: `writer` (a stream) is about to write `g`'s bytes into `bank`. Evict its owner (whose
+        bytes are safe on the host once its D2H is done) and order the write after the bank's last D2H
+        and last backward consumer."""
+        owner = bank.owner
+        if owner is not None and owner is not g and owner.live:
+            if owner.phase == "backward":
+                raise OffloadStateError(f"bank {bank.index} is busy: group {owner.name!r} is inside its backward "
+                                        f"(before_backward called, after_backward not yet); group {g.name!r} "
+                                        "cannot write it")
+            if owner._restore_pending:  # prefetched but not consumed yet: finish that copy first
+                self.streams.wait(writer, owner.restore_done)
+                owner._restore_pending = False
+                self.stats.prefetches_wasted += 1
+            owner.state = GroupState.RESIDENT_RELOAD_PENDING
+            self.stats.evictions += 1
+        if bank.last_d2h is not None:
+            self.streams.wait(writer, bank.last_d2h)
+        if bank.last_consumed is not None:
+            self.streams.wait(writer, bank.last_consumed)
+        bank.owner = g
+
+    def _restore(self, g: OffloadGroup, *, under: OffloadGroup | None) -> None:
+        s, h2d = self.streams, self.h2d_stream
+        if self.mode == "release":
+            g.slot.map()  # same VA, new pages
+            self.stats.maps += 1
+        else:
+            self._claim(g.bank, g, h2d)
+        s.wait(h2d, g.d2h_done)  # the host buffer must be complete (release: already waited by the host)
+        start = None
+        if self.timing:
+            start = s.new_event(f"{g.name}.restore_start", True)
+            g.restore_done = s.new_event(f"{g.name}.restore_done", True)
+            s.record(start, h2d)
+        s.copy(g.slot_bytes, g.host, h2d)
+        s.record(g.restore_done, h2d)
+        g._restore_pending = True
+        g.state = GroupState.MAPPED
+        self.stats.h2d_copies += 1
+        self.stats.h2d_bytes += g.nbytes
+        if self.timing:
+            self.stats.restores.append(RestoreRecord(g.name, under.name if under else None, start, g.restore_done))
+
+    def _prefetch(self, g: OffloadGroup, *, under: OffloadGroup | None) -> bool:
+        if g._inactive() or not g.live or g.phase is not None:
+            return False
+        if g.state not in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
+            return False  # already on the device (or being restored)
+        self._maybe_reap(exclude=g)
+        self._restore(g, under=under)
+        self.stats.prefetches += 1
+        return True
+
+    def _maybe_reap(self, *, exclude: OffloadGroup | None = None) -> None:
+        if self.mode == "release" and self.release_consumed:
+            self.reap(block=False, exclude=exclude)
+
+    # ---------------------------------------------------------------------------------- public
+    def reap(self, *, block: bool = False, exclude: OffloadGroup | None = None) -> int:
+        """Release mode: release the slots of consumed groups. Without `block`, only those whose
+        `consumed` event has completed (a query, no host wait). Returns how many were released."""
+        if self.mode != "release" or not self._allocated or self._closed:
+            return 0
+        n = 0
+        for g in self.groups:
+            if (g is exclude or g.live or g.phase is not None or g.state is not GroupState.MAPPED
+                    or g.slot is None or not g._consumed_recorded):
+                continue
+            if not block and not self.streams.query(g.consumed):
+                continue
+            g.slot.unmap(wait=lambda g=g: self.streams.synchronize_event(g.consumed))
+            g.state = GroupState.UNMAPPED
+            self.stats.unmaps += 1
+            self.stats.reaped += 1
+            n += 1
+        return n
+
+    def mapped_bytes(self) -> int:
+        """Device bytes currently mapped by this manager's slots and banks."""
+        slots = [b.slot for b in self.banks] if self.mode == "resident" else [g.slot for g in self.groups if g.slot]
+        return sum(s.size for s in slots if s.mapped)
+
+    def host_bytes(self) -> int:
+        return sum(g.host.numel() for g in self.groups if g.host is not None)
+
+    def close(self) -> None:
+        """Synchronize the device, unmap and free every slot, drop the driver's context reference."""
+        if self._closed:
+            return
+        if self.mode != "off" and self._allocated:
+            self.driver.synchronize()
+            slots = [b.slot for b in self.banks] if self.mode == "resident" else [g.slot for g in self.groups if g.slot]
+            for slot in slots:
+                slot.close(wait=lambda: None)  # the whole context was synchronized just above
+        if self._own_driver:
+            self.driver.close()
+        for g in self.groups:
+            g.state, g.live, g.phase = GroupState.CLOSED, False, None
+            g._views = []
+        self._closed = True
+
+    def __enter__(self) -> OffloadManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["ALIGNMENT", "MODES", "Bank", "GroupState", "OffloadGroup", "OffloadManager", "OffloadMode",
+           "OffloadStateError", "OffloadStats", "RestoreRecord", "TensorSpec", "contiguous_stride", "default_eligible"]

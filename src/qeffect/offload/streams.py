@@ -1,0 +1,72 @@
+"""The stream, event and copy operations an offload group needs, behind one small protocol.
+
+Why a protocol: the correctness of offload is an ordering question (which stream waits on which event
+before which copy, and when the host may unmap). With every such operation going through `StreamOps`,
+the CPU tests replace the GPU by `qeffect.offload.fake.FakeDevice`, a scheduler that runs each stream's
+queue in a random legal interleaving, and check both the recorded order and the bytes.
+
+NOT YET RUN ON A GPU: `TorchCudaStreams` is exercised first by `qeffect offload-check`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+
+class StreamOps(Protocol):
+    """Streams and events are opaque to the caller; only these operations touch them."""
+
+    def current_stream(self) -> Any: ...
+    def new_stream(self, name: str) -> Any: ...
+    def new_event(self, name: str, timing: bool = False) -> Any: ...
+    def record(self, event: Any, stream: Any) -> None: ...
+    def wait(self, stream: Any, event: Any) -> None: ...
+    def copy(self, dst: Tensor, src: Tensor, stream: Any) -> None: ...
+    def synchronize_event(self, event: Any) -> None: ...
+    def query(self, event: Any) -> bool: ...
+    def host_buffer(self, nbytes: int) -> Tensor: ...
+
+
+class TorchCudaStreams:
+    """The real operations on one CUDA device (torch.cuda streams and events, pinned host memory)."""
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"TorchCudaStreams needs a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self, name: str) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
+
+    def new_event(self, name: str, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        event.record(stream)
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def copy(self, dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
+        # Slot memory is not the caching allocator's and host buffers live as long as their group,
+        # so no record_stream is needed to keep either alive while the copy is queued.
+        with torch.cuda.stream(stream), torch.no_grad():
+            dst.copy_(src, non_blocking=True)
+
+    def synchronize_event(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def query(self, event: torch.cuda.Event) -> bool:
+        return bool(event.query())
+
+    def host_buffer(self, nbytes: int) -> Tensor:
+        """Pinned: a pageable destination would make the copy synchronous (and stage through a bounce buffer)."""
+        return torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=True)

@@ -1,0 +1,331 @@
+"""`qeffect profile`: time the configuration matrix on one model, one data sequence, one process.
+
+Rules (the brief's): configurations are compared in one process and as ratios to native eager;
+warm-up steps are excluded from the statistics (the first of them is part of setup); medians are
+reported with their spread; on CUDA the device is synchronized before and after every timed step, and
+the next step's data is made before its timer starts. Every configuration builds its model from the
+same seed and runs on the same synthetic data sequence (step i gets `synthetic_batches(cfg, i)`), one
+configuration at a time: its pipeline is freed before the next one is built, and CUDA peak-memory
+statistics are reset in between.
+
+A configuration this machine cannot run is recorded as `not run` with the reason, never timed some
+other way; one that raises is recorded as `failed` with its error and the matrix goes on.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import platform
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from qeffect.config import RunConfig
+from qeffect.errors import UserError
+from qeffect.graphs.stats import GraphStats
+from qeffect.profile.flops import count_matrix_flops, floor_of, measure_gemm_rates
+from qeffect.profile.report import ConfigResult, ProfileReport, Spread, break_even_steps
+from qeffect.profile.resources import resource_rows
+from qeffect.runtime.build import build_single_process, dtype_of
+from qeffect.schedule import build_schedule
+from qeffect.verify.state import synthetic_batches
+
+NATIVE = "native-eager"
+TE_ANCHOR = "te-graphed"
+CPU_MEMORY_NOTE = "not measured: peak and persistent memory come from torch.cuda statistics (CUDA only)"
+
+
+@dataclass(frozen=True)
+class ConfigSpec:
+    name: str
+    description: str
+    native: bool = False
+    path: str = "eager"  # eager | captured-copy | captured-direct | te
+    schedule: str | None = "interleaved"
+
+    @property
+    def captured(self) -> bool:
+        return self.path.startswith("captured")
+
+
+CONFIGS: tuple[ConfigSpec, ...] = (
+    ConfigSpec(NATIVE, "native eager: Interleaved 1F1B, full autograd backward", native=True),
+    ConfigSpec("qeffect-eager", "qeffect eager: checked split F / dI / dW, Interleaved 1F1B"),
+    ConfigSpec("captured-copy", "captured actions, copied gradients, Interleaved 1F1B", path="captured-copy"),
+    ConfigSpec("captured-direct", "captured actions, direct placement into the arena, Interleaved 1F1B",
+               path="captured-direct"),
+    ConfigSpec("captured-zbv-direct", "captured actions, direct placement, ZB-V zero bubble",
+               path="captured-direct", schedule="zbv"),
+    ConfigSpec(TE_ANCHOR, "anchor: Transformer Engine make_graphed_callables per TransformerLayer",
+               path="te", schedule=None),
+)
+CONFIG_NAMES: tuple[str, ...] = tuple(c.name for c in CONFIGS)
+
+
+class Runner(Protocol):
+    graph_count: int
+    graphs_per_rank: int | None
+    capture_host_seconds: float | None
+    arena_bytes: int | None
+
+    def data(self, step: int) -> Any: ...
+    def step(self, data: Any) -> torch.Tensor | None: ...
+    def counters(self) -> tuple[int, int]: ...
+
+
+class PipelineRunner:
+    """A `SingleProcessPipeline` (native, qeffect eager or captured) behind the `Runner` interface."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device, spec: ConfigSpec) -> None:
+        if spec.schedule is not None:
+            cfg = cfg.with_overrides(**{"pipeline.schedule": spec.schedule})
+        self.cfg, self.device = cfg, device
+        self.pipe = build_single_process(cfg, native=spec.native, device=device, path=spec.path)
+        self.manager = self.pipe.manager
+        stats = self.manager.stats if self.manager is not None else None
+        self.graph_count = stats.graph_count if stats else 0
+        self.graphs_per_rank = self.graph_count // cfg.pipeline.pp
+        self.capture_host_seconds = stats.capture_host_seconds if stats else None
+        self.arena_bytes = None if spec.native else sum(r.arena.nbytes for r in self.pipe.ranks)
+
+    def data(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return synthetic_batches(self.cfg, step, self.device)
+
+    def step(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return self.pipe.step(data)
+
+    def counters(self) -> tuple[int, int]:
+        if self.manager is None:
+            return 0, 0
+        return self.manager.stats.replay_count, self.manager.stats.handoffs
+
+
+def te_version() -> str | None:
+    try:
+        import transformer_engine
+    except Exception:  # not installed, or a broken install (missing CUDA libraries)
+        return None
+    return getattr(transformer_engine, "__version__", "unknown")
+
+
+def git_revision() -> str | None:
+    from qeffect.graphs.handshake import git_revision as rev
+
+    return rev()
+
+
+def not_run_reason(spec: ConfigSpec, cfg: RunConfig, device: torch.device, te_ok: bool) -> str | None:
+    """Why this machine or config cannot run `spec` (None: it can)."""
+    if spec.path == "te":
+        if not te_ok:
+            return "Transformer Engine not importable"
+        if device.type != "cuda":
+            return f"make_graphed_callables captures CUDA graphs; needs a CUDA device (this run is on {device.type})"
+        return None
+    if spec.captured and device.type != "cuda":
+        return f"captures CUDA graphs; needs a CUDA device (this run is on {device.type})"
+    if spec.schedule == "zbv" and cfg.pipeline.chunks_per_rank != 2:
+        return f"ZB-V needs exactly 2 chunks per rank; the config has {cfg.pipeline.chunks_per_rank}"
+    return None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.device, *, steps: int,
+                warmup: int) -> None:
+    """Build, warm up and time one configuration, filling `result` (status stays "ok")."""
+    cuda = device.type == "cuda"
+    _release(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        result.baseline_allocated_bytes = torch.cuda.memory_allocated(device)
+    else:
+        result.memory_note = CPU_MEMORY_NOTE
+    _sync(device)
+    t0 = time.perf_counter()
+    runner = make()
+    _sync(device)
+    result.build_seconds = time.perf_counter() - t0
+    result.capture_host_seconds = runner.capture_host_seconds
+    result.graph_count, result.graphs_per_rank = runner.graph_count, runner.graphs_per_rank
+    result.arena_bytes = runner.arena_bytes
+
+    def one(i: int) -> float:
+        data = runner.data(i)  # made (and moved to the device) before the timer starts
+        _sync(device)
+        t = time.perf_counter()
+        loss = runner.step(data)
+        _sync(device)
+        dt = time.perf_counter() - t
+        if loss is not None:
+            result.losses.append(float(loss))
+        return dt
+
+    for i in range(warmup):
+        result.warmup_seconds.append(one(i))
+    replays0, handoffs0 = runner.counters()
+    growth = GraphStats()
+    for i in range(warmup, warmup + steps):
+        result.step_seconds.append(one(i))
+        if cuda:
+            growth.mark_step(torch.cuda.memory_allocated(device))
+    replays1, handoffs1 = runner.counters()
+    result.replays_per_step = (replays1 - replays0) / steps
+    result.handoffs_per_step = (handoffs1 - handoffs0) / steps
+    if cuda:
+        result.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
+        result.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
+        result.persistent_growth_bytes_per_step = growth.persistent_growth_per_step()
+    result.first_step_seconds = result.warmup_seconds[0]
+    result.setup_seconds = result.build_seconds + result.first_step_seconds
+    result.spread = Spread.of(result.step_seconds)
+    result.median_step_seconds = result.spread.median
+
+
+def _make_runner(spec: ConfigSpec, cfg: RunConfig, device: torch.device) -> Callable[[], Runner]:
+    if spec.path == "te":
+        from qeffect.profile.te_anchor import TEGraphedLayers
+
+        return lambda: TEGraphedLayers(cfg, device)
+    return lambda: PipelineRunner(cfg, device, spec)
+
+
+def resolve_configs(names: Sequence[str] | None) -> list[ConfigSpec]:
+    if names is None:
+        return list(CONFIGS)
+    unknown = [n for n in names if n not in CONFIG_NAMES]
+    if unknown or not names:
+        raise UserError(f"--configs: unknown configuration(s) {', '.join(unknown) or '(none given)'}; "
+                        f"choose from {', '.join(CONFIG_NAMES)}")
+    return [c for c in CONFIGS if c.name in names]
+
+
+def resource_schedules(specs: Sequence[ConfigSpec], cfg: RunConfig) -> list[str]:
+    """The split schedules the selected configurations use (interleaved when none does)."""
+    out = []
+    if any(not s.native and s.schedule == "interleaved" for s in specs):
+        out.append("interleaved")
+    if any(s.schedule == "zbv" for s in specs) and cfg.pipeline.chunks_per_rank == 2:
+        out.append("zbv")
+    return out or ["interleaved"]
+
+
+def check_inputs(cfg: RunConfig, specs: Sequence[ConfigSpec], microbatches: Sequence[int] | None,
+                 steps: int, warmup: int) -> torch.device:
+    """Bad input raises `UserError` before anything runs (the CLI prints one line, exit 2)."""
+    if steps < 1 or warmup < 1:
+        raise UserError(f"--steps and --warmup must be >= 1 (the first warm-up step is part of setup), "
+                        f"got {steps} and {warmup}")
+    device = torch.device(cfg.train.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device cuda requested but CUDA is not available here")
+    if cfg.fp8.backend == "te":
+        from qeffect.fp8.te import require_te
+
+        require_te()
+    p = cfg.pipeline
+    for name in resource_schedules(specs, cfg) if microbatches else []:
+        for m in microbatches:
+            try:
+                build_schedule(name, p.pp, p.chunks_per_rank, m)
+            except ValueError as err:
+                raise UserError(f"--microbatches {m}: schedule {name}: {err}") from None
+    return device
+
+
+def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Sequence[str] | None = None,
+                microbatches: Sequence[int] | None = None, command: str = "", config_path: str | None = None,
+                progress: Callable[[str], None] | None = None) -> ProfileReport:
+    """Run the configuration matrix (and the resource analysis over `microbatches`) and report it."""
+    specs = resolve_configs(configs)
+    device = check_inputs(cfg, specs, microbatches, steps, warmup)
+    say = progress or (lambda _msg: None)
+    te_ok = _te_imports()
+    flops = count_matrix_flops(cfg)
+    say("measuring the FP8 GEMM rate on the model's shapes")
+    gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
+    floor = floor_of(gemm, flops)
+    _release(device)
+    results = []
+    for spec in specs:
+        r = ConfigResult(name=spec.name, description=spec.description, status="ok", schedule=spec.schedule,
+                         path=spec.path)
+        reason = not_run_reason(spec, cfg, device, te_ok)
+        if reason is not None:
+            r.status, r.reason = "not run", reason
+            results.append(r)
+            continue
+        say(f"{spec.name}: build, {warmup} warm-up and {steps} timed steps")
+        try:
+            time_runner(r, _make_runner(spec, cfg, device), device, steps=steps, warmup=warmup)
+        except Exception as err:  # report and go on: one failing configuration must not hide the others
+            r = ConfigResult(name=spec.name, description=spec.description, status="failed",
+                             schedule=spec.schedule, path=spec.path, reason=f"{type(err).__name__}: {str(err)[:500]}",
+                             error=traceback.format_exc()[-4000:])
+        finally:
+            _release(device)
+        r.matrix_flops = flops.layers_only if spec.path == "te" else flops.total
+        results.append(r)
+    _derive(results, floor.seconds, floor.seconds_layers_only)
+    resources = None
+    if microbatches:
+        say(f"resource analysis for M = {', '.join(map(str, microbatches))}")
+        resources = resource_rows(cfg, list(microbatches), resource_schedules(specs, cfg),
+                                  capture=device.type == "cuda")
+    return ProfileReport(
+        command=command, git_revision=git_revision(),
+        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        device=device.type, device_name=_device_name(device), torch_version=torch.__version__,
+        te_version=te_version(), config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
+        steps=steps, warmup=warmup, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
+        resources=resources)
+
+
+def _derive(results: list[ConfigResult], floor: float, floor_layers: float) -> None:
+    """Ratios against native eager and the floor (only between configurations that ran)."""
+    native = next((r for r in results if r.name == NATIVE and r.status == "ok"), None)
+    for r in results:
+        if r.status != "ok":
+            continue
+        f = floor_layers if r.path == "te" else floor
+        r.floor_seconds = f
+        r.floor_ratio = r.median_step_seconds / f if f > 0 else None
+        if r.name == NATIVE:
+            r.speedup_vs_native = 1.0
+            r.break_even_note = "reference"
+            continue
+        if native is None:
+            r.break_even_note = "native-eager did not run"
+            continue
+        r.speedup_vs_native = native.median_step_seconds / r.median_step_seconds
+        r.break_even_steps = break_even_steps(r.setup_seconds, r.median_step_seconds, native.setup_seconds,
+                                              native.median_step_seconds)
+        if r.break_even_steps is None:
+            r.break_even_note = "never: not faster per step than native eager"
+
+
+def _te_imports() -> bool:
+    from qeffect.fp8.te import te_available
+
+    return te_available()
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"

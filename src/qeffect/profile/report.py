@@ -1,0 +1,132 @@
+"""The `qeffect profile` report (pydantic, versioned) and its small pieces of arithmetic.
+
+Raw timings stay in the report next to their summaries, with the command, git revision, device and
+library versions, so a later reader can recompute any ratio or check the spread without rerunning.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from qeffect.profile.flops import Floor, GemmRate, MatrixFlops
+
+SCHEMA_VERSION = 1
+Status = Literal["ok", "not run", "failed"]
+
+
+class Spread(BaseModel):
+    """Order statistics of the timed steps (seconds); quartiles by the inclusive method."""
+
+    min: float
+    q1: float
+    median: float
+    q3: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        if not values:
+            raise ValueError("no values")
+        if len(values) == 1:
+            v = values[0]
+            return cls(min=v, q1=v, median=v, q3=v, max=v)
+        q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        return cls(min=min(values), q1=q1, median=med, q3=q3, max=max(values))
+
+
+def break_even_steps(setup: float, step: float, ref_setup: float, ref_step: float) -> float | None:
+    """Steps after which `setup + n * step` is no more than `ref_setup + n * ref_step`.
+
+    Setup difference over per-step saving; 0 when the configuration is faster and also cheaper to set
+    up; None when it is not faster per step (it never breaks even).
+    """
+    saving = ref_step - step
+    if saving <= 0:
+        return None
+    extra = setup - ref_setup
+    return 0.0 if extra <= 0 else extra / saving
+
+
+class ConfigResult(BaseModel):
+    """One configuration of the matrix. `status` "not run" / "failed" carry the reason; numbers are null."""
+
+    name: str
+    description: str
+    status: Status
+    reason: str | None = None
+    schedule: str | None = None
+    path: str | None = None
+    # raw timings (seconds): warm-up steps (the first is part of setup) and timed steps
+    warmup_seconds: list[float] = Field(default_factory=list)
+    step_seconds: list[float] = Field(default_factory=list)
+    losses: list[float] = Field(default_factory=list)  # every step's loss (empty where there is none)
+    median_step_seconds: float | None = None
+    spread: Spread | None = None
+    build_seconds: float | None = None  # initialization + capture
+    first_step_seconds: float | None = None
+    setup_seconds: float | None = None  # build + first step
+    speedup_vs_native: float | None = None  # native median / this median
+    break_even_steps: float | None = None
+    break_even_note: str | None = None
+    # memory (CUDA only; null with memory_note elsewhere)
+    baseline_allocated_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    persistent_growth_bytes_per_step: float | None = None
+    memory_note: str | None = None
+    # graphs
+    graph_count: int | None = None
+    graphs_per_rank: int | None = None
+    replays_per_step: float | None = None
+    handoffs_per_step: float | None = None
+    capture_host_seconds: float | None = None
+    arena_bytes: int | None = None
+    # compute floor
+    matrix_flops: int | None = None
+    floor_seconds: float | None = None
+    floor_ratio: float | None = None  # median step / floor
+    error: str | None = None  # traceback tail of a failed configuration
+
+
+class ResourceRow(BaseModel):
+    """Resources of one split schedule at `microbatches` microbatches (per rank lists are by rank)."""
+
+    schedule: str
+    microbatches: int
+    graphs_per_rank: int  # provisioned: 3 x M x chunks per rank
+    graph_count: int
+    arena_bytes: int
+    arena_bytes_per_rank: list[int]
+    max_live_tapes: list[int]
+    max_pending_dw: list[int]
+    capture_host_seconds: float | None = None
+    graphs_captured_per_rank: int | None = None
+    capture_note: str | None = None
+
+
+class ProfileReport(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    kind: Literal["profile"] = "profile"
+    command: str
+    git_revision: str | None
+    created: str
+    device: str
+    device_name: str
+    torch_version: str
+    te_version: str | None
+    config_path: str | None
+    config: dict
+    backend: str
+    steps: int
+    warmup: int
+    matrix_flops: MatrixFlops
+    gemm: list[GemmRate]
+    floor: Floor
+    configs: list[ConfigResult]
+    resources: list[ResourceRow] | None = None
+
+    def result(self, name: str) -> ConfigResult | None:
+        return next((c for c in self.configs if c.name == name), None)
