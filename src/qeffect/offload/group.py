@@ -55,7 +55,7 @@ from torch import Tensor
 
 from qeffect.offload.driver import VmmDriver
 from qeffect.offload.streams import StreamOps, TorchCudaStreams
-from qeffect.offload.vmm import VmmSlot, contiguous_stride, span_bytes
+from qeffect.offload.vmm import VmmSlot, span_bytes
 
 OffloadMode = Literal["off", "release", "resident"]
 MODES: tuple[str, ...] = ("off", "release", "resident")
@@ -145,6 +145,7 @@ class OffloadStats:
     reaped: int = 0  # release mode: consumed slots released
     prefetches: int = 0  # restores started by look-ahead
     prefetches_wasted: int = 0  # resident: a prefetched restore evicted before its backward
+    prefetches_skipped: int = 0  # resident: the target bank was being read by a running backward
     reloads_skipped: int = 0  # resident: the bank still held the group's bytes at its backward
     evictions: int = 0  # resident: a group's bytes left its bank (they are on the host)
     restores: list[RestoreRecord] = field(default_factory=list)
@@ -194,6 +195,12 @@ class OffloadGroup:
             return None
         self.specs.append(TensorSpec.of(t))
         return len(self.specs) - 1
+
+    def adopt_specs(self, specs: Sequence[TensorSpec]) -> None:
+        """Take another group's discovered specs (microbatch slots of one chunk save the same tensors)."""
+        if self.state is not GroupState.DISCOVERING:
+            raise OffloadStateError(f"group {self.name!r}: adopt_specs() after allocate() (state {self.state})")
+        self.specs = list(specs)
 
     @contextlib.contextmanager
     def discovery_hooks(self) -> Iterator[OffloadGroup]:
@@ -586,6 +593,10 @@ class OffloadManager:
             return False
         if g.state not in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
             return False  # already on the device (or being restored)
+        owner = g.bank.owner if g.bank is not None else None
+        if owner is not None and owner is not g and owner.phase == "backward":
+            self.stats.prefetches_skipped += 1  # an optimization only: never fail a step for it
+            return False
         self._maybe_reap(exclude=g)
         self._restore(g, under=under)
         self.stats.prefetches += 1
@@ -647,4 +658,4 @@ class OffloadManager:
 
 
 __all__ = ["ALIGNMENT", "MODES", "Bank", "GroupState", "OffloadGroup", "OffloadManager", "OffloadMode",
-           "OffloadStateError", "OffloadStats", "RestoreRecord", "TensorSpec", "contiguous_stride", "default_eligible"]
+           "OffloadStateError", "OffloadStats", "RestoreRecord", "TensorSpec", "default_eligible"]

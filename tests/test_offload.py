@@ -1,0 +1,835 @@
+"""Activation offload on CPU: the driver wrapper, VMM slots and offload groups against a fake GPU.
+
+`FakeDevice` simulates VMM on host memory (poison in unmapped ranges, physical bytes that move with
+their allocation, free-memory accounting, a current context per thread) and runs stream queues in a
+random legal interleaving per seed, so missing fences show up as wrong bytes or faults. Nothing here
+touches CUDA; tests/test_offload_gpu.py runs the real thing.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from qeffect.cli.app import main
+from qeffect.offload import (
+    CudaDriverError,
+    GroupState,
+    OffloadManager,
+    OffloadStateError,
+    VmmDriver,
+    VmmSlot,
+    default_eligible,
+    round_up,
+    wrap_pointer,
+)
+from qeffect.offload.fake import MIB, POISON, CUcontext, CUresult, FakeDevice, FakeDeviceFault
+
+KIB = 1 << 10
+GRAN = 64 * KIB  # a small fake granularity keeps the simulated memory cheap
+
+
+def fake(seed: int = 0, **kw) -> tuple[FakeDevice, VmmDriver]:
+    dev = FakeDevice(seed, granularity=kw.pop("granularity", GRAN), **kw)
+    return dev, dev.driver()
+
+
+def cu_calls(trace: list[tuple]) -> list[str]:
+    """Driver calls, without the context bookkeeping that precedes each one."""
+    return [e[0] for e in trace if e[0].startswith("cu") and e[0] not in ("cuCtxGetCurrent", "cuCtxSetCurrent")]
+
+
+# -------------------------------------------------------------------------------- rounding, wrap
+@pytest.mark.parametrize("n, want", [(0, 2 * MIB), (1, 2 * MIB), (2 * MIB, 2 * MIB), (2 * MIB + 1, 4 * MIB),
+                                     (7 * MIB, 8 * MIB)])
+def test_round_up_to_granularity(n: int, want: int) -> None:
+    assert round_up(n, 2 * MIB) == want
+
+
+def test_round_up_rejects_bad_granularity() -> None:
+    with pytest.raises(ValueError, match="granularity"):
+        round_up(10, 0)
+
+
+def test_slot_size_and_va_are_granularity_multiples() -> None:
+    dev, drv = fake(granularity=2 * MIB)
+    assert drv.granularity == 2 * MIB
+    for n, want in ((1, 2 * MIB), (2 * MIB, 2 * MIB), (2 * MIB + 1, 4 * MIB)):
+        slot = VmmSlot(drv, n, device="cpu")
+        assert slot.size == want and slot.va % (2 * MIB) == 0
+        reserve = [e for e in dev.trace if e[0] == "cuMemAddressReserve"][-1]
+        assert reserve[1:] == (want, 2 * MIB)  # size, alignment
+        slot.close()
+    with pytest.raises(ValueError, match="multiple of the VMM granularity"):
+        drv.reserve(3 * MIB)
+
+
+def test_wrap_cpu_pointer_aliases_without_owning() -> None:
+    base = torch.arange(64, dtype=torch.float32)
+    t = wrap_pointer(base.data_ptr(), base.numel() * 4, "cpu", torch.float32, (8, 8))
+    assert t.data_ptr() == base.data_ptr() and t.shape == (8, 8) and t.device.type == "cpu"
+    assert torch.equal(t.flatten(), base)
+    t[1, 2] = -1.0
+    assert base[10] == -1.0  # the same memory
+    i = wrap_pointer(base.data_ptr() + 16, 32, "cpu", torch.int32, (2, 2), stride=(1, 2))  # offset, strided
+    assert i.data_ptr() == base.data_ptr() + 16 and i.stride() == (1, 2)
+    assert torch.equal(i, base[4:8].view(torch.int32).view(2, 2).t())
+    h = wrap_pointer(base.data_ptr(), 16, "cpu", torch.bfloat16, (8,))
+    assert torch.equal(h, base[:4].view(torch.bfloat16))
+    del t, i, h
+    gc.collect()
+    assert torch.equal(base[:10], torch.arange(10, dtype=torch.float32))  # nothing freed, nothing changed
+
+
+def test_wrap_rejects_short_or_misaligned() -> None:
+    base = torch.zeros(16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs 68 bytes"):
+        wrap_pointer(base.data_ptr(), 64, "cpu", torch.float32, (17,))
+    with pytest.raises(ValueError, match="not aligned"):
+        wrap_pointer(base.data_ptr() + 2, 32, "cpu", torch.float32, (4,))
+
+
+# ------------------------------------------------------------------------------- driver wrapper
+def _prepare(drv: VmmDriver, call: str) -> tuple:
+    """Bring the fake to a state where `call` would succeed; return the VmmDriver method and args."""
+    g = drv.granularity
+    if call == "cuMemAddressReserve":
+        return drv.reserve, (g,)
+    if call == "cuMemCreate":
+        return drv.create, (g,)
+    va = drv.reserve(g)
+    if call == "cuMemAddressFree":
+        return drv.free_address, (va, g)
+    h = drv.create(g)
+    if call == "cuMemMap":
+        return drv.map, (va, g, h)
+    if call == "cuMemRelease":
+        return drv.release, (h,)
+    drv.map(va, g, h)
+    if call == "cuMemSetAccess":
+        return drv.set_access, (va, g)
+    if call == "cuMemUnmap":
+        return drv.unmap, (va, g)
+    if call == "cuCtxSynchronize":
+        return drv.synchronize, ()
+    if call == "cuMemGetInfo":
+        return drv.mem_get_info, ()
+    if call == "cuCtxSetCurrent":
+        return drv.make_current, ()
+    raise AssertionError(call)
+
+
+@pytest.mark.parametrize("call", ["cuMemAddressReserve", "cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap",
+                                  "cuMemRelease", "cuMemAddressFree", "cuCtxSynchronize", "cuMemGetInfo",
+                                  "cuCtxSetCurrent"])
+@pytest.mark.parametrize("code", [CUresult.CUDA_ERROR_OUT_OF_MEMORY, CUresult.CUDA_ERROR_INVALID_VALUE])
+def test_every_call_is_checked_and_named(call: str, code: CUresult) -> None:
+    dev, drv = fake()
+    method, args = _prepare(drv, call)
+    if call == "cuCtxSetCurrent":
+        dev.cu.cuCtxSetCurrent(CUcontext(0))  # unbind, so that the next call must bind again
+    dev.cu.fail_next[call] = code
+    with pytest.raises(CudaDriverError) as exc:
+        method(*args)
+    err = exc.value
+    assert (err.call, err.code, err.name) == (call, int(code), code.name)
+    assert str(err).startswith(f"{call} failed: {code.name} ({int(code)}): fake driver")
+
+
+def test_error_with_unknown_code_still_names_call_and_code() -> None:
+    dev, drv = fake()
+    dev.cu.cuMemGetInfo = lambda: (999, None, None)
+    with pytest.raises(CudaDriverError, match=r"cuMemGetInfo failed: CUresult 999 \(999\)"):
+        drv.mem_get_info()
+
+
+def test_binding_that_does_not_return_a_tuple_is_rejected() -> None:
+    dev, drv = fake()
+    dev.cu.cuMemGetInfo = lambda: 0
+    with pytest.raises(TypeError, match=r"cuMemGetInfo returned 0"):
+        drv.mem_get_info()
+
+
+def test_init_failure_raises_at_construction() -> None:
+    dev = FakeDevice(0)
+    dev.cu.fail_next["cuDevicePrimaryCtxRetain"] = CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(CudaDriverError, match="cuDevicePrimaryCtxRetain failed"):
+        dev.driver()
+
+
+def test_any_thread_gets_the_primary_context() -> None:
+    dev, drv = fake()
+    slot = VmmSlot(drv, 1, device="cpu")
+    out: dict[str, object] = {}
+
+    def worker() -> None:
+        out["raw"] = dev.cu.cuMemGetInfo()[0]  # a raw call from a thread with no context fails ...
+        slot.remap()  # ... the wrapper binds the primary context first
+        out["ctx"] = dev.cu.current_context_of_this_thread()
+        out["va"] = slot.va
+
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert out["raw"] == CUresult.CUDA_ERROR_INVALID_CONTEXT
+    assert out["ctx"] == drv.context and out["va"] == slot.va and slot.mapped and slot.maps == 2
+
+
+def test_context_reference_is_released_on_close() -> None:
+    dev, drv = fake()
+    assert dev.cu.primary_retains == [1]
+    drv.close()
+    drv.close()  # idempotent
+    assert dev.cu.primary_retains == [0]
+    with pytest.raises(RuntimeError, match="closed"):
+        drv.mem_get_info()
+
+
+# --------------------------------------------------------------------------------------- slots
+def test_slot_remap_keeps_va_and_returns_memory() -> None:
+    dev, drv = fake()
+    total = dev.cu.total
+    slot = VmmSlot(drv, 3 * GRAN, device="cpu", map_now=False)
+    assert dev.cu.free == total and not slot.mapped
+    view = slot.tensor((slot.size // 4,), torch.int32)
+    assert view.data_ptr() == slot.va  # even before mapping
+    slot.map()
+    assert dev.cu.free == total - slot.size  # drops at cuMemCreate
+    for k in range(100):
+        view.fill_(k)
+        slot.remap()
+        assert slot.va == view.data_ptr() == slot.tensor((4,), torch.int32).data_ptr()
+        assert not torch.equal(view, torch.full_like(view, k))  # new pages: the old bytes are gone
+        assert dev.cu.free == total - slot.size
+    assert (slot.maps, slot.unmaps) == (101, 100)
+    slot.unmap()
+    assert dev.cu.free == total  # back at cuMemRelease
+    assert torch.all(slot.bytes() == POISON)  # unmapped (on a GPU: a fault)
+    slot.close()
+    assert dev.cu.reservations == {} and dev.cu.allocations == {}
+
+
+def test_slot_grants_access_after_every_map_and_syncs_before_unmap() -> None:
+    dev, drv = fake()
+    slot = VmmSlot(drv, 1, device="cpu")
+    for _ in range(3):
+        slot.remap()
+    calls = [c for c in cu_calls(dev.trace) if c in ("cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuCtxSynchronize",
+                                                     "cuMemCreate", "cuMemRelease")]
+    assert calls == ["cuMemCreate", "cuMemMap", "cuMemSetAccess"] + 3 * [
+        "cuCtxSynchronize", "cuMemUnmap", "cuMemRelease", "cuMemCreate", "cuMemMap", "cuMemSetAccess"]
+    order: list[str] = []
+    dev.cu.trace.clear()
+    slot.unmap(wait=lambda: order.append("wait"))
+    assert order == ["wait"] and cu_calls(dev.trace)[-2:] == ["cuMemUnmap", "cuMemRelease"]
+    assert "cuCtxSynchronize" not in cu_calls(dev.trace)  # an explicit wait replaces the device sync
+
+
+@pytest.mark.parametrize("failing", ["cuMemMap", "cuMemSetAccess"])
+def test_failed_map_leaks_nothing(failing: str) -> None:
+    dev, drv = fake()
+    slot = VmmSlot(drv, 1, device="cpu", map_now=False)
+    dev.cu.fail_next[failing] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(CudaDriverError, match=failing):
+        slot.map()
+    assert not slot.mapped and dev.cu.free == dev.cu.total and dev.cu.allocations == {} and dev.cu.mappings == {}
+    slot.map()  # and the slot still works
+    assert slot.mapped
+
+
+def test_slot_misuse_is_rejected() -> None:
+    _, drv = fake()
+    slot = VmmSlot(drv, 1, device="cpu")
+    with pytest.raises(RuntimeError, match="already mapped"):
+        slot.map()
+    with pytest.raises(ValueError, match="outside"):
+        slot.tensor((1,), torch.float32, offset=slot.size)
+    slot.unmap()
+    with pytest.raises(RuntimeError, match="not mapped"):
+        slot.unmap()
+    slot.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        slot.tensor((1,), torch.float32)
+    with pytest.raises(ValueError, match="positive"):
+        VmmSlot(drv, 0, device="cpu")
+
+
+def test_device_work_on_an_unmapped_slot_faults() -> None:
+    dev, drv = fake()
+    slot = VmmSlot(drv, 1, device="cpu")
+    host = dev.host_buffer(slot.size)
+    slot.unmap()
+    with pytest.raises(FakeDeviceFault, match="700"):
+        dev.copy(host, slot.bytes(), dev.compute)
+        dev.synchronize()
+
+
+# ------------------------------------------------------------------------------------- groups
+def pattern(step: int, k: int, i: int, v: torch.Tensor) -> torch.Tensor:
+    n = v.numel()
+    return (torch.arange(n, dtype=torch.float64).reshape(v.shape) * (k + 1) + 1000 * step + 100 * i).to(v.dtype)
+
+
+def build(mode: str, seed: int = 0, layers: int = 4, order: list[int] | None = None, **kw):
+    dev, drv = fake(seed, progress=kw.pop("progress", 2))
+    mgr = OffloadManager(mode, device="cpu", driver=drv, streams=dev, **kw)
+    groups = [mgr.group(f"G{k}") for k in range(layers)]
+    for k, g in enumerate(groups):
+        g.discover(torch.empty(3 + k, 5, dtype=torch.float32))
+        g.discover(torch.empty(7, dtype=torch.int64))
+    mgr.allocate([groups[k] for k in order] if order is not None else None)
+    return dev, mgr, groups
+
+
+def run_program(dev: FakeDevice, groups, program, steps: int = 2) -> list:
+    """Forward 'graphs' write a known pattern into the views; backward 'graphs' copy the views out."""
+    results = {}
+    for step in range(steps):
+        for op, k in program:
+            g = groups[k]
+            vs = g.views
+            if op == "F":
+                g.before_forward()
+                dev.launch(dev.compute, lambda vs=vs, k=k, step=step: [v.copy_(pattern(step, k, i, v))
+                                                                       for i, v in enumerate(vs)], f"F{k}", touches=vs)
+                g.after_forward()
+            else:
+                g.before_backward()
+                out = [torch.empty_like(v) for v in vs]
+                dev.launch(dev.compute, lambda vs=vs, out=out: [o.copy_(v) for o, v in zip(out, vs, strict=True)],
+                           f"B{k}", touches=vs)
+                g.after_backward()
+                results[(step, k)] = out
+    dev.synchronize()
+    return [(s, k, i) for (s, k), out in results.items() for i, o in enumerate(out) if not torch.equal(o, pattern(s, k, i, o))]
+
+
+STACK = ([("F", k) for k in range(4)] + [("B", k) for k in reversed(range(4))], [3, 2, 1, 0])
+ONE_F_ONE_B = ([("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)], [0, 1, 2, 3])
+# odd warm-up depth: forwards claim the bank the look-ahead has just restored into (a wasted prefetch)
+ODD_WARMUP = ([("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2), ("B", 3), ("B", 4)],
+              [0, 1, 2, 3, 4])
+PROGRAMS = {"stack": STACK, "1f1b": ONE_F_ONE_B, "odd-warmup": ODD_WARMUP}
+
+
+@pytest.mark.parametrize("mode", ["release", "resident"])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_every_interleaving_restores_the_right_bytes(mode: str, program: str, lookahead: bool) -> None:
+    prog, order = PROGRAMS[program]
+    for seed in range(12):
+        dev, mgr, groups = build(mode, seed, layers=len(order), order=order, lookahead=lookahead)
+        assert run_program(dev, groups, prog) == [], (mode, program, seed)
+        assert mgr.stats.d2h_copies == 2 * len(order)
+        if mode == "resident":
+            assert mgr.stats.h2d_copies > 0 and mgr.stats.evictions > 0  # banks were really reused
+        else:
+            assert mgr.stats.h2d_copies == 2 * len(order)
+    if program == "odd-warmup" and mode == "resident" and lookahead:
+        assert mgr.stats.prefetches_wasted > 0
+
+
+FENCES = [("release", "forward_done"), ("release", "restore_done"), ("resident", "forward_done"),
+          ("resident", "restore_done"), ("resident", "d2h_done"), ("resident", "consumed")]
+
+
+@pytest.mark.parametrize("mode, fence", FENCES)
+def test_each_fence_is_needed(monkeypatch, mode: str, fence: str) -> None:
+    """Dropping one kind of stream wait corrupts bytes (or faults) for some interleaving: the test above
+    can fail, and every wait the group issues matters."""
+    orig = FakeDevice.wait
+
+    def wait(self, stream, event):
+        if not event.name.endswith(fence):
+            orig(self, stream, event)
+
+    monkeypatch.setattr(FakeDevice, "wait", wait)
+    detected = 0
+    for prog, order in (STACK, ONE_F_ONE_B):
+        for seed in range(20):
+            dev, _, groups = build(mode, seed, layers=len(order), order=order, progress=1)
+            try:
+                detected += bool(run_program(dev, groups, prog))
+            except FakeDeviceFault:
+                detected += 1
+    assert detected > 0
+
+
+def test_release_mode_offload_order() -> None:
+    dev, mgr, (g, *_) = build("release", progress=0)
+    g.before_forward()
+    dev.trace.clear()
+    g.after_forward()
+    host, slot = g.host.data_ptr(), g.slot_bytes.data_ptr()
+    assert [e for e in dev.trace if not e[0].startswith("cuCtx")] == [
+        ("record", "compute", "G0.forward_done"),
+        ("wait", "d2h", "G0.forward_done"),  # the copy stream waits on the forward-done event only
+        ("copy", "d2h", host, slot, g.nbytes),
+        ("record", "d2h", "G0.d2h_done"),
+        ("sync", "G0.d2h_done"),  # the host waits for that copy alone, never the whole device ...
+        ("cuMemUnmap", g.slot.va, g.slot.size),  # ... then unmaps and releases
+        ("cuMemRelease", 1),
+    ]
+    assert g.state is GroupState.UNMAPPED and not g.slot.mapped and mgr.mapped_bytes() == 3 * GRAN
+    dev.trace.clear()
+    g.before_backward()
+    assert [e[0] if e[0].startswith("cu") else e for e in dev.trace if not e[0].startswith("cuCtx")][:7] == [
+        "cuMemCreate", "cuMemMap", "cuMemSetAccess",  # same VA, new pages, access granted
+        ("wait", "h2d", "G0.d2h_done"),
+        ("copy", "h2d", slot, host, g.nbytes),
+        ("record", "h2d", "G0.restore_done"),
+        ("wait", "compute", "G0.restore_done"),  # the compute stream waits on the restore event
+    ]
+    assert g.state is GroupState.MAPPED and g.slot.va == g.views[0].data_ptr() - g.offsets[0]
+
+
+def test_release_mode_frees_device_memory_between_forward_and_backward() -> None:
+    dev, mgr, groups = build("release", lookahead=False, progress=0)
+    total = dev.cu.total
+    assert mgr.mapped_bytes() == 4 * GRAN and dev.cu.free == total - 4 * GRAN
+    for g in groups:
+        g.before_forward()
+        g.after_forward()
+    assert mgr.mapped_bytes() == 0 and dev.cu.free == total  # everything lives on the host now
+    for g in reversed(groups):
+        g.before_backward()
+        g.after_backward()
+    assert mgr.mapped_bytes() == 4 * GRAN
+    assert mgr.reap(block=True) == 4  # consumed: released too
+    assert mgr.mapped_bytes() == 0 and dev.cu.free == total
+    assert all(g.state is GroupState.UNMAPPED and not g.live for g in groups)
+    groups[0].before_forward()  # remapped (no H2D) for the next forward
+    assert groups[0].state is GroupState.MAPPED and mgr.stats.h2d_copies == 4
+
+
+def test_resident_mode_makes_no_driver_calls_and_no_host_waits_on_the_hot_path() -> None:
+    dev, mgr, groups = build("resident")
+    n_cu, n_banks = len(cu_calls(dev.trace)), len(mgr.banks)
+    dev.trace.clear()
+    assert run_program(dev, groups, STACK[0], steps=3) == []
+    hot = [e for e in dev.trace if e[0] != "cuCtxSynchronize"]  # the test's own final synchronize
+    assert not [e for e in hot if e[0].startswith("cu")], "driver calls on the hot path"
+    assert not [e for e in hot if e[0] == "sync"], "host waits on the hot path"
+    assert n_banks == 2 and n_cu > 0 and all(b.slot.mapped for b in mgr.banks)
+
+
+def test_resident_banks_alternate_along_the_backward_order() -> None:
+    _, mgr, groups = build("resident", layers=5, order=[2, 0, 4, 1, 3])
+    order = mgr.backward_order
+    assert [g.name for g in order] == ["G2", "G0", "G4", "G1", "G3"]
+    assert [g.bank.index for g in order] == [0, 1, 0, 1, 0]
+    assert all(a.bank is not b.bank for a, b in zip(order, order[1:], strict=False))
+    assert [g.next_backward.name if g.next_backward else None for g in order] == ["G0", "G4", "G1", "G3", None]
+    for b in mgr.banks:  # a bank is as large as its largest group; groups start at its VA
+        members = [g for g in groups if g.bank is b]
+        assert b.slot.size == round_up(max(g.nbytes for g in members), GRAN)
+        assert all(g.va == b.slot.va for g in members)
+
+
+def test_resident_bank_reuse_waits_for_last_d2h_and_last_consumer() -> None:
+    dev, mgr, (g0, g1, g2) = build("resident", layers=3, order=[2, 1, 0], progress=0)
+    assert g0.bank is g2.bank and g1.bank is not g0.bank
+    for g in (g0, g1):
+        g.before_forward()
+        g.after_forward()
+    dev.trace.clear()
+    g2.before_forward()  # takes g0's bank: waits on g0's D2H (no consumer yet)
+    assert [e for e in dev.trace if e[0] == "wait"] == [("wait", "compute", "G0.d2h_done")]
+    assert g0.state is GroupState.RESIDENT_RELOAD_PENDING and mgr.stats.evictions == 1
+    g2.after_forward()
+    assert g2.state is GroupState.RESIDENT_D2H_PENDING
+    g2.before_backward()  # the bank still holds g2's bytes: no H2D; look-ahead: g1 still in its bank too
+    assert g2.state is GroupState.MAPPED and mgr.stats.reloads_skipped == 1 and mgr.stats.h2d_copies == 0
+    g2.after_backward()
+    dev.trace.clear()
+    g1.before_backward()  # g1 is still in its bank; look-ahead restores g0 into the bank g2 just read:
+    assert [e for e in dev.trace if e[0] == "wait"] == [
+        ("wait", "h2d", "G2.d2h_done"), ("wait", "h2d", "G2.consumed"),  # after g2's D2H and g2's backward
+        ("wait", "h2d", "G0.d2h_done")]  # and after g0's own bytes reached the host
+    assert mgr.stats.h2d_copies == 1 and g0.state is GroupState.MAPPED and g0._restore_pending
+
+
+def test_resident_restore_into_a_bank_waits_for_its_consumer() -> None:
+    dev, mgr, (g0, g1, g2) = build("resident", layers=3, order=[2, 1, 0], progress=0, lookahead=False)
+    for g in (g0, g1, g2):
+        g.before_forward()
+        g.after_forward()
+    for g in (g2, g1):
+        g.before_backward()
+        g.after_backward()
+    dev.trace.clear()
+    g0.before_backward()
+    waits = [e for e in dev.trace if e[0] == "wait"]
+    assert waits == [("wait", "h2d", "G2.d2h_done"), ("wait", "h2d", "G2.consumed"), ("wait", "h2d", "G0.d2h_done"),
+                     ("wait", "compute", "G0.restore_done")]
+
+
+def test_lookahead_restores_the_next_group_before_the_current_backward_runs() -> None:
+    for lookahead in (True, False):
+        dev, mgr, groups = build("release", lookahead=lookahead, progress=0)
+        for g in groups:
+            g.before_forward()
+            g.after_forward()
+        dev.trace.clear()
+        for k in (3, 2):
+            groups[k].before_backward()
+            dev.launch(dev.compute, lambda: None, f"B{k}")
+            groups[k].after_backward()
+        h2d = [i for i, e in enumerate(dev.trace) if e[:2] == ("copy", "h2d")]
+        launch3 = dev.trace.index(("launch", "compute", "B3"))
+        assert len(h2d) == (3 if lookahead else 2)
+        # with look-ahead, G2's restore is queued before B3 launches (it runs under B3); without, after
+        assert (h2d[1] < launch3) is lookahead
+        assert mgr.stats.prefetches == (2 if lookahead else 0)
+        dev.synchronize()
+
+
+def test_timing_records_which_backward_a_restore_ran_under() -> None:
+    dev, mgr, groups = build("release", timing=True)
+    assert run_program(dev, groups, STACK[0], steps=1) == []
+    recs = [(r.group, r.prefetched_under) for r in mgr.stats.restores]
+    assert recs == [("G3", None), ("G2", "G3"), ("G1", "G2"), ("G0", "G1")]
+    assert all(r.start.timing and r.end.timing for r in mgr.stats.restores)
+
+
+# -------------------------------------------------------------------------------- state machine
+SITUATIONS = ["discovering", "idle", "in_forward", "live", "in_backward", "closed"]
+OPS = ["discover", "discovery_hooks", "adopt_specs", "capture_hooks", "before_forward", "after_forward",
+       "before_backward", "after_backward", "prefetch", "discard"]
+LEGAL = {
+    "discovering": {"discover", "discovery_hooks", "adopt_specs"},
+    "idle": {"capture_hooks", "before_forward", "prefetch", "discard"},
+    "in_forward": {"capture_hooks", "after_forward", "prefetch"},
+    "live": {"before_backward", "prefetch", "discard"},
+    "in_backward": {"after_backward", "prefetch"},
+    "closed": set(),
+}
+
+
+def _situation(mode: str, situation: str):
+    dev, drv = fake()
+    mgr = OffloadManager(mode, device="cpu", driver=drv, streams=dev)
+    g, other = mgr.group("G0"), mgr.group("G1")
+    for grp in (g, other):
+        grp.discover(torch.empty(4, 4))
+    if situation == "discovering":
+        return mgr, g
+    mgr.allocate()
+    steps = {"idle": [], "in_forward": ["before_forward"], "live": ["before_forward", "after_forward"],
+             "in_backward": ["before_forward", "after_forward", "before_backward"]}
+    if situation == "closed":
+        mgr.close()
+        return mgr, g
+    for s in steps[situation]:
+        getattr(g, s)()
+    return mgr, g
+
+
+def _do(g, op: str) -> None:
+    if op == "discover":
+        g.discover(torch.empty(2))
+    elif op == "discovery_hooks":
+        with g.discovery_hooks():
+            pass
+    elif op == "adopt_specs":
+        g.adopt_specs([])
+    elif op == "capture_hooks":
+        with g.capture_hooks():
+            torch.tanh(torch.ones(4, 4, requires_grad=True) * 2)  # saves one (4, 4) tensor, as discovered
+    else:
+        getattr(g, op)()
+
+
+@pytest.mark.parametrize("mode", ["off", "release", "resident"])
+@pytest.mark.parametrize("situation", SITUATIONS)
+@pytest.mark.parametrize("op", OPS)
+def test_every_transition_is_allowed_or_rejected_clearly(mode: str, situation: str, op: str) -> None:
+    _, g = _situation(mode, situation)
+    if op in LEGAL[situation]:
+        _do(g, op)
+    else:
+        with pytest.raises(OffloadStateError) as exc:
+            _do(g, op)
+        assert "'G0'" in str(exc.value) and (op in str(exc.value) or op == "discovery_hooks")
+
+
+@pytest.mark.parametrize("mode", ["release", "resident"])
+def test_states_along_the_lifecycle(mode: str) -> None:
+    dev, mgr, (g0, g1, g2) = build(mode, layers=3, order=[2, 1, 0], lookahead=False)
+    assert [g.state for g in (g0, g1, g2)] == [GroupState.MAPPED] * 3
+    seen = []
+    for g in (g0, g1, g2):
+        g.before_forward()
+        assert g.state is GroupState.MAPPED and g.phase == "forward"
+        g.after_forward()
+        seen.append(g.state)
+    if mode == "release":
+        assert seen == [GroupState.UNMAPPED] * 3
+    else:  # g2 took g0's bank
+        assert seen == [GroupState.RESIDENT_D2H_PENDING] * 3
+        assert [g.state for g in (g0, g1, g2)] == [GroupState.RESIDENT_RELOAD_PENDING,
+                                                     GroupState.RESIDENT_D2H_PENDING, GroupState.RESIDENT_D2H_PENDING]
+    for g in (g2, g1, g0):
+        g.before_backward()
+        assert g.state is GroupState.MAPPED and g.live and g.phase == "backward"
+        g.after_backward()
+        assert not g.live and g.phase is None
+    mgr.close()
+    assert all(g.state is GroupState.CLOSED for g in (g0, g1, g2))
+
+
+def test_manager_misuse() -> None:
+    dev, drv = fake()
+    with pytest.raises(ValueError, match="offload mode"):
+        OffloadManager("bogus", device="cpu", driver=drv, streams=dev)
+    with pytest.raises(ValueError, match="at least 2 banks"):
+        OffloadManager("resident", device="cpu", driver=drv, streams=dev, num_banks=1)
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    a, b = mgr.group("a"), mgr.group("b")
+    with pytest.raises(ValueError, match="already exists"):
+        mgr.group("a")
+    with pytest.raises(ValueError, match="exactly once"):
+        mgr.allocate([a, a])
+    with pytest.raises(ValueError, match="exactly once"):
+        mgr.allocate([a])
+    mgr.allocate([b, a])
+    with pytest.raises(OffloadStateError, match="already called"):
+        mgr.allocate()
+    with pytest.raises(OffloadStateError, match="before allocate"):
+        mgr.group("c")
+
+
+def test_resident_bank_in_use_by_a_running_backward_cannot_be_taken() -> None:
+    _, mgr, (g0, g1, g2) = build("resident", layers=3, order=[0, 1, 2], lookahead=False)
+    for g in (g0, g1):
+        g.before_forward()
+        g.after_forward()
+    g0.before_backward()  # g0 is reading bank 0 ...
+    with pytest.raises(OffloadStateError, match="bank 0 is busy: group 'G0'"):
+        g2.before_forward()  # ... which g2 shares
+
+
+def test_discard_drops_live_activations() -> None:
+    dev, mgr, (g0, *_) = build("resident", lookahead=False)
+    g0.before_forward()
+    g0.after_forward()
+    g0.prefetch()  # nothing to do: the bank still holds it
+    g0.discard()
+    assert not g0.live and g0.state is GroupState.MAPPED
+    g0.before_forward()  # usable again
+    g0.after_forward()
+    dev.synchronize()
+
+
+def test_empty_group_is_a_no_op() -> None:
+    dev, drv = fake()
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    g = mgr.group("empty")
+    x = torch.ones(3, requires_grad=True)
+    with g.discovery_hooks():
+        (x * x).sum()  # saves only x, a leaf that requires grad: nothing eligible
+    mgr.allocate()
+    assert g.nbytes == 0 and g.slot is None and g.va is None
+    n = len(dev.trace)
+    for op in ("before_forward", "after_forward", "before_backward", "after_backward"):
+        getattr(g, op)()
+    assert len(dev.trace) == n and g.state is GroupState.MAPPED
+
+
+def test_off_mode_needs_no_device() -> None:
+    mgr = OffloadManager("off", device="cpu")
+    assert mgr.driver is None and mgr.streams is None
+    g = mgr.group("G0")
+    x = torch.ones(4, requires_grad=True)
+    with g.discovery_hooks():
+        y = torch.tanh(x * 2)
+    mgr.allocate()
+    with g.capture_hooks():
+        y = torch.tanh(x * 2)
+    g.before_forward()
+    g.after_forward()
+    g.before_backward()
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    g.after_backward()
+    assert torch.equal(gx, torch.autograd.grad(torch.tanh(x * 2).sum(), x)[0])
+    with pytest.raises(OffloadStateError, match="after_backward"):
+        g.after_backward()
+
+
+def test_close_frees_everything() -> None:
+    for mode in ("release", "resident"):
+        dev, mgr, groups = build(mode)
+        assert run_program(dev, groups, STACK[0], steps=1) == []
+        mgr.close()
+        mgr.close()
+        assert dev.cu.reservations == {} and dev.cu.allocations == {} and dev.cu.free == dev.cu.total
+        assert dev.cu.primary_retains == [1]  # a driver passed in is the caller's to close
+        with pytest.raises(OffloadStateError, match="closed"):
+            groups[0].before_forward()
+
+
+def test_layout_is_aligned_and_packed() -> None:
+    dev, drv = fake()
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    g = mgr.group("G0")
+    for shape, dt in (((3,), torch.float32), ((5, 7), torch.bfloat16), ((2,), torch.int64)):
+        g.discover(torch.empty(shape, dtype=dt))
+    mgr.allocate()
+    assert g.offsets == [0, 256, 512] and g.nbytes == 512 + 16
+    assert [v.data_ptr() - g.va for v in g.views] == g.offsets
+    assert [(tuple(v.shape), v.dtype) for v in g.views] == [((3,), torch.float32), ((5, 7), torch.bfloat16),
+                                                             ((2,), torch.int64)]
+    assert g.slot.size == GRAN and g.host.numel() == g.nbytes
+
+
+# ---------------------------------------------------------------------------------- autograd
+def _model(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w1 = torch.nn.Parameter(torch.randn(6, 8, generator=gen))
+    w2 = torch.nn.Parameter(torch.randn(8, 5, generator=gen))
+    x = torch.randn(4, 6, generator=gen, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w1  # saves x (a leaf: not offloaded) and w1 (a parameter: not offloaded)
+        t = torch.tanh(torch.nn.functional.gelu(h))  # gelu saves h; tanh saves its output t
+        return (t @ w2).sin()  # saves t again (stored once) and the matmul output
+    return f, x, (x, w1, w2)
+
+
+@pytest.mark.parametrize("mode", ["release", "resident"])
+def test_saved_activations_round_trip_through_the_slot_bitwise(mode: str) -> None:
+    f, x, inputs = _model()
+    gy = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    ref = torch.autograd.grad(f(x), inputs, gy)
+    dev, drv = fake(3)
+    mgr = OffloadManager(mode, device="cpu", driver=drv, streams=dev)
+    g, mid, other = mgr.group("F0"), mgr.group("F1"), mgr.group("F2")
+    with g.discovery_hooks():
+        f(x)
+    mid.adopt_specs(g.specs)
+    other.adopt_specs(g.specs)
+    assert [s.shape for s in g.specs] == [(4, 8), (4, 8), (4, 5)]  # h, t (stored once), t @ w2
+    mgr.allocate([g, mid, other])  # resident: g and other share bank 0
+    g.before_forward()
+    with dev.host_compute(), g.capture_hooks():
+        y = f(x)
+    assert [v.data_ptr() - g.va for v in g.views] == g.offsets == [0, 256, 512]
+    g.after_forward()
+    if mode == "release":
+        assert torch.all(g.slot_bytes == POISON)  # released: nothing of it left on the device
+    other.before_forward()
+    with dev.host_compute():
+        for v in other.views:
+            v.fill_(-3.0)  # another forward overwrites the shared bank
+    other.after_forward()
+    assert g.state is (GroupState.UNMAPPED if mode == "release" else GroupState.RESIDENT_RELOAD_PENDING)
+    g.before_backward()
+    with dev.host_compute():
+        got = torch.autograd.grad(y, inputs, gy)
+    g.after_backward()
+    assert mgr.stats.h2d_copies >= 1
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def test_backward_without_restore_reads_poison() -> None:
+    """The round trip above can fail: reading the slot after the release gives wrong gradients."""
+    f, x, inputs = _model()
+    gy = torch.ones(4, 5)
+    ref = torch.autograd.grad(f(x), inputs, gy)
+    dev, drv = fake()
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    g = mgr.group("F0")
+    with g.discovery_hooks():
+        f(x)
+    mgr.allocate()
+    g.before_forward()
+    with dev.host_compute(), g.capture_hooks():
+        y = f(x)
+    g.after_forward()  # unmapped: the views now read the poison byte
+    got = torch.autograd.grad(y, inputs, gy)
+    assert not torch.equal(got[0], ref[0])
+
+
+def test_capture_must_match_discovery() -> None:
+    dev, drv = fake()
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    g = mgr.group("G0")
+    x = torch.randn(3, 4, requires_grad=True)
+    with g.discovery_hooks():
+        torch.tanh(x * 2)
+    mgr.allocate()
+    with pytest.raises(OffloadStateError, match=r"saved tensor #0 differs from discovery: shape"):
+        with g.capture_hooks():
+            torch.tanh(torch.randn(5, 4, requires_grad=True) * 2)
+    with pytest.raises(OffloadStateError, match="more tensors than discovery"):
+        with g.capture_hooks():
+            torch.tanh(torch.tanh(x * 2))
+    with pytest.raises(OffloadStateError, match="saved 0 tensors, discovery 1"):
+        with g.capture_hooks():
+            x * 2
+
+
+def test_default_eligibility() -> None:
+    p = torch.nn.Parameter(torch.ones(3, 3))
+    leaf = torch.ones(3, 3, requires_grad=True)
+    act = leaf * 2
+    assert default_eligible(act) and default_eligible(act.t())  # dense, any order
+    assert not default_eligible(p) and not default_eligible(p.t())  # parameters and their views
+    assert not default_eligible(leaf) and not default_eligible(leaf[0])  # static inputs
+    assert not default_eligible(torch.ones(3, 1).expand(3, 4))  # overlapping
+    assert not default_eligible(torch.ones(4, 4)[:, :2])  # gaps
+    assert not default_eligible(torch.ones(0))
+    mgr = OffloadManager("off", device="meta")
+    assert not mgr._eligible(act)  # another device
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    return int(exc.value.code or 0), capsys.readouterr().err
+
+
+def test_cli_without_cuda_is_one_line_exit_2(capsys) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    rc, err = _cli(capsys, "offload-check")
+    assert rc == 2 and err.strip() == "qeffect: error: qeffect offload-check needs a CUDA device; none is available"
+
+
+def test_cli_without_cuda_bindings_is_one_line_exit_2(capsys, monkeypatch) -> None:
+    import qeffect.offload.checks as checks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(checks, "bindings_available", lambda: False)
+    rc, err = _cli(capsys, "offload-check", "--json", "/nonexistent/x.json")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "cuda.bindings" in err
+
+
+def test_cli_rejects_unknown_check(capsys) -> None:
+    rc, err = _cli(capsys, "offload-check", "--only", "bogus")
+    assert rc == 2 and "unknown --only bogus" in err
+
+
+def test_prefetch_into_a_bank_under_a_running_backward_is_skipped() -> None:
+    _, mgr, (g0, g1, g2) = build("resident", layers=3, order=[0, 1, 2], lookahead=False)
+    for g in (g0, g1, g2):  # g2 takes g0's bank (bank 0)
+        g.before_forward()
+        g.after_forward()
+    g2.discard()
+    g2.before_forward()
+    g2.after_forward()
+    g1.before_backward()  # bank 1: nothing to restore
+    assert g0.state is GroupState.RESIDENT_RELOAD_PENDING
+    # g2 owns bank 0 and is not in a backward: the prefetch of g0 may take it
+    assert g0.prefetch() and mgr.stats.prefetches == 1
+    g1.after_backward()
+    g0.before_backward()
+    g2_bank_owner = g0.bank.owner
+    assert g2_bank_owner is g0 and g2.state is GroupState.RESIDENT_RELOAD_PENDING
+    assert not g2.prefetch() and mgr.stats.prefetches_skipped == 1  # bank 0 is being read by g0
+    g0.after_backward()
+    assert g2.prefetch()

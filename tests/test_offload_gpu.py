@@ -1,0 +1,140 @@
+"""VMM activation offload on a real GPU: the `qeffect offload-check` checks at small sizes.
+
+Needs CUDA and cuda.bindings (cuda-bindings ships with CUDA builds of PyTorch); skipped otherwise.
+These tests have NOT run yet (written on a machine without a GPU); the H200 run is their first.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from qeffect.offload.driver import CudaDriverError, VmmDriver, bindings_available
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(not bindings_available(), reason="needs cuda.bindings (cuda-bindings)")]
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def driver():
+    d = VmmDriver(torch.cuda.current_device())
+    yield d
+    torch.cuda.synchronize()
+    d.close()
+
+
+def _passed(result) -> None:
+    assert result.passed, result.model_dump_json(indent=2)
+
+
+def test_granularity_is_a_power_of_two_and_rounding_uses_it(driver) -> None:
+    g = driver.granularity
+    assert g >= 4096 and g & (g - 1) == 0
+    assert driver.round_up(1) == g and driver.round_up(g + 1) == 2 * g
+
+
+def test_wrap_pointer_of_a_cuda_tensor(driver) -> None:
+    from qeffect.offload.vmm import wrap_pointer
+
+    base = torch.arange(1024, dtype=torch.float32, device=driver.torch_device)
+    t = wrap_pointer(base.data_ptr(), base.numel() * 4, base.device, torch.float32, (32, 32))
+    assert t.data_ptr() == base.data_ptr() and t.is_cuda
+    assert torch.equal(t.flatten(), base)
+
+
+def test_address_stability_over_100_remaps(driver) -> None:
+    from qeffect.offload.checks import check_address_stability
+
+    _passed(check_address_stability(driver, remaps=100, nbytes=4 * MIB))
+
+
+def test_d2h_then_release_returns_driver_free_memory(driver) -> None:
+    from qeffect.offload.checks import check_d2h_release_frees
+
+    _passed(check_d2h_release_frees(driver, nbytes=64 * MIB))
+
+
+def test_h2d_then_replay_reads_the_right_bytes(driver) -> None:
+    from qeffect.offload.checks import check_h2d_replay
+
+    _passed(check_h2d_replay(driver, nbytes=4 * MIB))
+
+
+@pytest.mark.parametrize("layers", [3, 4])
+def test_pingpong_and_release_bitwise_equal_to_no_offload(driver, layers: int) -> None:
+    from qeffect.offload.checks import check_pingpong_bitwise
+
+    _passed(check_pingpong_bitwise(driver, layers=layers, hidden=256, rows=512, steps=3))
+
+
+def test_lookahead_restores_overlap_the_running_backward(driver) -> None:
+    from qeffect.offload.checks import check_lookahead_overlap
+
+    _passed(check_lookahead_overlap(driver, layers=4, hidden=512, rows=4096, sleep=2_000_000))
+
+
+def test_naive_reload_is_detected_in_a_child(tmp_path: Path) -> None:
+    from qeffect.offload.checks import check_negative_naive_reload
+
+    _passed(check_negative_naive_reload(torch.device("cuda", torch.cuda.current_device()), tmp_path))
+
+
+def test_replay_over_an_unmapped_slot_faults_in_a_child(tmp_path: Path) -> None:
+    from qeffect.offload.checks import check_negative_unmapped_replay
+
+    _passed(check_negative_unmapped_replay(torch.device("cuda", torch.cuda.current_device()), tmp_path))
+
+
+def test_slot_works_from_a_thread_without_a_context(driver) -> None:
+    from qeffect.offload.vmm import VmmSlot
+
+    out: dict[str, object] = {}
+
+    def worker() -> None:
+        try:
+            slot = VmmSlot(driver, 1, name="thread")
+            slot.remap()
+            out["slot"] = slot
+        except BaseException as err:  # noqa: BLE001
+            out["error"] = err
+
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert "error" not in out, out
+    slot = out["slot"]
+    view = slot.tensor((slot.size // 4,), torch.int32)
+    view.fill_(5)
+    assert view.data_ptr() == slot.va and bool((view == 5).all())
+    slot.close()
+
+
+def test_a_failing_driver_call_names_itself(driver) -> None:
+    va = driver.reserve(driver.granularity)
+    try:
+        with pytest.raises(CudaDriverError) as exc:
+            driver.unmap(va, driver.granularity)  # nothing is mapped there
+        assert exc.value.call == "cuMemUnmap" and exc.value.code != 0
+        assert str(exc.value).startswith("cuMemUnmap failed: CUDA_ERROR_")
+    finally:
+        driver.free_address(va, driver.granularity)
+
+
+def test_cli_offload_check_json(tmp_path: Path, capsys) -> None:
+    from qeffect.cli.app import main
+
+    out = tmp_path / "offload.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["offload-check", "--only", "address-stability", "--only", "h2d-replay", "--remaps", "10",
+              "--json", str(out)])
+    assert exc.value.code == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["passed"] and [c["name"] for c in report["checks"]] == ["address-stability", "h2d-replay"]
+    assert report["granularity"] and report["cuda_bindings_version"]
