@@ -5,28 +5,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from launch import torchrun
 from qeffect.checkpoint import inspect_checkpoint, open_checkpoint
 
 WORKER = Path(__file__).parent / "dist" / "run_resume.py"
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_dp2_save_refusal_and_resume(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(WORKER), "--out", str(tmp_path), "--pp", "1", "--dp", "2",
+    cmd = [*torchrun(2, str(WORKER)), "--out", str(tmp_path), "--pp", "1", "--dp", "2",
            "--steps", "3", "--save-at", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

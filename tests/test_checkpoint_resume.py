@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from importlib import resources
@@ -25,24 +24,18 @@ from pathlib import Path
 
 import pytest
 
+from launch import torchrun as torchrun_cmd
 from qeffect.checkpoint import CheckpointReport, diff_checkpoints, inspect_checkpoint
 from qeffect.cli.app import main
 
 TIMEOUT = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _command(out: Path, args: list[str], torchrun: bool) -> list[str]:
     train = ["train", "--out", str(out), *args]
     if not torchrun:
         return [sys.executable, "-m", "qeffect", *train]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-            f"--master-port={_free_port()}", "-m", "qeffect", *train]
+    return torchrun_cmd(2, "-m", "qeffect", *train)
 
 
 def _env() -> dict[str, str]:

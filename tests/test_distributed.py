@@ -4,14 +4,13 @@ and data-parallel replicas stay bitwise identical with every reduction finished 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from launch import torchrun
 from qeffect.config import load_config
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import bitwise_equal, synthetic_batches
@@ -20,15 +19,9 @@ WORKER = Path(__file__).parent / "dist" / "run_pipeline.py"
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _torchrun(nproc: int, out: Path, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(WORKER), "--out", str(out), *args]
+    cmd = torchrun(nproc, str(WORKER), "--out", str(out), *args)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
