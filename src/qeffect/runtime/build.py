@@ -15,7 +15,7 @@ from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.schedule import Schedule, build_native_schedule, build_schedule
 
-Path_ = Literal["eager", "captured-copy", "captured-direct"]
+ActionPath = Literal["eager", "captured-copy", "captured-direct"]
 
 
 def recipe_of(cfg: RunConfig) -> DelayedScalingRecipe:
@@ -70,7 +70,7 @@ def check_path(path: str, device: str | torch.device) -> None:
 
 def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
                          fixed_order_sum: bool = True, device: str | torch.device | None = None,
-                         path: Path_ = "eager", capture: bool = True) -> SingleProcessPipeline:
+                         path: ActionPath = "eager", capture: bool = True) -> SingleProcessPipeline:
     """All ranks of the configured pipeline in this process, parameters from `cfg.train.seed`.
 
     `path`: "eager" runs the checked actions eagerly; "captured-copy" / "captured-direct" capture every

@@ -108,7 +108,6 @@ class NativeRank(BaseRank):
     def commit(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.losses_done = dict(self.losses)
         self.losses.clear()
         self.step_index += 1
 
@@ -150,7 +149,6 @@ class QEffectRank(BaseRank):
         self.fixed_order_sum = fixed_order_sum
         self.dw_order: dict[int, list[int]] = {s: [] for s in self.chunks}
         self.grad_input: torch.Tensor | None = None
-        self.last_wgrads: dict[str, torch.Tensor] = {}
 
     def run(self, action: Action, batches: Sequence[Batch], transport: Transport) -> None:
         s, m = action.stage, action.microbatch
@@ -171,7 +169,6 @@ class QEffectRank(BaseRank):
             self.tokens[s] = res.token
             if not self.direct:
                 act.place_copies(m, res.grads)
-            self.last_wgrads = res.grads
             self.dw_order[s].append(m)
         else:
             raise ValueError(f"qeffect runs F, dI and dW, got {action}")
@@ -218,7 +215,6 @@ class QEffectRank(BaseRank):
             self.optimizer.zero_grad(set_to_none=True)
 
         self.barrier.commit(step)
-        self.losses_done = dict(self.losses)
         self.losses.clear()
         self.dw_order = {s: [] for s in self.chunks}
         self.step_index += 1
