@@ -163,11 +163,7 @@ class CapturedStageActions(StageActions):
         dynamic = {"x": inp, "token": prev.value}
         if targets is not None:
             dynamic["targets"] = targets
-        try:
-            self.manager.replay(graphs.F, dynamic)
-        except BaseException:
-            self.pool.abort(ref)
-            raise
+        self.on_tape(ref, lambda: self.manager.replay(graphs.F, dynamic))
         self.pool.resolve(ref, key).payload.update(slot=m)
         return ForwardOut(out.detach(), ref, token)
 
@@ -178,13 +174,12 @@ class CapturedStageActions(StageActions):
         grad_in, grads, tok = graphs.dI.outputs
         prev = token
         token = self.ledger.consume(token, f"dI{m}", value=tok)
-        try:
+
+        def run() -> None:
             self.manager.replay(graphs.dI, {"grad": grad_output, "token": prev.value})
             accumulate_grads(self.chunk, grads)
-        except BaseException:
-            self.pool.abort(ref)
-            raise
-        self.pool.mark_consumed(ref, Consumer.DI)
+
+        self.on_tape(ref, run, Consumer.DI)
         return InputGradOut(grad_in, self.nonmatrix_grads(), token)
 
     def weight_grad(self, m: int, ref: TapeRef, token: EffectToken) -> WeightGradOut:
@@ -193,19 +188,15 @@ class CapturedStageActions(StageActions):
         graphs = self.slots[m]
         grads, tok = graphs.dW.outputs
         if self.direct:  # the destinations captured into the graph must be the arena's views (data_ptr too)
-            for pname, dest in grads.items():
-                aname = arena_name(self.stage, pname)
-                self.arena.bind(aname, m, dest)
-                self.arena.check_write(aname, m, dest)
+            self.checked_destinations(m, grads)
         prev = token
         token = self.ledger.consume(token, f"dW{m}", value=tok)
-        try:
+
+        def run() -> None:
             self.manager.replay(graphs.dW, {"token": prev.value})
             if self.direct:
                 for pname, dest in grads.items():
                     self.arena.record_write(arena_name(self.stage, pname), m, dest)
-        except BaseException:
-            self.pool.abort(ref)
-            raise
-        self.pool.mark_consumed(ref, Consumer.DW)
+
+        self.on_tape(ref, run, Consumer.DW)
         return WeightGradOut(grads, token)

@@ -14,7 +14,9 @@ directly (graphs/), which is what the custom-op boundary would have bought us.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -29,6 +31,8 @@ from qeffect.contracts import (
     TapeRef,
     WeightCacheVersion,
 )
+
+T = TypeVar("T")
 
 
 def arena_name(stage: int, param: str) -> str:
@@ -137,17 +141,16 @@ class StageActions:
         refresh = self.cache.check_forward(self.clock, first_microbatch=(m == 0))
         token = self.ledger.consume(token, f"F{m}")
         ref = self.pool.allocate(key)
-        try:
+
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
             x = inp.detach()
             if x.is_floating_point():
                 x.requires_grad_(True)  # a distinct retained input owned by the tape
             with torch.enable_grad():
-                out = self.chunk(x, is_first_microbatch=refresh, targets=targets)
-        except BaseException:
-            self.pool.abort(ref)
-            raise
-        tape = self.pool.resolve(ref, key)
-        tape.payload.update(input=x, output=out)
+                return x, self.chunk(x, is_first_microbatch=refresh, targets=targets)
+
+        x, out = self.on_tape(ref, run)
+        self.pool.resolve(ref, key).payload.update(input=x, output=out)
         return ForwardOut(out.detach(), ref, token)
 
     # ---------------------------------------------------------------- dI
@@ -157,15 +160,15 @@ class StageActions:
         key = self.key(m)
         tape = self.pool.check_consumer(ref, key, Consumer.DI)
         token = self.ledger.consume(token, f"dI{m}")
-        try:
+
+        def run() -> torch.Tensor | None:
             x, out = tape.payload.pop("input"), tape.payload.pop("output")
             grad_in, grads = input_grad_body(self.chunk, x, out, grad_output, retain_graph=False)
             tape.payload["wgrad_work"] = take_wgrad_work(self._matrix)
             accumulate_grads(self.chunk, grads)
-        except BaseException:
-            self.pool.abort(ref)
-            raise
-        self.pool.mark_consumed(ref, Consumer.DI)
+            return grad_in
+
+        grad_in = self.on_tape(ref, run, Consumer.DI)
         return InputGradOut(grad_in, self.nonmatrix_grads(), token)
 
     def nonmatrix_grads(self) -> dict[str, torch.Tensor]:
@@ -178,7 +181,8 @@ class StageActions:
         if self.direct:
             dests = self.checked_destinations(m)
         token = self.ledger.consume(token, f"dW{m}")
-        try:
+
+        def run() -> dict[str, torch.Tensor]:
             work = tape.payload.pop("wgrad_work")
             if set(work) != set(self._matrix):
                 raise RuntimeError(f"retained work covers {sorted(work)}, expected {sorted(self._matrix)}")
@@ -186,24 +190,37 @@ class StageActions:
             for name, lin in self._matrix.items():
                 pname = self._matrix_param[name]
                 if self.direct:
-                    grads[pname] = lin.compute_wgrad(work[name], out=dests[name])
-                    self.arena.record_write(arena_name(self.stage, pname), m, dests[name])
+                    grads[pname] = lin.compute_wgrad(work[name], out=dests[pname])
+                    self.arena.record_write(arena_name(self.stage, pname), m, dests[pname])
                 else:
                     grads[pname] = lin.compute_wgrad(work[name])
+            return grads
+
+        return WeightGradOut(self.on_tape(ref, run, Consumer.DW), token)
+
+    def on_tape(self, ref: TapeRef, work: Callable[[], T], consumer: Consumer | None = None) -> T:
+        """Run an action's physical work for the tape `ref`: a failure aborts the tape (its retained
+        state is no longer trustworthy); success records `consumer` (dI, dW), which may release it."""
+        try:
+            result = work()
         except BaseException:
             self.pool.abort(ref)
             raise
-        self.pool.mark_consumed(ref, Consumer.DW)
-        return WeightGradOut(grads, token)
+        if consumer is not None:
+            self.pool.mark_consumed(ref, consumer)
+        return result
 
-    def checked_destinations(self, m: int) -> dict[str, torch.Tensor]:
-        """Direct placement: check every arena destination of dW(m) (binding: shape, dtype, device,
-        data_ptr; no duplicate, no alias) before any GEMM writes. Returns linear name -> view."""
-        dests = {}
-        for n in self._matrix:
-            aname = arena_name(self.stage, self._matrix_param[n])
-            dests[n] = self.arena.bind(aname, m, self._view(n, m))
-            self.arena.check_write(aname, m, dests[n])
+    def checked_destinations(self, m: int, dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Direct placement: check every destination of dW(m) against the arena (binding: shape,
+        dtype, device, data_ptr; no duplicate, no alias) before any GEMM writes. `dests` (parameter
+        name -> tensor) defaults to the arena's own views; a captured dW passes the destinations it
+        captured. Returns parameter name -> checked destination."""
+        if dests is None:
+            dests = {p: self.arena.view(arena_name(self.stage, p), m) for p in self._matrix_param.values()}
+        for pname, dest in dests.items():
+            aname = arena_name(self.stage, pname)
+            self.arena.bind(aname, m, dest)
+            self.arena.check_write(aname, m, dest)
         return dests
 
     def place_copies(self, m: int, grads: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,89 @@
+"""The checked protocol of captured stage actions, on CPU: the replays are faked (no CUDA), the tape,
+token, cache-epoch and arena bookkeeping around them is the real code."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qeffect.config import load_config
+from qeffect.contracts import ArenaViolation, ConsumerOrderViolation, GradientArena, TapePool
+from qeffect.contracts.epochs import EpochClock
+from qeffect.graphs.captured import CapturedStageActions, SlotGraphs
+from qeffect.runtime.build import build_chunks_for
+from qeffect.stage.actions import arena_name
+
+CFG = load_config().with_overrides(**{"model.vocab_size": 256, "pipeline.pp": 1, "pipeline.chunks_per_rank": 1,
+                                      "pipeline.microbatches": 2})
+
+
+class FakeManager:
+    """Records replays; `fail` makes the next replay raise (a device error)."""
+
+    def __init__(self) -> None:
+        self.replays: list[tuple[str, tuple[str, ...]]] = []
+        self.fail = False
+
+    def replay(self, action, dynamic=None):
+        if self.fail:
+            raise RuntimeError("replay failed")
+        self.replays.append((action.name, tuple(sorted(dynamic or {}))))
+        return action.outputs
+
+
+def _actions(direct: bool = True, foreign_dest: bool = False):
+    chunk = build_chunks_for(CFG, "cpu")[0]
+    specs = {arena_name(0, p): (tuple(w.shape), w.dtype) for p, w in chunk.matrix_params().items()}
+    arena = GradientArena(specs, 2)
+    acts = CapturedStageActions(chunk, TapePool(2), EpochClock(), arena, direct=direct, manager=FakeManager())
+    for m in range(2):
+        tok = lambda: torch.zeros((), dtype=torch.int64)  # noqa: E731
+        grads = {p: (torch.zeros_like(w) if foreign_dest else arena.view(arena_name(0, p), m))
+                 for p, w in chunk.matrix_params().items()}
+        nonmatrix = {n: torch.ones_like(p) for n, p in chunk.nonmatrix_params().items()}
+        acts.slots[m] = SlotGraphs(
+            F=SimpleNamespace(name=f"F{m}", outputs=(torch.zeros(()), tok())),
+            dI=SimpleNamespace(name=f"dI{m}", outputs=(None, nonmatrix, tok())),
+            dW=SimpleNamespace(name=f"dW{m}", outputs=(grads, tok())))
+    return acts
+
+
+def _tokens(mb: int = 2):
+    return torch.zeros((mb, 8), dtype=torch.int64), torch.zeros((mb, 8), dtype=torch.int64)
+
+
+def test_replays_are_checked_and_recorded() -> None:
+    acts = _actions()
+    x, y = _tokens()
+    f = acts.forward(0, x, acts.ledger.current, y)
+    with pytest.raises(ConsumerOrderViolation):
+        acts.weight_grad(0, f.ref, f.token)
+    di = acts.input_grad(0, f.ref, torch.tensor(0.5), f.token)
+    dw = acts.weight_grad(0, f.ref, di.token)
+    assert acts.pool.live_count == 0 and acts.ledger.seq == 3 and dw.token is acts.ledger.current
+    assert [r[0] for r in acts.manager.replays] == ["F0", "dI0", "dW0"]
+    assert acts.manager.replays[0][1] == ("targets", "token", "x")
+    assert len(acts.arena.written) == len(acts.chunk.matrix_params())
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in acts.chunk.nonmatrix_params().values())
+
+
+def test_failed_replay_aborts_the_tape() -> None:
+    acts = _actions()
+    x, y = _tokens()
+    f = acts.forward(0, x, acts.ledger.current, y)
+    acts.manager.fail = True
+    with pytest.raises(RuntimeError, match="replay failed"):
+        acts.input_grad(0, f.ref, torch.tensor(0.5), f.token)
+    assert acts.pool.live_count == 0  # aborted, slot free
+
+
+def test_captured_destination_must_be_the_arena_view() -> None:
+    acts = _actions(foreign_dest=True)
+    x, y = _tokens()
+    f = acts.forward(0, x, acts.ledger.current, y)
+    di = acts.input_grad(0, f.ref, torch.tensor(0.5), f.token)
+    with pytest.raises(ArenaViolation):
+        acts.weight_grad(0, f.ref, di.token)
+    assert acts.manager.replays[-1][0] == "dI0"  # refused before the dW replay
