@@ -11,7 +11,8 @@ then copy the JSON files into benchmarks/results/ and draw the figures where mat
 
     qeffect profile --report benchmarks/results/profile-h2048-reference-h200.json --plot <dir>
 
-Writes OUT/profile-<config>-<backend>-<device>.json per pair and prints one line per configuration.
+Writes OUT/profile-<config>-<backend>-<device>.json per pair and prints one line per configuration
+(and, with --trace N, default 3, a profiler summary line of N more untimed steps: where the time goes).
 A dry run on a CPU: `--tomls src/qeffect/configs/tiny.toml --backends reference --device cpu --steps 2`.
 """
 
@@ -31,6 +32,7 @@ from qeffect.config import load_config
 from qeffect.errors import UserError
 from qeffect.profile.matrix import run_profile
 from qeffect.profile.resources import parse_microbatches
+from qeffect.profile.trace import trace_line
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TOMLS = f"{ROOT / 'examples/configs/h2048.toml'},{ROOT / 'examples/configs/h4096.toml'}"
@@ -58,6 +60,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--microbatches", default="2,4,8,16")
     ap.add_argument("--configs", default=None, help="subset of the configuration matrix (default: all)")
+    ap.add_argument("--trace", type=int, default=3,
+                    help="profiled (untimed) steps per configuration for the trace summary; 0: none")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     ap.add_argument("--plot", action="store_true", help="also write figures (needs matplotlib)")
     a = ap.parse_args()
@@ -73,12 +77,12 @@ def main() -> int:
                 continue
             cfg = load_config(toml).with_overrides(**{"fp8.backend": backend, "train.device": a.device})
             command = (f"python3 benchmarks/profile_matrix.py --tomls {toml} --backends {backend} --device {a.device} "
-                       f"--steps {a.steps} --warmup {a.warmup} --microbatches {a.microbatches}"
+                       f"--steps {a.steps} --warmup {a.warmup} --trace {a.trace} --microbatches {a.microbatches}"
                        + (f" --configs {a.configs}" if a.configs else ""))
             t0 = time.perf_counter()
             try:
                 report = run_profile(cfg, steps=a.steps, warmup=a.warmup, configs=names, microbatches=ms,
-                                     command=command, config_path=toml,
+                                     command=command, config_path=toml, trace_steps=a.trace,
                                      progress=lambda msg, s=stem, b=backend: print(f"[{s}:{b}] {msg}", flush=True))
             except UserError as err:  # e.g. te without Transformer Engine: say so and go on
                 print(f"{stem}:{backend}: not run: {err}", flush=True)
@@ -106,6 +110,10 @@ def main() -> int:
                       f"floor x{_f(c.floor_ratio, '.1f')}, peak {_f(peak)} GiB, "
                       f"growth {c.persistent_growth_bytes_per_step} B/step, graphs {c.graph_count}, "
                       f"replays/step {c.replays_per_step:.0f}, handoffs/step {c.handoffs_per_step:.0f}", flush=True)
+                if c.trace is not None:
+                    print(f"    {trace_line(c.trace)}", flush=True)
+                elif c.trace_error is not None:
+                    print(f"    trace failed: {c.trace_error}", flush=True)
             for r in report.resources or []:
                 print(f"  M={r.microbatches} {r.schedule}: graphs/rank {r.graphs_per_rank} "
                       f"(captured {r.graphs_captured_per_rank}), arena {r.arena_bytes / 2**20:.0f} MiB, "

@@ -87,3 +87,23 @@ def test_captured_destination_must_be_the_arena_view() -> None:
     with pytest.raises(ArenaViolation):
         acts.weight_grad(0, f.ref, di.token)
     assert acts.manager.replays[-1][0] == "dI0"  # refused before the dW replay
+
+
+def test_offload_hooks_bracket_the_replays() -> None:
+    """F replays between before/after_forward; dI opens the group's backward and dW (the last reader of
+    the saved tensors: the retained dW work references them) closes it. An 'off' manager checks order."""
+    from qeffect.offload.group import OffloadManager
+
+    acts = _actions()
+    mgr = OffloadManager("off", device="cpu")
+    acts.groups = {m: mgr.group(f"s0.m{m}") for m in range(2)}
+    mgr.allocate([acts.groups[0], acts.groups[1]])
+    g0 = acts.groups[0]
+    x, y = _tokens()
+    f = acts.forward(0, x, acts.ledger.current, y)
+    assert g0.live and g0.phase is None
+    d = acts.input_grad(0, f.ref, torch.zeros(()), f.token)
+    assert g0.phase == "backward"
+    acts.weight_grad(0, f.ref, d.token)
+    assert not g0.live and g0.phase is None
+    assert not acts.groups[1].live  # untouched

@@ -1,5 +1,6 @@
 """`qeffect profile`: report schema, not-run records, break-even arithmetic, FLOP count, resource analysis,
-CLI exit codes and figures. One real profile run (tiny shape, 1 warm-up + 2 timed steps) serves most tests.
+CLI exit codes, figures and the profiler trace summary. One real profile run (tiny shape, 1 warm-up + 2 timed
+steps + 1 traced step) serves most tests.
 """
 
 from __future__ import annotations
@@ -16,8 +17,19 @@ from qeffect.cli.app import main
 from qeffect.config import load_config
 from qeffect.fp8.te import te_available
 from qeffect.profile.flops import count_matrix_flops, gemm_problems
-from qeffect.profile.report import SCHEMA_VERSION, ProfileReport, Spread, break_even_steps
+from qeffect.profile.report import SCHEMA_VERSION, ProfileReport, Spread, TraceSummary, break_even_steps
 from qeffect.profile.resources import parse_microbatches, resource_rows
+from qeffect.profile.trace import (
+    CATEGORY_NAMES,
+    WINDOW,
+    Event,
+    category,
+    clip_to_windows,
+    merge_intervals,
+    summarize,
+    trace_line,
+    union_length,
+)
 from qeffect.runtime.build import build_single_process
 from qeffect.schedule import build_schedule, max_live_tapes, max_pending_dw
 
@@ -40,7 +52,7 @@ def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ProfileRep
     out = d / "report.json"
     with pytest.raises(SystemExit) as exc:
         main(["profile", "--config", str(d / "small.toml"), "--device", "cpu", "--steps", "2", "--warmup", "1",
-              "--microbatches", "2,4", "--json", str(out)])
+              "--microbatches", "2,4", "--trace", "1", "--json", str(out)])
     assert exc.value.code in (0, None)
     return out, ProfileReport.model_validate_json(out.read_text())
 
@@ -53,6 +65,8 @@ def test_report_schema_round_trip(profiled) -> None:
     again = ProfileReport.model_validate_json(report.model_dump_json())
     assert again == report
     assert report.command.startswith("qeffect profile --config ") and "--microbatches 2,4" in report.command
+    assert "--trace 1" in report.command and report.trace_steps == 1
+    assert raw["configs"][0]["trace"]["steps"] == 1 and again.result("native-eager").trace is not None
     assert report.device == "cpu" and report.torch_version == torch.__version__
     assert [c.name for c in report.configs] == ["native-eager", "qeffect-eager", "captured-copy", "captured-direct",
                                                 "captured-zbv-direct", "te-graphed"]
@@ -200,6 +214,7 @@ def test_parse_microbatches() -> None:
     ["--configs", "native-eager,bogus"],
     ["--steps", "0"],
     ["--warmup", "0"],
+    ["--trace", "-1"],
     ["--device", "gpu"],
     ["--report", "/nonexistent/report.json"],
 ])
@@ -240,6 +255,25 @@ def test_saved_report_renders(capsys, profiled) -> None:
     rc, out, _ = run(capsys, "profile", "--report", str(path))
     assert rc == 0
     assert "native-eager" in out and "not run: te-graphed" in out and "resource analysis over M" in out
+    assert "native-eager: trace: wall " in out and "qeffect-eager: trace: wall " in out and "(+ 1 traced)" in out
+
+
+def test_version_1_report_still_renders(capsys, profiled, tmp_path) -> None:
+    """A report written before traces existed (schema 1, no trace fields) loads; an unknown version does not."""
+    path, _ = profiled
+    raw = json.loads(path.read_text())
+    raw["schema_version"] = 1
+    del raw["trace_steps"]
+    for c in raw["configs"]:
+        del c["trace"], c["trace_error"]
+    old = tmp_path / "v1.json"
+    old.write_text(json.dumps(raw))
+    rc, out, _ = run(capsys, "profile", "--report", str(old))
+    assert rc == 0 and "native-eager" in out and "trace:" not in out
+    raw["schema_version"] = 99
+    old.write_text(json.dumps(raw))
+    rc, _, err = run(capsys, "profile", "--report", str(old))
+    assert rc == 1 and "schema 99" in err
 
 
 def test_plot_files(capsys, profiled, tmp_path) -> None:
@@ -285,3 +319,176 @@ def test_help_names_every_configuration(capsys) -> None:
     assert rc == 0
     flat = "".join(out.split())  # help text wraps lines (also at hyphens)
     assert all(name in flat for name in CONFIG_NAMES)
+
+
+# -------------------------------------------------------------------------------------------- trace
+def test_trace_summary_on_cpu(profiled) -> None:
+    """The traced step of each configuration that ran: host fields set, CUDA fields null, timings untouched."""
+    _, report = profiled
+    for name in ("native-eager", "qeffect-eager"):
+        c = report.result(name)
+        t = c.trace
+        assert c.trace_error is None and t is not None and t.steps == 1
+        assert len(c.step_seconds) == 2 and len(c.losses) == 3  # the traced step is not in the timings
+        assert t.gpu_busy_seconds_per_step is None and t.gpu_kernel_seconds_per_step is None
+        assert t.gpu_idle_fraction is None and t.kernels_per_step is None and t.bound is None
+        assert t.memcpy_seconds_per_step is None and t.memset_seconds_per_step is None
+        assert 0 < t.cpu_op_seconds_per_step <= t.wall_seconds_per_step and t.cpu_ops_per_step >= 1
+        assert 1 <= len(t.top_kernels) <= 10 and all(k.name.startswith("aten::") for k in t.top_kernels)
+        secs = [k.seconds_per_step for k in t.top_kernels]
+        assert secs == sorted(secs, reverse=True) and secs[0] > 0
+        assert all(0 <= k.fraction <= 1 and k.calls_per_step >= 1 for k in t.top_kernels)
+        assert list(t.categories) == list(CATEGORY_NAMES)
+        # self times do not nest: they add up to at most the time in top-level ops (up to float rounding)
+        assert 0 < sum(t.categories.values()) <= t.cpu_op_seconds_per_step * (1 + 1e-12)
+        assert t.cpu_op_seconds_per_step <= t.wall_seconds_per_step
+        assert t.categories["gemm"] > 0  # the reference backend's aten::mm
+        assert TraceSummary.model_validate_json(t.model_dump_json()) == t
+
+
+@pytest.mark.parametrize(("intervals", "merged"), [
+    ([], []),
+    ([(0, 10), (5, 15)], [(0, 15)]),  # overlapping
+    ([(0, 100), (10, 20), (30, 40)], [(0, 100)]),  # nested
+    ([(20, 30), (0, 10)], [(0, 10), (20, 30)]),  # disjoint, unsorted
+    ([(0, 10), (10, 20)], [(0, 20)]),  # touching
+    ([(0, 10), (2, 4), (8, 12), (20, 25), (21, 22), (5, 5)], [(0, 12), (20, 25)]),  # mixed; an empty one
+])
+def test_interval_union(intervals, merged) -> None:
+    assert merge_intervals(intervals) == merged
+    assert union_length(intervals) == sum(e - s for s, e in merged)
+
+
+def test_clip_to_windows() -> None:
+    windows = [(10, 20), (30, 40)]
+    assert clip_to_windows(0, 5, windows) == []
+    assert clip_to_windows(5, 15, windows) == [(10, 15)]
+    assert clip_to_windows(12, 35, windows) == [(12, 20), (30, 35)]
+    assert clip_to_windows(22, 28, windows) == []
+    assert clip_to_windows(35, 50, windows) == [(35, 40)]
+
+
+def test_summarize_cuda_by_hand() -> None:
+    """Two traced steps, hand-made: overlapping streams count once in busy time, data-making is outside."""
+    us = 1000
+    ev = [
+        Event(WINDOW, "window", 0, 100 * us), Event(WINDOW, "window", 200 * us, 300 * us),
+        Event("Memcpy HtoD (Pageable -> Device)", "memcpy", -20 * us, -10 * us),  # the next step's data: outside
+        Event("aten::mm", "op", 1 * us, 9 * us, thread=1),
+        Event("aten::linear", "op", 0, 10 * us, thread=1),  # contains aten::mm: one top-level op
+        Event("aten::add", "op", 210 * us, 220 * us, thread=1),
+        Event("nvjet_tst_e4m3_gemm", "kernel", 10 * us, 50 * us),
+        Event("vectorized_elementwise_kernel<Float8_e4m3fn>", "kernel", 40 * us, 60 * us),  # second stream
+        Event("Memset (Device)", "memset", 70 * us, 75 * us),
+        Event("nvjet_tst_e4m3_gemm", "kernel", 210 * us, 250 * us),
+        Event("reduce_kernel<ReduceOp>", "kernel", 290 * us, 310 * us),  # runs past the window: clipped
+        Event("Memcpy DtoD (Device -> Device)", "memcpy", 260 * us, 270 * us),
+    ]
+    t = summarize(ev, [100e-6, 100e-6], cuda=True)
+    assert t.steps == 2 and t.wall_seconds_per_step == pytest.approx(100e-6)
+    # busy: step 1 [10,60] + [70,75] = 55 us; step 2 [210,250] + [260,270] + [290,300] = 60 us
+    assert t.gpu_busy_seconds_per_step == pytest.approx(57.5e-6)
+    assert t.gpu_kernel_seconds_per_step == pytest.approx((40 + 20 + 40 + 10) * 1e-6 / 2)
+    assert t.gpu_idle_fraction == pytest.approx(1 - 57.5 / 100)
+    assert t.kernels_per_step == 2 and t.bound == "host"
+    assert t.memcpy_seconds_per_step == pytest.approx(5e-6) and t.memset_seconds_per_step == pytest.approx(2.5e-6)
+    assert t.cpu_op_seconds_per_step == pytest.approx(10e-6) and t.cpu_ops_per_step == 1
+    assert [k.name for k in t.top_kernels] == ["nvjet_tst_e4m3_gemm", "vectorized_elementwise_kernel<Float8_e4m3fn>",
+                                                "Memcpy DtoD (Device -> Device)", "reduce_kernel<ReduceOp>",
+                                                "Memset (Device)"]
+    gemm = t.top_kernels[0]
+    assert gemm.calls_per_step == 1 and gemm.seconds_per_step == pytest.approx(40e-6)
+    assert gemm.fraction == pytest.approx(80 / 115)
+    expected = {"gemm": 40e-6, "fp8-cast/amax": 10e-6, "copy": 5e-6, "reduction": 5e-6, "memset": 2.5e-6}
+    assert {k: v for k, v in t.categories.items() if v} == pytest.approx(expected)
+    line = trace_line(t)
+    assert line.startswith(f"trace: wall 0.1 ms, GPU busy 0.0575 ms (idle {t.gpu_idle_fraction:.0%}, host-bound), "
+                           "2 kernels/step, host aten ops 0.01 ms (1/step); top: gemm 0.04 ms, fp8-cast/amax 0.01 ms")
+    assert line.endswith(", memset 0.0025 ms")
+    # a GPU that never waits is GPU-bound
+    busy = summarize([Event(WINDOW, "window", 0, 100), Event("k", "kernel", 0, 95)], [100e-9], cuda=True)
+    assert busy.bound == "gpu" and busy.gpu_idle_fraction == pytest.approx(0.05)
+
+
+def test_summarize_cpu_self_times_by_hand() -> None:
+    ev = [Event(WINDOW, "window", 0, 1000),
+          Event("aten::linear", "op", 0, 100), Event("aten::mm", "op", 10, 60), Event("aten::add", "op", 70, 80),
+          Event("aten::mul", "op", 100, 130), Event("aten::mul", "op", 2000, 2100)]  # the last is outside
+    t = summarize(ev, [1000e-9], cuda=False)
+    assert [k.name for k in t.top_kernels] == ["aten::mm", "aten::linear", "aten::mul", "aten::add"]
+    assert [k.seconds_per_step for k in t.top_kernels] == pytest.approx([50e-9, 40e-9, 30e-9, 10e-9])
+    assert all(k.calls_per_step == 1 for k in t.top_kernels)
+    assert t.cpu_op_seconds_per_step == pytest.approx(130e-9) and t.cpu_ops_per_step == 2
+    assert t.categories["gemm"] == pytest.approx(90e-9) and t.categories["other"] == pytest.approx(40e-9)
+    assert sum(k.fraction for k in t.top_kernels) == pytest.approx(1.0)
+    assert t.gpu_busy_seconds_per_step is None and t.bound is None
+
+
+@pytest.mark.parametrize(("name", "bucket"), [
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "gemm"),
+    ("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_32x1_nn_align8>", "gemm"),
+    ("void at::native::reduce_kernel<512, 1, ReduceOp<float, func_wrapper_t<float, amax_kernel_impl>>>", "fp8-cast/amax"),
+    ("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda, c10::Float8_e4m3fn>", "fp8-cast/amax"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>", "norm/softmax/attention"),
+    ("flash_fwd_kernel", "norm/softmax/attention"),
+    ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("void at::native::reduce_kernel<512, 1, ReduceOp<float, MeanOps>>", "reduction"),
+    ("Memset (Device)", "memset"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, direct_copy_kernel_cuda, float>", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, BinaryFunctor<float, MulFunctor<float>>>", "elementwise"),
+    ("void at::native::elementwise_kernel<128, 2, broadcast_add>", "elementwise"),
+    ("aten::mm", "gemm"),
+    ("aten::mul", "other"),
+    ("void some_custom_kernel<float>", "other"),
+])
+def test_kernel_categories(name: str, bucket: str) -> None:
+    assert category(name) == bucket
+
+
+class _FakeRunner:
+    """A `Runner` whose step is a few aten ops; it records which data steps it was asked for."""
+
+    graph_count, graphs_per_rank, capture_host_seconds, arena_bytes = 0, None, None, None
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def data(self, step: int) -> torch.Tensor:
+        self.asked.append(step)
+        return torch.full((64, 64), float(step))
+
+    def step(self, data: torch.Tensor) -> torch.Tensor:
+        return (data @ data).relu().sum()
+
+    def counters(self) -> tuple[int, int]:
+        return 0, 0
+
+
+def test_time_runner_traces_after_the_timed_steps(monkeypatch) -> None:
+    from qeffect.profile.matrix import time_runner
+    from qeffect.profile.report import ConfigResult
+
+    def result() -> ConfigResult:
+        return ConfigResult(name="fake", description="fake", status="ok")
+
+    fake, r = _FakeRunner(), result()
+    time_runner(r, lambda: fake, torch.device("cpu"), steps=3, warmup=2, trace_steps=2)
+    assert fake.asked == list(range(7))  # the traced steps continue the data sequence
+    assert len(r.step_seconds) == 3 and len(r.losses) == 5 and r.trace_error is None
+    assert r.trace.steps == 2 and r.trace.top_kernels[0].name == "aten::mm" and r.trace.cpu_ops_per_step >= 3
+    assert r.trace.categories["gemm"] > 0
+    # no trace asked: none taken
+    fake, r = _FakeRunner(), result()
+    time_runner(r, lambda: fake, torch.device("cpu"), steps=3, warmup=2)
+    assert fake.asked == list(range(5)) and r.trace is None
+    # a trace that fails keeps the timings and says why
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("no profiler here")
+
+    monkeypatch.setattr("qeffect.profile.trace.trace_runner", broken)
+    fake, r = _FakeRunner(), result()
+    time_runner(r, lambda: fake, torch.device("cpu"), steps=3, warmup=2, trace_steps=2)
+    assert r.trace is None and r.trace_error == "RuntimeError: no profiler here" and len(r.step_seconds) == 3

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 QEFFECT = [sys.executable, "-m", "qeffect"]
 
@@ -56,11 +57,14 @@ def _bad_shards(tmp_path: Path) -> dict[str, tuple[str, str]]:
         "unknown field": ("--config=" + str(unknown), "train.stepz: unknown field"),
         "microbatches": ("--config=" + str(mb), "microbatches=5"),
         "world size": ("--dp=2", "torchrun"),
+        "captured on cpu": ("--path=captured-direct", "needs a CUDA device"),
+        "offload without capture": ("--offload=release", "needs train.path = captured-copy or captured-direct"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing data", "empty shard", "malformed line", "malformed gz line", "heads",
-                                  "unknown field", "microbatches", "world size"])
+                                  "unknown field", "microbatches", "world size", "captured on cpu",
+                                  "offload without capture"])
 def test_bad_input_one_line_exit_2_writes_nothing(tmp_path: Path, case: str) -> None:
     arg, needle = _bad_shards(tmp_path)[case]
     out = tmp_path / "run"
@@ -70,3 +74,25 @@ def test_bad_input_one_line_exit_2_writes_nothing(tmp_path: Path, case: str) -> 
     assert len(err.splitlines()) == 1 and err.startswith("qeffect: error:"), err
     assert needle in err
     assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_training_equals_eager_training(tmp_path: Path) -> None:
+    """`qeffect train --device cuda`: eager, captured-direct and captured-direct with offload give the same
+    losses bit for bit (the captured actions replay exactly the eager actions' kernels)."""
+    from qeffect.config import load_config
+    from qeffect.offload.driver import bindings_available
+    from qeffect.runtime.train import train
+
+    base = load_config().with_overrides(**{"train.device": "cuda", "train.steps": 6, "train.eval_every": 3})
+    runs = {"eager": {}, "captured-direct": {"train.path": "captured-direct"}}
+    if bindings_available():
+        runs["captured-direct+release"] = {"train.path": "captured-direct", "train.offload": "release"}
+    losses = {}
+    for name, over in runs.items():
+        s = train(base.with_overrides(**over), out=tmp_path / name)
+        losses[name] = (json.loads((tmp_path / name / "summary.json").read_text())["heldout_ce"],
+                        [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
+        assert s.steps == 6
+    assert all(v == losses["eager"] for v in losses.values()), losses

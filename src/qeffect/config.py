@@ -55,6 +55,10 @@ class FP8Config(_Strict):
     amax_history_len: int = Field(4, ge=1)
     amax_compute_algo: Literal["max", "most_recent"] = "max"
     head: Literal["backend", "torchao"] = "backend"
+    """The last chunk's output head. "backend": the backend's delayed-scaling linear (a matrix linear: dW
+    work, checkpointed FP8 state). "torchao": torchao's dynamic tensorwise `Float8Linear` (the torchao
+    extra; model.hidden, model.vocab_size and microbatch_size * seq_len multiples of 16): stateless, so
+    no FP8 state to checkpoint, and its weight gradient comes in dI like the non-matrix parameters."""
 
 
 class OptimConfig(_Strict):

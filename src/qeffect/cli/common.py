@@ -24,6 +24,12 @@ class PathMode(StrEnum):
     captured_direct = "captured-direct"
 
 
+class Offload(StrEnum):
+    off = "off"
+    release = "release"
+    resident = "resident"
+
+
 class Device(StrEnum):
     cpu = "cpu"
     cuda = "cuda"
@@ -32,6 +38,11 @@ class Device(StrEnum):
 class Backend(StrEnum):
     reference = "reference"
     te = "te"
+
+
+class Head(StrEnum):
+    backend = "backend"
+    torchao = "torchao"
 
 
 def config_from_cli(config: Path | None, **overrides: object) -> RunConfig:

@@ -30,7 +30,8 @@ def render(report, console: Console) -> None:
     cfg = report.config
     title = (f"profile: h{cfg['model']['hidden']}, pp {cfg['pipeline']['pp']} x {cfg['pipeline']['chunks_per_rank']} "
              f"chunks, M {cfg['pipeline']['microbatches']}, {report.backend} on {report.device_name}; "
-             f"{report.warmup} warm-up + {report.steps} timed steps")
+             f"{report.warmup} warm-up + {report.steps} timed steps"
+             + (f" (+ {report.trace_steps} traced)" if report.trace_steps else ""))
     t = Table(title=title)
     t.add_column("configuration", no_wrap=True)
     for col in ("median ms", "q1-q3 ms", "x native", "setup s", "break-even steps", "x floor"):
@@ -43,6 +44,7 @@ def render(report, console: Console) -> None:
                   _num(c.speedup_vs_native, "{:.2f}"), _num(c.setup_seconds, "{:.2f}"), be,
                   _num(c.floor_ratio, "{:.1f}"))
     console.print(t)
+    _render_traces(report, console)
     for c in report.configs:
         if c.status != "ok":
             style = "red" if c.status == "failed" else "dim"
@@ -82,12 +84,24 @@ def render(report, console: Console) -> None:
             console.print(f"capture: {n}", highlight=False)
 
 
+def _render_traces(report, console: Console) -> None:
+    """One trace line per configuration that has a trace summary (or the error of its trace)."""
+    from qeffect.profile.trace import trace_line
+
+    for c in report.configs:
+        if c.trace is not None:
+            console.print(f"{c.name}: {trace_line(c.trace)}", highlight=False, soft_wrap=True)
+        elif c.trace_error is not None:
+            console.print(f"[red]{c.name}: trace failed: {c.trace_error}[/red]", highlight=False)
+
+
 def _command(config: Path | None, device: Device | None, backend: Backend | None, steps: int, warmup: int,
-             microbatches: str | None, configs: str | None, json_out: Path | None, plot: Path | None) -> str:
+             microbatches: str | None, configs: str | None, json_out: Path | None, plot: Path | None,
+             trace: int = 0) -> str:
     parts = ["qeffect profile"]
     for flag, value in (("--config", config), ("--device", device and device.value),
                         ("--backend", backend and backend.value), ("--steps", steps), ("--warmup", warmup),
-                        ("--microbatches", microbatches), ("--configs", configs), ("--json", json_out),
+                        ("--trace", trace or None), ("--microbatches", microbatches), ("--configs", configs), ("--json", json_out),
                         ("--plot", plot)):
         if value is not None:
             parts.append(f"{flag} {value}")
@@ -101,6 +115,8 @@ def profile(
     backend: Backend | None = typer.Option(None, "--backend", help="FP8 backend (default: the config's)."),
     steps: int = typer.Option(20, "--steps", min=1, help="Timed steps per configuration (after warm-up)."),
     warmup: int = typer.Option(3, "--warmup", min=1, help="Warm-up steps, excluded from the statistics; the first is part of setup."),
+    trace: int = typer.Option(0, "--trace", min=0, help="Profile this many extra steps per configuration (not timed) "
+                              "and summarize where a step's time goes: GPU busy/idle, host aten time, top kernels."),
     microbatches: str | None = typer.Option(None, "--microbatches", help="Also analyse resources for these M, e.g. 2,4,8,16."),
     configs: str | None = typer.Option(None, "--configs", help="Comma-separated subset (default: all): native-eager, qeffect-eager, captured-copy, "
                                 "captured-direct, captured-zbv-direct, te-graphed."),
@@ -114,7 +130,7 @@ def profile(
     after warm-up and its spread, setup time (build + capture + first step), break-even steps against
     native eager, peak and persistent memory (CUDA), graphs, replays and handoffs per step, arena bytes,
     capture host time, and the ratio to the step's matrix-FLOP floor at the FP8 GEMM rate measured in
-    the same run. Configurations this machine cannot run are reported as not run, with the reason.
+    the same run; with --trace N, a profiler summary of N more steps. Configurations this machine cannot run are reported as not run, with the reason.
     """
     console = Console()
     if plot is not None:
@@ -124,7 +140,7 @@ def profile(
     if report_in is not None:
         report = _load(report_in)
     else:
-        report = _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console)
+        report = _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace)
     render(report, console)
     if json_out and report_in is None:
         write_json(json_out, report)
@@ -140,7 +156,7 @@ def profile(
     raise typer.Exit(1 if failed else 0)
 
 
-def _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console):
+def _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace=0):
     from qeffect.profile.matrix import run_profile
     from qeffect.profile.resources import parse_microbatches
 
@@ -151,17 +167,17 @@ def _run(config, device, backend, steps, warmup, microbatches, configs, json_out
     names = [n.strip() for n in configs.split(",")] if configs is not None else None
     cfg = config_from_cli(config, **{"train.device": device.value if device else None,
                                      "fp8.backend": backend.value if backend else None})
-    command = _command(config, device, backend, steps, warmup, microbatches, configs, json_out, plot)
+    command = _command(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, trace)
     with console.status("profiling") as status:
         return run_profile(cfg, steps=steps, warmup=warmup, configs=names, microbatches=ms, command=command,
-                           config_path=str(config) if config else None,
+                           config_path=str(config) if config else None, trace_steps=trace,
                            progress=lambda msg: status.update(f"profiling: {msg}"))
 
 
 def _load(path: Path):
     from pydantic import ValidationError
 
-    from qeffect.profile.report import SCHEMA_VERSION, ProfileReport
+    from qeffect.profile.report import READABLE_SCHEMA_VERSIONS, ProfileReport
 
     if not path.is_file():
         raise UserError(f"{path}: report file not found")
@@ -169,6 +185,7 @@ def _load(path: Path):
         report = ProfileReport.model_validate_json(path.read_text())
     except ValidationError as err:
         raise ReportError(f"{path}: not a qeffect profile report ({err.error_count()} schema errors)") from None
-    if report.schema_version != SCHEMA_VERSION:
-        raise ReportError(f"{path}: profile report schema {report.schema_version}, this qeffect reads {SCHEMA_VERSION}")
+    if report.schema_version not in READABLE_SCHEMA_VERSIONS:
+        raise ReportError(f"{path}: profile report schema {report.schema_version}, this qeffect reads "
+                          f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
     return report

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from qeffect.cli.app import app
-from qeffect.cli.common import Backend, Device, Schedule, config_from_cli, write_json
+from qeffect.cli.common import Backend, Device, Offload, PathMode, Schedule, config_from_cli, write_json
 
 
 @app.command("train")
@@ -20,6 +20,10 @@ def train(
     schedule: Schedule | None = typer.Option(None, "--schedule", help="Pipeline schedule."),
     backend: Backend | None = typer.Option(None, "--backend", help="FP8 backend."),
     device: Device | None = typer.Option(None, "--device", help="cpu or cuda."),
+    path: PathMode | None = typer.Option(
+        None, "--path", help="eager, or every action captured as a CUDA graph (captured-copy / captured-direct; cuda)."),
+    offload: Offload | None = typer.Option(
+        None, "--offload", help="Captured paths: keep saved activations in VMM slots, release or resident (cuda)."),
     data: str | None = typer.Option(None, "--data", help="C4-format JSON-lines file or glob of shards (.json[.gz])."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="A tokenizer.json (default: the bundled BPE)."),
     pp: int | None = typer.Option(None, "--pp", min=1, help="Pipeline-parallel degree."),
@@ -36,7 +40,10 @@ def train(
     """Train a GPT pipeline with FP8 delayed scaling and checked split F / dI / dW actions.
 
     With no arguments: the embedded tiny CPU config on the bundled Jargon File asset. For several
-    processes: `torchrun --nproc-per-node N -m qeffect train --pp P --dp D` with P x D = N.
+    processes: `torchrun --nproc-per-node N -m qeffect train --pp P --dp D` with P x D = N. On one GPU,
+    `--device cuda --path captured-direct` replays every F / dI / dW as a CUDA graph (bitwise equal to
+    the eager path) and `--offload release|resident` moves the activations they save to pinned host
+    memory between forward and backward, at fixed device addresses.
     Writes metrics.jsonl, config.json and summary.json into the run folder.
 
     Checkpoints: `--checkpoint-every N` saves DIR/step-<N>/ (DCP tensors + qeffect.json) after every
@@ -47,6 +54,7 @@ def train(
     cfg = config_from_cli(config, **{
         "train.steps": steps, "train.seed": seed, "pipeline.schedule": schedule.value if schedule else None,
         "fp8.backend": backend.value if backend else None, "train.device": device.value if device else None,
+        "train.path": path.value if path else None, "train.offload": offload.value if offload else None,
         "train.data": data, "train.tokenizer": tokenizer, "pipeline.pp": pp, "pipeline.dp": dp,
         "train.checkpoint_every": checkpoint_every,
         "train.checkpoint_dir": str(checkpoint_dir) if checkpoint_dir is not None else None,

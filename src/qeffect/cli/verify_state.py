@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from qeffect.cli.app import app
-from qeffect.cli.common import Backend, Device, PathMode, Schedule, config_from_cli, write_json
+from qeffect.cli.common import Backend, Device, Head, PathMode, Schedule, config_from_cli, write_json
 from qeffect.errors import UserError
 
 
@@ -44,6 +44,7 @@ def verify_state(
     path: PathMode = typer.Option(PathMode.eager, "--path", help="qeffect mode to compare with native eager."),
     device: Device | None = typer.Option(None, "--device", help="cpu or cuda (default: the config's)."),
     backend: Backend | None = typer.Option(None, "--backend", help="FP8 backend (default: the config's)."),
+    head: Head | None = typer.Option(None, "--head", help="Output head: backend or torchao (default: the config's fp8.head)."),
     seed: int | None = typer.Option(None, "--seed", help="Seed for parameters and synthetic data."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
 ) -> None:
@@ -60,6 +61,7 @@ def verify_state(
     cfg = config_from_cli(config, **{"pipeline.schedule": schedule.value if schedule else None,
                                      "train.device": device.value if device else None,
                                      "fp8.backend": backend.value if backend else None,
+                                     "fp8.head": head.value if head else None,
                                      "train.seed": seed})
     _check_device(cfg.train.device, path.value)
     from qeffect.verify.state import run_verify_state
@@ -69,8 +71,9 @@ def verify_state(
         task = bar.add_task("steps", total=steps, info="")
         report = run_verify_state(cfg, steps=steps, path=path.value,
                                   progress=lambda s, loss: bar.update(task, advance=1, info=f"loss {loss:.4f}"))
-    table = Table(title=f"verify-state: {report.schedule} / {report.path} / {report.backend} on {report.device}, "
-                        f"{report.steps} steps")
+    head_note = "" if cfg.fp8.head == "backend" else f" + {cfg.fp8.head} head"
+    table = Table(title=f"verify-state: {report.schedule} / {report.path} / {report.backend}{head_note} on "
+                        f"{report.device}, {report.steps} steps")
     table.add_column("category")
     table.add_column("compared", justify="right")
     table.add_column("mismatches", justify="right")

@@ -22,12 +22,14 @@ replays, on the caller stream.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from qeffect.contracts import Consumer, EffectToken, TapeRef
 from qeffect.graphs.manager import CapturedAction, GraphManager
+from qeffect.offload.group import OffloadGroup, OffloadManager
 from qeffect.stage.actions import (
     ForwardOut,
     InputGradOut,
@@ -55,43 +57,62 @@ class CapturedStageActions(StageActions):
     input_shape: tuple[int, ...] = ()
     input_dtype: torch.dtype = torch.float32
     slots: dict[int, SlotGraphs] = field(default_factory=dict)
+    offload: OffloadManager | None = None  # saved activations of each slot's F in a fixed-VA group
+    groups: dict[int, OffloadGroup] = field(default_factory=dict)
 
     # ------------------------------------------------------------------------------------ capture
     def capture(self, microbatches: int, microbatch_size: int, seq_len: int) -> None:
-        """Capture 3 x `microbatches` graphs for this chunk (see the module docstring for the order)."""
+        """Capture 3 x `microbatches` graphs for this chunk (see the module docstring for the order).
+
+        With offload, the pipeline calls `prepare` on every chunk, allocates the offload manager
+        (which needs every group discovered) and then `capture_graphs` (see `capture_ranks`)."""
+        self.prepare(microbatches, microbatch_size, seq_len)
+        self.capture_graphs()
+
+    def prepare(self, microbatches: int, microbatch_size: int, seq_len: int) -> None:
+        """Static inputs of every slot, the offload groups and the eager warm-up (which is discovery)."""
         assert self.manager is not None
         chunk, dev = self.chunk, next(self.chunk.parameters()).device
         first, last = chunk.stage == 0, chunk.stage == chunk.num_stages - 1
-        saved = {k: v.detach().clone() for k, v in chunk.fp8_state().items()}
+        self._saved = {k: v.detach().clone() for k, v in chunk.fp8_state().items()}
+        self._microbatches = microbatches
         self._x: dict[int, torch.Tensor] = {}
         self._tgt: dict[int, torch.Tensor] = {}
         self._gout: dict[int, torch.Tensor] = {}
         self._tok: dict[int, torch.Tensor] = {}
         self._out: dict[int, torch.Tensor] = {}
         self._work: dict[int, dict[str, object]] = {}
-        tag = f"s{self.stage}"
         for m in range(microbatches):
             if first:
-                x = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
+                self._x[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
             else:
-                x = torch.zeros(self.input_shape, dtype=self.input_dtype, device=dev, requires_grad=True)
-            self._x[m] = x
+                self._x[m] = torch.zeros(self.input_shape, dtype=self.input_dtype, device=dev, requires_grad=True)
             self._tok[m] = torch.zeros((), dtype=torch.int64, device=dev)
-            inputs = {"x": x, "token": self._tok[m]}
             if last:
                 self._tgt[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
+            if self.offload is not None:
+                self.groups[m] = self.offload.group(f"s{self.stage}.m{m}")
+        self._warm_up(dev)
+
+    def _f_body(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.chunk(self._x[m], is_first_microbatch=(m == 0), targets=self._tgt.get(m))
+        self._out[m] = out
+        return out, self._tok[m] + 1
+
+    def capture_graphs(self) -> None:
+        """Capture every slot's F, then dI, then dW; restore the FP8 state that warm-up moved."""
+        chunk, dev = self.chunk, next(self.chunk.parameters()).device
+        tag = f"s{self.stage}"
+        for m in range(self._microbatches):
+            inputs = {"x": self._x[m], "token": self._tok[m]}
+            if m in self._tgt:
                 inputs["targets"] = self._tgt[m]
-
-            def f_body(m: int = m) -> tuple[torch.Tensor, torch.Tensor]:
-                out = chunk(self._x[m], is_first_microbatch=(m == 0), targets=self._tgt.get(m))
-                self._out[m] = out
-                return out, self._tok[m] + 1
-
-            if m == 0:
-                self._warm_up(f_body, dev)
-            self.slots[m] = SlotGraphs(F=self.manager.capture(f"{tag}.F{m}", f_body, static_inputs=inputs,
-                                                              warmup=0, private_pool=True))
-        for m in range(microbatches):
+            hooks = self.groups[m].capture_hooks() if m in self.groups else contextlib.nullcontext()
+            with hooks:  # offload: the tensors F saves for backward are copied into the group's fixed slot
+                f = self.manager.capture(f"{tag}.F{m}", lambda m=m: self._f_body(m), static_inputs=inputs,
+                                         warmup=0, private_pool=True)
+            self.slots[m] = SlotGraphs(F=f)
+        for m in range(self._microbatches):
             out = self._out[m]
             if m not in self._gout:
                 self._gout[m] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
@@ -104,7 +125,7 @@ class CapturedStageActions(StageActions):
             self.slots[m].dI = self.manager.capture(
                 f"{tag}.dI{m}", di_body, static_inputs={"grad": self._gout[m], "token": self._tok[m]},
                 warmup=0, private_pool=True)
-        for m in range(microbatches):
+        for m in range(self._microbatches):
 
             def dw_body(m: int = m) -> tuple:
                 grads = {}
@@ -118,6 +139,7 @@ class CapturedStageActions(StageActions):
 
             self.slots[m].dW = self.manager.capture(f"{tag}.dW{m}", dw_body, static_inputs={"token": self._tok[m]},
                                                     warmup=0, private_pool=True)
+        saved = self._saved
         with torch.no_grad():
             for k, v in chunk.fp8_state().items():
                 if k in saved:
@@ -128,25 +150,39 @@ class CapturedStageActions(StageActions):
                     v.fill_(1.0)
                 else:
                     raise RuntimeError(f"{k}: FP8 state created during capture with no known fresh value")
+        del self._saved
         torch.cuda.synchronize(dev)
 
-    def _warm_up(self, f_body, dev: torch.device) -> None:
+    def _warm_up(self, dev: torch.device) -> None:
         """One eager F and dI of slot 0 on the graph stream before any capture: libraries initialize
         lazily (cuBLAS/cuBLASLt handles, FP8 GEMM and attention kernels, Transformer Engine's weight
         workspace), and doing that inside a capture is an error. The FP8 state this moves is restored
-        with the rest after capture; retained dW work it leaves in a backend's queue is discarded."""
+        with the rest after capture; retained dW work it leaves in a backend's queue is discarded.
+
+        With offload, discovery follows: every slot's F runs once more eagerly (no backward) under its
+        group's discovery hooks, after the warm-up so that libraries are in their steady state (slot 0
+        refreshes the weight cache and the others read it, so each slot is discovered, not assumed)."""
         stream = self.manager.stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            out, _ = f_body(0)
+            out, _ = self._f_body(0)
             self._gout[0] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
             input_grad_body(self.chunk, self._x[0], out, self._gout[0], retain_graph=False)
             take_wgrad_work(self._matrix)
             for lin in self._matrix.values():
                 if hasattr(lin, "discard_wgrad_work"):
                     lin.discard_wgrad_work()
+            del out
+            self._out.clear()
+            for m in range(self._microbatches) if self.groups else ():
+                with self._discovery(m):
+                    self._f_body(m)
+                self._out.clear()  # no backward: drop the autograd graph and what it saved
         torch.cuda.current_stream(dev).wait_stream(stream)
         self._out.clear()
+
+    def _discovery(self, m: int):
+        return self.groups[m].discovery_hooks() if m in self.groups else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------ actions
     def forward(self, m: int, inp: torch.Tensor, token: EffectToken,
@@ -163,7 +199,16 @@ class CapturedStageActions(StageActions):
         dynamic = {"x": inp, "token": prev.value}
         if targets is not None:
             dynamic["targets"] = targets
-        self.on_tape(ref, lambda: self.manager.replay(graphs.F, dynamic))
+        group = self.groups.get(m)
+
+        def run() -> None:
+            if group is not None:
+                group.before_forward()
+            self.manager.replay(graphs.F, dynamic)
+            if group is not None:
+                group.after_forward()  # D2H on the copy stream; release mode: unmap
+
+        self.on_tape(ref, run)
         self.pool.resolve(ref, key).payload.update(slot=m)
         return ForwardOut(out.detach(), ref, token)
 
@@ -175,7 +220,11 @@ class CapturedStageActions(StageActions):
         prev = token
         token = self.ledger.consume(token, f"dI{m}", value=tok)
 
+        group = self.groups.get(m)
+
         def run() -> None:
+            if group is not None:
+                group.before_backward()  # restore (remap + H2D) unless look-ahead did; then look ahead
             self.manager.replay(graphs.dI, {"grad": grad_output, "token": prev.value})
             accumulate_grads(self.chunk, grads)
 
@@ -192,8 +241,12 @@ class CapturedStageActions(StageActions):
         prev = token
         token = self.ledger.consume(token, f"dW{m}", value=tok)
 
+        group = self.groups.get(m)
+
         def run() -> None:
             self.manager.replay(graphs.dW, {"token": prev.value})
+            if group is not None:  # dW is the last reader: the retained dW work references saved tensors
+                group.after_backward()
             if self.direct:
                 for pname, dest in grads.items():
                     self.arena.record_write(arena_name(self.stage, pname), m, dest)

@@ -3,7 +3,9 @@
 A model of `num_stages * layers_per_chunk` pre-LayerNorm transformer layers is cut into `num_stages`
 chunks; the first owns the embeddings, the last the final norm, the output head and the loss. Every
 matrix product (qkv, proj, fc1, fc2, head) is a backend linear, so its weight gradient is `dW` work;
-all other parameters (norms, biases, embeddings) get their gradients in `dI`.
+all other parameters (norms, biases, embeddings) get their gradients in `dI`. With `head="torchao"`
+the head is instead a stateless dynamic-scaling torchao `Float8Linear` (fp8/torchao_head.py): not a
+backend linear, so its weight is a non-matrix parameter whose gradient also comes in `dI`.
 
 Parameters are fp32 masters; activations run in the chunk's `dtype` (norms and the loss in fp32).
 `build_chunks` initializes every chunk from one CPU generator in stage order, so a seed gives the same
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from qeffect.config import RunConfig
 
 INIT_STD = 0.02
+HEADS: tuple[str, ...] = ("backend", "torchao")  # the output head's kinds (config: fp8.head)
 
 
 @dataclass(frozen=True)
@@ -116,10 +119,13 @@ class StageChunk(nn.Module):
         *,
         device=None,
         dtype: torch.dtype = torch.float32,
+        head: str = "backend",
     ) -> None:
         super().__init__()
         if not 0 <= stage < shape.num_stages:
             raise ValueError(f"stage {stage} out of range for {shape.num_stages} stages")
+        if head not in HEADS:
+            raise ValueError(f"unknown head {head!r}; choose one of: {', '.join(HEADS)}")
         self.shape = shape
         self.stage = stage
         self.num_stages = shape.num_stages
@@ -132,9 +138,14 @@ class StageChunk(nn.Module):
         )
         if self.is_last:
             self.ln_f = nn.LayerNorm(shape.hidden, device=device)
-            self.head = backend.linear(
-                shape.hidden, shape.vocab_size, bias=False, device=device, dtype=torch.float32
-            )
+            if head == "torchao":  # lazy: torchao is imported only for this head
+                from qeffect.fp8.torchao_head import torchao_head
+
+                self.head = torchao_head(shape.hidden, shape.vocab_size, device=device)
+            else:
+                self.head = backend.linear(
+                    shape.hidden, shape.vocab_size, bias=False, device=device, dtype=torch.float32
+                )
 
     @property
     def is_first(self) -> bool:
@@ -166,7 +177,7 @@ class StageChunk(nn.Module):
 
     # -- parameter classification -----------------------------------------------------------------
     def matrix_linears(self) -> dict[str, nn.Module]:
-        """Qualified name -> backend linear (every qkv/proj/fc1/fc2 and the head)."""
+        """Qualified name -> backend linear (every qkv/proj/fc1/fc2, and the head unless it is torchao's)."""
         return {name: m for name, m in self.named_modules() if is_backend_linear(m)}
 
     def matrix_params(self) -> dict[str, nn.Parameter]:
@@ -174,7 +185,7 @@ class StageChunk(nn.Module):
         return {f"{name}.weight": m.weight for name, m in self.matrix_linears().items()}
 
     def nonmatrix_params(self) -> dict[str, nn.Parameter]:
-        """All other parameters (norms, biases, embeddings): their gradients come in `dI`."""
+        """All other parameters (norms, biases, embeddings, a torchao head): their gradients come in `dI`."""
         matrix = {id(p) for p in self.matrix_params().values()}
         return {name: p for name, p in self.named_parameters() if id(p) not in matrix}
 
@@ -223,6 +234,7 @@ def build_chunks(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     stages: Sequence[int] | None = None,
+    head: str = "backend",
 ) -> list[StageChunk]:
     """Build the model's chunks with a deterministic init; `stages` keeps only those (ascending).
 
@@ -230,17 +242,25 @@ def build_chunks(
     *all* stages (skipped stages still draw their numbers), so a stage's parameters do not depend on
     the device or on which stages a rank builds. Residual projections (proj, fc2) use
     std 0.02 / sqrt(2 * n_layers) (GPT-2). The global RNG is left untouched.
+
+    `head`: "backend" (the backend's linear) or "torchao" (a dynamic-scaling torchao `Float8Linear`;
+    UserError when torchao is missing or the shape does not suit it). Both heads draw the same numbers.
     """
     keep = set(range(shape.num_stages) if stages is None else stages)
     if not keep <= set(range(shape.num_stages)):
         raise ValueError(f"stages {sorted(keep)} out of range for {shape.num_stages} stages")
+    if head == "torchao":
+        from qeffect.fp8.torchao_head import check_torchao_head
+
+        check_torchao_head(vocab_size=shape.vocab_size, hidden=shape.hidden,
+                           tokens=shape.microbatch_size * shape.seq_len, device=device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     residual_std = INIT_STD / math.sqrt(2 * shape.num_layers)
     chunks = []
     for stage in range(shape.num_stages):
         # Module constructors may draw from the global RNG (embedding init): fork it, then overwrite.
         with torch.random.fork_rng(devices=[]):
-            chunk = StageChunk(shape, backend, stage, device="cpu", dtype=dtype)
+            chunk = StageChunk(shape, backend, stage, device="cpu", dtype=dtype, head=head)
         with torch.no_grad():
             for name, p in chunk.named_parameters():
                 p.copy_(_init_value(name, p.shape, residual_std, gen))

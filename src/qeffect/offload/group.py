@@ -38,8 +38,11 @@ naming the group, the hook and what was expected. Empty groups (nothing eligible
 Streams, events and copies go through `StreamOps`, driver calls through `VmmDriver`, so the whole
 state machine and its ordering run on CPU against `qeffect.offload.fake.FakeDevice`.
 
-NOT YET RUN ON A GPU: the CPU tests run this module against the fake device only; `qeffect
-offload-check` (and tests/test_offload_gpu.py) are the first runs with real streams and the driver.
+In a captured pipeline (`graphs/captured.py`, `runtime/build.capture_ranks`) there is one group per
+(chunk, microbatch slot): discovery is an eager F of the slot, the backward window runs from `dI`
+(`before_backward`) to `dW` (`after_backward`: the retained dW work references saved tensors), and
+resident banks come from `offload.plan.assign_banks` over the schedule's order. The CPU tests run
+this module against the fake device; `qeffect offload-check` and tests/test_offload_gpu.py on a GPU.
 """
 
 from __future__ import annotations
@@ -448,6 +451,7 @@ class OffloadManager:
         self.banks: list[Bank] = []
         self.stats = OffloadStats()
         self.backward_order: list[OffloadGroup] = []
+        self.bank_plan: list[int] = []
         self._allocated = False
         self._closed = False
         if device is None:
@@ -480,12 +484,15 @@ class OffloadManager:
         self.groups.append(g)
         return g
 
-    def allocate(self, backward_order: Sequence[OffloadGroup] | None = None) -> None:
+    def allocate(self, backward_order: Sequence[OffloadGroup] | None = None,
+                 banks: Sequence[int] | None = None) -> None:
         """Lay out every group, create slots (release) or banks (resident), map them, pin host buffers.
 
         `backward_order`: the order in which the groups' backwards run in a step (default: reverse
         creation order, a layer stack). It links look-ahead and, in resident mode, assigns banks so
-        that consecutive backwards never share one. Call outside any capture.
+        that consecutive backwards never share one. `banks` (resident mode): the bank index of each
+        group of `backward_order` (see `offload.plan.assign_banks`), instead of position mod
+        `num_banks`; the manager then has max(banks) + 1 banks. Call outside any capture.
         """
         if self._closed:
             raise OffloadStateError("allocate() after close()")
@@ -497,6 +504,12 @@ class OffloadManager:
             names = [g.name for g in order]
             raise ValueError(f"backward_order must list every group exactly once; got {names}, groups "
                              f"{[g.name for g in self.groups]}")
+        if banks is not None:
+            banks = [int(b) for b in banks]
+            if len(banks) != len(order) or min(banks, default=0) < 0:
+                raise ValueError(f"banks must give one index >= 0 per group of backward_order, got {banks}")
+            self.num_banks = max(self.num_banks, max(banks, default=0) + 1)
+        self.bank_plan = banks if banks is not None else [pos % self.num_banks for pos in range(len(order))]
         self.backward_order = order
         for a, b in zip(order, order[1:], strict=False):
             a.next_backward = b
@@ -523,13 +536,13 @@ class OffloadManager:
         else:
             need = [0] * self.num_banks
             for pos, g in enumerate(order):
-                need[pos % self.num_banks] = max(need[pos % self.num_banks], g.nbytes)
+                need[self.bank_plan[pos]] = max(need[self.bank_plan[pos]], g.nbytes)
             self.banks = [Bank(b, VmmSlot(self.driver, n, device=self.device, name=f"bank{b}"))
                           for b, n in enumerate(need) if n]
             by_index = {b.index: b for b in self.banks}
             for pos, g in enumerate(order):
                 if g.nbytes:
-                    g.bank = by_index[pos % self.num_banks]
+                    g.bank = by_index[self.bank_plan[pos]]
                     g.slot = g.bank.slot
         for g in self.groups:
             if not g.nbytes:

@@ -10,6 +10,10 @@ statistics are reset in between.
 
 A configuration this machine cannot run is recorded as `not run` with the reason, never timed some
 other way; one that raises is recorded as `failed` with its error and the matrix goes on.
+
+With `trace_steps` > 0, each configuration then runs that many more steps under `torch.profiler`
+(not part of the timings) and its result carries a `TraceSummary`: GPU busy and idle time, host time
+in aten ops, the largest kernels and coarse kernel categories (see `qeffect.profile.trace`).
 """
 
 from __future__ import annotations
@@ -147,8 +151,12 @@ def _release(device: torch.device) -> None:
 
 
 def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.device, *, steps: int,
-                warmup: int) -> None:
-    """Build, warm up and time one configuration, filling `result` (status stays "ok")."""
+                warmup: int, trace_steps: int = 0) -> None:
+    """Build, warm up and time one configuration, filling `result` (status stays "ok").
+
+    Then, with `trace_steps` > 0, trace that many more steps (after every statistic above is taken);
+    a trace that raises is recorded in `result.trace_error` and keeps the timings.
+    """
     cuda = device.type == "cuda"
     _release(device)
     if cuda:
@@ -195,6 +203,13 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
     result.setup_seconds = result.build_seconds + result.first_step_seconds
     result.spread = Spread.of(result.step_seconds)
     result.median_step_seconds = result.spread.median
+    if trace_steps > 0:
+        from qeffect.profile.trace import trace_runner
+
+        try:
+            result.trace = trace_runner(runner, device, steps=trace_steps, first_step=warmup + steps)
+        except Exception as err:  # the profiler failing (e.g. no CUPTI) must not lose the timings
+            result.trace_error = f"{type(err).__name__}: {str(err)[:500]}"
 
 
 def _make_runner(spec: ConfigSpec, cfg: RunConfig, device: torch.device) -> Callable[[], Runner]:
@@ -250,8 +265,14 @@ def check_inputs(cfg: RunConfig, specs: Sequence[ConfigSpec], microbatches: Sequ
 
 def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Sequence[str] | None = None,
                 microbatches: Sequence[int] | None = None, command: str = "", config_path: str | None = None,
-                progress: Callable[[str], None] | None = None) -> ProfileReport:
-    """Run the configuration matrix (and the resource analysis over `microbatches`) and report it."""
+                progress: Callable[[str], None] | None = None, trace_steps: int = 0) -> ProfileReport:
+    """Run the configuration matrix (and the resource analysis over `microbatches`) and report it.
+
+    `trace_steps` > 0: after each configuration's timed steps, profile that many more and attach a
+    trace summary (where the step's time goes) to its result.
+    """
+    if trace_steps < 0:
+        raise UserError(f"--trace must be >= 0, got {trace_steps}")
     specs = resolve_configs(configs)
     device = check_inputs(cfg, specs, microbatches, steps, warmup)
     say = progress or (lambda _msg: None)
@@ -270,9 +291,11 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
             r.status, r.reason = "not run", reason
             results.append(r)
             continue
-        say(f"{spec.name}: build, {warmup} warm-up and {steps} timed steps")
+        say(f"{spec.name}: build, {warmup} warm-up and {steps} timed steps"
+            + (f", {trace_steps} traced" if trace_steps else ""))
         try:
-            time_runner(r, _make_runner(spec, cfg, device), device, steps=steps, warmup=warmup)
+            time_runner(r, _make_runner(spec, cfg, device), device, steps=steps, warmup=warmup,
+                        trace_steps=trace_steps)
         except Exception as err:  # report and go on: one failing configuration must not hide the others
             r = ConfigResult(name=spec.name, description=spec.description, status="failed",
                              schedule=spec.schedule, path=spec.path, reason=f"{type(err).__name__}: {str(err)[:500]}",
@@ -292,7 +315,7 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         device=device.type, device_name=_device_name(device), torch_version=torch.__version__,
         te_version=te_version(), config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
-        steps=steps, warmup=warmup, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
+        steps=steps, warmup=warmup, trace_steps=trace_steps, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
         resources=resources)
 
 

@@ -13,7 +13,8 @@ from pydantic import BaseModel, Field
 
 from qeffect.profile.flops import Floor, GemmRate, MatrixFlops
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: optional per-configuration `trace` (and `trace_error`)
+READABLE_SCHEMA_VERSIONS = (1, 2)  # a version 1 report is a version 2 one without traces
 Status = Literal["ok", "not run", "failed"]
 
 
@@ -48,6 +49,43 @@ def break_even_steps(setup: float, step: float, ref_setup: float, ref_step: floa
         return None
     extra = setup - ref_setup
     return 0.0 if extra <= 0 else extra / saving
+
+
+class TraceRow(BaseModel):
+    """One device kernel (on CPU: one aten op) of the traced steps, all its calls together."""
+
+    name: str  # truncated to 120 characters
+    calls_per_step: float
+    seconds_per_step: float  # CUDA: device time; CPU: the op's self time (minus nested aten ops)
+    fraction: float  # of gpu_busy_seconds_per_step (CUDA) or of cpu_op_seconds_per_step (CPU)
+
+
+class TraceSummary(BaseModel):
+    """Where a step's time goes, from a `torch.profiler` trace of `steps` extra (untimed) steps.
+
+    Per-step values are totals over the traced steps divided by `steps`. The wall time includes the
+    profiler's own overhead, so it is at or above the untraced median; compare shares, not absolutes.
+    CUDA fields are null on CPU.
+    """
+
+    steps: int
+    wall_seconds_per_step: float  # host wall time of a traced step, device synchronized at both ends
+    # host time inside aten ops: the union of the `aten::` op intervals (so top-level ops, nested ones
+    # counted once, several threads merged); approximate: excludes Python and framework code between ops
+    cpu_op_seconds_per_step: float
+    cpu_ops_per_step: float  # top-level aten ops (not nested in another aten op) per step
+    gpu_kernel_seconds_per_step: float | None = None  # sum of kernel durations (overlapping streams add up)
+    gpu_busy_seconds_per_step: float | None = None  # union of kernel, memcpy and memset intervals
+    gpu_idle_fraction: float | None = None  # 1 - busy / wall: the GPU waiting on the host
+    kernels_per_step: float | None = None
+    memcpy_seconds_per_step: float | None = None
+    memset_seconds_per_step: float | None = None
+    bound: Literal["gpu", "host"] | None = None  # gpu: idle < 10% of the wall; host: the GPU waits more
+    top_kernels: list[TraceRow]  # the 10 largest by time (CUDA: device kernels/copies; CPU: aten ops)
+    # seconds per step by coarse kernel-name bucket (`qeffect.profile.trace.CATEGORIES`, first match
+    # wins; "other" for the rest): device time on CUDA (sums durations, so overlapping streams may sum
+    # past the busy time), aten-op self time on CPU
+    categories: dict[str, float]
 
 
 class ConfigResult(BaseModel):
@@ -88,6 +126,9 @@ class ConfigResult(BaseModel):
     matrix_flops: int | None = None
     floor_seconds: float | None = None
     floor_ratio: float | None = None  # median step / floor
+    # profiler trace of extra untimed steps (`trace_steps` > 0); a failed trace keeps the timings
+    trace: TraceSummary | None = None
+    trace_error: str | None = None
     error: str | None = None  # traceback tail of a failed configuration
 
 
@@ -122,6 +163,7 @@ class ProfileReport(BaseModel):
     backend: str
     steps: int
     warmup: int
+    trace_steps: int = 0  # profiled steps per configuration after the timed ones (0: no traces)
     matrix_flops: MatrixFlops
     gemm: list[GemmRate]
     floor: Floor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -11,9 +12,11 @@ from qeffect.errors import UserError
 from qeffect.fp8 import DelayedScalingRecipe, get_backend
 from qeffect.graphs.manager import GraphManager
 from qeffect.model import GPTShape, build_chunks
+from qeffect.offload.group import OffloadManager
+from qeffect.offload.plan import assign_banks, backward_order
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.runtime.single import SingleProcessPipeline
-from qeffect.schedule import Schedule, build_native_schedule, build_schedule
+from qeffect.schedule import Action, ActionKind, Schedule, build_native_schedule, build_schedule
 
 ActionPath = Literal["eager", "captured-copy", "captured-direct"]
 
@@ -43,12 +46,13 @@ def schedule_of(cfg: RunConfig, native: bool = False) -> Schedule:
 def build_chunks_for(cfg: RunConfig, device: str | torch.device) -> list[torch.nn.Module]:
     backend = get_backend(cfg.fp8.backend, recipe_of(cfg))
     return build_chunks(GPTShape.from_config(cfg), backend, seed=cfg.train.seed, device=device,
-                        dtype=dtype_of(cfg))
+                        dtype=dtype_of(cfg), head=cfg.fp8.head)
 
 
 def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: list[torch.nn.Module], *,
                native: bool, direct: bool = True, fixed_order_sum: bool = True, reductions=None,
-               manager: GraphManager | None = None, capture: bool = True) -> BaseRank:
+               manager: GraphManager | None = None, capture: bool = True,
+               offload: OffloadManager | None = None) -> BaseRank:
     owned = {s: chunks[s] for s in schedule.stages_of(rank)}
     p, mc = cfg.pipeline, cfg.model
     if native:
@@ -56,16 +60,19 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: list[torch
     activation = ((mc.microbatch_size, mc.seq_len, mc.hidden), dtype_of(cfg))
     r = QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
                     fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
-                    activation=activation)
-    if manager is not None and capture:
+                    activation=activation, offload=offload)
+    if manager is not None and capture and offload is None:
         r.capture(mc.microbatch_size, mc.seq_len)
     return r
 
 
-def check_path(path: str, device: str | torch.device) -> None:
-    """Captured paths need CUDA graphs: a clear error instead of a crash on a CPU."""
+def check_path(path: str, device: str | torch.device, offload: str = "off") -> None:
+    """Captured paths need CUDA graphs, and offload needs captured actions: clear errors, not crashes."""
     if path != "eager" and torch.device(device).type != "cuda":
         raise UserError(f"path {path} captures CUDA graphs and needs a CUDA device (train.device = cuda)")
+    if offload != "off" and path == "eager":
+        raise UserError(f"train.offload = {offload} offloads the activations of captured actions: it needs "
+                        "train.path = captured-copy or captured-direct (got eager)")
 
 
 def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
@@ -79,25 +86,79 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
     is built.
     """
     device = device or cfg.train.device
-    check_path("eager" if native else path, device)
+    offload_mode = "off" if native else cfg.train.offload
+    check_path("eager" if native else path, device, offload_mode)
     schedule = schedule_of(cfg, native=native)
     chunks = build_chunks_for(cfg, device)
-    manager = None
+    manager = offload = None
     if not native and path != "eager":
         manager = GraphManager(device)
         direct = path == "captured-direct"
+        if offload_mode != "off":
+            offload = make_offload_manager(offload_mode, device)
     ranks = [build_rank(cfg, schedule, r, chunks, native=native, direct=direct, fixed_order_sum=fixed_order_sum,
-                        manager=manager, capture=capture)
+                        manager=manager, capture=capture, offload=offload)
              for r in range(schedule.pp)]
     pipe = SingleProcessPipeline(ranks, schedule)
     pipe.manager = manager
+    pipe.offload = offload
+    if offload is not None and capture:
+        capture_graphs(cfg, pipe)
     return pipe
+
+
+def make_offload_manager(mode: str, device: str | torch.device) -> OffloadManager:
+    """One offload manager per device; a clear error where VMM offload cannot work."""
+    from qeffect.offload.driver import OffloadUnavailable, bindings_available
+
+    if not bindings_available():
+        raise UserError(f"train.offload = {mode} needs cuda.bindings (the cuda-bindings package that ships "
+                        "with CUDA builds of PyTorch)")
+    try:
+        return OffloadManager(mode, device=torch.device(device))
+    except OffloadUnavailable as err:
+        raise UserError(f"train.offload = {mode}: {err}") from None
+
+
+def offload_events(order: Sequence[tuple[int, Action]], ranks: Sequence[BaseRank]) -> list[tuple[str, object]]:
+    """One step's offload events in execution order: F, backward start (dI) and last reader (dW) per group."""
+    kinds = {ActionKind.F: "F", ActionKind.DI: "B", ActionKind.DW: "E"}
+    events = []
+    for r, a in order:
+        group = ranks[r].actions[a.stage].groups.get(a.microbatch)
+        if group is not None:
+            events.append((kinds[a.kind], group))
+    return events
+
+
+def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]], offload: OffloadManager | None,
+                  microbatch_size: int, seq_len: int) -> None:
+    """Capture every action of `ranks` (all on one device). Without offload, chunk by chunk. With
+    offload: warm up and discover every chunk, allocate the groups in backward order (resident mode:
+    banks from the schedule's conflicts, `offload.plan`), then capture."""
+    if offload is None:
+        for r in ranks:
+            r.capture(microbatch_size, seq_len)
+        return
+    for r in ranks:
+        for act in r.actions.values():
+            act.prepare(r.microbatches, microbatch_size, seq_len)
+    events = offload_events(order, ranks)
+    backward = backward_order(events)
+    banks = None
+    if offload.mode == "resident":
+        plan = assign_banks(events)
+        banks = [plan[g] for g in backward]
+    offload.allocate(backward, banks=banks)
+    for r in ranks:
+        for act in r.actions.values():
+            act.capture_graphs()
 
 
 def capture_graphs(cfg: RunConfig, pipe: SingleProcessPipeline) -> None:
     """Capture every action of a pipeline built with `capture=False` (after a checkpoint was loaded)."""
     if pipe.manager is None:
         return  # eager path: nothing to capture
-    for r in pipe.ranks:
-        r.capture(cfg.model.microbatch_size, cfg.model.seq_len)
+    capture_ranks(pipe.ranks, pipe.order, pipe.offload, cfg.model.microbatch_size,
+                  cfg.model.seq_len)
 

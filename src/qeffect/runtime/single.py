@@ -21,6 +21,7 @@ class SingleProcessPipeline:
         self.schedule = schedule
         self.order = global_order(schedule)
         self.manager = None  # the GraphManager when the actions are captured
+        self.offload = None  # the OffloadManager when captured actions offload their activations
 
     def run_actions(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
         """All actions of one step (no commit); returns the step loss."""

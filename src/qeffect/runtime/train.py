@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from qeffect.config import RunConfig
 from qeffect.data import DataStream, load_datasets, load_tokenizer
 from qeffect.errors import ReportError, UserError
-from qeffect.runtime.build import build_single_process
+from qeffect.runtime.build import build_single_process, capture_graphs
 
 SCHEMA_VERSION = 1
 
@@ -139,8 +139,9 @@ def train(cfg: RunConfig, *, out: Path | None = None,
     distributed = D.launched_by_torchrun()
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device = cuda but no CUDA device is available")
-    if cfg.train.path != "eager":
-        raise NotImplementedError(f"train.path = {cfg.train.path} needs CUDA graph capture (not built yet)")
+    if cfg.train.path != "eager" and distributed:
+        raise NotImplementedError(f"train.path = {cfg.train.path} under torchrun: captured actions run in one "
+                                  "process for now (all ranks of the pipeline on one GPU); not built for torchrun yet")
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     p = cfg.pipeline
     if distributed:
@@ -158,7 +159,8 @@ def train(cfg: RunConfig, *, out: Path | None = None,
         pipe = D.DistributedPipeline(cfg)
         dp_rank, dp_size = pipe.topo.dp_rank, p.dp
     else:
-        pipe = build_single_process(cfg, native=False)
+        # Captured: state is loaded (resume) before any graph exists, then every action is captured.
+        pipe = build_single_process(cfg, native=False, path=cfg.train.path, capture=resume is None)
         dp_rank, dp_size = 0, 1
     data = _prepare_data(cfg, dp_rank, dp_size)
     checkpointing = bool(cfg.train.checkpoint_every or cfg.train.checkpoint_dir)
@@ -173,6 +175,8 @@ def train(cfg: RunConfig, *, out: Path | None = None,
         except (UserError, ReportError) as err:
             raise type(err)(f"--resume {err}") from None
         start, resumed_from = payload.step, str(folder)
+        if not distributed:
+            capture_graphs(cfg, pipe)  # no-op on the eager path
         if start >= cfg.train.steps:
             raise UserError(f"--resume {folder}: the checkpoint is at step {start}; train.steps = "
                             f"{cfg.train.steps} leaves nothing to train")

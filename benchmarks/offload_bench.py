@@ -1,0 +1,192 @@
+"""Issue 7: captured training without offload vs `release` vs `resident`, in one process, on one GPU.
+
+    source .gpu-kit/setup.sh
+    QEFFECT_GIT_REVISION=<rev> python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+        --steps 20 --out $OUT/offload-bench-h2048-h200.json
+
+For each mode (same seed, same synthetic data): build the captured pipeline, run `warmup` untimed and
+`steps` timed steps (device synchronized around each), and keep every step's loss and, at the end,
+every parameter, optimizer state and FP8 state tensor. Then:
+
+- bitwise: every mode against `off` (losses of all steps, every final tensor), `torch.equal`;
+- time: median step and its ratio to `off` (targets: resident <= 1.03, release <= 1.10);
+- memory: peak allocated (torch) and peak driver-level used memory (`cuMemGetInfo`, sampled after every
+  action of one extra, untimed step), the bytes mapped by the offload slots;
+- release: the driver-level free memory just before and just after every group's `after_forward` (D2H,
+  then unmap and release) in that extra step; returned = sum of the increases / sum of the slots' bytes
+  (target >= 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from qeffect.config import load_config
+from qeffect.runtime.build import build_single_process
+from qeffect.verify.state import synthetic_batches
+
+
+def _rev() -> str:
+    return os.environ.get("QEFFECT_GIT_REVISION") or subprocess.run(
+        ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+
+
+def _final_state(pipe) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for r in pipe.ranks:
+        for s, chunk in r.chunks.items():
+            for n, p in chunk.named_parameters():
+                out[f"s{s}.{n}"] = p.detach().cpu().clone()
+            for n, t in chunk.fp8_state().items():
+                out[f"s{s}.fp8.{n}"] = t.detach().cpu().clone()
+        for i, st in enumerate(r.optimizer.state.values()):
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    out[f"r{r.rank}.opt{i}.{k}"] = v.detach().cpu().clone()
+    return out
+
+
+def run_mode(cfg, mode: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
+    cfg = cfg.with_overrides(**{"train.offload": mode})
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    pipe = build_single_process(cfg, native=False, device=dev, path=path)
+    torch.cuda.synchronize(dev)
+    setup = time.perf_counter() - t0
+    losses, times = [], []
+    for i in range(warmup + steps):
+        batches = synthetic_batches(cfg, i, dev)
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        loss = pipe.step(batches)
+        pipe.manager.mark_step()
+        torch.cuda.synchronize(dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+        losses.append(loss.detach().float().cpu().reshape(1))
+    peak_alloc = torch.cuda.max_memory_allocated(dev)
+    final = _final_state(pipe)
+    # One extra, untimed step: driver-level memory after every action; release: around every unmap.
+    free_samples: list[int] = []
+    returned: list[tuple[str, int, int]] = []
+    mgr = pipe.offload
+    if mgr is not None and mode == "release":
+        for g in mgr.groups:
+            orig = g.after_forward
+
+            def wrapped(g=g, orig=orig) -> None:
+                before = torch.cuda.mem_get_info(dev)[0]
+                orig()
+                returned.append((g.name, g.nbytes, torch.cuda.mem_get_info(dev)[0] - before))
+            g.after_forward = wrapped
+    pipe.step(synthetic_batches(cfg, warmup + steps, dev),
+              observer=lambda a, r: free_samples.append(torch.cuda.mem_get_info(dev)[0]))
+    torch.cuda.synchronize(dev)
+    total = torch.cuda.mem_get_info(dev)[1]
+    res = {
+        "mode": mode, "setup_seconds": setup, "step_seconds": times,
+        "median_step_seconds": statistics.median(times),
+        "peak_allocated_bytes": peak_alloc,
+        "peak_driver_used_bytes": total - min(free_samples),
+        "graph_count": pipe.manager.stats.graph_count,
+        "persistent_growth_bytes_per_step": pipe.manager.persistent_growth_per_step(),
+    }
+    if mgr is not None:
+        st = mgr.stats
+        res["offload"] = {
+            "groups": len(mgr.groups), "group_bytes": sum(g.nbytes for g in mgr.groups),
+            "banks": len(mgr.banks), "bank_plan": mgr.bank_plan, "mapped_bytes_now": mgr.mapped_bytes(),
+            "host_bytes": mgr.host_bytes(),
+            **{k: getattr(st, k) for k in ("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes", "maps", "unmaps",
+                                           "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped",
+                                           "reloads_skipped", "evictions")}}
+        if returned:
+            slot = sum(n for _, n, _ in returned)
+            got = sum(d for _, _, d in returned)
+            res["offload"]["release"] = {"unmaps_measured": len(returned), "slot_bytes": slot,
+                                         "driver_free_increase_bytes": got,
+                                         "returned_fraction": got / slot if slot else None,
+                                         "per_group": returned[:64]}
+    del pipe
+    if mgr is not None:
+        mgr.close()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res, torch.cat(losses), final
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="examples/configs/h2048.toml")
+    ap.add_argument("--backend", default=None, help="override fp8.backend")
+    ap.add_argument("--schedule", default=None, help="override pipeline.schedule")
+    ap.add_argument("--path", default="captured-direct")
+    ap.add_argument("--modes", default="off,release,resident")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = load_config(a.config).with_overrides(**{"train.device": "cuda", "fp8.backend": a.backend,
+                                                  "pipeline.schedule": a.schedule})
+    modes = a.modes.split(",")
+    if modes[0] != "off":
+        modes = ["off"] + [m for m in modes if m != "off"]
+    report = {"command": " ".join(["python3"] + sys.argv), "git_revision": _rev(),
+              "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+              "python": platform.python_version(), "config": a.config, "backend": cfg.fp8.backend,
+              "schedule": cfg.pipeline.schedule, "path": a.path, "steps": a.steps, "warmup": a.warmup, "modes": {}}
+    try:
+        import transformer_engine
+
+        report["transformer_engine"] = transformer_engine.__version__
+    except Exception:  # noqa: BLE001
+        report["transformer_engine"] = None
+    ref_losses = ref_final = None
+    ok = True
+    for mode in modes:
+        res, losses, final = run_mode(cfg, mode, a.path, a.steps, a.warmup, dev)
+        if mode == "off":
+            ref_losses, ref_final = losses, final
+        else:
+            diff = [k for k in ref_final if not torch.equal(ref_final[k], final.get(k, torch.empty(0)))]
+            res["bitwise_vs_off"] = {
+                "losses_equal": bool(torch.equal(ref_losses, losses)), "tensors_compared": len(ref_final),
+                "tensors_differing": len(diff), "first_differing": diff[:5],
+                "same_keys": sorted(ref_final) == sorted(final)}
+            res["step_ratio_vs_off"] = res["median_step_seconds"] / report["modes"]["off"]["median_step_seconds"]
+            ok &= res["bitwise_vs_off"]["losses_equal"] and not diff and res["bitwise_vs_off"]["same_keys"]
+        report["modes"][mode] = res
+        line = (f"{mode}: median {res['median_step_seconds'] * 1e3:.2f} ms, peak alloc "
+                f"{res['peak_allocated_bytes'] / 2**30:.2f} GiB, peak driver used {res['peak_driver_used_bytes'] / 2**30:.2f} GiB")
+        if mode != "off":
+            b = res["bitwise_vs_off"]
+            line += (f", x{res['step_ratio_vs_off']:.3f} vs off, bitwise: losses {b['losses_equal']}, "
+                     f"{b['tensors_differing']}/{b['tensors_compared']} tensors differ")
+            o = res["offload"]
+            line += f", groups {o['groups']} ({o['group_bytes'] / 2**20:.0f} MiB), banks {o['banks']}"
+            if "release" in o:
+                line += f", returned {o['release']['returned_fraction']:.3f} of slot bytes"
+        print(line, flush=True)
+    report["passed_bitwise"] = ok
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(report, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
