@@ -107,3 +107,15 @@ def test_offload_hooks_bracket_the_replays() -> None:
     acts.weight_grad(0, f.ref, d.token)
     assert not g0.live and g0.phase is None
     assert not acts.groups[1].live  # untouched
+
+
+def test_rank_hands_its_offload_manager_to_every_captured_action() -> None:
+    from qeffect.offload.group import OffloadManager
+    from qeffect.runtime.build import build_rank, schedule_of
+
+    cfg = load_config()
+    mgr = OffloadManager("off", device="cpu")
+    chunks = build_chunks_for(cfg, "cpu")
+    r = build_rank(cfg, schedule_of(cfg), 0, chunks, native=False, manager=FakeManager(), capture=False,
+                   offload=mgr)
+    assert r.actions and all(a.offload is mgr for a in r.actions.values())

@@ -142,6 +142,8 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
         return
     for r in ranks:
         for act in r.actions.values():
+            if act.offload is not offload:
+                raise RuntimeError(f"stage {act.stage}: its captured actions were built without the offload manager")
             act.prepare(r.microbatches, microbatch_size, seq_len)
     events = offload_events(order, ranks)
     backward = backward_order(events)

@@ -142,7 +142,7 @@ class QEffectRank(BaseRank):
             shape, dtype = activation
             self.actions = {
                 s: CapturedStageActions(c, self.pool, self.clock, self.arena, direct=direct, manager=manager,
-                                        input_shape=shape, input_dtype=dtype)
+                                        input_shape=shape, input_dtype=dtype, offload=offload)
                 for s, c in self.chunks.items()
             }
         self.manager = manager

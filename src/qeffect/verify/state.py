@@ -388,6 +388,12 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                   "replays": st.replay_count, "handoffs": st.handoffs,
                   "capture_host_seconds": st.capture_host_seconds,
                   "persistent_growth_bytes_per_step": qeff.manager.persistent_growth_per_step()}
+        if qeff.offload is not None:
+            o = qeff.offload
+            graphs["offload"] = {"mode": o.mode, "groups": len(o.groups),
+                                 "group_bytes": sum(g.nbytes for g in o.groups), "banks": len(o.banks),
+                                 "d2h_copies": o.stats.d2h_copies, "h2d_copies": o.stats.h2d_copies,
+                                 "unmaps": o.stats.unmaps, "evictions": o.stats.evictions}
         passed = passed and graphs["graphs_per_rank"] == graphs["expected_per_rank"]
     return VerifyReport(
         schedule=cfg.pipeline.schedule, path=path, backend=cfg.fp8.backend, device=str(device), steps=steps,
