@@ -7,7 +7,7 @@
 #
 # verify:  pytest -m gpu; the verify matrix (reference, te x interleaved, zbv x captured-copy, -direct,
 #          20 steps of h2048); the torchao output head; the offload benchmark.
-# offload: the offload GPU tests and the offload benchmark (off / release / resident, bitwise and
+# offload, offload-final (shorter: the offload and captured-training GPU tests only): the offload GPU tests and the offload benchmark (off / release / resident, bitwise and
 #          timings) for Interleaved and ZB-V (te backend as in h2048.toml; reference if te fails).
 # profile-h2048, profile-h4096: `qeffect profile` matrices with trace summaries, reference and te.
 # Each step has its own time limit so that one hang cannot cost the others; logs and JSON go to OUT.
@@ -49,6 +49,12 @@ verify)
 offload)
     step 90 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py \
         -k "captured_pipeline"
+    offload_bench interleaved
+    offload_bench zbv
+    ;;
+offload-final)
+    step 60 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py \
+        tests/test_train.py
     offload_bench interleaved
     offload_bench zbv
     ;;

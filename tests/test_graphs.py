@@ -350,3 +350,17 @@ def test_cli_handshake_check_table_json_and_exit_code(monkeypatch: pytest.Monkey
     assert report.passed == (code == 0)
     assert report.command == f"qeffect capture --handshake-check --processes 2 --checks 7 --json {out}"
     assert [s.checks for s in report.protocols] == [14, 14]
+
+
+def test_dry_capture_runs_under_capture_and_registers_nothing() -> None:
+    mgr, be = _manager()
+    seen = []
+
+    def fn() -> int:
+        seen.append(be.current.name)
+        return 7
+
+    assert mgr.dry_capture(fn) == 7
+    assert seen == ["graph"] and be.current is be.caller
+    assert [e[0] for e in be.log] == ["capture_begin", "capture_end"]
+    assert mgr.actions == {} and mgr.stats.graph_count == 0

@@ -159,9 +159,11 @@ class CapturedStageActions(StageActions):
         workspace), and doing that inside a capture is an error. The FP8 state this moves is restored
         with the rest after capture; retained dW work it leaves in a backend's queue is discarded.
 
-        With offload, discovery follows: every slot's F runs once more eagerly (no backward) under its
-        group's discovery hooks, after the warm-up so that libraries are in their steady state (slot 0
-        refreshes the weight cache and the others read it, so each slot is discovered, not assumed)."""
+        With offload, discovery follows: every slot's F is captured once more into a throwaway graph
+        (nothing runs, so no state moves) under its group's discovery hooks, after the warm-up so that
+        libraries are in their steady state. Under capture rather than eagerly, because some ops save
+        other tensors when captured (SDPA's RNG seed and offset live on the device then); per slot,
+        because slot 0 refreshes the weight cache and the others read it."""
         stream = self.manager.stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
@@ -175,9 +177,9 @@ class CapturedStageActions(StageActions):
             del out
             self._out.clear()
             for m in range(self._microbatches) if self.groups else ():
-                with self._discovery(m):
-                    self._f_body(m)
-                self._out.clear()  # no backward: drop the autograd graph and what it saved
+                with self._discovery(m):  # under a throwaway capture: the real capture must see the same
+                    self.manager.dry_capture(lambda m=m: self._f_body(m))
+                self._out.clear()  # drop the autograd graph and what it saved
         torch.cuda.current_stream(dev).wait_stream(stream)
         self._out.clear()
 

@@ -180,6 +180,17 @@ class GraphManager:
         self.stats.record_capture(name, seconds, allocated_before, reserved_before, allocated_after, reserved_after)
         return action
 
+    def dry_capture(self, fn: Callable[[], Any]) -> Any:
+        """Capture `fn` into a throwaway graph on the graph stream: never replayed, never counted, nothing
+        executed. For work that must see exactly what the real capture will see: offload discovery
+        records the tensors autograd saves, and under capture some ops save different ones than eagerly
+        (SDPA's memory-efficient kernel keeps its RNG seed and offset on the device, not on the host)."""
+        graph = self.backend.new_graph()
+        with self.backend.capture(graph, self.backend.graph_pool_handle(), self.stream):
+            out = fn()
+        del graph
+        return out
+
     # ------------------------------------------------------------------------------------- replay
     def replay(self, action: CapturedAction, dynamic: dict[str, Tensor] | None = None) -> Any:
         """Replay `action` with the handshake of `self.protocol`; returns its static outputs.
