@@ -452,3 +452,16 @@ def test_per_stage_orders_ascending_detects_reordering():
     dw_swapped = Schedule("zbv", 1, 1, 2, (0,), (prog("F0.0 F0.1 dI0.0 dI0.1 dW0.1 dW0.0"),))
     assert per_stage_orders_ascending(dw_swapped)
     assert not dw_follows_di_order(dw_swapped)
+
+
+@pytest.mark.parametrize("microbatches", [4, 8])
+def test_native_with_placement_keeps_zbv_placement_and_order(microbatches: int) -> None:
+    from qeffect.schedule import native_with_placement
+
+    split = build_schedule("zbv", 2, 2, microbatches)
+    native = native_with_placement(split)
+    assert native.stage_to_rank == split.stage_to_rank and native.name == "native-zbv"
+    for sp, nat in zip(split.programs, native.programs, strict=True):
+        want = [(ActionKind.B if a.kind is ActionKind.DI else a.kind, a.stage, a.microbatch)
+                for a in sp if a.kind is not ActionKind.DW]
+        assert [(a.kind, a.stage, a.microbatch) for a in nat] == want

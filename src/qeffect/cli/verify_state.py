@@ -64,6 +64,10 @@ def verify_state(
                                      "fp8.head": head.value if head else None,
                                      "train.seed": seed})
     _check_device(cfg.train.device, path.value)
+    from qeffect.runtime.distributed import launched_by_torchrun
+
+    if launched_by_torchrun():
+        raise typer.Exit(_distributed(cfg, steps, path.value, json_out, console))
     from qeffect.verify.state import run_verify_state
 
     with Progress(TextColumn("verify-state"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -92,6 +96,40 @@ def verify_state(
     if json_out:
         write_json(json_out, report)
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _distributed(cfg, steps: int, path: str, json_out: Path | None, console: Console) -> int:
+    """Under torchrun: native eager and the qeffect mode with the same rank mapping, compared after every
+    step on every rank (see qeffect.verify.distributed). Rank 0 prints and writes the report."""
+    import torch.distributed as dist
+
+    from qeffect.runtime.distributed import init_from_env
+    from qeffect.verify.distributed import run_verify_distributed
+
+    init_from_env(cfg.train.device)
+    try:
+        report = run_verify_distributed(cfg, steps=steps, path=path)
+    finally:
+        dist.barrier()
+    if dist.get_rank() == 0:
+        table = Table(title=f"verify-state under torchrun: {report.schedule} / {report.path} / {report.backend} on "
+                            f"{report.world_size} x {report.device} (PP={report.pp}), {report.steps} steps")
+        table.add_column("category")
+        table.add_column("compared", justify="right")
+        table.add_column("mismatches", justify="right")
+        for c in report.categories:
+            table.add_row(c.category, str(c.compared), str(c.mismatches), style=None if c.mismatches == 0 else "red")
+        console.print(table)
+        if report.graphs_per_rank is not None:
+            console.print(f"graphs per rank: {report.graphs_per_rank}")
+        if report.first_divergence:
+            d = report.first_divergence
+            console.print(f"[red]first divergence: step {d.step}, rank {d.rank}, {d.category}: {d.tensor}[/red]")
+        console.print("PASS: bitwise equal" if report.passed else "[red]FAIL[/red]")
+        if json_out:
+            write_json(json_out, report)
+    dist.destroy_process_group()
+    return 0 if report.passed else 1
 
 
 def _check_device(device: str, path: str) -> None:

@@ -21,9 +21,18 @@ import torch.distributed as dist
 from qeffect.config import RunConfig
 from qeffect.contracts import ReductionTracker
 from qeffect.errors import UserError
-from qeffect.runtime.build import build_chunks_for, build_rank, dtype_of, schedule_of
+from qeffect.graphs.manager import GraphManager
+from qeffect.runtime.build import (
+    build_chunks_for,
+    build_rank,
+    capture_ranks,
+    check_path,
+    dtype_of,
+    make_offload_manager,
+    schedule_of,
+)
 from qeffect.runtime.rank import BaseRank, Batch, Observer, QEffectRank
-from qeffect.schedule import Schedule
+from qeffect.schedule import Schedule, native_with_placement
 from qeffect.stage.actions import arena_name
 
 _KINDS = {"act": 0, "grad": 1, "eval": 2}
@@ -102,20 +111,35 @@ class P2PTransport:
 class DistributedPipeline:
     """This process's pipeline rank, its transport and its data-parallel group."""
 
-    def __init__(self, cfg: RunConfig, *, native: bool = False, direct: bool = True) -> None:
+    def __init__(self, cfg: RunConfig, *, native: bool = False, direct: bool = True, path: str = "eager",
+                 capture: bool = True) -> None:
+        """`path`: eager, or captured-copy / captured-direct (this rank's actions as CUDA graphs on its
+        GPU, with `cfg.train.offload`). `capture=False` defers capture to `capture()` (resume)."""
         if not dist.is_initialized():
             raise RuntimeError("DistributedPipeline needs an initialized process group (use init_from_env)")
         p = cfg.pipeline
         check_world(p.pp, p.dp, dist.get_world_size())
         self.cfg = cfg
         self.topo = Topology(p.pp, p.dp, dist.get_rank())
-        self.schedule = schedule_of(cfg, native=native)
+        # The native reference owns the same stages as the qeffect mode (one stage set per process).
+        self.schedule = (schedule_of(cfg, native=True) if native and p.schedule == "interleaved"
+                         else native_with_placement(schedule_of(cfg)) if native else schedule_of(cfg))
         self.device = torch.device(cfg.train.device, _local_rank()) if cfg.train.device == "cuda" else torch.device("cpu")
+        offload_mode = "off" if native else cfg.train.offload
+        check_path("eager" if native else path, self.device, offload_mode)
         chunks = build_chunks_for(cfg, self.device)
         self.reductions = ReductionTracker(f"rank{self.topo.rank}.reductions")
         self.reductions_run = 0
+        self.manager: GraphManager | None = None
+        self.offload = None
+        if not native and path != "eager":
+            self.manager = GraphManager(self.device)
+            direct = path == "captured-direct"
+            if offload_mode != "off":
+                self.offload = make_offload_manager(offload_mode, self.device)
         self.rank: BaseRank = build_rank(cfg, self.schedule, self.topo.pp_rank, chunks, native=native,
-                                         direct=direct, reductions=self.reductions)
+                                         direct=direct, reductions=self.reductions, manager=self.manager,
+                                         capture=False, offload=self.offload)
         # Every process creates every group in the same order (a torch.distributed requirement).
         self.dp_group = None
         for pr in range(p.pp):
@@ -126,6 +150,16 @@ class DistributedPipeline:
         mc = cfg.model
         self.transport = P2PTransport(self.topo, self.schedule, (mc.microbatch_size, mc.seq_len, mc.hidden),
                                       dtype_of(cfg), self.device)
+        if capture:
+            self.capture()
+
+    def capture(self) -> None:
+        """Capture this rank's actions (captured paths; a no-op on the eager path). Each process captures
+        on its own GPU; no collective runs inside a capture (activations move between replays)."""
+        if self.manager is None:
+            return
+        mc = self.cfg.model
+        capture_ranks([self.rank], [(0, a) for a in self.program], self.offload, mc.microbatch_size, mc.seq_len)
 
     @property
     def program(self):
@@ -179,9 +213,16 @@ class DistributedPipeline:
                 elif "scale" in name:
                     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dp_group)
 
-    def commit(self) -> None:
+    def commit(self, before_step=None) -> None:
+        """Data-parallel reduction, then the rank's commit (`before_step`: qeffect ranks only, called
+        with the fixed-order gradient sums loaded, before AdamW: what verification reads)."""
         self.reduce_gradients()
-        self.rank.commit()
+        if before_step is not None and isinstance(self.rank, QEffectRank):
+            self.rank.commit(before_step=before_step)
+        else:
+            if before_step is not None:
+                before_step()
+            self.rank.commit()
 
     def step(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
         loss = self.run_actions(batches, observer)

@@ -139,9 +139,6 @@ def train(cfg: RunConfig, *, out: Path | None = None,
     distributed = D.launched_by_torchrun()
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device = cuda but no CUDA device is available")
-    if cfg.train.path != "eager" and distributed:
-        raise NotImplementedError(f"train.path = {cfg.train.path} under torchrun: captured actions run in one "
-                                  "process for now (all ranks of the pipeline on one GPU); not built for torchrun yet")
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     p = cfg.pipeline
     if distributed:
@@ -156,7 +153,7 @@ def train(cfg: RunConfig, *, out: Path | None = None,
     if distributed:
         D.init_from_env(cfg.train.device)
         rank0 = torch.distributed.get_rank() == 0
-        pipe = D.DistributedPipeline(cfg)
+        pipe = D.DistributedPipeline(cfg, path=cfg.train.path, capture=resume is None)
         dp_rank, dp_size = pipe.topo.dp_rank, p.dp
     else:
         # Captured: state is loaded (resume) before any graph exists, then every action is captured.
@@ -175,8 +172,10 @@ def train(cfg: RunConfig, *, out: Path | None = None,
         except (UserError, ReportError) as err:
             raise type(err)(f"--resume {err}") from None
         start, resumed_from = payload.step, str(folder)
-        if not distributed:
-            capture_graphs(cfg, pipe)  # no-op on the eager path
+        if distributed:
+            pipe.capture()  # no-op on the eager path
+        else:
+            capture_graphs(cfg, pipe)
         if start >= cfg.train.steps:
             raise UserError(f"--resume {folder}: the checkpoint is at step {start}; train.steps = "
                             f"{cfg.train.steps} leaves nothing to train")

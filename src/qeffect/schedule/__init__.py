@@ -5,7 +5,7 @@ Importing this package does not import torch; only `build_schedule` / `build_nat
 
 from __future__ import annotations
 
-from .adapter import build_native_schedule, build_schedule, expected_placement
+from .adapter import build_native_schedule, build_schedule, expected_placement, native_with_placement
 from .ir import Action, ActionKind, Schedule, ScheduleError
 from .order import (
     dependencies,
@@ -19,6 +19,7 @@ from .order import (
 from .validate import expected_kinds, validate
 
 __all__ = [
+    "native_with_placement",
     "Action",
     "ActionKind",
     "Schedule",

@@ -76,6 +76,21 @@ def build_native_schedule(pp: int, stages_per_rank: int, microbatches: int) -> S
     return build_schedule("interleaved", pp, stages_per_rank, microbatches, split_backward=False)
 
 
+def native_with_placement(schedule: Schedule) -> Schedule:
+    """The native reference (full backward B) on `schedule`'s stage placement and action order: each dI
+    becomes B and each dW is dropped (nothing consumes a dW, so the order stays valid). What a distributed
+    comparison needs: with one stage set per process, native and qeffect must own the same stages.
+    Interleaved's own native program is `build_native_schedule` (torch's order with B)."""
+    programs = tuple(
+        tuple(Action(ActionKind.B, a.stage, a.microbatch) if a.kind is ActionKind.DI else a
+              for a in prog if a.kind is not ActionKind.DW)
+        for prog in schedule.programs)
+    native = Schedule(name=f"native-{schedule.name}", pp=schedule.pp, stages_per_rank=schedule.stages_per_rank,
+                      microbatches=schedule.microbatches, stage_to_rank=schedule.stage_to_rank, programs=programs)
+    validate(native)
+    return native
+
+
 def expected_placement(name: str, pp: int, stages_per_rank: int) -> tuple[int, ...]:
     """stage -> rank: round robin for interleaved, V shape (two stages per rank) for zbv."""
     num_stages = pp * stages_per_rank

@@ -1,0 +1,158 @@
+"""`qeffect verify-state` under torchrun: native eager and a qeffect mode with the same rank mapping,
+compared bitwise after every step on every rank.
+
+Each process builds both pipelines for its (pipeline, data-parallel) rank from the same seed. A step
+runs the native reference to its commit, then the qeffect mode to its commit, on the same synthetic
+batches (replica d gets batch sequence `step + 1000 d`, as the distributed tests do). After each step
+every rank compares, for the chunks it owns: the step loss, every parameter gradient as loaded for
+AdamW (after the data-parallel reduction), every parameter, the AdamW state and the FP8 scaling state.
+Counts are summed over ranks; the earliest divergence is reported. The per-action comparison of the
+single-process verify (activations, input gradients, cache epochs after each action) needs every
+stage in one process and is not repeated here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+
+from qeffect.config import RunConfig
+from qeffect.errors import UserError
+from qeffect.runtime.distributed import DistributedPipeline
+from qeffect.verify.state import CategoryResult, bitwise_equal, synthetic_batches
+
+CATEGORIES = ("loss", "parameter_gradients", "parameters", "adamw_state", "fp8_state")
+Injection = Literal["perturb-scale"]
+
+
+class RankDivergence(BaseModel):
+    step: int
+    rank: int
+    category: str
+    tensor: str
+
+
+class DistVerifyReport(BaseModel):
+    schema_version: int = 1
+    kind: Literal["verify-state-distributed"] = "verify-state-distributed"
+    schedule: str
+    path: str
+    backend: str
+    device: str
+    world_size: int
+    pp: int
+    dp: int
+    chunks_per_rank: int
+    microbatches: int
+    steps: int
+    injection: str | None
+    categories: list[CategoryResult]
+    first_divergence: RankDivergence | None
+    losses: list[float]
+    graphs_per_rank: list[int] | None  # captured paths: graphs each rank captured
+    passed: bool
+    seconds: float
+
+
+def _grads_into(pipe: DistributedPipeline, into: dict[str, torch.Tensor]) -> Callable[[], None]:
+    def hook() -> None:
+        into.update({f"s{s}.{n}": p.grad.detach().clone() for s, c in pipe.rank.chunks.items()
+                     for n, p in c.named_parameters() if p.grad is not None})
+    return hook
+
+
+def _state(pipe: DistributedPipeline) -> dict[str, dict[str, torch.Tensor]]:
+    out: dict[str, dict[str, torch.Tensor]] = {"parameters": {}, "adamw_state": {}, "fp8_state": {}}
+    opt = pipe.rank.optimizer
+    for s, chunk in pipe.rank.chunks.items():
+        for n, p in chunk.named_parameters():
+            out["parameters"][f"s{s}.{n}"] = p.detach()
+            for k, v in opt.state.get(p, {}).items():
+                if torch.is_tensor(v):
+                    out["adamw_state"][f"s{s}.{n}.{k}"] = v.detach()
+        for n, t in chunk.fp8_state().items():
+            out["fp8_state"][f"s{s}.{n}"] = t.detach()
+    return out
+
+
+def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
+                           injection: Injection | None = None,
+                           progress: Callable[[int, float], None] | None = None) -> DistVerifyReport:
+    """Both pipelines in this process group; every rank returns the same report."""
+    if not dist.is_initialized():
+        raise RuntimeError("run_verify_distributed needs an initialized process group (init_from_env)")
+    if cfg.pipeline.dp != 1:
+        raise UserError(f"verify-state under torchrun compares pipeline ranks (pipeline.dp = 1); got pipeline.dp = "
+                        f"{cfg.pipeline.dp}: data-parallel averaging of per-microbatch views and of summed "
+                        "gradients associate differently (replica equality is checked by the distributed tests)")
+    if injection == "perturb-scale" and cfg.fp8.backend != "reference":
+        raise UserError("--inject perturb-scale: only for the reference backend")
+    t0 = time.perf_counter()
+    native = DistributedPipeline(cfg, native=True)
+    qeff = DistributedPipeline(cfg, path=path)
+    me = dist.get_rank()
+    compared = dict.fromkeys(CATEGORIES, 0)
+    mismatched = dict.fromkeys(CATEGORIES, 0)
+    first: RankDivergence | None = None
+    losses: list[float] = []
+
+    def check(step: int, category: str, name: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        nonlocal first
+        compared[category] += 1
+        if a is None or b is None or not bitwise_equal(a, b):
+            mismatched[category] += 1
+            if first is None:
+                first = RankDivergence(step=step, rank=me, category=category, tensor=name)
+
+    for step in range(steps):
+        batches = synthetic_batches(cfg, step + 1000 * qeff.topo.dp_rank, qeff.device)
+        ref_grads: dict[str, torch.Tensor] = {}
+        ref_loss = native.run_actions(batches)
+        native.commit(before_step=_grads_into(native, ref_grads))
+        if injection == "perturb-scale" and step == 1 and 0 in qeff.rank.chunks:
+            lin = next(iter(qeff.rank.chunks[0].matrix_linears().values()))
+            with torch.no_grad():
+                lin.input_scale.mul_(2.0)
+        grads: dict[str, torch.Tensor] = {}
+        loss = qeff.run_actions(batches)
+        qeff.commit(before_step=_grads_into(qeff, grads))
+        check(step, "loss", "step loss", ref_loss, loss)
+        for name in sorted(set(ref_grads) | set(grads)):
+            check(step, "parameter_gradients", name, ref_grads.get(name), grads.get(name))
+        ref_state, state = _state(native), _state(qeff)
+        for category in ("parameters", "adamw_state", "fp8_state"):
+            for name in sorted(set(ref_state[category]) | set(state[category])):
+                check(step, category, name, ref_state[category].get(name), state[category].get(name))
+        losses.append(float(loss))
+        if progress is not None:
+            progress(step, float(loss))
+
+    counts = torch.tensor([[compared[c], mismatched[c]] for c in CATEGORIES], dtype=torch.int64,
+                          device=qeff.device)
+    dist.all_reduce(counts)
+    firsts: list[RankDivergence | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(firsts, first)
+    found = [f for f in firsts if f is not None]
+    earliest = min(found, key=lambda f: (f.step, f.rank)) if found else None
+    graphs = None
+    if qeff.manager is not None:
+        box: list[int] = [0] * dist.get_world_size()
+        dist.all_gather_object(box, qeff.manager.stats.graph_count)
+        graphs = box
+    cats = [CategoryResult(category=c, compared=int(counts[i, 0]), mismatches=int(counts[i, 1]))
+            for i, c in enumerate(CATEGORIES)]
+    expected = 3 * cfg.pipeline.microbatches * cfg.pipeline.chunks_per_rank
+    passed = (all(c.mismatches == 0 and c.compared > 0 for c in cats)
+              and (graphs is None or all(g == expected for g in graphs)))
+    p = cfg.pipeline
+    return DistVerifyReport(
+        schedule=p.schedule, path=path, backend=cfg.fp8.backend, device=str(qeff.device.type),
+        world_size=dist.get_world_size(), pp=p.pp, dp=p.dp, chunks_per_rank=p.chunks_per_rank,
+        microbatches=p.microbatches, steps=steps, injection=injection, categories=cats,
+        first_divergence=earliest, losses=losses, graphs_per_rank=graphs, passed=passed,
+        seconds=time.perf_counter() - t0)
