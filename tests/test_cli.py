@@ -37,6 +37,8 @@ def test_help_lists_commands(capsys) -> None:
     ["verify-state", "--schedule", "bogus"],
     ["verify-state", "--steps", "0"],
     ["train", "--pp", "-1"],
+    ["verify-state", "--offload", "release"],
+    ["verify-state", "--offload", "bogus"],
 ])
 def test_bad_usage_is_one_line_exit_2(capsys, argv: list[str]) -> None:
     rc, _, err = run(capsys, *argv)

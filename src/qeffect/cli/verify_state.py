@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from qeffect.cli.app import app
-from qeffect.cli.common import Backend, Device, Head, PathMode, Schedule, config_from_cli, write_json
+from qeffect.cli.common import Backend, Device, Head, Offload, PathMode, Schedule, config_from_cli, write_json
 from qeffect.errors import UserError
 
 
@@ -45,6 +45,8 @@ def verify_state(
     device: Device | None = typer.Option(None, "--device", help="cpu or cuda (default: the config's)."),
     backend: Backend | None = typer.Option(None, "--backend", help="FP8 backend (default: the config's)."),
     head: Head | None = typer.Option(None, "--head", help="Output head: backend or torchao (default: the config's fp8.head)."),
+    offload: Offload | None = typer.Option(
+        None, "--offload", help="Captured paths: saved activations in VMM slots, release or resident (cuda)."),
     seed: int | None = typer.Option(None, "--seed", help="Seed for parameters and synthetic data."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
 ) -> None:
@@ -62,8 +64,12 @@ def verify_state(
                                      "train.device": device.value if device else None,
                                      "fp8.backend": backend.value if backend else None,
                                      "fp8.head": head.value if head else None,
+                                     "train.offload": offload.value if offload else None,
                                      "train.seed": seed})
     _check_device(cfg.train.device, path.value)
+    if cfg.train.offload != "off" and path.value == "eager":
+        raise UserError(f"--offload {cfg.train.offload} offloads the activations of captured actions: it needs "
+                        "--path captured-copy or captured-direct")
     from qeffect.runtime.distributed import launched_by_torchrun
 
     if launched_by_torchrun():
