@@ -30,7 +30,7 @@ def test_cli_under_torchrun_is_bitwise_equal(tmp_path: Path, schedule: str) -> N
     r = json.loads(out.read_text())
     assert r["kind"] == "verify-state-distributed" and r["world_size"] == 2 and r["passed"]
     by = {c["category"]: c for c in r["categories"]}
-    assert set(by) == {"loss", "parameter_gradients", "parameters", "adamw_state", "fp8_state"}
+    assert set(by) == {"loss", "parameter_gradients", "parameters", "optimizer_state", "fp8_state"}
     assert all(c["compared"] > 0 and c["mismatches"] == 0 for c in by.values())
     assert by["loss"]["compared"] == 2 * 3  # every rank, every step
     assert "PASS" in proc.stdout
@@ -74,3 +74,14 @@ def test_captured_direct_under_torchrun_nccl(tmp_path: Path, schedule: str) -> N
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["passed"] and r["device"] == "cuda" and r["graphs_per_rank"] == [24, 24]
+
+
+def test_pipeline_timing_dry_run_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/pipeline_timing.py (issue 10's fixed-work scaling) runs end to end under torchrun."""
+    out = tmp_path / "t.json"
+    proc = _run(torchrun(2, str(ROOT / "benchmarks/pipeline_timing.py"), "--device", "cpu", "--steps", "2",
+                         "--warmup", "1", "--out", str(out)), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2 and r["path"] == "eager" and len(r["step_seconds"]) == 2
+    assert r["median_step_seconds"] > 0

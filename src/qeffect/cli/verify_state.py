@@ -82,14 +82,8 @@ def verify_state(
         report = run_verify_state(cfg, steps=steps, path=path.value,
                                   progress=lambda s, loss: bar.update(task, advance=1, info=f"loss {loss:.4f}"))
     head_note = "" if cfg.fp8.head == "backend" else f" + {cfg.fp8.head} head"
-    table = Table(title=f"verify-state: {report.schedule} / {report.path} / {report.backend}{head_note} on "
-                        f"{report.device}, {report.steps} steps")
-    table.add_column("category")
-    table.add_column("compared", justify="right")
-    table.add_column("mismatches", justify="right")
-    for c in report.categories:
-        table.add_row(c.category, str(c.compared), str(c.mismatches), style=None if c.mismatches == 0 else "red")
-    console.print(table)
+    console.print(_category_table(f"verify-state: {report.schedule} / {report.path} / {report.backend}{head_note} "
+                                  f"on {report.device}, {report.steps} steps", report.categories))
     ro = report.amax_rollover
     console.print(f"amax history length {ro.amax_history_len}: {ro.forward_updates_per_module} forward and "
                   f"{ro.backward_updates_per_module} backward updates per module "
@@ -102,6 +96,16 @@ def verify_state(
     if json_out:
         write_json(json_out, report)
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _category_table(title: str, categories) -> Table:
+    table = Table(title=title)
+    table.add_column("category")
+    table.add_column("compared", justify="right")
+    table.add_column("mismatches", justify="right")
+    for c in categories:
+        table.add_row(c.category, str(c.compared), str(c.mismatches), style=None if c.mismatches == 0 else "red")
+    return table
 
 
 def _distributed(cfg, steps: int, path: str, json_out: Path | None, console: Console) -> int:
@@ -118,14 +122,9 @@ def _distributed(cfg, steps: int, path: str, json_out: Path | None, console: Con
     finally:
         dist.barrier()
     if dist.get_rank() == 0:
-        table = Table(title=f"verify-state under torchrun: {report.schedule} / {report.path} / {report.backend} on "
-                            f"{report.world_size} x {report.device} (PP={report.pp}), {report.steps} steps")
-        table.add_column("category")
-        table.add_column("compared", justify="right")
-        table.add_column("mismatches", justify="right")
-        for c in report.categories:
-            table.add_row(c.category, str(c.compared), str(c.mismatches), style=None if c.mismatches == 0 else "red")
-        console.print(table)
+        console.print(_category_table(
+            f"verify-state under torchrun: {report.schedule} / {report.path} / {report.backend} on "
+            f"{report.world_size} x {report.device} (PP={report.pp}), {report.steps} steps", report.categories))
         if report.graphs_per_rank is not None:
             console.print(f"graphs per rank: {report.graphs_per_rank}")
         if report.first_divergence:

@@ -26,7 +26,7 @@ from qeffect.errors import UserError
 from qeffect.runtime.distributed import DistributedPipeline
 from qeffect.verify.state import CategoryResult, bitwise_equal, synthetic_batches
 
-CATEGORIES = ("loss", "parameter_gradients", "parameters", "adamw_state", "fp8_state")
+CATEGORIES = ("loss", "parameter_gradients", "parameters", "optimizer_state", "fp8_state")
 Injection = Literal["perturb-scale"]
 
 
@@ -67,14 +67,14 @@ def _grads_into(pipe: DistributedPipeline, into: dict[str, torch.Tensor]) -> Cal
 
 
 def _state(pipe: DistributedPipeline) -> dict[str, dict[str, torch.Tensor]]:
-    out: dict[str, dict[str, torch.Tensor]] = {"parameters": {}, "adamw_state": {}, "fp8_state": {}}
+    out: dict[str, dict[str, torch.Tensor]] = {"parameters": {}, "optimizer_state": {}, "fp8_state": {}}
     opt = pipe.rank.optimizer
     for s, chunk in pipe.rank.chunks.items():
         for n, p in chunk.named_parameters():
             out["parameters"][f"s{s}.{n}"] = p.detach()
             for k, v in opt.state.get(p, {}).items():
                 if torch.is_tensor(v):
-                    out["adamw_state"][f"s{s}.{n}.{k}"] = v.detach()
+                    out["optimizer_state"][f"s{s}.{n}.{k}"] = v.detach()
         for n, t in chunk.fp8_state().items():
             out["fp8_state"][f"s{s}.{n}"] = t.detach()
     return out
@@ -125,7 +125,7 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
         for name in sorted(set(ref_grads) | set(grads)):
             check(step, "parameter_gradients", name, ref_grads.get(name), grads.get(name))
         ref_state, state = _state(native), _state(qeff)
-        for category in ("parameters", "adamw_state", "fp8_state"):
+        for category in ("parameters", "optimizer_state", "fp8_state"):
             for name in sorted(set(ref_state[category]) | set(state[category])):
                 check(step, category, name, ref_state[category].get(name), state[category].get(name))
         losses.append(float(loss))
