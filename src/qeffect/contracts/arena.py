@@ -45,17 +45,12 @@ class GradientArena:
         microbatches: int,
         device: str | torch.device = "cpu",
         name: str = "arena",
-        zero_on_advance: bool = True,
     ) -> None:
-        """`zero_on_advance=False`: `advance_epoch` keeps the contents. Right when every write overwrites
-        its view (no accumulating kernel): the epoch's write bookkeeping already refuses a sum with a
-        missing write, so zeroing M x the gradient bytes every step buys nothing."""
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
         if not specs:
             raise ValueError("GradientArena needs at least one parameter spec")
         self.name = name
-        self.zero_on_advance = zero_on_advance
         self.device = torch.device(device)
         self.microbatches = microbatches
         self.specs: dict[str, Spec] = {}
@@ -190,16 +185,12 @@ class GradientArena:
                 found=len(self._views) - len(missing))
         self._finalized = True
 
-    def sum_microbatches(self, name: str, *, in_place: bool = False) -> torch.Tensor:
+    def sum_microbatches(self, name: str) -> torch.Tensor:
         """Sum the microbatch gradients of ``name`` in the fixed order m = 0, 1, ..., M-1.
 
         ``acc = view(0).clone(); acc += view(1); acc += view(2); ...`` -- exactly the order of a
         reference that accumulates microbatch by microbatch, whatever order the schedule ran ``dW``
         in. This fixed order is what makes every schedule bitwise equal to the reference.
-
-        ``in_place=True`` accumulates into view 0 itself and returns it (the same additions, so the
-        same bits, without a copy or an allocation); view 0 then holds the sum until the next epoch's
-        write, so only the commit, after every other reader, uses it.
         """
         self._require_usable("sum_microbatches", name, None)
         if not self._finalized:
@@ -207,23 +198,19 @@ class GradientArena:
                 f"sum before finalize for arena '{self.name}' parameter {name}: expected a finalized epoch "
                 f"{self._epoch}, found {len(self.missing())} missing writes",
                 relation="sum before finalize", key=name, expected="finalized", found="not finalized")
-        acc = self._lookup(name, 0, "sum_microbatches")
-        if not in_place:
-            acc = acc.clone()
+        acc = self._lookup(name, 0, "sum_microbatches").clone()
         for m in range(1, self.microbatches):
             acc += self._views[(name, m)]
         return acc
 
     # ------------------------------------------------------------- transitions
-    def advance_epoch(self, zero: bool | None = None) -> int:
+    def advance_epoch(self, zero: bool = True) -> int:
         """Start the next optimizer epoch (called by the commit barrier after a successful step).
 
-        Clears the writes and zeroes the buffers on the device (no host sync) so that an accumulating
-        kernel (TE fused wgrad accumulation) and an overwriting one both leave exactly the microbatch
-        gradient in each view; `zero` defaults to the arena's `zero_on_advance`.
+        Clears the writes and, by default, zeroes the buffers on the device (no host sync) so that an
+        accumulating kernel (TE fused wgrad accumulation) and an overwriting one both leave exactly the
+        microbatch gradient in each view.
         """
-        if zero is None:
-            zero = self.zero_on_advance
         self._require_usable("advance_epoch", None, None)
         if not self._finalized:
             raise ArenaViolation(

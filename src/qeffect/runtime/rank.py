@@ -131,10 +131,7 @@ class QEffectRank(BaseRank):
         for s, chunk in self.chunks.items():
             for pname, p in chunk.matrix_params().items():
                 specs[arena_name(s, pname)] = (tuple(p.shape), p.dtype)
-        # Every dW overwrites its view (both backends' compute_wgrad(out=), and the copy path), so the arena
-        # is not zeroed at each epoch: a missing write is refused by the arena's bookkeeping instead.
-        self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena",
-                                   zero_on_advance=False)
+        self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena")
         self.reductions = reductions or ReductionTracker()
         self.barrier = CommitBarrier(self.clock, [self.pool], [self.arena], self.reductions)
         if manager is None:

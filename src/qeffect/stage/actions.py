@@ -235,8 +235,7 @@ class StageActions:
         return self.arena.view(arena_name(self.stage, self._matrix_param[linear_name]), m)
 
     def load_matrix_grads(self) -> None:
-        """Set each matrix parameter's `.grad` to its microbatch gradients summed in fixed order m = 0..M-1
-        (in place, in view 0: the commit is the last reader of this epoch's views)."""
+        """Set each matrix parameter's `.grad` to its microbatch gradients summed in fixed order m = 0..M-1."""
         params = self.chunk.matrix_params()
         for pname in self._matrix_param.values():
-            params[pname].grad = self.arena.sum_microbatches(arena_name(self.stage, pname), in_place=True)
+            params[pname].grad = self.arena.sum_microbatches(arena_name(self.stage, pname))
