@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,13 +31,9 @@ from pathlib import Path
 import torch
 
 from qeffect.config import load_config
+from qeffect.graphs.handshake import git_revision
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
-
-
-def _rev() -> str:
-    return os.environ.get("QEFFECT_GIT_REVISION") or subprocess.run(
-        ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
 
 
 def _final_state(pipe) -> dict[str, torch.Tensor]:
@@ -146,7 +140,7 @@ def main() -> int:
     modes = a.modes.split(",")
     if modes[0] != "off":
         modes = ["off"] + [m for m in modes if m != "off"]
-    report = {"command": " ".join(["python3"] + sys.argv), "git_revision": _rev(),
+    report = {"command": " ".join(["python3"] + sys.argv), "git_revision": git_revision() or "unknown",
               "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "python": platform.python_version(), "config": a.config, "backend": cfg.fp8.backend,
               "schedule": cfg.pipeline.schedule, "path": a.path, "steps": a.steps, "warmup": a.warmup, "modes": {}}

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,13 +26,9 @@ import torch
 import torch.distributed as dist
 
 from qeffect.config import load_config
+from qeffect.graphs.handshake import git_revision
 from qeffect.runtime.distributed import DistributedPipeline, init_from_env
 from qeffect.verify.state import synthetic_batches
-
-
-def _rev() -> str:
-    return os.environ.get("QEFFECT_GIT_REVISION") or subprocess.run(
-        ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
 
 
 def _sync(device: torch.device) -> None:
@@ -84,7 +78,7 @@ def main() -> int:
             times.append(time.perf_counter() - t)
     if dist.get_rank() == 0 and a.out:
         report = {"command": " ".join(["torchrun", "--nproc-per-node", str(dist.get_world_size())] + sys.argv),
-                  "git_revision": _rev(), "device": torch.cuda.get_device_name(pipe.device)
+                  "git_revision": git_revision() or "unknown", "device": torch.cuda.get_device_name(pipe.device)
                   if pipe.device.type == "cuda" else "cpu", "torch": torch.__version__,
                   "world_size": dist.get_world_size(), "config": a.config, "pipeline": cfg.pipeline.model_dump(),
                   "backend": cfg.fp8.backend, "path": path, "steps": a.steps, "warmup": a.warmup,

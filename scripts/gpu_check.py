@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -24,6 +22,7 @@ from pathlib import Path
 import torch
 
 from qeffect.config import load_config
+from qeffect.graphs.handshake import git_revision
 from qeffect.verify.state import run_verify_state
 
 
@@ -42,8 +41,7 @@ def main() -> int:
     out = Path(a.out)
     (out / "reports").mkdir(parents=True, exist_ok=True)
     # The device copy of the tree has no .git: pass QEFFECT_GIT_REVISION=<rev> in the command there.
-    rev = os.environ.get("QEFFECT_GIT_REVISION") or subprocess.run(
-        ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rev = git_revision()
     merged = {"command": " ".join(sys.argv), "git_revision": rev or "unknown",
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "reports": {}, "errors": {}}
     ok = True

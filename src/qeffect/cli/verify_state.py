@@ -67,9 +67,9 @@ def verify_state(
                                      "train.offload": offload.value if offload else None,
                                      "train.seed": seed})
     _check_device(cfg.train.device, path.value)
-    if cfg.train.offload != "off" and path.value == "eager":
-        raise UserError(f"--offload {cfg.train.offload} offloads the activations of captured actions: it needs "
-                        "--path captured-copy or captured-direct")
+    from qeffect.runtime.build import check_path
+
+    check_path(path.value, cfg.train.device, cfg.train.offload)
     from qeffect.runtime.distributed import launched_by_torchrun
 
     if launched_by_torchrun():

@@ -8,7 +8,7 @@ mod 2" is not enough: a forward may need a bank while the group holding it is st
 the same every step, so the conflicts are known in advance: two groups conflict when one claims
 memory (its forward, or its restore before `dI`) inside the other's backward window, or when their
 backwards are consecutive (look-ahead restores one while the other runs). A greedy colouring in
-backward order gives each group a bank no conflicting group shares; at least two banks.
+backward order gives each group a bank no conflicting group shares.
 """
 
 from __future__ import annotations
@@ -60,14 +60,12 @@ def conflicts(events: Sequence[Event]) -> dict[Hashable, set[Hashable]]:
     return edges
 
 
-def assign_banks(events: Sequence[Event], *, min_banks: int = 2) -> dict[Hashable, int]:
-    """Bank index per group: greedy colouring of `conflicts` in backward order (smallest free index)."""
+def assign_banks(events: Sequence[Event]) -> dict[Hashable, int]:
+    """Bank index per group: greedy colouring of `conflicts` in backward order (smallest free index).
+    Consecutive backwards conflict, so two or more groups always get at least two banks."""
     edges = conflicts(events)
     banks: dict[Hashable, int] = {}
     for g in backward_order(events):
         used = {banks[h] for h in edges[g] if h in banks}
         banks[g] = next(i for i in range(len(edges) + 1) if i not in used)
-    if banks and max(banks.values()) + 1 < min_banks:
-        order = backward_order(events)  # spread a conflict-free plan over the minimum: still valid
-        banks = {g: i % min_banks for i, g in enumerate(order)}
     return banks

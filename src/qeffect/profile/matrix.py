@@ -35,6 +35,7 @@ from qeffect.graphs.stats import GraphStats
 from qeffect.profile.flops import count_matrix_flops, floor_of, measure_gemm_rates
 from qeffect.profile.report import ConfigResult, ProfileReport, Spread, break_even_steps
 from qeffect.profile.resources import resource_rows
+from qeffect.profile.trace import sync_device
 from qeffect.runtime.build import build_single_process, dtype_of
 from qeffect.schedule import build_schedule
 from qeffect.verify.state import synthetic_batches
@@ -138,11 +139,6 @@ def not_run_reason(spec: ConfigSpec, cfg: RunConfig, device: torch.device, te_ok
     return None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -164,10 +160,10 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
         result.baseline_allocated_bytes = torch.cuda.memory_allocated(device)
     else:
         result.memory_note = CPU_MEMORY_NOTE
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     runner = make()
-    _sync(device)
+    sync_device(device)
     result.build_seconds = time.perf_counter() - t0
     result.capture_host_seconds = runner.capture_host_seconds
     result.graph_count, result.graphs_per_rank = runner.graph_count, runner.graphs_per_rank
@@ -175,10 +171,10 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
 
     def one(i: int) -> float:
         data = runner.data(i)  # made (and moved to the device) before the timer starts
-        _sync(device)
+        sync_device(device)
         t = time.perf_counter()
         loss = runner.step(data)
-        _sync(device)
+        sync_device(device)
         dt = time.perf_counter() - t
         if loss is not None:
             result.losses.append(float(loss))

@@ -218,7 +218,8 @@ def kineto_events(prof: torch.profiler.profile) -> list[Event]:
     return out
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device (a no-op on CPU): timed and traced steps start and end synchronized."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -233,11 +234,11 @@ def trace_runner(runner: Any, device: torch.device, *, steps: int, first_step: i
     with profile(activities=activities) as prof:
         for i in range(first_step, first_step + steps):
             data = runner.data(i)  # made before the step's range starts, as for the timed steps
-            _sync(device)
+            sync_device(device)
             t = time.perf_counter()
             with record_function(WINDOW):
                 runner.step(data)
-                _sync(device)
+                sync_device(device)
             walls.append(time.perf_counter() - t)
     return summarize(kineto_events(prof), walls, cuda=cuda)
 

@@ -109,11 +109,8 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
 
 def make_offload_manager(mode: str, device: str | torch.device) -> OffloadManager:
     """One offload manager per device; a clear error where VMM offload cannot work."""
-    from qeffect.offload.driver import OffloadUnavailable, bindings_available
+    from qeffect.offload.driver import OffloadUnavailable
 
-    if not bindings_available():
-        raise UserError(f"train.offload = {mode} needs cuda.bindings (the cuda-bindings package that ships "
-                        "with CUDA builds of PyTorch)")
     try:
         return OffloadManager(mode, device=torch.device(device))
     except OffloadUnavailable as err:

@@ -12,7 +12,7 @@ reduction in flight is rejected.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,9 +121,11 @@ class DistributedPipeline:
         check_world(p.pp, p.dp, dist.get_world_size())
         self.cfg = cfg
         self.topo = Topology(p.pp, p.dp, dist.get_rank())
-        # The native reference owns the same stages as the qeffect mode (one stage set per process).
-        self.schedule = (schedule_of(cfg, native=True) if native and p.schedule == "interleaved"
-                         else native_with_placement(schedule_of(cfg)) if native else schedule_of(cfg))
+        if native and p.schedule != "interleaved":
+            # The native reference must own the same stages as the qeffect mode (one stage set per process).
+            self.schedule = native_with_placement(schedule_of(cfg))
+        else:
+            self.schedule = schedule_of(cfg, native=native)
         self.device = torch.device(cfg.train.device, _local_rank()) if cfg.train.device == "cuda" else torch.device("cpu")
         offload_mode = "off" if native else cfg.train.offload
         check_path("eager" if native else path, self.device, offload_mode)
@@ -213,16 +215,11 @@ class DistributedPipeline:
                 elif "scale" in name:
                     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dp_group)
 
-    def commit(self, before_step=None) -> None:
-        """Data-parallel reduction, then the rank's commit (`before_step`: qeffect ranks only, called
-        with the fixed-order gradient sums loaded, before AdamW: what verification reads)."""
+    def commit(self, before_step: Callable[[], None] | None = None) -> None:
+        """Data-parallel reduction, then the rank's commit (`before_step` runs with the gradients AdamW
+        is about to use in `.grad`: what verification reads)."""
         self.reduce_gradients()
-        if before_step is not None and isinstance(self.rank, QEffectRank):
-            self.rank.commit(before_step=before_step)
-        else:
-            if before_step is not None:
-                before_step()
-            self.rank.commit()
+        self.rank.commit(before_step=before_step)
 
     def step(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
         loss = self.run_actions(batches, observer)

@@ -108,7 +108,9 @@ class NativeRank(BaseRank):
         else:
             raise ValueError(f"the native reference runs F and B only, got {action}")
 
-    def commit(self) -> None:
+    def commit(self, before_step: Callable[[], None] | None = None) -> None:
+        if before_step is not None:  # the gradients AdamW is about to use are in .grad now
+            before_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.clear()

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
 from qeffect.runtime.distributed import DistributedPipeline
-from qeffect.verify.state import CategoryResult, bitwise_equal, synthetic_batches
+from qeffect.verify.state import CategoryResult, bitwise_equal, grad_capture, synthetic_batches
 
 CATEGORIES = ("loss", "parameter_gradients", "parameters", "optimizer_state", "fp8_state")
 Injection = Literal["perturb-scale"]
@@ -57,13 +57,6 @@ class DistVerifyReport(BaseModel):
     graphs_per_rank: list[int] | None  # captured paths: graphs each rank captured
     passed: bool
     seconds: float
-
-
-def _grads_into(pipe: DistributedPipeline, into: dict[str, torch.Tensor]) -> Callable[[], None]:
-    def hook() -> None:
-        into.update({f"s{s}.{n}": p.grad.detach().clone() for s, c in pipe.rank.chunks.items()
-                     for n, p in c.named_parameters() if p.grad is not None})
-    return hook
 
 
 def _state(pipe: DistributedPipeline) -> dict[str, dict[str, torch.Tensor]]:
@@ -113,14 +106,14 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
         batches = synthetic_batches(cfg, step + 1000 * qeff.topo.dp_rank, qeff.device)
         ref_grads: dict[str, torch.Tensor] = {}
         ref_loss = native.run_actions(batches)
-        native.commit(before_step=_grads_into(native, ref_grads))
+        native.commit(before_step=grad_capture(native.rank, ref_grads))
         if injection == "perturb-scale" and step == 1 and 0 in qeff.rank.chunks:
             lin = next(iter(qeff.rank.chunks[0].matrix_linears().values()))
             with torch.no_grad():
                 lin.input_scale.mul_(2.0)
         grads: dict[str, torch.Tensor] = {}
         loss = qeff.run_actions(batches)
-        qeff.commit(before_step=_grads_into(qeff, grads))
+        qeff.commit(before_step=grad_capture(qeff.rank, grads))
         check(step, "loss", "step loss", ref_loss, loss)
         for name in sorted(set(ref_grads) | set(grads)):
             check(step, "parameter_gradients", name, ref_grads.get(name), grads.get(name))

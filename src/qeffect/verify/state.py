@@ -312,7 +312,7 @@ def _swap_dw(schedule: Schedule) -> Schedule:
     return swapped
 
 
-def _grad_capture(rank: BaseRank, into: dict[str, torch.Tensor]) -> Callable[[], None]:
+def grad_capture(rank: BaseRank, into: dict[str, torch.Tensor]) -> Callable[[], None]:
     """A pre-optimizer hook that clones the gradients the optimizer is about to use."""
 
     def hook() -> None:
@@ -363,7 +363,7 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
         loss = qeff.run_actions(batches, checker)
         grads: dict[str, torch.Tensor] = {}
         for r in qeff.ranks:
-            r.commit(before_step=_grad_capture(r, grads))
+            r.commit(before_step=grad_capture(r, grads))
         checker.after_commit_all(qeff.ranks, loss, ref_loss, grads)
         losses.append(float(loss))
         if qeff.manager is not None:
