@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from qeffect.config import load_config
 from qeffect.graphs.handshake import git_revision
+from qeffect.profile.matrix import te_version
 from qeffect.runtime.distributed import DistributedPipeline, init_from_env
 from qeffect.verify.state import synthetic_batches
 
@@ -51,6 +52,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None)
     ap.add_argument("--path", default="captured-direct")
+    ap.add_argument("--native", action="store_true", help="time native eager (full autograd backward) instead")
     ap.add_argument("--backend", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--steps", type=int, default=20)
@@ -62,9 +64,9 @@ def main() -> int:
         return compare(*a.compare)
     cfg = load_config(a.config).with_overrides(**{"fp8.backend": a.backend, "train.device": a.device})
     init_from_env(cfg.train.device)
-    path = a.path if cfg.train.device == "cuda" else "eager"
+    path = a.path if cfg.train.device == "cuda" and not a.native else "eager"
     t0 = time.perf_counter()
-    pipe = DistributedPipeline(cfg, path=path)
+    pipe = DistributedPipeline(cfg, native=a.native, path=path)
     _sync(pipe.device)
     setup = time.perf_counter() - t0
     times = []
@@ -81,7 +83,7 @@ def main() -> int:
                   "git_revision": git_revision() or "unknown", "device": torch.cuda.get_device_name(pipe.device)
                   if pipe.device.type == "cuda" else "cpu", "torch": torch.__version__,
                   "world_size": dist.get_world_size(), "config": a.config, "pipeline": cfg.pipeline.model_dump(),
-                  "backend": cfg.fp8.backend, "path": path, "steps": a.steps, "warmup": a.warmup,
+                  "backend": cfg.fp8.backend, "te": te_version(), "native": a.native, "path": path, "steps": a.steps, "warmup": a.warmup,
                   "setup_seconds": setup, "step_seconds": times, "median_step_seconds": statistics.median(times)}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(report, indent=1))

@@ -284,6 +284,17 @@ def outcome_to_result(req: ModeRequest, outcome: ChildOutcome, warmup: int) -> M
     return res
 
 
+def parse_pipelines(text: str) -> list[tuple[int, int | None]]:
+    """`--pipeline 1,2x2` -> [(1, None), (2, 2)]: PP, optionally x VPP (VPP 1 means none)."""
+    out: list[tuple[int, int | None]] = []
+    for part in (p.strip() for p in text.split(",")):
+        pp, _, vpp = part.partition("x")
+        if not pp.isdigit() or int(pp) < 1 or (vpp and (not vpp.isdigit() or int(vpp) < 1)):
+            raise UserError(f"--pipeline: {part!r} is not PP or PPxVPP (e.g. 1,2x2)")
+        out.append((int(pp), int(vpp) if vpp and int(vpp) > 1 else None))
+    return out
+
+
 # ------------------------------------------------------------------------------------------- the audit
 
 
@@ -296,6 +307,7 @@ def run_audit(
     timeout_s: float = 240.0,
     modes: Sequence[str] = MODES,
     gpu_count: int = 1,
+    pipelines: Sequence[tuple[int, int | None]] = PIPELINE_SHAPES,
     runner: Callable[[ModeRequest], ChildOutcome] | None = None,
     workdir: Path | None = None,
     log: Callable[[ModeRequest, ChildOutcome], None] | None = None,
@@ -331,7 +343,7 @@ def run_audit(
         return outcome_to_result(req, outcome, warmup)
 
     try:
-        for pp, vpp in PIPELINE_SHAPES:
+        for pp, vpp in pipelines:
             blocker = _pipeline_blocker(shape, pp, vpp, gpu_count)
             shape_runs = []
             for mode in ordered + [DELAY_WGRAD]:

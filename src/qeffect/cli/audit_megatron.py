@@ -20,6 +20,8 @@ def audit_megatron(
     timeout: float = typer.Option(240.0, "--timeout", min=1.0, help="Seconds one mode may take before it is killed."),
     modes: str = typer.Option("eager,local,transformer_engine,full_iteration", "--modes",
                               help="Comma-separated capture modes (eager is the reference and always runs)."),
+    pipeline: str = typer.Option("1,2x2", "--pipeline",
+                                 help="Pipeline shapes to run, PP or PPxVPP, comma-separated (2x2: PP=2, VPP=2)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
     log: Path | None = typer.Option(None, "--log", help="Append every child's full output to this file."),
 ) -> None:
@@ -30,9 +32,10 @@ def audit_megatron(
     GPUs, at PP=2 x VPP=2; then tries the delayed weight-gradient option. Needs megatron-core
     (Python >= 3.12), Transformer Engine and a CUDA GPU; without them it says so and exits 2.
     """
-    from qeffect.audit.megatron import check_environment, run_audit, shape_from_config
+    from qeffect.audit.megatron import check_environment, parse_pipelines, run_audit, shape_from_config
     from qeffect.audit.report import render
 
+    pipelines = parse_pipelines(pipeline)
     gpus = check_environment()
     shape, source = shape_from_config(config)
     console = Console()
@@ -46,7 +49,7 @@ def audit_megatron(
 
     try:
         report = run_audit(shape, shape_source=source, steps=steps, warmup=warmup, timeout_s=timeout,
-                           modes=[m.strip() for m in modes.split(",") if m.strip()], gpu_count=gpus,
+                           modes=[m.strip() for m in modes.split(",") if m.strip()], gpu_count=gpus, pipelines=pipelines,
                            log=write_log, progress=lambda tag: console.print(f"running {tag} ...", style="dim"),
                            on_partial=(lambda partial: write_json(json_out, partial)) if json_out else None)
     finally:
@@ -55,5 +58,5 @@ def audit_megatron(
     render(report, console)
     if json_out:
         write_json(json_out, report)
-    eager = report.find("eager", 1)
-    raise typer.Exit(0 if eager is not None and eager.status == "finished" else 1)
+    eager = [r for r in report.runs if r.mode == "eager" and r.status != "not-run"]
+    raise typer.Exit(0 if eager and all(r.status == "finished" for r in eager) else 1)

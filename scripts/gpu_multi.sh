@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Issue 10 on a machine with several GPUs, one device call per part (each under ten minutes):
+#
+#   source .gpu-kit/setup.sh; QEFFECT_GIT_REVISION=<rev> bash scripts/gpu_multi.sh $OUT verify
+#   source .gpu-kit/setup.sh; QEFFECT_GIT_REVISION=<rev> bash scripts/gpu_multi.sh $OUT timing audit profile
+#
+# verify:  pytest -m gpu (the 2-GPU NCCL tests included), then `qeffect verify-state` under torchrun
+#          (PP=2, NCCL) for reference, te x interleaved, zbv, captured-direct, 20 steps of h2048.
+# timing:  benchmarks/pipeline_timing.py for h4096.toml at PP=2 (native eager and captured-direct) and,
+#          with 4 GPUs, h4096-pp4.toml at PP=4; the --compare line when both ran.
+# audit:   qeffect audit-megatron at PP=2 x VPP=2 (the PP=1 report is already committed).
+# profile: qeffect profile under torchrun at PP=2 for h2048 and h4096 (te).
+# Logs go to a tarball (only 8 files come back), JSON reports to OUT; a summary of each step to stdout.
+set -u
+out=$1
+shift
+mkdir -p "$out"
+logs=$(mktemp -d)
+export PYTHONUNBUFFERED=1
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+echo "GPUs: $ngpu"
+step() {  # step <seconds> <log name> <command...>
+    local t=$1 name=$2
+    shift 2
+    echo "== $name: $*"
+    local t0=$SECONDS
+    timeout "$t" "$@" > "$logs/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+    grep -E "passed|failed|ERROR|Error|mismatch|PASS|FAIL|median|speedup|efficiency|graphs|x native|ms" \
+        "$logs/$name.log" | grep -v Warning | tail -25
+    return $rc
+}
+trun() { python3 -m torch.distributed.run --nproc-per-node "$1" --master-port "$2" "${@:3}"; }
+port=29611
+for part in "$@"; do
+case $part in
+verify)
+    step 200 pytest python3 -m pytest -m gpu -q -p no:cacheprovider
+    mkdir -p "$logs/verify"
+    for backend in reference te; do
+        for sched in interleaved zbv; do
+            port=$((port + 1))
+            step 100 "verify-$backend-$sched" trun 2 $port -m qeffect verify-state \
+                --config examples/configs/h2048.toml --backend $backend --schedule $sched --path captured-direct \
+                --steps 20 --json "$logs/verify/$backend-$sched.json"
+        done
+    done
+    python3 - "$logs/verify" "$out/verify-pp2-nccl-h2048-h200x2.json" <<'PY'
+import json, sys
+from pathlib import Path
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*.json"))}
+Path(sys.argv[2]).write_text(json.dumps({"kind": "verify-state under torchrun, PP=2, NCCL", "runs": runs}, indent=1))
+print("verify reports:", {k: v.get("passed") for k, v in runs.items()})
+PY
+    ;;
+timing)
+    for p in native captured-direct; do
+        port=$((port + 1))
+        flag=$([ $p = native ] && echo "--path eager --native" || echo "--path $p")
+        step 150 "timing-pp2-$p" trun 2 $port benchmarks/pipeline_timing.py --config examples/configs/h4096.toml \
+            $flag --out "$out/timing-h4096-pp2-$p-h200.json"
+        if [ "$ngpu" -ge 4 ]; then
+            port=$((port + 1))
+            step 150 "timing-pp4-$p" trun 4 $port benchmarks/pipeline_timing.py \
+                --config examples/configs/h4096-pp4.toml $flag --out "$out/timing-h4096-pp4-$p-h200.json"
+            python3 benchmarks/pipeline_timing.py --compare "$out/timing-h4096-pp2-$p-h200.json" \
+                "$out/timing-h4096-pp4-$p-h200.json"
+        fi
+    done
+    ;;
+audit)
+    step 400 audit python3 -m qeffect audit-megatron --pipeline 2x2 --json "$out/audit-megatron-pp2-h200.json" \
+        --log "$logs/audit-children.log"
+    ;;
+profile)
+    for cfg in h2048 h4096; do
+        port=$((port + 1))
+        step 280 "profile-$cfg-pp2" trun 2 $port -m qeffect profile --config examples/configs/$cfg.toml \
+            --steps 12 --warmup 3 --json "$out/profile-$cfg-pp2-te-h200x2.json"
+    done
+    ;;
+*)
+    echo "usage: gpu_multi.sh OUT verify|timing|audit|profile ..." >&2
+    exit 2
+    ;;
+esac
+done
+tar czf "$out/logs-$(echo "$@" | tr ' ' '-').tar.gz" -C "$logs" .
