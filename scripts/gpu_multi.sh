@@ -4,7 +4,7 @@
 #   source .gpu-kit/setup.sh; QEFFECT_GIT_REVISION=<rev> bash scripts/gpu_multi.sh $OUT verify
 #   source .gpu-kit/setup.sh; QEFFECT_GIT_REVISION=<rev> bash scripts/gpu_multi.sh $OUT timing audit profile
 #
-# verify:  pytest -m gpu (the 2-GPU NCCL tests included), then `qeffect verify-state` under torchrun
+# verify:  the 2-GPU NCCL tests (tests/test_verify_distributed.py -m gpu), then `qeffect verify-state` under torchrun
 #          (PP=2, NCCL) for reference, te x interleaved, zbv, captured-direct, 20 steps of h2048.
 # timing:  benchmarks/pipeline_timing.py for h4096.toml at PP=2 (native eager and captured-direct) and,
 #          with 4 GPUs, h4096-pp4.toml at PP=4; the --compare line when both ran.
@@ -31,17 +31,16 @@ step() {  # step <seconds> <log name> <command...>
         "$logs/$name.log" | grep -v Warning | tail -25
     return $rc
 }
-trun() { python3 -m torch.distributed.run --nproc-per-node "$1" --master-port "$2" "${@:3}"; }
 port=29611
 for part in "$@"; do
 case $part in
 verify)
-    step 200 pytest python3 -m pytest -m gpu -q -p no:cacheprovider
+    step 120 pytest python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_verify_distributed.py
     mkdir -p "$logs/verify"
     for backend in reference te; do
         for sched in interleaved zbv; do
             port=$((port + 1))
-            step 100 "verify-$backend-$sched" trun 2 $port -m qeffect verify-state \
+            step 100 "verify-$backend-$sched" python3 -m torch.distributed.run --nproc-per-node 2 --master-port $port -m qeffect verify-state \
                 --config examples/configs/h2048.toml --backend $backend --schedule $sched --path captured-direct \
                 --steps 20 --json "$logs/verify/$backend-$sched.json"
         done
@@ -58,11 +57,11 @@ timing)
     for p in native captured-direct; do
         port=$((port + 1))
         flag=$([ $p = native ] && echo "--path eager --native" || echo "--path $p")
-        step 150 "timing-pp2-$p" trun 2 $port benchmarks/pipeline_timing.py --config examples/configs/h4096.toml \
+        step 150 "timing-pp2-$p" python3 -m torch.distributed.run --nproc-per-node 2 --master-port $port benchmarks/pipeline_timing.py --config examples/configs/h4096.toml \
             $flag --out "$out/timing-h4096-pp2-$p-h200.json"
         if [ "$ngpu" -ge 4 ]; then
             port=$((port + 1))
-            step 150 "timing-pp4-$p" trun 4 $port benchmarks/pipeline_timing.py \
+            step 150 "timing-pp4-$p" python3 -m torch.distributed.run --nproc-per-node 4 --master-port $port benchmarks/pipeline_timing.py \
                 --config examples/configs/h4096-pp4.toml $flag --out "$out/timing-h4096-pp4-$p-h200.json"
             python3 benchmarks/pipeline_timing.py --compare "$out/timing-h4096-pp2-$p-h200.json" \
                 "$out/timing-h4096-pp4-$p-h200.json"
@@ -76,7 +75,7 @@ audit)
 profile)
     for cfg in h2048 h4096; do
         port=$((port + 1))
-        step 280 "profile-$cfg-pp2" trun 2 $port -m qeffect profile --config examples/configs/$cfg.toml \
+        step 280 "profile-$cfg-pp2" python3 -m torch.distributed.run --nproc-per-node 2 --master-port $port -m qeffect profile --config examples/configs/$cfg.toml \
             --steps 12 --warmup 3 --json "$out/profile-$cfg-pp2-te-h200x2.json"
     done
     ;;

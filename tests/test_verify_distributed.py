@@ -14,7 +14,9 @@ from launch import torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+# keep the caller's PYTHONPATH (on the GPU machine it names the site with pydantic, TE and the rest)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
 
 
 def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
