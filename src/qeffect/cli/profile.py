@@ -29,7 +29,8 @@ def render(report, console: Console) -> None:
     """Rich tables of a `ProfileReport`: timings, resources, GEMM floor and the M analysis."""
     cfg = report.config
     title = (f"profile: h{cfg['model']['hidden']}, pp {cfg['pipeline']['pp']} x {cfg['pipeline']['chunks_per_rank']} "
-             f"chunks, M {cfg['pipeline']['microbatches']}, {report.backend} on {report.device_name}; "
+             f"chunks, M {cfg['pipeline']['microbatches']}, {report.backend} on "
+             + (f"{report.world_size} x " if report.world_size > 1 else "") + f"{report.device_name}; "
              f"{report.warmup} warm-up + {report.steps} timed steps"
              + (f" (+ {report.trace_steps} traced)" if report.trace_steps else ""))
     t = Table(title=title)
@@ -61,6 +62,9 @@ def render(report, console: Console) -> None:
                       _num(c.replays_per_step, "{:.0f}"), _num(c.handoffs_per_step, "{:.0f}"), _mib(c.arena_bytes),
                       _num(c.capture_host_seconds, "{:.3f}"))
     console.print(r)
+    if report.world_size > 1:
+        console.print("under torchrun: memory columns are the maximum over ranks; graphs, replays, handoffs and "
+                      "arena are summed over ranks (by-rank values in the JSON)", highlight=False)
     for n in sorted({c.memory_note for c in report.configs if c.memory_note}):
         console.print(f"memory: {n}", highlight=False)
     f = report.floor
@@ -131,12 +135,21 @@ def profile(
     native eager, peak and persistent memory (CUDA), graphs, replays and handoffs per step, arena bytes,
     capture host time, and the ratio to the step's matrix-FLOP floor at the FP8 GEMM rate measured in
     the same run; with --trace N, a profiler summary of N more steps. Configurations this machine cannot run are reported as not run, with the reason.
+
+    Under torchrun (`torchrun --nproc-per-node P*D -m qeffect profile ...`), one pipeline rank per
+    process and GPU: every timed step ends with the device synchronized and a barrier of all ranks;
+    rank 0 prints and writes the report, with memory per rank and the floor split over the stages.
     """
     console = Console()
     if plot is not None:
         from qeffect.profile.plot import require_matplotlib
 
         require_matplotlib()
+    from qeffect.runtime.distributed import launched_by_torchrun
+
+    if report_in is None and launched_by_torchrun():
+        raise typer.Exit(_distributed(config, device, backend, steps, warmup, microbatches, configs, json_out, plot,
+                                      console, trace))
     if report_in is not None:
         report = _load(report_in)
     else:
@@ -172,6 +185,46 @@ def _run(config, device, backend, steps, warmup, microbatches, configs, json_out
         return run_profile(cfg, steps=steps, warmup=warmup, configs=names, microbatches=ms, command=command,
                            config_path=str(config) if config else None, trace_steps=trace,
                            progress=lambda msg: status.update(f"profiling: {msg}"))
+
+
+def _distributed(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console,
+                 trace) -> int:
+    """Under torchrun: the matrix with one pipeline rank per process; rank 0 renders and writes."""
+    import torch.distributed as dist
+
+    from qeffect.profile.distributed import refuse_single_process_options, run_profile_distributed
+    from qeffect.runtime.distributed import init_from_env
+
+    refuse_single_process_options(trace, microbatches)
+    names = [n.strip() for n in configs.split(",")] if configs is not None else None
+    cfg = config_from_cli(config, **{"train.device": device.value if device else None,
+                                     "fp8.backend": backend.value if backend else None})
+    init_from_env(cfg.train.device)
+    command = f"torchrun --nproc-per-node {dist.get_world_size()} " + _command(
+        config, device, backend, steps, warmup, None, configs, json_out, plot)
+    rank0 = dist.get_rank() == 0
+    try:
+        if rank0:
+            with console.status("profiling") as status:
+                report = run_profile_distributed(cfg, steps=steps, warmup=warmup, configs=names, command=command,
+                                                 config_path=str(config) if config else None,
+                                                 progress=lambda msg: status.update(f"profiling: {msg}"))
+        else:
+            report = run_profile_distributed(cfg, steps=steps, warmup=warmup, configs=names, command=command)
+    finally:
+        dist.barrier()
+    if rank0 and report is not None:
+        render(report, console)
+        if json_out:
+            write_json(json_out, report)
+            console.print(f"report: {json_out}")
+        if plot is not None:
+            from qeffect.profile.plot import write_plots
+
+            for p in write_plots(report, plot):
+                console.print(f"figure: {p}")
+    dist.destroy_process_group()
+    return 0
 
 
 def _load(path: Path):

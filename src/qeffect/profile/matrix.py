@@ -147,11 +147,13 @@ def _release(device: torch.device) -> None:
 
 
 def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.device, *, steps: int,
-                warmup: int, trace_steps: int = 0) -> None:
+                warmup: int, trace_steps: int = 0,
+                sync: Callable[[torch.device], None] = sync_device) -> None:
     """Build, warm up and time one configuration, filling `result` (status stays "ok").
 
     Then, with `trace_steps` > 0, trace that many more steps (after every statistic above is taken);
-    a trace that raises is recorded in `result.trace_error` and keeps the timings.
+    a trace that raises is recorded in `result.trace_error` and keeps the timings. `sync`: what
+    "synchronized" means (under torchrun: this device, then a barrier of every rank).
     """
     cuda = device.type == "cuda"
     _release(device)
@@ -160,10 +162,10 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
         result.baseline_allocated_bytes = torch.cuda.memory_allocated(device)
     else:
         result.memory_note = CPU_MEMORY_NOTE
-    sync_device(device)
+    sync(device)
     t0 = time.perf_counter()
     runner = make()
-    sync_device(device)
+    sync(device)
     result.build_seconds = time.perf_counter() - t0
     result.capture_host_seconds = runner.capture_host_seconds
     result.graph_count, result.graphs_per_rank = runner.graph_count, runner.graphs_per_rank
@@ -171,10 +173,10 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
 
     def one(i: int) -> float:
         data = runner.data(i)  # made (and moved to the device) before the timer starts
-        sync_device(device)
+        sync(device)
         t = time.perf_counter()
         loss = runner.step(data)
-        sync_device(device)
+        sync(device)
         dt = time.perf_counter() - t
         if loss is not None:
             result.losses.append(float(loss))

@@ -13,8 +13,8 @@ from pydantic import BaseModel, Field
 
 from qeffect.profile.flops import Floor, GemmRate, MatrixFlops
 
-SCHEMA_VERSION = 2  # 2: optional per-configuration `trace` (and `trace_error`)
-READABLE_SCHEMA_VERSIONS = (1, 2)  # a version 1 report is a version 2 one without traces
+SCHEMA_VERSION = 3  # 2: optional per-configuration `trace`; 3: `world_size` and per-rank memory (torchrun)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)  # older reports are newer ones of one process without traces
 Status = Literal["ok", "not run", "failed"]
 
 
@@ -115,6 +115,9 @@ class ConfigResult(BaseModel):
     peak_reserved_bytes: int | None = None
     persistent_growth_bytes_per_step: float | None = None
     memory_note: str | None = None
+    # under torchrun (world_size > 1): the fields above are the maximum over ranks, these are by rank
+    peak_allocated_bytes_by_rank: list[int] | None = None
+    persistent_growth_bytes_per_step_by_rank: list[float] | None = None
     # graphs
     graph_count: int | None = None
     graphs_per_rank: int | None = None
@@ -164,6 +167,7 @@ class ProfileReport(BaseModel):
     steps: int
     warmup: int
     trace_steps: int = 0  # profiled steps per configuration after the timed ones (0: no traces)
+    world_size: int = 1  # processes (one GPU each) under torchrun; 1: the single-process matrix
     matrix_flops: MatrixFlops
     gemm: list[GemmRate]
     floor: Floor

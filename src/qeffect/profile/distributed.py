@@ -1,0 +1,178 @@
+"""`qeffect profile` under torchrun: the configuration matrix with one pipeline rank per process (GPU).
+
+Every rank builds the same configuration, and every timed step starts and ends with this device
+synchronized and then a barrier of all ranks, so rank 0's step times are the pipeline's. Rank 0
+gathers each configuration's per-rank resources (peak memory and its growth, graphs, arena bytes)
+and writes one report. The TE anchor (`te-graphed`) is a single-process construction and is reported
+as not run; `--trace` and `--microbatches` are single-process analyses and are refused.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qeffect.config import RunConfig
+from qeffect.errors import UserError
+from qeffect.profile.flops import Floor, count_matrix_flops, floor_of, measure_gemm_rates
+from qeffect.profile.matrix import (
+    NATIVE,
+    TE_ANCHOR,
+    ConfigSpec,
+    _derive,
+    _device_name,
+    _release,
+    _te_imports,
+    check_inputs,
+    git_revision,
+    not_run_reason,
+    resolve_configs,
+    te_version,
+    time_runner,
+)
+from qeffect.profile.report import ConfigResult, ProfileReport
+from qeffect.profile.trace import sync_device
+from qeffect.runtime.build import dtype_of
+from qeffect.runtime.distributed import DistributedPipeline, check_world
+from qeffect.verify.state import synthetic_batches
+
+ANCHOR_NOT_RUN = ("single-process anchor (make_graphed_callables over every layer on one GPU); "
+                  "run `qeffect profile` without torchrun for it")
+
+
+def sync_all(device: torch.device) -> None:
+    """This device, then every rank: a step's time is the slowest rank's."""
+    sync_device(device)
+    dist.barrier()
+
+
+class DistributedRunner:
+    """This process's rank of a `DistributedPipeline` behind the profile `Runner` interface."""
+
+    def __init__(self, cfg: RunConfig, spec: ConfigSpec) -> None:
+        if spec.schedule is not None:
+            cfg = cfg.with_overrides(**{"pipeline.schedule": spec.schedule})
+        self.cfg = cfg
+        self.pipe = DistributedPipeline(cfg, native=spec.native, path=spec.path)
+        self.device = self.pipe.device
+        stats = self.pipe.manager.stats if self.pipe.manager is not None else None
+        self.graph_count = stats.graph_count if stats else 0
+        self.graphs_per_rank = self.graph_count
+        self.capture_host_seconds = stats.capture_host_seconds if stats else None
+        arena = getattr(self.pipe.rank, "arena", None)
+        self.arena_bytes = None if spec.native or arena is None else arena.nbytes
+
+    def data(self, step: int) -> Any:
+        # each data-parallel replica its own batches, made before the timer starts
+        return synthetic_batches(self.cfg, step + 1000 * self.pipe.topo.dp_rank, self.device)
+
+    def step(self, data: Any) -> torch.Tensor:
+        return self.pipe.step(data)
+
+    def counters(self) -> tuple[int, int]:
+        m = self.pipe.manager
+        return (0, 0) if m is None else (m.stats.replay_count, m.stats.handoffs)
+
+
+def merge_ranks(results: list[dict]) -> ConfigResult:
+    """Rank 0's timings and losses; resources summed (graphs, arena, replays) or maxed (memory, host time)."""
+    rs = [ConfigResult.model_validate(r) for r in results]
+    out = rs[0].model_copy(deep=True)
+
+    def nonnull(attr: str) -> list:
+        return [getattr(r, attr) for r in rs if getattr(r, attr) is not None]
+
+    for attr in ("peak_allocated_bytes", "peak_reserved_bytes", "persistent_growth_bytes_per_step",
+                 "capture_host_seconds", "build_seconds", "graphs_per_rank"):
+        vals = nonnull(attr)
+        setattr(out, attr, max(vals) if vals else None)
+    for attr in ("graph_count", "arena_bytes", "replays_per_step", "handoffs_per_step"):
+        vals = nonnull(attr)
+        setattr(out, attr, sum(vals) if vals else None)
+    if out.peak_allocated_bytes is not None:
+        out.peak_allocated_bytes_by_rank = [r.peak_allocated_bytes for r in rs]
+        out.persistent_growth_bytes_per_step_by_rank = [r.persistent_growth_bytes_per_step for r in rs]
+    if out.build_seconds is not None and out.first_step_seconds is not None:
+        out.setup_seconds = out.build_seconds + out.first_step_seconds
+    return out
+
+
+def pipeline_floor(floor: Floor, pp: int) -> Floor:
+    """The step's floor when its matrix work is split evenly over the `pp` stages of a replica (data-
+    parallel replicas each do a replica's work on their own GPUs)."""
+    return floor.model_copy(update={"seconds": floor.seconds / pp,
+                                    "seconds_layers_only": floor.seconds_layers_only / pp})
+
+
+def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
+                            configs: Sequence[str] | None = None, command: str = "",
+                            config_path: str | None = None,
+                            progress: Callable[[str], None] | None = None) -> ProfileReport | None:
+    """Run the matrix on every rank; rank 0 returns the report, the other ranks None.
+
+    A configuration that raises on one rank cannot be reported and skipped (its peers wait on it),
+    so the error ends the run, as any failure under torchrun does.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("run_profile_distributed needs an initialized process group (init_from_env)")
+    p = cfg.pipeline
+    check_world(p.pp, p.dp, dist.get_world_size())
+    specs = resolve_configs(configs)
+    device = check_inputs(cfg, specs, None, steps, warmup)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    rank0 = dist.get_rank() == 0
+    say = (progress or (lambda _msg: None)) if rank0 else (lambda _msg: None)
+    te_ok = _te_imports()
+    flops = count_matrix_flops(cfg)
+    say("measuring the FP8 GEMM rate on the model's shapes")
+    gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
+    floor = pipeline_floor(floor_of(gemm, flops), p.pp)
+    _release(device)
+    results: list[ConfigResult] = []
+    for spec in specs:
+        r = ConfigResult(name=spec.name, description=spec.description, status="ok", schedule=spec.schedule,
+                         path=spec.path)
+        reason = ANCHOR_NOT_RUN if spec.name == TE_ANCHOR else not_run_reason(spec, cfg, device, te_ok)
+        if reason is not None:
+            r.status, r.reason = "not run", reason
+            results.append(r)
+            continue
+        say(f"{spec.name}: build, {warmup} warm-up and {steps} timed steps on {dist.get_world_size()} ranks")
+        time_runner(r, lambda spec=spec: DistributedRunner(cfg, spec), device, steps=steps, warmup=warmup,
+                    sync=sync_all)
+        _release(device)
+        gathered: list[Any] = [None] * dist.get_world_size() if rank0 else []
+        dist.gather_object(r.model_dump(), gathered if rank0 else None, dst=0)
+        if rank0:
+            merged = merge_ranks(gathered)
+            merged.matrix_flops = flops.total
+            results.append(merged)
+        sync_all(device)
+    if not rank0:
+        return None
+    _derive(results, floor.seconds, floor.seconds_layers_only)
+    return ProfileReport(
+        command=command, git_revision=git_revision(),
+        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        device=device.type, device_name=_device_name(device), torch_version=torch.__version__,
+        te_version=te_version(), config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
+        steps=steps, warmup=warmup, trace_steps=0, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
+        resources=None, world_size=dist.get_world_size())
+
+
+def refuse_single_process_options(trace: int, microbatches: str | None) -> None:
+    """`--trace` and `--microbatches` analyse one process; under torchrun they are refused up front."""
+    if trace:
+        raise UserError("--trace: the profiler summary is single-process; run `qeffect profile --trace N` "
+                        "without torchrun")
+    if microbatches is not None:
+        raise UserError("--microbatches: the resource analysis over M is single-process; run it without torchrun")
+
+
+__all__ = ["NATIVE", "DistributedRunner", "merge_ranks", "pipeline_floor", "run_profile_distributed",
+           "refuse_single_process_options", "sync_all"]
