@@ -6,6 +6,8 @@
 #
 # verify:  the 2-GPU NCCL tests (tests/test_verify_distributed.py -m gpu), then `qeffect verify-state` under torchrun
 #          (PP=2, NCCL) for reference, te x interleaved, zbv, captured-direct, 20 steps of h2048.
+# dp:      data-parallel replicas bitwise identical after every step under NCCL, captured-direct, h2048:
+#          PP=1 x DP=2 on 2 GPUs, PP=2 x DP=2 on 4 (tests/test_distributed.py -m gpu).
 # timing:  benchmarks/pipeline_timing.py for h4096.toml at PP=2 (native eager and captured-direct) and,
 #          with 4 GPUs, h4096-pp4.toml at PP=4; the --compare line when both ran.
 # audit:   qeffect audit-megatron at PP=2 x VPP=2 (the PP=1 report is already committed).
@@ -53,6 +55,9 @@ Path(sys.argv[2]).write_text(json.dumps({"kind": "verify-state under torchrun, P
 print("verify reports:", {k: v.get("passed") for k, v in runs.items()})
 PY
     ;;
+dp)
+    step 200 pytest-dp python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_distributed.py
+    ;;
 timing)
     for p in native captured-direct; do
         port=$((port + 1))
@@ -80,7 +85,7 @@ profile)
     done
     ;;
 *)
-    echo "usage: gpu_multi.sh OUT verify|timing|audit|profile ..." >&2
+    echo "usage: gpu_multi.sh OUT verify|dp|timing|audit|profile ..." >&2
     exit 2
     ;;
 esac

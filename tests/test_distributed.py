@@ -71,3 +71,32 @@ def test_pp2_dp2_replicas_identical(tmp_path: Path) -> None:
     init = build_single_process(cfg, native=False)
     p0 = dict(init.ranks[0].chunks[0].named_parameters())["blocks.0.qkv.weight"]
     assert not bitwise_equal(p0.detach(), states[0]["state"]["s0.blocks.0.qkv.weight"])
+
+
+def _gpu_dp_replicas(tmp_path: Path, pp: int, dp: int, path: str) -> None:
+    """Issue 10 run 2 shape: NCCL, one GPU per process, h2048, captured; replicas equal after every step."""
+    steps = 5
+    env_root = Path(__file__).resolve().parent.parent
+    _torchrun(pp * dp, tmp_path, "--pp", str(pp), "--dp", str(dp), "--steps", str(steps), "--device", "cuda",
+              "--path", path, "--config", str(env_root / "examples/configs/h2048.toml"))
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(pp * dp)]
+    for res in states:
+        assert res["replicas_equal"] == [True] * steps
+        assert res["reductions_done"] == [True] * steps
+        assert res["reductions_run"] == steps
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA devices")
+def test_pp1_dp2_replicas_identical_nccl_captured(tmp_path: Path) -> None:
+    _gpu_dp_replicas(tmp_path, 1, 2, "captured-direct")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 4, reason="needs 4 CUDA devices (issue 10 run 2: PP=2 x DP=2)")
+def test_pp2_dp2_replicas_identical_nccl_captured(tmp_path: Path) -> None:
+    _gpu_dp_replicas(tmp_path, 2, 2, "captured-direct")

@@ -34,13 +34,17 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--config", default=None, help="run config TOML (default: the embedded tiny one)")
+    ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per process)")
+    ap.add_argument("--path", default="eager", help="eager, captured-copy or captured-direct (cuda)")
     a = ap.parse_args()
-    cfg = load_config().with_overrides(**{"pipeline.schedule": a.schedule, "pipeline.pp": a.pp, "pipeline.dp": a.dp})
-    init_from_env("cpu")
-    pipe = DistributedPipeline(cfg)
+    cfg = load_config(a.config).with_overrides(**{"pipeline.schedule": a.schedule, "pipeline.pp": a.pp,
+                                                  "pipeline.dp": a.dp, "train.device": a.device})
+    init_from_env(a.device)
+    pipe = DistributedPipeline(cfg, path=a.path)
     losses, replicas_equal, reductions_done = [], [], []
     for step in range(a.steps):
-        batches = synthetic_batches(cfg, step + 1000 * pipe.topo.dp_rank, "cpu")
+        batches = synthetic_batches(cfg, step + 1000 * pipe.topo.dp_rank, pipe.device)
         losses.append(pipe.step(batches))
         reductions_done.append(not pipe.reductions.pending())
         if a.dp > 1:  # every replica against dp-rank 0, bit for bit
@@ -50,7 +54,8 @@ def main() -> None:
                 dist.broadcast(ref, src=pipe.topo.pp_rank, group=pipe.dp_group)  # dp-rank 0 of this stage
                 ok &= torch.equal(ref, bits(t))
             replicas_equal.append(bool(ok))
-    torch.save({"losses": losses, "state": flat_state(pipe), "replicas_equal": replicas_equal,
+    state = {k: v.cpu() for k, v in flat_state(pipe).items()}
+    torch.save({"losses": [x.cpu() for x in losses], "state": state, "replicas_equal": replicas_equal,
                 "reductions_done": reductions_done, "e_W": pipe.rank.clock.e_W,
                 "reductions_run": pipe.reductions_run},
                f"{a.out}/rank{dist.get_rank()}.pt")

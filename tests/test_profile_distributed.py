@@ -1,0 +1,76 @@
+"""`qeffect profile` under torchrun (gloo on CPU, 2 processes): one pipeline rank per process, rank 0
+writes one report with memory and resources by rank; single-process analyses are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launch import torchrun
+from qeffect.profile.distributed import merge_ranks, pipeline_floor
+from qeffect.profile.flops import Floor
+from qeffect.profile.report import ConfigResult
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_profile_under_torchrun_writes_one_report(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    proc = _run(torchrun(2, "-m", "qeffect", "profile", "--steps", "2", "--warmup", "1",
+                         "--configs", "native-eager,qeffect-eager,captured-direct,te-graphed", "--json", str(out)),
+                tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["schema_version"] == 3 and r["world_size"] == 2 and r["command"].startswith("torchrun --nproc-per-node 2")
+    by = {c["name"]: c for c in r["configs"]}
+    for name in ("native-eager", "qeffect-eager"):
+        assert by[name]["status"] == "ok" and len(by[name]["step_seconds"]) == 2
+        assert len(by[name]["losses"]) == 3  # 1 warm-up + 2 timed, the all-reduced loss of the pipeline
+    # same model, same data: qeffect eager's losses are native's bit for bit (floats from the same tensor)
+    assert by["qeffect-eager"]["losses"] == by["native-eager"]["losses"]
+    assert by["captured-direct"]["status"] == "not run" and "CUDA" in by["captured-direct"]["reason"]
+    assert by["te-graphed"]["status"] == "not run" and "single-process" in by["te-graphed"]["reason"]
+    assert by["qeffect-eager"]["arena_bytes"] > 0
+    assert "2 x" in proc.stdout and proc.stdout.count("native-eager") >= 1  # rank 0 rendered, once
+    assert proc.stdout.count("profile: h64") == 1
+
+
+@pytest.mark.slow
+def test_profile_under_torchrun_refuses_trace(tmp_path: Path) -> None:
+    proc = _run(torchrun(2, "-m", "qeffect", "profile", "--steps", "1", "--trace", "1"), tmp_path)
+    assert proc.returncode != 0
+    assert "--trace" in proc.stderr + proc.stdout and "without torchrun" in proc.stderr + proc.stdout
+
+
+def test_merge_ranks_sums_resources_and_maxes_memory() -> None:
+    def res(peak: int, arena: int, growth: float) -> dict:
+        return ConfigResult(name="captured-direct", description="d", status="ok", step_seconds=[0.1, 0.2],
+                            warmup_seconds=[1.0], first_step_seconds=1.0, build_seconds=2.0 + peak,
+                            peak_allocated_bytes=peak, peak_reserved_bytes=peak + 1, graph_count=24,
+                            graphs_per_rank=24, arena_bytes=arena, replays_per_step=24.0, handoffs_per_step=48.0,
+                            persistent_growth_bytes_per_step=growth, capture_host_seconds=0.1 * peak).model_dump()
+
+    m = merge_ranks([res(5, 100, 0.0), res(7, 50, 3.0)])
+    assert m.step_seconds == [0.1, 0.2]  # rank 0's (every step ends with a barrier)
+    assert (m.peak_allocated_bytes, m.peak_reserved_bytes) == (7, 8)
+    assert m.peak_allocated_bytes_by_rank == [5, 7]
+    assert m.persistent_growth_bytes_per_step == 3.0 and m.persistent_growth_bytes_per_step_by_rank == [0.0, 3.0]
+    assert (m.graph_count, m.graphs_per_rank, m.arena_bytes) == (48, 24, 150)
+    assert (m.replays_per_step, m.handoffs_per_step) == (48.0, 96.0)
+    assert m.build_seconds == 9.0 and m.setup_seconds == 10.0
+
+
+def test_pipeline_floor_splits_over_stages() -> None:
+    f = pipeline_floor(Floor(seconds=8.0, seconds_layers_only=6.0, effective_tflops=1.0, peak_tflops=2.0), 4)
+    assert (f.seconds, f.seconds_layers_only, f.effective_tflops) == (2.0, 1.5, 1.0)
