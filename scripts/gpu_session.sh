@@ -35,7 +35,7 @@ offload_bench() {  # offload_bench <schedule>
 for part in "$@"; do
 case $part in
 verify)
-    step 140 pytest python3 -m pytest -m gpu -q -p no:cacheprovider
+    step 240 pytest python3 -m pytest -m gpu -q -p no:cacheprovider
     step 180 verify python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
         --backends reference,te --paths captured-copy,captured-direct --out "$out/verify"
     step 70 torchao python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \

@@ -190,3 +190,110 @@ def test_constructor_validation():
         GradientArena({"w": ((0, 3), torch.float32)}, microbatches=1)
     with pytest.raises(ValueError):
         GradientArena({"w": ((2,), "float32")}, microbatches=1)  # type: ignore[dict-item]
+
+
+# ------------------------------------------------------------------ accumulating layout
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FP32 = {"w": ((64,), torch.float32), "v": ((8, 8), torch.float32)}  # 256-byte regions: no padding
+
+
+def _grads(M, shape, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    # wide exponents, so that a different association would change the bits
+    return [(torch.randn(shape, generator=g) * 10.0 ** torch.randint(-4, 5, shape, generator=g)).to(dtype)
+            for _ in range(M)]
+
+
+def _accumulate(arena, name, grads):
+    for m, gm in enumerate(grads):
+        dest = arena.view(name, m)
+        arena.check_write(name, m, dest)
+        if arena.overwrites(m):
+            dest.copy_(gm)
+        else:
+            dest.add_(gm)
+        arena.record_write(name, m, dest)
+
+
+def test_accumulating_layout_one_region_per_parameter():
+    a = GradientArena(FP32, microbatches=4, accumulate=True)
+    b = GradientArena(FP32, microbatches=4)
+    assert a.nbytes * 4 == b.nbytes
+    for n in FP32:
+        ptrs = {a.view(n, m).data_ptr() for m in range(4)}
+        assert len(ptrs) == 1 and len(a.storage_views(n)) == 1 and len(b.storage_views(n)) == 4
+    assert [a.overwrites(m) for m in range(3)] == [True, False, False]
+    assert [b.overwrites(m) for m in range(3)] == [True, True, True]
+
+
+@settings(max_examples=25, deadline=None)
+@given(M=st.integers(1, 6), seed=st.integers(0, 2**31 - 1), bf16=st.booleans())
+def test_accumulating_sum_has_the_fixed_order_bits(M, seed, bf16):
+    """copy(g0); add(g1); ... in the region == the per-microbatch views summed in order m = 0..M-1.
+    With bf16 gradients (TE's wgrad) the mixed-dtype add is the exact cast-then-add."""
+    grads = _grads(M, (64,), seed, torch.bfloat16 if bf16 else torch.float32)
+    per_m = GradientArena({"w": ((64,), torch.float32)}, microbatches=M)
+    for m, gm in enumerate(grads):
+        per_m.view("w", m).copy_(gm)
+        per_m.record_write("w", m, per_m.view("w", m))
+    per_m.finalize()
+    acc = GradientArena({"w": ((64,), torch.float32)}, microbatches=M, accumulate=True)
+    _accumulate(acc, "w", grads)
+    acc.finalize()
+    assert torch.equal(acc.sum_microbatches("w"), per_m.sum_microbatches("w"))
+    cast_then_add = grads[0].float().clone()
+    for gm in grads[1:]:
+        cast_then_add += gm.float()
+    assert torch.equal(acc.sum_microbatches("w"), cast_then_add)
+
+
+def test_reversed_association_changes_bits():
+    """The oracle above can fail: the same gradients added in another order give other bits."""
+    grads = _grads(6, (64,), 3)
+    fwd, rev = grads[0].clone(), grads[-1].clone()
+    for gm in grads[1:]:
+        fwd += gm
+    for gm in reversed(grads[:-1]):
+        rev += gm
+    assert not torch.equal(fwd, rev)
+
+
+def test_accumulating_out_of_order_write_is_refused_before_it_lands():
+    a = GradientArena(FP32, microbatches=3, accumulate=True)
+    _accumulate(a, "w", _grads(1, (64,), 0))
+    before = a.view("w", 0).clone()
+    with pytest.raises(ArenaViolation) as e:
+        a.check_write("w", 2, a.view("w", 2))
+    assert e.value.relation == "out-of-order accumulation" and (e.value.expected, e.value.found) == (1, 2)
+    assert torch.equal(a.view("w", 0), before) and a.written == {("w", 0)}
+    with pytest.raises(ArenaViolation) as e:  # and a second dW(0) is a duplicate, as in the default layout
+        a.check_write("w", 0, a.view("w", 0))
+    assert e.value.relation == "duplicate write"
+
+
+def test_accumulating_write_into_another_parameter_is_aliased():
+    a = GradientArena(FP32, microbatches=2, accumulate=True)
+    with pytest.raises(ArenaViolation) as e:
+        a.record_write("w", 0, a.view("v", 0))
+    assert e.value.relation in ("aliased write", "wrong binding")
+    with pytest.raises(ArenaViolation) as e:  # a slice of w's own region is not w's view either
+        a.record_write("w", 0, a.view("w", 0)[:32])
+    assert e.value.relation == "wrong binding"
+
+
+def test_accumulating_epochs_overwrite_without_zeroing():
+    a = GradientArena({"w": ((64,), torch.float32)}, microbatches=2, accumulate=True)
+    first = _grads(2, (64,), 1)
+    _accumulate(a, "w", first)
+    a.finalize()
+    a.advance_epoch()
+    assert torch.equal(a.view("w", 0), first[0] + first[1])  # not zeroed: dW(0) overwrites
+    second = _grads(2, (64,), 2)
+    _accumulate(a, "w", second)
+    a.finalize()
+    assert torch.equal(a.sum_microbatches("w"), second[0] + second[1])
+    with pytest.raises(ArenaViolation) as e:
+        GradientArena({"w": ((64,), torch.float32)}, 2, accumulate=True).sum_microbatches("w")
+    assert e.value.relation == "sum before finalize"

@@ -465,3 +465,23 @@ def test_native_with_placement_keeps_zbv_placement_and_order(microbatches: int) 
         want = [(ActionKind.B if a.kind is ActionKind.DI else a.kind, a.stage, a.microbatch)
                 for a in sp if a.kind is not ActionKind.DW]
         assert [(a.kind, a.stage, a.microbatch) for a in nat] == want
+
+
+def test_dw_in_order_selects_the_accumulating_arena() -> None:
+    """Both split schedules run dW in microbatch order on every stage (so the pipeline accumulates in
+    place); a swapped dW order does not, and falls back to one arena view per microbatch."""
+    from qeffect.config import load_config
+    from qeffect.runtime.build import build_single_process, dw_in_order
+    from qeffect.verify.state import _swap_dw
+
+    for name in ("interleaved", "zbv"):
+        for m in (2, 4, 8, 16):
+            s = build_schedule(name, 2, 2, m)
+            assert all(dw_in_order(s, r) for r in range(s.pp)), (name, m)
+    cfg = load_config()
+    swapped = _swap_dw(build_schedule("interleaved", 2, 2, cfg.pipeline.microbatches))
+    assert not dw_in_order(swapped, 0)
+    pipe = build_single_process(cfg, native=False)
+    assert all(r.arena.accumulate for r in pipe.ranks)
+    per_m = build_single_process(cfg, native=False, accumulate=False)
+    assert [r.arena.nbytes for r in per_m.ranks] == [r.arena.nbytes * cfg.pipeline.microbatches for r in pipe.ranks]

@@ -16,6 +16,14 @@ yet :meth:`GradientArena.sum_microbatches` always sums in the fixed order ``m = 
 (``acc = view(0).clone(); acc += view(1); ...``). That is the order in which a reference that
 accumulates gradients microbatch by microbatch adds them, so every schedule order is bitwise equal to
 the reference.
+
+Accumulating layout (``accumulate=True``): one region per parameter; ``view(name, m)`` is that region
+for every ``m``. ``dW(0)`` overwrites it and ``dW(m > 0)`` adds into it, so the region holds the sum of
+the microbatch gradients so far, in the order they were written. The arena therefore requires that
+order to be ``m = 0, 1, ..., M-1`` per parameter (an out-of-order write is refused before it lands):
+the same bits as the fixed-order sum, with one region instead of ``M``, no sum pass, no zeroing and
+no per-step gradient allocation. A schedule whose ``dW`` order is not ascending uses the default
+layout. :meth:`GradientArena.overwrites` tells a ``dW`` whether to write or add.
 """
 
 from __future__ import annotations
@@ -45,12 +53,14 @@ class GradientArena:
         microbatches: int,
         device: str | torch.device = "cpu",
         name: str = "arena",
+        accumulate: bool = False,
     ) -> None:
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
         if not specs:
             raise ValueError("GradientArena needs at least one parameter spec")
         self.name = name
+        self.accumulate = accumulate
         self.device = torch.device(device)
         self.microbatches = microbatches
         self.specs: dict[str, Spec] = {}
@@ -71,7 +81,7 @@ class GradientArena:
             align = max(1, ALIGN_BYTES // itemsize)
             numel = math.prod(shape)
             off = sizes.get(dtype, 0)
-            for m in range(microbatches):
+            for m in range(1 if accumulate else microbatches):
                 off = -(-off // align) * align
                 offsets[(pname, m)] = (dtype, off, numel)
                 off += numel
@@ -85,9 +95,10 @@ class GradientArena:
         self._ranges: list[tuple[int, int, tuple[str, int]]] = []
         for (pname, m), (dt, off, numel) in offsets.items():
             v = self._buffers[dt][off : off + numel].view(self.specs[pname][0])
-            self._views[(pname, m)] = v
             start = v.data_ptr()
             self._ranges.append((start, start + numel * v.element_size(), (pname, m)))
+            for k in range(microbatches) if accumulate else (m,):
+                self._views[(pname, k)] = v
 
         self._written: set[tuple[str, int]] = set()
         self._epoch = 0
@@ -124,6 +135,14 @@ class GradientArena:
         """The fixed destination of ``dW`` for parameter ``name``, microbatch slot ``m``."""
         return self._lookup(name, m, "view")
 
+    def overwrites(self, m: int) -> bool:
+        """Whether ``dW(m)`` overwrites its view (True) or adds into it (accumulating layout, m > 0)."""
+        return not self.accumulate or m == 0
+
+    def storage_views(self, name: str) -> list[torch.Tensor]:
+        """The distinct tensors holding ``name``'s gradients: M views, or the one accumulating region."""
+        return [self._lookup(name, m, "storage_views") for m in range(1 if self.accumulate else self.microbatches)]
+
     def missing(self) -> list[tuple[str, int]]:
         """Views not written in this epoch, in layout order."""
         return [k for k in self._views if k not in self._written]
@@ -158,7 +177,8 @@ class GradientArena:
         self._require_usable(op, name, m)
         view = self._lookup(name, m, op)
         if _binding_mismatch(view, dest) is not None:
-            others = [k for k in self._overlapping(dest) if k != (name, m)]
+            others = [k for k in self._overlapping(dest)
+                      if (k[0] != name if self.accumulate else k != (name, m))]
             if others:
                 names = ", ".join(_vk(*k) for k in others)
                 raise ArenaViolation(
@@ -171,6 +191,13 @@ class GradientArena:
                 f"duplicate write for arena '{self.name}' view {_vk(name, m)}: expected exactly one write in "
                 f"epoch {self._epoch}, found a second write",
                 relation="duplicate write", key=(name, m), expected=1, found=2)
+        if self.accumulate:
+            done = sum((name, k) in self._written for k in range(self.microbatches))
+            if m != done:
+                raise ArenaViolation(
+                    f"out-of-order accumulation for arena '{self.name}' view {_vk(name, m)}: expected "
+                    f"microbatch {done} next (an accumulating arena adds m = 0, 1, ..., M-1 in order), found {m}",
+                    relation="out-of-order accumulation", key=(name, m), expected=done, found=m)
 
     def finalize(self) -> None:
         """Require every view written exactly once in this epoch (before the optimizer commit)."""
@@ -198,6 +225,8 @@ class GradientArena:
                 f"sum before finalize for arena '{self.name}' parameter {name}: expected a finalized epoch "
                 f"{self._epoch}, found {len(self.missing())} missing writes",
                 relation="sum before finalize", key=name, expected="finalized", found="not finalized")
+        if self.accumulate:  # the region already holds the sum, added in the order m = 0..M-1
+            return self._lookup(name, 0, "sum_microbatches")
         acc = self._lookup(name, 0, "sum_microbatches").clone()
         for m in range(1, self.microbatches):
             acc += self._views[(name, m)]
@@ -217,7 +246,7 @@ class GradientArena:
                 f"advance before finalize for arena '{self.name}': expected a finalized epoch "
                 f"{self._epoch}, found {len(self.missing())} missing writes",
                 relation="advance before finalize", key=None, expected="finalized", found="not finalized")
-        if zero:
+        if zero and not self.accumulate:  # an accumulating region is overwritten by dW(0)
             for b in self._buffers.values():
                 b.zero_()
         self._written.clear()

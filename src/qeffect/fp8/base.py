@@ -58,8 +58,9 @@ class ReferenceBackend:
     persistent_state: tuple[str, ...] = STATE_NAMES
     retained_object = "WgradWork list per matrix module (RefFP8Linear.wgrad_store, drained by pop_wgrad_work)"
     wgrad_destination = (
-        "compute_wgrad(work, out=view): any contiguous tensor of the weight's shape, dtype and device "
-        "(16-byte aligned on CUDA), overwritten (not accumulated); or a fresh tensor without out"
+        "compute_wgrad(work, out=view, accumulate=False): any contiguous tensor of the weight's shape, dtype "
+        "and device (16-byte aligned on CUDA), overwritten, or added into with accumulate=True; or a fresh "
+        "tensor without out"
     )
     cache_refresh = (
         "forward(x, is_first_microbatch=True) re-quantizes the weight (weight amax/scale update); "

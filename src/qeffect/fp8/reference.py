@@ -212,11 +212,16 @@ class RefFP8Linear(nn.Module):
         y = _FP8LinearFn.apply(x2d, self.weight, self.bias, self, cache.w_q, cache.w_q_t, cache.scale_inv)
         return y.reshape(*lead, self.out_features)
 
-    def compute_wgrad(self, work: WgradWork, out: Tensor | None = None) -> Tensor:
-        """`dW [out, in]` from retained work; with `out` it is written there (direct placement).
+    def compute_wgrad(self, work: WgradWork, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
+        """`dW [out, in]` from retained work; with `out` it is written there (direct placement), or
+        added into it with `accumulate` (the accumulating arena).
 
         Touches no scaling state, so it may run at any time after `dI` and in any order.
         """
+        if accumulate:
+            if out is None:
+                raise ValueError("compute_wgrad(accumulate=True) needs out")
+            return out.add_(self.compute_wgrad(work))
         return fp8_mm(
             work.dy_q_t, work.dy_scale_inv, work.x_q_t, work.x_scale_inv, self.weight.dtype, out=out
         )

@@ -384,8 +384,9 @@ def te_linear_class() -> type[nn.Module]:
             """Handles for the wgrad GEMMs queued since the last call (one per delayed backward)."""
             return self._fifo.pop_pending()
 
-        def compute_wgrad(self, work: TEWgradWork, out: Tensor | None = None) -> Tensor:
-            """Run the oldest queued wgrad GEMM (must be `work`); write `dW` into `out` or return it (fp32)."""
+        def compute_wgrad(self, work: TEWgradWork, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
+            """Run the oldest queued wgrad GEMM (must be `work`); write `dW` into `out` (or, `accumulate`,
+            add it: one mixed-dtype add, the bits of casting to fp32 and then adding) or return it (fp32)."""
             self._fifo.check_next(work)
             if out is not None and (
                 out.shape != self.weight.shape or out.dtype != self.weight.dtype or out.device != self.weight.device
@@ -398,7 +399,10 @@ def te_linear_class() -> type[nn.Module]:
             self._fifo.consume(work)
             if out is None:
                 return wgrad.to(self.weight.dtype)
-            out.copy_(wgrad)
+            if accumulate:
+                out.add_(wgrad)
+            else:
+                out.copy_(wgrad)
             return out
 
         def discard_wgrad_work(self) -> int:
@@ -434,7 +438,8 @@ class TEBackend:
         "handle per dI, compute_wgrad drains them in dI order"
     )
     wgrad_destination = (
-        "compute_wgrad(work, out=view): a tensor of the weight's shape, dtype (fp32) and device, overwritten "
+        "compute_wgrad(work, out=view, accumulate=False): a tensor of the weight's shape, dtype (fp32) and device, "
+        "overwritten, or added into with accumulate=True "
         "with the bf16 wgrad GEMM output (copy); or a fresh fp32 tensor without out"
     )
     cache_refresh = (

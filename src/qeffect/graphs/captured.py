@@ -132,7 +132,8 @@ class CapturedStageActions(StageActions):
                 for name, lin in self._matrix.items():
                     pname = self._matrix_param[name]
                     if self.direct:
-                        grads[pname] = lin.compute_wgrad(self._work[m][name], out=self._view(name, m))
+                        grads[pname] = lin.compute_wgrad(self._work[m][name], out=self._view(name, m),
+                                                         accumulate=not self.arena.overwrites(m))
                     else:
                         grads[pname] = lin.compute_wgrad(self._work[m][name])
                 return grads, self._tok[m] + 1

@@ -20,7 +20,7 @@ from qeffect.fp8 import get_backend
 from qeffect.model import GPTShape
 from qeffect.model.gpt import StageChunk
 from qeffect.profile.report import ResourceRow
-from qeffect.runtime.build import recipe_of
+from qeffect.runtime.build import dw_in_order, recipe_of
 from qeffect.schedule import Schedule, build_schedule, max_live_tapes, max_pending_dw
 from qeffect.stage.actions import arena_name
 
@@ -65,7 +65,8 @@ def arena_bytes_per_rank(schedule: Schedule, specs: dict[int, dict[str, Spec]], 
         rank_specs: dict[str, Spec] = {}
         for s in schedule.stages_of(rank):
             rank_specs.update(specs[s])
-        out.append(GradientArena(rank_specs, microbatches, device="meta").nbytes)
+        out.append(GradientArena(rank_specs, microbatches, device="meta",
+                                 accumulate=dw_in_order(schedule, rank)).nbytes)
     return out
 
 

@@ -49,18 +49,32 @@ def build_chunks_for(cfg: RunConfig, device: str | torch.device) -> list[torch.n
                         dtype=dtype_of(cfg), head=cfg.fp8.head)
 
 
+def dw_in_order(schedule: Schedule, rank: int) -> bool:
+    """Whether every stage of `rank` runs dW for m = 0, 1, ..., M-1 in that order: the condition for
+    the accumulating gradient arena (one region per parameter, dW(m > 0) adds into it)."""
+    order: dict[int, list[int]] = {}
+    for a in schedule.programs[rank]:
+        if a.kind is ActionKind.DW:
+            order.setdefault(a.stage, []).append(a.microbatch)
+    return all(ms == list(range(len(ms))) for ms in order.values())
+
+
 def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: list[torch.nn.Module], *,
                native: bool, direct: bool = True, fixed_order_sum: bool = True, reductions=None,
                manager: GraphManager | None = None, capture: bool = True,
-               offload: OffloadManager | None = None) -> BaseRank:
+               offload: OffloadManager | None = None, accumulate: bool | None = None) -> BaseRank:
+    """`accumulate`: the gradient arena's layout (None: accumulating when `dw_in_order`, and never with
+    the deliberately wrong `fixed_order_sum=False`, which needs one view per microbatch)."""
     owned = {s: chunks[s] for s in schedule.stages_of(rank)}
+    if accumulate is None:
+        accumulate = fixed_order_sum and dw_in_order(schedule, rank)
     p, mc = cfg.pipeline, cfg.model
     if native:
         return NativeRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim)
     activation = ((mc.microbatch_size, mc.seq_len, mc.hidden), dtype_of(cfg))
     r = QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
                     fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
-                    activation=activation, offload=offload)
+                    activation=activation, offload=offload, accumulate=accumulate)
     if manager is not None and capture and offload is None:
         r.capture(mc.microbatch_size, mc.seq_len)
     return r
@@ -77,7 +91,8 @@ def check_path(path: str, device: str | torch.device, offload: str = "off") -> N
 
 def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
                          fixed_order_sum: bool = True, device: str | torch.device | None = None,
-                         path: ActionPath = "eager", capture: bool = True) -> SingleProcessPipeline:
+                         path: ActionPath = "eager", capture: bool = True,
+                         accumulate: bool | None = None) -> SingleProcessPipeline:
     """All ranks of the configured pipeline in this process, parameters from `cfg.train.seed`.
 
     `path`: "eager" runs the checked actions eagerly; "captured-copy" / "captured-direct" capture every
@@ -97,7 +112,7 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
         if offload_mode != "off":
             offload = make_offload_manager(offload_mode, device)
     ranks = [build_rank(cfg, schedule, r, chunks, native=native, direct=direct, fixed_order_sum=fixed_order_sum,
-                        manager=manager, capture=capture, offload=offload)
+                        manager=manager, capture=capture, offload=offload, accumulate=accumulate)
              for r in range(schedule.pp)]
     pipe = SingleProcessPipeline(ranks, schedule)
     pipe.manager = manager

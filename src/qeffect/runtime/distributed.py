@@ -189,7 +189,7 @@ class DistributedPipeline:
         if isinstance(self.rank, QEffectRank):
             for s, chunk in self.rank.chunks.items():
                 for pname in chunk.matrix_params():
-                    grads += [self.rank.arena.view(arena_name(s, pname), m) for m in range(self.rank.microbatches)]
+                    grads += self.rank.arena.storage_views(arena_name(s, pname))
                 grads += [p.grad for p in chunk.nonmatrix_params().values() if p.grad is not None]
         else:
             grads = [p.grad for c in self.rank.chunks.values() for p in c.parameters() if p.grad is not None]

@@ -124,7 +124,7 @@ class QEffectRank(BaseRank):
                  optim: OptimConfig, *, direct: bool = True, tape_capacity: int | None = None,
                  reductions: ReductionTracker | None = None, fixed_order_sum: bool = True,
                  manager: GraphManager | None = None, activation: tuple[tuple[int, ...], torch.dtype] | None = None,
-                 offload: OffloadManager | None = None) -> None:
+                 offload: OffloadManager | None = None, accumulate: bool = False) -> None:
         super().__init__(rank, chunks, num_stages, microbatches, optim)
         device = next(next(iter(self.chunks.values())).parameters()).device
         self.clock = EpochClock()
@@ -133,7 +133,8 @@ class QEffectRank(BaseRank):
         for s, chunk in self.chunks.items():
             for pname, p in chunk.matrix_params().items():
                 specs[arena_name(s, pname)] = (tuple(p.shape), p.dtype)
-        self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena")
+        self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena",
+                                   accumulate=accumulate)
         self.reductions = reductions or ReductionTracker()
         self.barrier = CommitBarrier(self.clock, [self.pool], [self.arena], self.reductions)
         if manager is None:
@@ -185,10 +186,19 @@ class QEffectRank(BaseRank):
             act.capture(self.microbatches, microbatch_size, seq_len)
 
     def matrix_grad_prefix(self, stage: int, upto: int) -> dict[str, torch.Tensor]:
-        """Microbatch gradients 0..upto of a stage summed in fixed order (what `.grad` holds in the reference)."""
+        """Microbatch gradients 0..upto of a stage summed in fixed order (what `.grad` holds in the reference).
+
+        An accumulating arena holds only the running sum: `upto` must be the last microbatch written."""
         out = {}
         for pname in self.chunks[stage].matrix_params():
             name = arena_name(stage, pname)
+            if self.arena.accumulate:
+                written = sorted(k for (n, k) in self.arena.written if n == name)
+                if written != list(range(upto + 1)):
+                    raise ValueError(f"{name}: the accumulating arena holds the sum over microbatches "
+                                     f"{written}, not 0..{upto}")
+                out[pname] = self.arena.view(name, upto).clone()
+                continue
             acc = self.arena.view(name, 0).clone()
             for k in range(1, upto + 1):
                 acc += self.arena.view(name, k)

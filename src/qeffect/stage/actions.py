@@ -190,7 +190,8 @@ class StageActions:
             for name, lin in self._matrix.items():
                 pname = self._matrix_param[name]
                 if self.direct:
-                    grads[pname] = lin.compute_wgrad(work[name], out=dests[pname])
+                    grads[pname] = lin.compute_wgrad(work[name], out=dests[pname],
+                                                     accumulate=not self.arena.overwrites(m))
                     self.arena.record_write(arena_name(self.stage, pname), m, dests[pname])
                 else:
                     grads[pname] = lin.compute_wgrad(work[name])
@@ -228,7 +229,11 @@ class StageActions:
         for pname, g in grads.items():
             name = arena_name(self.stage, pname)
             view = self.arena.view(name, m)
-            view.copy_(g)
+            self.arena.check_write(name, m, view)  # refused before it lands (an accumulating arena: m order)
+            if self.arena.overwrites(m):
+                view.copy_(g)
+            else:
+                view.add_(g)
             self.arena.record_write(name, m, view)
 
     def _view(self, linear_name: str, m: int) -> torch.Tensor:

@@ -330,7 +330,9 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
     device = cfg.train.device
     native = build_single_process(cfg, native=True, device=device)
     qeff = build_single_process(cfg, native=False, direct=(path != "captured-copy"), device=device,
-                                fixed_order_sum=(injection != "swap-dw"), path=path)
+                                fixed_order_sum=(injection != "swap-dw"), path=path,
+                                # the swapped dW order needs one arena view per microbatch
+                                accumulate=False if injection in ("swap-dw", "swap-dw-fixed") else None)
     if injection in ("swap-dw", "swap-dw-fixed"):
         if cfg.pipeline.microbatches < 3:
             raise ValueError("the swap-dw injection needs at least 3 microbatches")
