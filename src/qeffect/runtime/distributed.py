@@ -194,7 +194,12 @@ class DistributedPipeline:
         else:
             grads = [p.grad for c in self.rank.chunks.values() for p in c.parameters() if p.grad is not None]
         for g in grads:
-            dist.all_reduce(g, group=self.dp_group)
+            if g.is_contiguous():
+                dist.all_reduce(g, group=self.dp_group)
+            else:  # NCCL reduces contiguous buffers only (a captured graph may leave a strided gradient)
+                c = g.contiguous()
+                dist.all_reduce(c, group=self.dp_group)
+                g.copy_(c)
             g.div_(self.topo.dp)
         self._merge_fp8_state()
         self.reductions.finish(handle)
