@@ -194,12 +194,7 @@ class DistributedPipeline:
         else:
             grads = [p.grad for c in self.rank.chunks.values() for p in c.parameters() if p.grad is not None]
         for g in grads:
-            if g.is_contiguous():
-                dist.all_reduce(g, group=self.dp_group)
-            else:  # NCCL reduces contiguous buffers only (a captured graph may leave a strided gradient)
-                c = g.contiguous()
-                dist.all_reduce(c, group=self.dp_group)
-                g.copy_(c)
+            _all_reduce(g, dist.ReduceOp.SUM, self.dp_group)
             g.div_(self.topo.dp)
         self._merge_fp8_state()
         self.reductions.finish(handle)
@@ -216,9 +211,9 @@ class DistributedPipeline:
         for chunk in self.rank.chunks.values():
             for name, t in chunk.fp8_state().items():
                 if "amax" in name:
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+                    _all_reduce(t, dist.ReduceOp.MAX, self.dp_group)
                 elif "scale" in name:
-                    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dp_group)
+                    _all_reduce(t, dist.ReduceOp.MIN, self.dp_group)
 
     def commit(self, before_step: Callable[[], None] | None = None) -> None:
         """Data-parallel reduction, then the rank's commit (`before_step` runs with the gradients AdamW
@@ -230,6 +225,17 @@ class DistributedPipeline:
         loss = self.run_actions(batches, observer)
         self.commit()
         return loss
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> None:
+    """In place, also for a strided view (TE's per-GEMM amax history column): NCCL reduces contiguous
+    buffers only, so a strided tensor goes through a contiguous copy."""
+    if t.is_contiguous():
+        dist.all_reduce(t, op=op, group=group)
+        return
+    c = t.contiguous()
+    dist.all_reduce(c, op=op, group=group)
+    t.copy_(c)
 
 
 def _local_rank() -> int:
