@@ -7,7 +7,8 @@
 # verify:  the 2-GPU NCCL tests (tests/test_verify_distributed.py -m gpu), then `qeffect verify-state` under torchrun
 #          (PP=2, NCCL) for reference, te x interleaved, zbv, captured-direct, 20 steps of h2048.
 # dp:      data-parallel replicas bitwise identical after every step under NCCL, captured-direct, h2048:
-#          PP=1 x DP=2 on 2 GPUs, PP=2 x DP=2 on 4 (tests/test_distributed.py -m gpu).
+#          PP=1 x DP=2 on 2 GPUs, PP=2 x DP=2 on 4 (tests/test_distributed.py -m gpu); with 4 GPUs also
+#          verify-state at PP=2 x DP=2 (h2048-pp2-dp2.toml) against native eager, replicas and reductions.
 # timing:  benchmarks/pipeline_timing.py for h4096.toml at PP=2 (native eager and captured-direct) and,
 #          with 4 GPUs, h4096-pp4.toml at PP=4; the --compare line when both ran.
 # audit:   qeffect audit-megatron at PP=2 x VPP=2 (the PP=1 report is already committed).
@@ -57,6 +58,19 @@ PY
     ;;
 dp)
     step 200 pytest-dp python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_distributed.py
+    if [ "$ngpu" -ge 4 ]; then  # run 2: PP=2 x DP=2 against native eager, replicas and reductions checked
+        mkdir -p "$logs/verify-dp"
+        for backend in reference te; do
+            for sched in interleaved zbv; do
+                port=$((port + 1))
+                step 120 "verify-dp2-$backend-$sched" python3 -m torch.distributed.run --nproc-per-node 4 \
+                    --master-port $port -m qeffect verify-state --config examples/configs/h2048-pp2-dp2.toml \
+                    --backend $backend --schedule $sched --path captured-direct --steps 20 \
+                    --json "$logs/verify-dp/$backend-$sched.json"
+            done
+        done
+        python3 -c "import json,sys,pathlib; d={p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob('*.json'))}; pathlib.Path(sys.argv[2]).write_text(json.dumps({'kind': 'verify-state under torchrun, PP=2 x DP=2, NCCL', 'runs': d}, indent=1)); print({k: v['passed'] for k, v in d.items()})" "$logs/verify-dp" "$out/verify-pp2-dp2-nccl-h2048-h200x4.json"
+    fi
     ;;
 timing)
     for p in native captured-direct; do

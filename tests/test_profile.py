@@ -439,6 +439,12 @@ def test_summarize_cpu_self_times_by_hand() -> None:
     ("void at::native::vectorized_elementwise_kernel<4, direct_copy_kernel_cuda, float>", "copy"),
     ("void at::native::vectorized_elementwise_kernel<4, BinaryFunctor<float, MulFunctor<float>>>", "elementwise"),
     ("void at::native::elementwise_kernel<128, 2, broadcast_add>", "elementwise"),
+    # a bf16 gradient added into an fp32 accumulator, and a bf16 -> fp32 copy: not FP8 casts
+    ("void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>, 4, "
+     "TrivialOffsetCalculator<2, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, "
+     "at::native::memory::LoadWithCast<2>, at::native::memory::StoreWithCast<1> >", "elementwise"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+     "::{lambda()#3}::operator()() const, memory::LoadWithCast<1>, memory::StoreWithCast<1> >", "copy"),
     ("aten::mm", "gemm"),
     ("aten::mul", "other"),
     ("void some_custom_kernel<float>", "other"),

@@ -51,11 +51,33 @@ def test_injected_scale_is_caught(tmp_path: Path) -> None:
     assert d["step"] == 1 and d["rank"] == 0  # stage 0 lives on rank 0; the scale was doubled at step 1
 
 
-def test_data_parallel_is_refused(tmp_path: Path) -> None:
-    proc = _run(torchrun(4, "-m", "qeffect", "verify-state", "--steps", "1", "--config",
-                         str(_dp2(tmp_path))), tmp_path)
-    assert proc.returncode != 0
-    assert "pipeline.dp = 1" in proc.stderr
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_pp2_dp2_is_bitwise_equal_with_replicas_identical(tmp_path: Path, schedule: str) -> None:
+    """Issue 10 run 2 on CPU (gloo, 4 processes): PP=2 x DP=2 against native eager with the same mapping;
+    replicas identical to data-parallel rank 0 after every step, one reduction finished per commit."""
+    out = tmp_path / "report.json"
+    proc = _run(torchrun(4, "-m", "qeffect", "verify-state", "--steps", "3", "--schedule", schedule,
+                         "--config", str(_dp2(tmp_path)), "--json", str(out)), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["passed"] and (r["pp"], r["dp"], r["world_size"]) == (2, 2, 4)
+    by = {c["category"]: c for c in r["categories"]}
+    assert set(by) == {"loss", "parameter_gradients", "parameters", "optimizer_state", "fp8_state",
+                       "replicas", "reductions"}
+    assert all(c["compared"] > 0 and c["mismatches"] == 0 for c in by.values())
+    assert by["reductions"]["compared"] == 4 * 3
+
+
+def test_desynchronized_replica_is_caught(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    proc = _run(torchrun(4, str(ROOT / "tests/dist/run_verify.py"), "--steps", "3", "--dp", "2",
+                         "--inject", "desync-replica", "--out", str(out)), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert not r["passed"]
+    by = {c["category"]: c["mismatches"] for c in r["categories"]}
+    assert by["replicas"] > 0 and by["parameters"] > 0
+    assert r["first_divergence"]["step"] == 1
 
 
 def _dp2(tmp_path: Path) -> Path:

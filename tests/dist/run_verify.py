@@ -17,9 +17,10 @@ def main() -> None:
     ap.add_argument("--schedule", default="interleaved")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--inject", default=None)
+    ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    cfg = load_config().with_overrides(**{"pipeline.schedule": a.schedule})
+    cfg = load_config().with_overrides(**{"pipeline.schedule": a.schedule, "pipeline.dp": a.dp})
     init_from_env("cpu")
     report = run_verify_distributed(cfg, steps=a.steps, injection=a.inject)
     if dist.get_rank() == 0:

@@ -41,11 +41,12 @@ GPU_BOUND_IDLE = 0.10  # a step whose GPU idles less than this fraction of the w
 # "fp8-cast/amax"; FP8 casts are elementwise/copy kernels templated on Float8 types, so that bucket comes
 # before "copy" and "elementwise"; "vectorized_layer_norm_kernel" is a norm, not an elementwise kernel;
 # torch's copies run inside "vectorized_elementwise_kernel<..., direct_copy_kernel...>", so "copy" is
-# tried before "elementwise". `(?<!broad)cast` keeps "broadcast" out of the cast bucket. The aten names
+# tried before "elementwise". `(?<!broad)(?<!With)cast` keeps "broadcast" and torch's dtype-converting
+# loaders ("memory::LoadWithCast", "StoreWithCast": a bf16 -> fp32 add or copy) out of the cast bucket. The aten names
 # in "gemm" are for CPU traces, whose ops are not kernels.
 CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = tuple((name, re.compile(rx, re.IGNORECASE)) for name, rx in (
     ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|gemv|_scaled_mm|cublas|^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$"),
-    ("fp8-cast/amax", r"fp8|float8|amax|(?<!broad)cast|quantiz|e4m3|e5m2"),
+    ("fp8-cast/amax", r"fp8|float8|amax|(?<!broad)(?<!With)cast|quantiz|e4m3|e5m2"),
     ("norm/softmax/attention", r"norm|softmax|flash|attention|fmha"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("reduction", r"reduce"),

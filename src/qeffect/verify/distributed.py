@@ -6,7 +6,9 @@ runs the native reference to its commit, then the qeffect mode to its commit, on
 batches (replica d gets batch sequence `step + 1000 d`, as the distributed tests do). After each step
 every rank compares, for the chunks it owns: the step loss, every parameter gradient as loaded for
 AdamW (after the data-parallel reduction), every parameter, the AdamW state and the FP8 scaling state.
-Counts are summed over ranks; the earliest divergence is reported. The per-action comparison of the
+With data parallelism (`pipeline.dp` > 1), also every replica's parameters, AdamW and FP8 state
+against data-parallel rank 0 of its stage ("replicas"), and that the commit barrier ran one tracked
+reduction per step ("reductions"). Counts are summed over ranks; the earliest divergence is reported. The per-action comparison of the
 single-process verify (activations, input gradients, cache epochs after each action) needs every
 stage in one process and is not repeated here.
 """
@@ -24,10 +26,11 @@ from pydantic import BaseModel
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
 from qeffect.runtime.distributed import DistributedPipeline
-from qeffect.verify.state import CategoryResult, bitwise_equal, grad_capture, synthetic_batches
+from qeffect.verify.state import CategoryResult, bits, bitwise_equal, grad_capture, synthetic_batches
 
 CATEGORIES = ("loss", "parameter_gradients", "parameters", "optimizer_state", "fp8_state")
-Injection = Literal["perturb-scale"]
+DP_CATEGORIES = ("replicas", "reductions")  # only with pipeline.dp > 1
+Injection = Literal["perturb-scale", "desync-replica"]
 
 
 class RankDivergence(BaseModel):
@@ -73,24 +76,34 @@ def _state(pipe: DistributedPipeline) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def _first_replica_bits(pipe: DistributedPipeline, t: torch.Tensor) -> torch.Tensor:
+    """The bits of `t` as data-parallel rank 0 of this stage (global rank `pp_rank`) holds it."""
+    b = bits(t).clone()
+    dist.broadcast(b, src=pipe.topo.pp_rank, group=pipe.dp_group)
+    return b
+
+
 def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                            injection: Injection | None = None,
                            progress: Callable[[int, float], None] | None = None) -> DistVerifyReport:
     """Both pipelines in this process group; every rank returns the same report."""
     if not dist.is_initialized():
         raise RuntimeError("run_verify_distributed needs an initialized process group (init_from_env)")
-    if cfg.pipeline.dp != 1:
-        raise UserError(f"verify-state under torchrun compares pipeline ranks (pipeline.dp = 1); got pipeline.dp = "
-                        f"{cfg.pipeline.dp}: data-parallel averaging of per-microbatch views and of summed "
-                        "gradients associate differently (replica equality is checked by the distributed tests)")
     if injection == "perturb-scale" and cfg.fp8.backend != "reference":
         raise UserError("--inject perturb-scale: only for the reference backend")
+    if injection == "desync-replica" and cfg.pipeline.dp < 2:
+        raise UserError("--inject desync-replica: needs pipeline.dp >= 2")
     t0 = time.perf_counter()
     native = DistributedPipeline(cfg, native=True)
     qeff = DistributedPipeline(cfg, path=path)
+    if cfg.pipeline.dp > 1 and not getattr(getattr(qeff.rank, "arena", None), "accumulate", False):
+        raise UserError(f"pipeline.dp = {cfg.pipeline.dp} needs the accumulating gradient arena (a schedule that "
+                        "runs dW in microbatch order): data-parallel averaging of per-microbatch views and of "
+                        "summed gradients associate differently")
     me = dist.get_rank()
-    compared = dict.fromkeys(CATEGORIES, 0)
-    mismatched = dict.fromkeys(CATEGORIES, 0)
+    categories = CATEGORIES + (DP_CATEGORIES if cfg.pipeline.dp > 1 else ())
+    compared = dict.fromkeys(categories, 0)
+    mismatched = dict.fromkeys(categories, 0)
     first: RankDivergence | None = None
     losses: list[float] = []
 
@@ -111,6 +124,11 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
             lin = next(iter(qeff.rank.chunks[0].matrix_linears().values()))
             with torch.no_grad():
                 lin.input_scale.mul_(2.0)
+        if injection == "desync-replica" and step == 1 and qeff.topo.dp_rank == 1:
+            # one replica's parameter drifts (as a skipped reduction would leave it): replicas must differ
+            p0 = next(iter(next(iter(qeff.rank.chunks.values())).parameters()))
+            with torch.no_grad():
+                p0.view(-1)[0] += 1.0
         grads: dict[str, torch.Tensor] = {}
         loss = qeff.run_actions(batches)
         qeff.commit(before_step=grad_capture(qeff.rank, grads))
@@ -121,11 +139,17 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
         for category in ("parameters", "optimizer_state", "fp8_state"):
             for name in sorted(set(ref_state[category]) | set(state[category])):
                 check(step, category, name, ref_state[category].get(name), state[category].get(name))
+        if cfg.pipeline.dp > 1:
+            for category in ("parameters", "optimizer_state", "fp8_state"):
+                for name, t in sorted(state[category].items()):
+                    check(step, "replicas", f"{category}:{name}", _first_replica_bits(qeff, t), bits(t))
+            done = torch.tensor(float(qeff.reductions_run == step + 1 and not qeff.reductions.pending()))
+            check(step, "reductions", f"one reduction finished before commit {step}", torch.tensor(1.0), done)
         losses.append(float(loss))
         if progress is not None:
             progress(step, float(loss))
 
-    counts = torch.tensor([[compared[c], mismatched[c]] for c in CATEGORIES], dtype=torch.int64,
+    counts = torch.tensor([[compared[c], mismatched[c]] for c in categories], dtype=torch.int64,
                           device=qeff.device)
     dist.all_reduce(counts)
     firsts: list[RankDivergence | None] = [None] * dist.get_world_size()
@@ -138,7 +162,7 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
         dist.all_gather_object(box, qeff.manager.stats.graph_count)
         graphs = box
     cats = [CategoryResult(category=c, compared=int(counts[i, 0]), mismatches=int(counts[i, 1]))
-            for i, c in enumerate(CATEGORIES)]
+            for i, c in enumerate(categories)]
     expected = 3 * cfg.pipeline.microbatches * cfg.pipeline.chunks_per_rank
     passed = (all(c.mismatches == 0 and c.compared > 0 for c in cats)
               and (graphs is None or all(g == expected for g in graphs)))
