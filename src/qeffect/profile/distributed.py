@@ -23,14 +23,14 @@ from qeffect.profile.matrix import (
     NATIVE,
     TE_ANCHOR,
     ConfigSpec,
-    _derive,
-    _device_name,
-    _release,
-    _te_imports,
     check_inputs,
+    derive_ratios,
+    device_name_of,
     git_revision,
     not_run_reason,
+    release_memory,
     resolve_configs,
+    te_importable,
     te_version,
     time_runner,
 )
@@ -127,12 +127,12 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
         device = torch.device("cuda", torch.cuda.current_device())
     rank0 = dist.get_rank() == 0
     say = (progress or (lambda _msg: None)) if rank0 else (lambda _msg: None)
-    te_ok = _te_imports()
+    te_ok = te_importable()
     flops = count_matrix_flops(cfg)
     say("measuring the FP8 GEMM rate on the model's shapes")
     gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
     floor = pipeline_floor(floor_of(gemm, flops), p.pp)
-    _release(device)
+    release_memory(device)
     results: list[ConfigResult] = []
     for spec in specs:
         r = ConfigResult(name=spec.name, description=spec.description, status="ok", schedule=spec.schedule,
@@ -145,7 +145,7 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
         say(f"{spec.name}: build, {warmup} warm-up and {steps} timed steps on {dist.get_world_size()} ranks")
         time_runner(r, lambda spec=spec: DistributedRunner(cfg, spec), device, steps=steps, warmup=warmup,
                     sync=sync_all)
-        _release(device)
+        release_memory(device)
         gathered: list[Any] = [None] * dist.get_world_size() if rank0 else []
         dist.gather_object(r.model_dump(), gathered if rank0 else None, dst=0)
         if rank0:
@@ -155,11 +155,11 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
         sync_all(device)
     if not rank0:
         return None
-    _derive(results, floor.seconds, floor.seconds_layers_only)
+    derive_ratios(results, floor.seconds, floor.seconds_layers_only)
     return ProfileReport(
         command=command, git_revision=git_revision(),
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        device=device.type, device_name=_device_name(device), torch_version=torch.__version__,
+        device=device.type, device_name=device_name_of(device), torch_version=torch.__version__,
         te_version=te_version(), config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
         steps=steps, warmup=warmup, trace_steps=0, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
         resources=None, world_size=dist.get_world_size())

@@ -139,7 +139,7 @@ def not_run_reason(spec: ConfigSpec, cfg: RunConfig, device: torch.device, te_ok
     return None
 
 
-def _release(device: torch.device) -> None:
+def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -156,7 +156,7 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
     "synchronized" means (under torchrun: this device, then a barrier of every rank).
     """
     cuda = device.type == "cuda"
-    _release(device)
+    release_memory(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         result.baseline_allocated_bytes = torch.cuda.memory_allocated(device)
@@ -274,12 +274,12 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
     specs = resolve_configs(configs)
     device = check_inputs(cfg, specs, microbatches, steps, warmup)
     say = progress or (lambda _msg: None)
-    te_ok = _te_imports()
+    te_ok = te_importable()
     flops = count_matrix_flops(cfg)
     say("measuring the FP8 GEMM rate on the model's shapes")
     gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
     floor = floor_of(gemm, flops)
-    _release(device)
+    release_memory(device)
     results = []
     for spec in specs:
         r = ConfigResult(name=spec.name, description=spec.description, status="ok", schedule=spec.schedule,
@@ -299,10 +299,10 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
                              schedule=spec.schedule, path=spec.path, reason=f"{type(err).__name__}: {str(err)[:500]}",
                              error=traceback.format_exc()[-4000:])
         finally:
-            _release(device)
+            release_memory(device)
         r.matrix_flops = flops.layers_only if spec.path == "te" else flops.total
         results.append(r)
-    _derive(results, floor.seconds, floor.seconds_layers_only)
+    derive_ratios(results, floor.seconds, floor.seconds_layers_only)
     resources = None
     if microbatches:
         say(f"resource analysis for M = {', '.join(map(str, microbatches))}")
@@ -311,13 +311,13 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
     return ProfileReport(
         command=command, git_revision=git_revision(),
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        device=device.type, device_name=_device_name(device), torch_version=torch.__version__,
+        device=device.type, device_name=device_name_of(device), torch_version=torch.__version__,
         te_version=te_version(), config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
         steps=steps, warmup=warmup, trace_steps=trace_steps, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
         resources=resources)
 
 
-def _derive(results: list[ConfigResult], floor: float, floor_layers: float) -> None:
+def derive_ratios(results: list[ConfigResult], floor: float, floor_layers: float) -> None:
     """Ratios against native eager and the floor (only between configurations that ran)."""
     native = next((r for r in results if r.name == NATIVE and r.status == "ok"), None)
     for r in results:
@@ -340,13 +340,13 @@ def _derive(results: list[ConfigResult], floor: float, floor_layers: float) -> N
             r.break_even_note = "never: not faster per step than native eager"
 
 
-def _te_imports() -> bool:
+def te_importable() -> bool:
     from qeffect.fp8.te import te_available
 
     return te_available()
 
 
-def _device_name(device: torch.device) -> str:
+def device_name_of(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine() or "cpu"

@@ -44,8 +44,8 @@ def _pyplot():
 def _title(report: ProfileReport) -> str:
     m = report.config["model"]
     p = report.config["pipeline"]
-    return (f"h{m['hidden']} / M={p['microbatches']} / {report.backend} on {report.device_name} "
-            f"({report.steps} steps)")
+    where = f"{report.world_size} x {report.device_name}, PP={p['pp']}" if report.world_size > 1 else report.device_name
+    return f"h{m['hidden']} / M={p['microbatches']} / {report.backend} on {where} ({report.steps} steps)"
 
 
 def write_plots(report: ProfileReport, out_dir: str | Path) -> list[Path]:
