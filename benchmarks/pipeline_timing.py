@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,15 +25,10 @@ import torch.distributed as dist
 
 from qeffect.config import load_config
 from qeffect.graphs.handshake import git_revision
-from qeffect.profile.matrix import te_version
-from qeffect.runtime.distributed import DistributedPipeline, init_from_env
-from qeffect.verify.state import synthetic_batches
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
+from qeffect.profile.distributed import DistributedRunner, sync_all
+from qeffect.profile.matrix import ConfigSpec, te_version, time_runner
+from qeffect.profile.report import ConfigResult
+from qeffect.runtime.distributed import init_from_env
 
 
 def compare(a_path: str, b_path: str) -> int:
@@ -62,29 +55,25 @@ def main() -> int:
     a = ap.parse_args()
     if a.compare:
         return compare(*a.compare)
+    if a.warmup < 1:
+        ap.error("--warmup must be >= 1 (the first step includes setup work)")
     cfg = load_config(a.config).with_overrides(**{"fp8.backend": a.backend, "train.device": a.device})
     init_from_env(cfg.train.device)
     path = a.path if cfg.train.device == "cuda" and not a.native else "eager"
-    t0 = time.perf_counter()
-    pipe = DistributedPipeline(cfg, native=a.native, path=path)
-    _sync(pipe.device)
-    setup = time.perf_counter() - t0
-    times = []
-    for i in range(a.warmup + a.steps):
-        batches = synthetic_batches(cfg, i + 1000 * pipe.topo.dp_rank, pipe.device)
-        _sync(pipe.device)
-        t = time.perf_counter()
-        pipe.step(batches)
-        _sync(pipe.device)
-        if i >= a.warmup:
-            times.append(time.perf_counter() - t)
+    spec = ConfigSpec("native-eager" if a.native else path, "pipeline timing", native=a.native, path=path,
+                      schedule=None)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.device == "cuda" else torch.device("cpu")
+    r = ConfigResult(name=spec.name, description=spec.description, status="ok")
+    time_runner(r, lambda: DistributedRunner(cfg, spec), device, steps=a.steps, warmup=a.warmup, sync=sync_all)
     if dist.get_rank() == 0 and a.out:
         report = {"command": " ".join(["torchrun", "--nproc-per-node", str(dist.get_world_size())] + sys.argv),
-                  "git_revision": git_revision() or "unknown", "device": torch.cuda.get_device_name(pipe.device)
-                  if pipe.device.type == "cuda" else "cpu", "torch": torch.__version__,
+                  "git_revision": git_revision() or "unknown", "device": torch.cuda.get_device_name(device)
+                  if device.type == "cuda" else "cpu", "torch": torch.__version__,
                   "world_size": dist.get_world_size(), "config": a.config, "pipeline": cfg.pipeline.model_dump(),
-                  "backend": cfg.fp8.backend, "te": te_version(), "native": a.native, "path": path, "steps": a.steps, "warmup": a.warmup,
-                  "setup_seconds": setup, "step_seconds": times, "median_step_seconds": statistics.median(times)}
+                  "backend": cfg.fp8.backend, "te": te_version(), "native": a.native, "path": path, "steps": a.steps,
+                  "warmup": a.warmup,
+                  "setup_seconds": r.build_seconds, "step_seconds": r.step_seconds,
+                  "median_step_seconds": r.median_step_seconds}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(report, indent=1))
         print(f"world {report['world_size']}: median {report['median_step_seconds'] * 1e3:.2f} ms", flush=True)

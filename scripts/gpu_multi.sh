@@ -22,54 +22,43 @@ logs=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "GPUs: $ngpu"
-step() {  # step <seconds> <log name> <command...>
-    local t=$1 name=$2
-    shift 2
-    echo "== $name: $*"
-    local t0=$SECONDS
-    timeout "$t" "$@" > "$logs/$name.log" 2>&1
-    local rc=$?
-    echo "== $name: rc=$rc in $((SECONDS - t0)) s"
-    grep -E "passed|failed|ERROR|Error|mismatch|PASS|FAIL|median|speedup|efficiency|graphs|x native|ms" \
-        "$logs/$name.log" | grep -v Warning | tail -25
-    return $rc
+LOGS=$logs
+# shellcheck source=scripts/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+merge_reports() {  # merge_reports <dir of JSON reports> <out file> <kind>: one file (only 8 come back)
+    python3 - "$@" <<'PY'
+import json, sys
+from pathlib import Path
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*.json"))}
+Path(sys.argv[2]).write_text(json.dumps({"kind": sys.argv[3], "runs": runs}, indent=1))
+print("reports passed:", {k: v.get("passed") for k, v in runs.items()})
+PY
+}
+verify_matrix() {  # verify_matrix <processes> <config> <report dir>: reference, te x interleaved, zbv
+    mkdir -p "$3"
+    for backend in reference te; do
+        for sched in interleaved zbv; do
+            port=$((port + 1))
+            step 120 "verify-$1-$backend-$sched" python3 -m torch.distributed.run --nproc-per-node "$1" \
+                --master-port $port -m qeffect verify-state --config "$2" --backend $backend --schedule $sched \
+                --path captured-direct --steps 20 --json "$3/$backend-$sched.json"
+        done
+    done
 }
 port=29611
 for part in "$@"; do
 case $part in
 verify)
     step 120 pytest python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_verify_distributed.py
-    mkdir -p "$logs/verify"
-    for backend in reference te; do
-        for sched in interleaved zbv; do
-            port=$((port + 1))
-            step 100 "verify-$backend-$sched" python3 -m torch.distributed.run --nproc-per-node 2 --master-port $port -m qeffect verify-state \
-                --config examples/configs/h2048.toml --backend $backend --schedule $sched --path captured-direct \
-                --steps 20 --json "$logs/verify/$backend-$sched.json"
-        done
-    done
-    python3 - "$logs/verify" "$out/verify-pp2-nccl-h2048-h200x2.json" <<'PY'
-import json, sys
-from pathlib import Path
-runs = {p.stem: json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*.json"))}
-Path(sys.argv[2]).write_text(json.dumps({"kind": "verify-state under torchrun, PP=2, NCCL", "runs": runs}, indent=1))
-print("verify reports:", {k: v.get("passed") for k, v in runs.items()})
-PY
+    verify_matrix 2 examples/configs/h2048.toml "$logs/verify"
+    merge_reports "$logs/verify" "$out/verify-pp2-nccl-h2048-h200x2.json" "verify-state under torchrun, PP=2, NCCL"
     ;;
 dp)
     step 200 pytest-dp python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_distributed.py
     if [ "$ngpu" -ge 4 ]; then  # run 2: PP=2 x DP=2 against native eager, replicas and reductions checked
-        mkdir -p "$logs/verify-dp"
-        for backend in reference te; do
-            for sched in interleaved zbv; do
-                port=$((port + 1))
-                step 120 "verify-dp2-$backend-$sched" python3 -m torch.distributed.run --nproc-per-node 4 \
-                    --master-port $port -m qeffect verify-state --config examples/configs/h2048-pp2-dp2.toml \
-                    --backend $backend --schedule $sched --path captured-direct --steps 20 \
-                    --json "$logs/verify-dp/$backend-$sched.json"
-            done
-        done
-        python3 -c "import json,sys,pathlib; d={p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob('*.json'))}; pathlib.Path(sys.argv[2]).write_text(json.dumps({'kind': 'verify-state under torchrun, PP=2 x DP=2, NCCL', 'runs': d}, indent=1)); print({k: v['passed'] for k, v in d.items()})" "$logs/verify-dp" "$out/verify-pp2-dp2-nccl-h2048-h200x4.json"
+        verify_matrix 4 examples/configs/h2048-pp2-dp2.toml "$logs/verify-dp"
+        merge_reports "$logs/verify-dp" "$out/verify-pp2-dp2-nccl-h2048-h200x4.json" \
+            "verify-state under torchrun, PP=2 x DP=2, NCCL"
     fi
     ;;
 timing)

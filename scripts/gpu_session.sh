@@ -16,16 +16,9 @@ out=$1
 shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-step() {  # step <seconds> <log name> <command...>
-    local t=$1 name=$2
-    shift 2
-    echo "== $name: $*"
-    timeout "$t" "$@" > "$out/$name.log" 2>&1
-    local rc=$?
-    echo "== $name: rc=$rc"
-    grep -E "passed|failed|ERROR|mismatch|median|x[0-9.]+ vs|bitwise|trace:|floor|returned|Error" "$out/$name.log" | tail -40
-    return $rc
-}
+LOGS=$out
+# shellcheck source=scripts/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
 offload_bench() {  # offload_bench <schedule>
     step 80 "offload-$1" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
         --schedule "$1" --steps 20 --out "$out/offload-bench-h2048-$1-h200.json" ||

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# One thread per worker; ./src first but the caller's PYTHONPATH kept (on the GPU machine it names the
+# site with pydantic, TE and the rest).
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
 
 
 def free_port() -> int:
@@ -16,3 +25,8 @@ def torchrun(nproc: int, *target: str) -> list[str]:
     """`python -m torch.distributed.run` with `nproc` processes on loopback, then the script or `-m module`."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
             f"--master-port={free_port()}", *target]
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Run a launcher command with `ENV`, output captured (ten minutes at most)."""
+    return subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)

@@ -4,24 +4,15 @@ writes one report with memory and resources by rank; single-process analyses are
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from launch import run as _run
 from launch import torchrun
 from qeffect.profile.distributed import merge_ranks, pipeline_floor
 from qeffect.profile.flops import Floor
 from qeffect.profile.report import ConfigResult
-
-ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-
-
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow

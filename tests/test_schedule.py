@@ -471,7 +471,8 @@ def test_dw_in_order_selects_the_accumulating_arena() -> None:
     """Both split schedules run dW in microbatch order on every stage (so the pipeline accumulates in
     place); a swapped dW order does not, and falls back to one arena view per microbatch."""
     from qeffect.config import load_config
-    from qeffect.runtime.build import build_single_process, dw_in_order
+    from qeffect.runtime.build import build_single_process
+    from qeffect.schedule import dw_in_order
     from qeffect.verify.state import _swap_dw
 
     for name in ("interleaved", "zbv"):

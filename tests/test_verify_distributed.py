@@ -4,23 +4,14 @@ compared bitwise after every step on every rank; and an injected fault is caught
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from launch import torchrun
+from launch import ROOT, torchrun
+from launch import run as _run
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
-# keep the caller's PYTHONPATH (on the GPU machine it names the site with pydantic, TE and the rest)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-
-
-def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])

@@ -147,11 +147,13 @@ def profile(
         require_matplotlib()
     from qeffect.runtime.distributed import launched_by_torchrun
 
-    if report_in is None and launched_by_torchrun():
-        raise typer.Exit(_distributed(config, device, backend, steps, warmup, microbatches, configs, json_out, plot,
-                                      console, trace))
     if report_in is not None:
         report = _load(report_in)
+    elif launched_by_torchrun():
+        report = _distributed(config, device, backend, steps, warmup, microbatches, configs, json_out, plot,
+                              console, trace)
+        if report is None:  # ranks other than 0: rank 0 prints and writes
+            raise typer.Exit(0)
     else:
         report = _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace)
     render(report, console)
@@ -177,9 +179,7 @@ def _run(config, device, backend, steps, warmup, microbatches, configs, json_out
         ms = parse_microbatches(microbatches) if microbatches is not None else None
     except ValueError as err:
         raise UserError(str(err)) from None
-    names = [n.strip() for n in configs.split(",")] if configs is not None else None
-    cfg = config_from_cli(config, **{"train.device": device.value if device else None,
-                                     "fp8.backend": backend.value if backend else None})
+    cfg, names = _inputs(config, device, backend, configs)
     command = _command(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, trace)
     with console.status("profiling") as status:
         return run_profile(cfg, steps=steps, warmup=warmup, configs=names, microbatches=ms, command=command,
@@ -187,44 +187,39 @@ def _run(config, device, backend, steps, warmup, microbatches, configs, json_out
                            progress=lambda msg: status.update(f"profiling: {msg}"))
 
 
-def _distributed(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console,
-                 trace) -> int:
-    """Under torchrun: the matrix with one pipeline rank per process; rank 0 renders and writes."""
+def _inputs(config, device, backend, configs):
+    """The run config (with the CLI's device and backend) and the configuration names (None: all)."""
+    names = [n.strip() for n in configs.split(",")] if configs is not None else None
+    cfg = config_from_cli(config, **{"train.device": device.value if device else None,
+                                     "fp8.backend": backend.value if backend else None})
+    return cfg, names
+
+
+def _distributed(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace):
+    """Under torchrun: the matrix with one pipeline rank per process; rank 0 gets the report, others None."""
+    import contextlib
+
     import torch.distributed as dist
 
     from qeffect.profile.distributed import refuse_single_process_options, run_profile_distributed
     from qeffect.runtime.distributed import init_from_env
 
     refuse_single_process_options(trace, microbatches)
-    names = [n.strip() for n in configs.split(",")] if configs is not None else None
-    cfg = config_from_cli(config, **{"train.device": device.value if device else None,
-                                     "fp8.backend": backend.value if backend else None})
+    cfg, names = _inputs(config, device, backend, configs)
     init_from_env(cfg.train.device)
     command = f"torchrun --nproc-per-node {dist.get_world_size()} " + _command(
         config, device, backend, steps, warmup, None, configs, json_out, plot)
     rank0 = dist.get_rank() == 0
     try:
-        if rank0:
-            with console.status("profiling") as status:
-                report = run_profile_distributed(cfg, steps=steps, warmup=warmup, configs=names, command=command,
-                                                 config_path=str(config) if config else None,
-                                                 progress=lambda msg: status.update(f"profiling: {msg}"))
-        else:
-            report = run_profile_distributed(cfg, steps=steps, warmup=warmup, configs=names, command=command)
+        with console.status("profiling") if rank0 else contextlib.nullcontext() as status:
+            report = run_profile_distributed(
+                cfg, steps=steps, warmup=warmup, configs=names, command=command,
+                config_path=str(config) if config else None,
+                progress=(lambda msg: status.update(f"profiling: {msg}")) if rank0 else None)
     finally:
         dist.barrier()
-    if rank0 and report is not None:
-        render(report, console)
-        if json_out:
-            write_json(json_out, report)
-            console.print(f"report: {json_out}")
-        if plot is not None:
-            from qeffect.profile.plot import write_plots
-
-            for p in write_plots(report, plot):
-                console.print(f"figure: {p}")
     dist.destroy_process_group()
-    return 0
+    return report
 
 
 def _load(path: Path):

@@ -191,13 +191,13 @@ class GradientArena:
                 f"duplicate write for arena '{self.name}' view {_vk(name, m)}: expected exactly one write in "
                 f"epoch {self._epoch}, found a second write",
                 relation="duplicate write", key=(name, m), expected=1, found=2)
-        if self.accumulate:
+        # In order: every accepted write had its predecessor, so "m - 1 written" means m is next.
+        if self.accumulate and m > 0 and (name, m - 1) not in self._written:
             done = sum((name, k) in self._written for k in range(self.microbatches))
-            if m != done:
-                raise ArenaViolation(
-                    f"out-of-order accumulation for arena '{self.name}' view {_vk(name, m)}: expected "
-                    f"microbatch {done} next (an accumulating arena adds m = 0, 1, ..., M-1 in order), found {m}",
-                    relation="out-of-order accumulation", key=(name, m), expected=done, found=m)
+            raise ArenaViolation(
+                f"out-of-order accumulation for arena '{self.name}' view {_vk(name, m)}: expected "
+                f"microbatch {done} next (an accumulating arena adds m = 0, 1, ..., M-1 in order), found {m}",
+                relation="out-of-order accumulation", key=(name, m), expected=done, found=m)
 
     def finalize(self) -> None:
         """Require every view written exactly once in this epoch (before the optimizer commit)."""

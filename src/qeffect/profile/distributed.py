@@ -20,7 +20,6 @@ from qeffect.config import RunConfig
 from qeffect.errors import UserError
 from qeffect.profile.flops import Floor, count_matrix_flops, floor_of, measure_gemm_rates
 from qeffect.profile.matrix import (
-    NATIVE,
     TE_ANCHOR,
     ConfigSpec,
     check_inputs,
@@ -174,5 +173,5 @@ def refuse_single_process_options(trace: int, microbatches: str | None) -> None:
         raise UserError("--microbatches: the resource analysis over M is single-process; run it without torchrun")
 
 
-__all__ = ["NATIVE", "DistributedRunner", "merge_ranks", "pipeline_floor", "run_profile_distributed",
+__all__ = ["DistributedRunner", "merge_ranks", "pipeline_floor", "run_profile_distributed",
            "refuse_single_process_options", "sync_all"]

@@ -20,8 +20,8 @@ from qeffect.fp8 import get_backend
 from qeffect.model import GPTShape
 from qeffect.model.gpt import StageChunk
 from qeffect.profile.report import ResourceRow
-from qeffect.runtime.build import dw_in_order, recipe_of
-from qeffect.schedule import Schedule, build_schedule, max_live_tapes, max_pending_dw
+from qeffect.runtime.build import recipe_of
+from qeffect.schedule import Schedule, build_schedule, dw_in_order, max_live_tapes, max_pending_dw
 from qeffect.stage.actions import arena_name
 
 Spec = tuple[tuple[int, ...], torch.dtype]

@@ -16,7 +16,7 @@ from qeffect.offload.group import OffloadManager
 from qeffect.offload.plan import assign_banks, backward_order
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.runtime.single import SingleProcessPipeline
-from qeffect.schedule import Action, ActionKind, Schedule, build_native_schedule, build_schedule
+from qeffect.schedule import Action, ActionKind, Schedule, build_native_schedule, build_schedule, dw_in_order
 
 ActionPath = Literal["eager", "captured-copy", "captured-direct"]
 
@@ -47,16 +47,6 @@ def build_chunks_for(cfg: RunConfig, device: str | torch.device) -> list[torch.n
     backend = get_backend(cfg.fp8.backend, recipe_of(cfg))
     return build_chunks(GPTShape.from_config(cfg), backend, seed=cfg.train.seed, device=device,
                         dtype=dtype_of(cfg), head=cfg.fp8.head)
-
-
-def dw_in_order(schedule: Schedule, rank: int) -> bool:
-    """Whether every stage of `rank` runs dW for m = 0, 1, ..., M-1 in that order: the condition for
-    the accumulating gradient arena (one region per parameter, dW(m > 0) adds into it)."""
-    order: dict[int, list[int]] = {}
-    for a in schedule.programs[rank]:
-        if a.kind is ActionKind.DW:
-            order.setdefault(a.stage, []).append(a.microbatch)
-    return all(ms == list(range(len(ms))) for ms in order.values())
 
 
 def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: list[torch.nn.Module], *,

@@ -10,6 +10,7 @@ from .ir import Action, ActionKind, Schedule, ScheduleError
 from .order import (
     dependencies,
     dw_follows_di_order,
+    dw_in_order,
     global_order,
     max_live_tapes,
     max_pending_dw,
@@ -33,6 +34,7 @@ __all__ = [
     "global_order",
     "max_live_tapes",
     "max_pending_dw",
+    "dw_in_order",
     "per_stage_orders_ascending",
     "prerequisites",
     "validate",

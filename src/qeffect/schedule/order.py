@@ -112,6 +112,14 @@ def dw_follows_di_order(schedule: Schedule) -> bool:
     return all(seq.get((s, DI.value), []) == seq.get((s, DW.value), []) for s in stages)
 
 
+def dw_in_order(schedule: Schedule, rank: int) -> bool:
+    """True when every stage of `rank` runs dW for its microbatches in ascending order: the condition
+    for the accumulating gradient arena (one region per parameter; dW(m > 0) adds into it)."""
+    stages = set(schedule.stages_of(rank))
+    seq = _per_stage_microbatches(schedule, (DW,))
+    return all(ms == sorted(ms) for (stage, _), ms in seq.items() if stage in stages)
+
+
 def _peak(program: tuple[Action, ...], up: tuple[ActionKind, ...], down: tuple[ActionKind, ...]) -> int:
     live = peak = 0
     for action in program:

@@ -96,7 +96,7 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
     t0 = time.perf_counter()
     native = DistributedPipeline(cfg, native=True)
     qeff = DistributedPipeline(cfg, path=path)
-    if cfg.pipeline.dp > 1 and not getattr(getattr(qeff.rank, "arena", None), "accumulate", False):
+    if cfg.pipeline.dp > 1 and not qeff.rank.arena.accumulate:
         raise UserError(f"pipeline.dp = {cfg.pipeline.dp} needs the accumulating gradient arena (a schedule that "
                         "runs dW in microbatch order): data-parallel averaging of per-microbatch views and of "
                         "summed gradients associate differently")
