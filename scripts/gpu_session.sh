@@ -10,6 +10,7 @@
 # offload, offload-final (shorter: the offload and captured-training GPU tests only): the offload GPU tests and the offload benchmark (off / release / resident, bitwise and
 #          timings) for Interleaved and ZB-V (te backend as in h2048.toml; reference if te fails).
 # profile-h2048, profile-h4096: `qeffect profile` matrices with trace summaries, reference and te.
+# staged: the staged weight-gradient accumulation's GPU tests, bitwise matrix and A/B benchmark.
 # Each step has its own time limit so that one hang cannot cost the others; logs and JSON go to OUT.
 set -u
 out=$1
@@ -39,6 +40,20 @@ verify)
         rm -rf "${out:?}/$d"
     done
     ;;
+staged)
+    # staged weight-gradient accumulation: fused fold and TE GEMM-into-slot tests, the bitwise matrix,
+    # then the A/B of wgrad_staging in one process (h4096 te, h2048 reference)
+    step 120 pytest-staged python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_accumulate_gpu.py \
+        tests/test_te_backend.py tests/test_graphs_gpu.py
+    step 180 verify python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends reference,te --paths captured-copy,captured-direct --out "$out/verify"
+    [ -f "$out/verify/gpu-check.json" ] && mv "$out/verify/gpu-check.json" "$out/verify-gpu-check.json"
+    rm -rf "${out:?}/verify"
+    step 150 staging-h4096-te python3 benchmarks/staging_ab.py --config examples/configs/h4096.toml \
+        --staging 0,4,8 --out "$out/staging-ab-h4096-te-h200.json"
+    step 90 staging-h2048-reference python3 benchmarks/staging_ab.py --config examples/configs/h2048.toml \
+        --backend reference --staging 0,4 --out "$out/staging-ab-h2048-reference-h200.json"
+    ;;
 offload)
     step 90 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py \
         -k "captured_pipeline"
@@ -62,7 +77,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|offload|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

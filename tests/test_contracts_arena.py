@@ -297,3 +297,103 @@ def test_accumulating_epochs_overwrite_without_zeroing():
     with pytest.raises(ArenaViolation) as e:
         GradientArena({"w": ((64,), torch.float32)}, 2, accumulate=True).sum_microbatches("w")
     assert e.value.relation == "sum before finalize"
+
+
+# ---------------------------------------------------------------- staged accumulation
+def _stage_all(arena, name, grads, check_prefix=None):
+    """The staged dW protocol: write slot m (the GEMM's own dtype), fold on a group's last microbatch."""
+    for m, gm in enumerate(grads):
+        dest = arena.view(name, m)
+        arena.check_write(name, m, dest)
+        assert arena.overwrites(m)
+        dest.copy_(gm)
+        if arena.flushes(m):
+            arena.flush(name, m)
+        arena.record_write(name, m, dest)
+        if check_prefix is not None:
+            check_prefix(m, arena.prefix_sum(name, m))
+
+
+def test_staged_layout_slots_in_the_gemm_dtype():
+    a = GradientArena(FP32, microbatches=6, accumulate=True, staging=4, staging_dtypes={"w": torch.bfloat16})
+    assert a.staging == 4
+    assert [a.flushes(m) for m in range(6)] == [False, False, False, True, False, True]
+    assert all(a.overwrites(m) for m in range(6))
+    w, v = a.view("w", 0), a.view("v", 0)
+    assert w.dtype == torch.bfloat16 and v.dtype == torch.float32  # per-parameter staging dtype
+    assert a.view("w", 4).data_ptr() == w.data_ptr()  # slot m % 4
+    slots = {a.view("w", m).data_ptr() for m in range(4)}
+    assert len(slots) == 4 and w.data_ptr() not in {a.region(n).data_ptr() for n in FP32}
+    assert a.storage_views("w") == [a.region("w")] and a.region("w").dtype == torch.float32
+    plain = GradientArena(FP32, microbatches=6, accumulate=True)
+    assert a.nbytes > plain.nbytes and GradientArena(FP32, 2, accumulate=True, staging=4).staging == 2
+    with pytest.raises(ValueError, match="accumulating layout"):
+        GradientArena(FP32, 2, staging=2)
+    with pytest.raises(ValueError, match="unknown parameters"):
+        GradientArena(FP32, 2, accumulate=True, staging=2, staging_dtypes={"x": torch.bfloat16})
+    with pytest.raises(ValueError, match="closes no staging group"):
+        a.flush("w", 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(M=st.integers(1, 7), G=st.integers(1, 5), seed=st.integers(0, 2**31 - 1), bf16=st.booleans())
+def test_staged_fold_has_the_bits_of_adding_as_it_comes(M, G, seed, bf16):
+    """Groups folded in one pass == copy(g0); add(g1); ... in order, at the end and at every prefix
+    (what verify-state compares after each dW), for full and partial last groups."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    grads = _grads(M, (64,), seed, dtype)
+    expect = [grads[0].float().clone()]
+    for gm in grads[1:]:
+        expect.append(expect[-1] + gm.float())
+    a = GradientArena({"w": ((64,), torch.float32)}, microbatches=M, accumulate=True, staging=G,
+                      staging_dtypes={"w": dtype})
+    seen = []
+
+    def check(m, prefix):
+        assert prefix.dtype == torch.float32 and torch.equal(prefix, expect[m])
+        seen.append(m)
+
+    _stage_all(a, "w", grads, check)
+    assert seen == list(range(M))
+    a.finalize()
+    assert torch.equal(a.sum_microbatches("w"), expect[-1])
+    a.advance_epoch()  # the next epoch's first group overwrites the region
+    second = _grads(M, (64,), seed + 1, dtype)
+    _stage_all(a, "w", second)
+    a.finalize()
+    again = second[0].float().clone()
+    for gm in second[1:]:
+        again += gm.float()
+    assert torch.equal(a.sum_microbatches("w"), again)
+
+
+def test_staged_fold_reduce_is_pluggable_and_called_per_group():
+    calls = []
+
+    def spy(region, block, count, init):
+        calls.append((tuple(block.shape), count, init))
+        from qeffect.contracts.arena import sequential_reduce
+        sequential_reduce(region, block, count, init)
+
+    a = GradientArena({"w": ((10,), torch.float32)}, microbatches=5, accumulate=True, staging=2, reduce=spy)
+    _stage_all(a, "w", _grads(5, (10,), 4))
+    assert [c[1:] for c in calls] == [(2, True), (2, False), (1, False)]
+    assert calls[0][0][0] == 2 and calls[0][0][1] >= 10 and calls[0][0][1] * 4 % ALIGN_BYTES == 0
+
+
+def test_staged_out_of_order_and_misbound_writes_are_refused():
+    a = GradientArena(FP32, microbatches=4, accumulate=True, staging=2)
+    with pytest.raises(ArenaViolation) as e:
+        a.check_write("w", 1, a.view("w", 1))
+    assert e.value.relation == "out-of-order accumulation"
+    with pytest.raises(ArenaViolation) as e:  # slot 1 is not dW(0)'s destination
+        a.check_write("w", 0, a.view("w", 1))
+    assert e.value.relation == "wrong binding"
+    with pytest.raises(ArenaViolation) as e:  # nor is the region
+        a.check_write("w", 0, a.region("w"))
+    assert e.value.relation == "wrong binding"
+    with pytest.raises(ArenaViolation) as e:  # another parameter's slot
+        a.check_write("w", 0, a.view("v", 0))
+    assert e.value.relation in ("aliased write", "wrong binding")
+    with pytest.raises(ValueError, match="holds the sum over microbatches"):
+        a.prefix_sum("w", 0)

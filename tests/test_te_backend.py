@@ -158,8 +158,8 @@ def _inputs(m: int, in_f: int = 64, out_f: int = 128):
 
 @pytest.mark.gpu
 @requires_te
-@pytest.mark.parametrize("direct", [True, False])
-def test_split_backward_equals_native(direct: bool) -> None:
+@pytest.mark.parametrize("mode", ["direct", "copy", "staged"])
+def test_split_backward_equals_native(mode: str) -> None:
     native, split = _pair((False, True))
     acc = None
     for m in range(3):
@@ -177,10 +177,19 @@ def test_split_backward_equals_native(direct: bool) -> None:
         assert len(work) == 1
         assert _same(xa.grad, xb.grad) and _same(native.bias.grad, split.bias.grad)
         assert all(_same(native.fp8_state()[k], split.fp8_state()[k]) for k in BACKWARD_STATE)
-        if direct:
+        if mode == "direct":
             view = torch.full_like(split.weight, float("nan"))
             dw = split.compute_wgrad(work[0], out=view)
             assert dw is view
+        elif mode == "staged":  # a staging slot in the GEMM's own dtype is TE's GEMM output buffer
+            from qeffect.fp8.te import _wgrad_gemm_kwargs
+
+            kwargs = _wgrad_gemm_kwargs(split.wgrad_store)
+            assert kwargs is not None and kwargs["out"] is None and kwargs["out_dtype"] == torch.bfloat16
+            slot = torch.full_like(split.weight, float("nan"), dtype=split.wgrad_dtype(torch.bfloat16))
+            dw = split.compute_wgrad(work[0], out=slot)
+            assert dw is slot and dw.dtype == torch.bfloat16 and kwargs["out"] is None
+            dw = dw.float()
         else:
             dw = split.compute_wgrad(work[0])
         assert dw.dtype == torch.float32

@@ -24,12 +24,22 @@ order to be ``m = 0, 1, ..., M-1`` per parameter (an out-of-order write is refus
 the same bits as the fixed-order sum, with one region instead of ``M``, no sum pass, no zeroing and
 no per-step gradient allocation. A schedule whose ``dW`` order is not ascending uses the default
 layout. :meth:`GradientArena.overwrites` tells a ``dW`` whether to write or add.
+
+Staged accumulation (``accumulate=True, staging=G``): adding every microbatch's gradient into the fp32
+region as it comes reads and writes the whole region ``M - 1`` times, and at small microbatches (a
+weight-gradient GEMM over a few hundred tokens) those passes cost more than the GEMMs. So ``dW(m)``
+writes the GEMM's own output (bf16 for Transformer Engine) into staging slot ``m % G`` of its
+parameter, and the ``dW`` that closes a group of ``G`` microbatches (or the last one) folds the group
+into the region in one pass (:meth:`GradientArena.flush`): ``r = s0; r += s1; ...`` for the first
+group, ``r += s0; r += s1; ...`` for later ones, element by element in fp32 in microbatch order -- the
+same additions, so the same bits, as adding each microbatch as it comes. ``reduce`` is that pass; the
+default runs it as ``copy_``/``add_``, and the runtime passes a fused kernel on the GPU.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -38,6 +48,20 @@ from .errors import ArenaViolation
 ALIGN_BYTES = 256
 
 Spec = tuple[tuple[int, ...], torch.dtype]
+Reduce = Callable[[torch.Tensor, torch.Tensor, int, bool], None]
+"""``reduce(region, block, count, init)``: fold slots ``block[0:count, :region.numel()]`` into ``region``
+in slot order (``init``: the first slot is copied, not added)."""
+
+
+def sequential_reduce(region: torch.Tensor, block: torch.Tensor, count: int, init: bool) -> None:
+    """The staged fold as plain tensor ops: one ``copy_``/``add_`` per slot, in slot order."""
+    n = region.numel()
+    for j in range(count):
+        slot = block[j, :n].view(region.shape)
+        if j == 0 and init:
+            region.copy_(slot)
+        else:
+            region.add_(slot)
 
 
 def _vk(name: str, m: int) -> str:
@@ -54,13 +78,22 @@ class GradientArena:
         device: str | torch.device = "cpu",
         name: str = "arena",
         accumulate: bool = False,
+        staging: int = 0,
+        staging_dtypes: dict[str, torch.dtype] | None = None,
+        reduce: Reduce | None = None,
     ) -> None:
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
         if not specs:
             raise ValueError("GradientArena needs at least one parameter spec")
+        if not isinstance(staging, int) or isinstance(staging, bool) or staging < 0:
+            raise ValueError(f"staging must be an int >= 0, got {staging!r}")
+        if staging and not accumulate:
+            raise ValueError("staging needs the accumulating layout (accumulate=True)")
         self.name = name
         self.accumulate = accumulate
+        self.staging = min(staging, microbatches)
+        self._reduce: Reduce = reduce or sequential_reduce
         self.device = torch.device(device)
         self.microbatches = microbatches
         self.specs: dict[str, Spec] = {}
@@ -86,19 +119,52 @@ class GradientArena:
                 offsets[(pname, m)] = (dtype, off, numel)
                 off += numel
             sizes[dtype] = off
-        self._buffers: dict[torch.dtype, torch.Tensor] = {
-            dt: torch.zeros(n, dtype=dt, device=self.device) for dt, n in sizes.items()
+        # Staging: per parameter G slots of one aligned stride each (a [G, stride] block), in the dtype
+        # its dW GEMM writes; in their own buffers, after the regions.
+        stage_dtypes = dict(staging_dtypes or {})
+        unknown = sorted(set(stage_dtypes) - set(self.specs))
+        if unknown:
+            raise ValueError(f"staging_dtypes names unknown parameters: {unknown}")
+        stage_plan: dict[str, tuple[torch.dtype, int, int]] = {}
+        stage_sizes: dict[torch.dtype, int] = {}
+        for pname, (shape, dtype) in self.specs.items() if self.staging else ():
+            sdt = stage_dtypes.get(pname, dtype)
+            align = max(1, ALIGN_BYTES // sdt.itemsize)
+            stride = -(-math.prod(shape) // align) * align
+            off = stage_sizes.get(sdt, 0)
+            stage_plan[pname] = (sdt, off, stride)
+            stage_sizes[sdt] = off + stride * self.staging
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {
+            ("region" if accumulate else "views", dt): torch.zeros(n, dtype=dt, device=self.device)
+            for dt, n in sizes.items()
         }
+        for dt, n in stage_sizes.items():
+            self._buffers[("staging", dt)] = torch.zeros(n, dtype=dt, device=self.device)
         # The buffers' own device (``"cuda"`` becomes ``cuda:0``) is what tensors are compared with.
         self.device = next(iter(self._buffers.values())).device
         self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self._regions: dict[str, torch.Tensor] = {}
+        self._blocks: dict[str, torch.Tensor] = {}
         self._ranges: list[tuple[int, int, tuple[str, int]]] = []
         for (pname, m), (dt, off, numel) in offsets.items():
-            v = self._buffers[dt][off : off + numel].view(self.specs[pname][0])
+            v = self._buffers[("region" if accumulate else "views", dt)][off : off + numel].view(self.specs[pname][0])
             start = v.data_ptr()
             self._ranges.append((start, start + numel * v.element_size(), (pname, m)))
+            if accumulate:
+                self._regions[pname] = v
             for k in range(microbatches) if accumulate else (m,):
                 self._views[(pname, k)] = v
+        for pname, (sdt, off, stride) in stage_plan.items():
+            shape = self.specs[pname][0]
+            numel = math.prod(shape)
+            block = self._buffers[("staging", sdt)][off : off + stride * self.staging].view(self.staging, stride)
+            self._blocks[pname] = block
+            for j in range(self.staging):
+                slot = block[j, :numel].view(shape)
+                start = slot.data_ptr()
+                self._ranges.append((start, start + numel * slot.element_size(), (pname, j)))
+            for m in range(microbatches):  # dW(m) writes slot m % G
+                self._views[(pname, m)] = block[m % self.staging, :numel].view(shape)
 
         self._written: set[tuple[str, int]] = set()
         self._epoch = 0
@@ -136,12 +202,61 @@ class GradientArena:
         return self._lookup(name, m, "view")
 
     def overwrites(self, m: int) -> bool:
-        """Whether ``dW(m)`` overwrites its view (True) or adds into it (accumulating layout, m > 0)."""
-        return not self.accumulate or m == 0
+        """Whether ``dW(m)`` overwrites its view (True) or adds into it (accumulating layout without
+        staging, m > 0). A staged ``dW`` always overwrites its staging slot."""
+        return not self.accumulate or self.staging > 0 or m == 0
+
+    def flushes(self, m: int) -> bool:
+        """Whether ``dW(m)`` closes a staging group and must :meth:`flush` it (staged layout only)."""
+        return self.staging > 0 and (m % self.staging == self.staging - 1 or m == self.microbatches - 1)
+
+    def region(self, name: str) -> torch.Tensor:
+        """The accumulating region of ``name`` (the running sum of its microbatch gradients)."""
+        region = self._regions.get(name)
+        if region is None:
+            if not self.accumulate:
+                raise ValueError(f"arena '{self.name}' has one view per microbatch, no accumulating region")
+            self._lookup(name, 0, "region")  # raises the unknown-view error
+        return region
+
+    def flush(self, name: str, m: int) -> None:
+        """Fold the staging group that ``dW(m)`` closes into ``name``'s region, in microbatch order.
+
+        A device computation with no bookkeeping: it is captured into the ``dW(m)`` graph, so it runs at
+        replay; :meth:`record_write` after the replay checks the write order."""
+        self._require_usable("flush", name, m)
+        if not self.flushes(m):
+            raise ValueError(f"arena '{self.name}': dW({m}) closes no staging group (staging {self.staging}, "
+                             f"{self.microbatches} microbatches)")
+        first = m - m % self.staging
+        self._reduce(self.region(name), self._blocks[name], m - first + 1, first == 0)
+
+    def prefix_sum(self, name: str, upto: int) -> torch.Tensor:
+        """The gradients of microbatches ``0..upto`` of ``name`` summed in that order (a new tensor): what
+        the reference's ``.grad`` holds after its backward of microbatch ``upto``. An accumulating arena
+        must hold exactly the writes ``0..upto``; a staged one adds the slots not yet folded, in order."""
+        if not self.accumulate:
+            acc = self._lookup(name, 0, "prefix_sum").clone()
+            for k in range(1, upto + 1):
+                acc += self._lookup(name, k, "prefix_sum")
+            return acc
+        written = sorted(k for (n, k) in self._written if n == name)
+        if written != list(range(upto + 1)):
+            raise ValueError(f"{name}: the accumulating arena holds the sum over microbatches {written}, "
+                             f"not 0..{upto}")
+        region = self.region(name)
+        if not self.staging or self.flushes(upto):
+            return region.clone()
+        first = upto - upto % self.staging
+        acc = region.clone()
+        self._reduce(acc, self._blocks[name], upto - first + 1, first == 0)
+        return acc
 
     def storage_views(self, name: str) -> list[torch.Tensor]:
-        """The distinct tensors holding ``name``'s gradients: M views, or the one accumulating region."""
-        return [self._lookup(name, m, "storage_views") for m in range(1 if self.accumulate else self.microbatches)]
+        """The distinct tensors holding ``name``'s summed gradients: M views, or the one accumulating region."""
+        if self.accumulate:
+            return [self.region(name)]
+        return [self._lookup(name, m, "storage_views") for m in range(self.microbatches)]
 
     def missing(self) -> list[tuple[str, int]]:
         """Views not written in this epoch, in layout order."""
@@ -155,7 +270,7 @@ class GradientArena:
             self._usable,
             self._finalized,
             tuple(sorted(self._written)),
-            tuple((str(dt), b.data_ptr()) for dt, b in self._buffers.items()),
+            tuple((kind, str(dt), b.data_ptr()) for (kind, dt), b in self._buffers.items()),
         )
 
     # ---------------------------------------------------------------- checking
@@ -226,7 +341,7 @@ class GradientArena:
                 f"{self._epoch}, found {len(self.missing())} missing writes",
                 relation="sum before finalize", key=name, expected="finalized", found="not finalized")
         if self.accumulate:  # the region already holds the sum, added in the order m = 0..M-1
-            return self._lookup(name, 0, "sum_microbatches")
+            return self.region(name)
         acc = self._lookup(name, 0, "sum_microbatches").clone()
         for m in range(1, self.microbatches):
             acc += self._views[(name, m)]
@@ -246,7 +361,7 @@ class GradientArena:
                 f"advance before finalize for arena '{self.name}': expected a finalized epoch "
                 f"{self._epoch}, found {len(self.missing())} missing writes",
                 relation="advance before finalize", key=None, expected="finalized", found="not finalized")
-        if zero and not self.accumulate:  # an accumulating region is overwritten by dW(0)
+        if zero and not self.accumulate:  # an accumulating region is overwritten by dW(0) or its group
             for b in self._buffers.values():
                 b.zero_()
         self._written.clear()

@@ -212,6 +212,10 @@ class RefFP8Linear(nn.Module):
         y = _FP8LinearFn.apply(x2d, self.weight, self.bias, self, cache.w_q, cache.w_q_t, cache.scale_inv)
         return y.reshape(*lead, self.out_features)
 
+    def wgrad_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the wgrad GEMM writes: the weight's (the scaled GEMM outputs fp32 directly)."""
+        return self.weight.dtype
+
     def compute_wgrad(self, work: WgradWork, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
         """`dW [out, in]` from retained work; with `out` it is written there (direct placement), or
         added into it with `accumulate` (the accumulating arena).

@@ -384,26 +384,58 @@ def te_linear_class() -> type[nn.Module]:
             """Handles for the wgrad GEMMs queued since the last call (one per delayed backward)."""
             return self._fifo.pop_pending()
 
+        def wgrad_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
+            """The dtype TE's wgrad GEMM writes (the activation dtype): a staging slot in it is written
+            by the GEMM itself, with no copy."""
+            return activation_dtype
+
         def compute_wgrad(self, work: TEWgradWork, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
             """Run the oldest queued wgrad GEMM (must be `work`); write `dW` into `out` (or, `accumulate`,
-            add it: one mixed-dtype add, the bits of casting to fp32 and then adding) or return it (fp32)."""
+            add it: one mixed-dtype add, the bits of casting to fp32 and then adding) or return it (fp32).
+
+            `out` in the weight's dtype (fp32) gets the GEMM output cast (copied or added); `out` in the
+            GEMM's own dtype (a staging slot, `wgrad_dtype`) is the GEMM's output buffer itself."""
             self._fifo.check_next(work)
+            raw = out is not None and out.dtype != self.weight.dtype
             if out is not None and (
-                out.shape != self.weight.shape or out.dtype != self.weight.dtype or out.device != self.weight.device
+                out.shape != self.weight.shape or out.device != self.weight.device
+                or (raw and (accumulate or not out.is_contiguous()))
             ):
                 raise ValueError(
                     f"dW destination must be {tuple(self.weight.shape)} {self.weight.dtype} on "
-                    f"{self.weight.device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
+                    f"{self.weight.device} (or contiguous, overwritten, in the wgrad GEMM's dtype), got "
+                    f"{tuple(out.shape)} {out.dtype} on {out.device}" + (" to add into" if accumulate else "")
                 )
-            (wgrad, _bgrad), _ = self.wgrad_store.pop()
+            wgrad = self._pop_wgrad(out if raw else None)
             self._fifo.consume(work)
             if out is None:
                 return wgrad.to(self.weight.dtype)
+            if raw:
+                if wgrad.data_ptr() != out.data_ptr():  # TE did not take the buffer: same bits via a copy
+                    out.copy_(wgrad)
+                return out
             if accumulate:
                 out.add_(wgrad)
             else:
                 out.copy_(wgrad)
             return out
+
+        def _pop_wgrad(self, into: Tensor | None) -> Tensor:
+            """`wgrad_store.pop()`, optionally with the GEMM's output buffer set to `into` (TE's wgrad
+            closure keeps its GEMM arguments in `wgrad_gemm_kwargs`, with `out=None` when not fusing
+            accumulation); a closure of another shape or dtype falls back to TE's own buffer."""
+            kwargs = _wgrad_gemm_kwargs(self.wgrad_store) if into is not None else None
+            if kwargs is None or kwargs.get("out") is not None or kwargs.get("out_dtype") != into.dtype \
+                    or kwargs.get("accumulate"):
+                (wgrad, _bgrad), _ = self.wgrad_store.pop()
+                return wgrad
+            tensors, func = self.wgrad_store.context.get()
+            kwargs["out"] = into
+            try:
+                wgrad, _bgrad = func(*tensors)
+            finally:
+                kwargs["out"] = None
+            return wgrad
 
         def discard_wgrad_work(self) -> int:
             """Drop every queued wgrad GEMM (after an aborted epoch); returns how many were dropped."""
@@ -421,6 +453,19 @@ def te_linear_class() -> type[nn.Module]:
         setattr(TELinear, _name, _state_property(_name))
 
     return TELinear
+
+
+def _wgrad_gemm_kwargs(store: Any) -> dict | None:
+    """The keyword dict of the oldest queued wgrad closure (TE 2.x `Linear`), without dequeuing it."""
+    queue = getattr(getattr(store, "context", None), "queue", None)
+    if not queue:
+        return None
+    _tensors, func = queue[0]
+    code, cells = getattr(func, "__code__", None), getattr(func, "__closure__", None) or ()
+    if code is None or "wgrad_gemm_kwargs" not in code.co_freevars:
+        return None
+    kwargs = cells[code.co_freevars.index("wgrad_gemm_kwargs")].cell_contents
+    return kwargs if isinstance(kwargs, dict) else None
 
 
 class TEBackend:

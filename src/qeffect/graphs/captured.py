@@ -125,6 +125,8 @@ class CapturedStageActions(StageActions):
             self.slots[m].dI = self.manager.capture(
                 f"{tag}.dI{m}", di_body, static_inputs={"grad": self._gout[m], "token": self._tok[m]},
                 warmup=0, private_pool=True)
+        if self.direct:
+            self._warm_up_folds(dev)
         for m in range(self._microbatches):
 
             def dw_body(m: int = m) -> tuple:
@@ -134,6 +136,8 @@ class CapturedStageActions(StageActions):
                     if self.direct:
                         grads[pname] = lin.compute_wgrad(self._work[m][name], out=self._view(name, m),
                                                          accumulate=not self.arena.overwrites(m))
+                        if self.arena.flushes(m):  # the group's fold is part of this dW's graph
+                            self.arena.flush(arena_name(self.stage, pname), m)
                     else:
                         grads[pname] = lin.compute_wgrad(self._work[m][name])
                 return grads, self._tok[m] + 1
@@ -183,6 +187,19 @@ class CapturedStageActions(StageActions):
                 self._out.clear()  # drop the autograd graph and what it saved
         torch.cuda.current_stream(dev).wait_stream(stream)
         self._out.clear()
+
+    def _warm_up_folds(self, dev: torch.device) -> None:
+        """Run every staged fold the dW graphs will capture once, eagerly: a JIT kernel (Triton) compiles
+        and loads its module on first launch, which must not happen inside a capture. The regions get
+        garbage, which the first group's fold of every step overwrites."""
+        stream = self.manager.stream
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for m in range(self._microbatches):
+                if self.arena.flushes(m):
+                    for pname in self._matrix_param.values():
+                        self.arena.flush(arena_name(self.stage, pname), m)
+        torch.cuda.current_stream(dev).wait_stream(stream)
 
     def _discovery(self, m: int):
         return self.groups[m].discovery_hooks() if m in self.groups else contextlib.nullcontext()

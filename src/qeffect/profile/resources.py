@@ -20,7 +20,7 @@ from qeffect.fp8 import get_backend
 from qeffect.model import GPTShape
 from qeffect.model.gpt import StageChunk
 from qeffect.profile.report import ResourceRow
-from qeffect.runtime.build import recipe_of
+from qeffect.runtime.build import dtype_of, recipe_of
 from qeffect.schedule import Schedule, build_schedule, dw_in_order, max_live_tapes, max_pending_dw
 from qeffect.stage.actions import arena_name
 
@@ -58,16 +58,26 @@ def stage_arena_specs(cfg: RunConfig) -> dict[int, dict[str, Spec]]:
     return out
 
 
-def arena_bytes_per_rank(schedule: Schedule, specs: dict[int, dict[str, Spec]], microbatches: int) -> list[int]:
-    """Bytes of each rank's `GradientArena` (laid out on the meta device: real sizes and padding)."""
+def arena_bytes_per_rank(schedule: Schedule, specs: dict[int, dict[str, Spec]], microbatches: int,
+                         staging: int = 0, staging_dtype: torch.dtype | None = None) -> list[int]:
+    """Bytes of each rank's `GradientArena` (laid out on the meta device: real sizes and padding),
+    staging slots included (`staging_dtype`: the wgrad GEMM's output dtype, None: the parameter's)."""
     out = []
     for rank in range(schedule.pp):
         rank_specs: dict[str, Spec] = {}
         for s in schedule.stages_of(rank):
             rank_specs.update(specs[s])
-        out.append(GradientArena(rank_specs, microbatches, device="meta",
-                                 accumulate=dw_in_order(schedule, rank)).nbytes)
+        accumulate = dw_in_order(schedule, rank)
+        dtypes = {n: staging_dtype for n in rank_specs} if staging_dtype is not None else None
+        out.append(GradientArena(rank_specs, microbatches, device="meta", accumulate=accumulate,
+                                 staging=staging if accumulate else 0, staging_dtypes=dtypes).nbytes)
     return out
+
+
+def wgrad_staging_dtype(cfg: RunConfig) -> torch.dtype | None:
+    """The dtype of the staging slots a run of `cfg` allocates: Transformer Engine's wgrad GEMM writes
+    the activation dtype (`TELinear.wgrad_dtype`), the reference's the fp32 parameter's (None)."""
+    return dtype_of(cfg) if cfg.fp8.backend == "te" else None
 
 
 def resource_rows(cfg: RunConfig, microbatches: list[int], schedules: list[str], *,
@@ -79,7 +89,7 @@ def resource_rows(cfg: RunConfig, microbatches: list[int], schedules: list[str],
     for name in schedules:
         for m in microbatches:
             sch = build_schedule(name, p.pp, p.chunks_per_rank, m)
-            per_rank = arena_bytes_per_rank(sch, specs, m)
+            per_rank = arena_bytes_per_rank(sch, specs, m, p.wgrad_staging, wgrad_staging_dtype(cfg))
             live, pending = max_live_tapes(sch), max_pending_dw(sch)
             row = ResourceRow(schedule=name, microbatches=m, graphs_per_rank=3 * m * p.chunks_per_rank,
                               graph_count=3 * m * p.chunks_per_rank * p.pp, arena_bytes=sum(per_rank),

@@ -64,7 +64,8 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: list[torch
     activation = ((mc.microbatch_size, mc.seq_len, mc.hidden), dtype_of(cfg))
     r = QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
                     fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
-                    activation=activation, offload=offload, accumulate=accumulate)
+                    activation=activation, offload=offload, accumulate=accumulate,
+                    staging=p.wgrad_staging if accumulate else 0)
     if manager is not None and capture and offload is None:
         r.capture(mc.microbatch_size, mc.seq_len)
     return r

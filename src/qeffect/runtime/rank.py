@@ -19,6 +19,7 @@ from qeffect.graphs.manager import GraphManager
 from qeffect.offload.group import OffloadManager
 from qeffect.runtime.transport import Transport
 from qeffect.schedule import Action, ActionKind
+from qeffect.stage.accumulate import fold_staged
 from qeffect.stage.actions import StageActions, arena_name
 from qeffect.stage.native import NativeStage
 
@@ -124,17 +125,22 @@ class QEffectRank(BaseRank):
                  optim: OptimConfig, *, direct: bool = True, tape_capacity: int | None = None,
                  reductions: ReductionTracker | None = None, fixed_order_sum: bool = True,
                  manager: GraphManager | None = None, activation: tuple[tuple[int, ...], torch.dtype] | None = None,
-                 offload: OffloadManager | None = None, accumulate: bool = False) -> None:
+                 offload: OffloadManager | None = None, accumulate: bool = False, staging: int = 0) -> None:
         super().__init__(rank, chunks, num_stages, microbatches, optim)
         device = next(next(iter(self.chunks.values())).parameters()).device
         self.clock = EpochClock()
         self.pool = TapePool(tape_capacity or len(self.chunks) * microbatches, name=f"rank{rank}.tapes")
         specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        staging_dtypes: dict[str, torch.dtype] = {}
         for s, chunk in self.chunks.items():
-            for pname, p in chunk.matrix_params().items():
-                specs[arena_name(s, pname)] = (tuple(p.shape), p.dtype)
+            for lname, lin in chunk.matrix_linears().items():
+                p, name = lin.weight, arena_name(s, f"{lname}.weight")
+                specs[name] = (tuple(p.shape), p.dtype)
+                act = activation[1] if activation is not None else p.dtype
+                staging_dtypes[name] = lin.wgrad_dtype(act) if hasattr(lin, "wgrad_dtype") else p.dtype
         self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena",
-                                   accumulate=accumulate)
+                                   accumulate=accumulate, staging=staging if accumulate else 0,
+                                   staging_dtypes=staging_dtypes, reduce=fold_staged)
         self.reductions = reductions or ReductionTracker()
         self.barrier = CommitBarrier(self.clock, [self.pool], [self.arena], self.reductions)
         if manager is None:
@@ -189,21 +195,8 @@ class QEffectRank(BaseRank):
         """Microbatch gradients 0..upto of a stage summed in fixed order (what `.grad` holds in the reference).
 
         An accumulating arena holds only the running sum: `upto` must be the last microbatch written."""
-        out = {}
-        for pname in self.chunks[stage].matrix_params():
-            name = arena_name(stage, pname)
-            if self.arena.accumulate:
-                written = sorted(k for (n, k) in self.arena.written if n == name)
-                if written != list(range(upto + 1)):
-                    raise ValueError(f"{name}: the accumulating arena holds the sum over microbatches "
-                                     f"{written}, not 0..{upto}")
-                out[pname] = self.arena.view(name, upto).clone()
-                continue
-            acc = self.arena.view(name, 0).clone()
-            for k in range(1, upto + 1):
-                acc += self.arena.view(name, k)
-            out[pname] = acc
-        return out
+        return {pname: self.arena.prefix_sum(arena_name(stage, pname), upto)
+                for pname in self.chunks[stage].matrix_params()}
 
     def _load_grads(self) -> None:
         if self.fixed_order_sum:

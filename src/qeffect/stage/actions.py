@@ -190,9 +190,12 @@ class StageActions:
             for name, lin in self._matrix.items():
                 pname = self._matrix_param[name]
                 if self.direct:
+                    aname = arena_name(self.stage, pname)
                     grads[pname] = lin.compute_wgrad(work[name], out=dests[pname],
                                                      accumulate=not self.arena.overwrites(m))
-                    self.arena.record_write(arena_name(self.stage, pname), m, dests[pname])
+                    if self.arena.flushes(m):
+                        self.arena.flush(aname, m)
+                    self.arena.record_write(aname, m, dests[pname])
                 else:
                     grads[pname] = lin.compute_wgrad(work[name])
             return grads
@@ -231,9 +234,11 @@ class StageActions:
             view = self.arena.view(name, m)
             self.arena.check_write(name, m, view)  # refused before it lands (an accumulating arena: m order)
             if self.arena.overwrites(m):
-                view.copy_(g)
+                view.copy_(g)  # a staging slot is in the GEMM's own dtype: g came from it, the copy is exact
             else:
                 view.add_(g)
+            if self.arena.flushes(m):
+                self.arena.flush(name, m)
             self.arena.record_write(name, m, view)
 
     def _view(self, linear_name: str, m: int) -> torch.Tensor:
