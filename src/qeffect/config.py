@@ -43,7 +43,7 @@ class PipelineConfig(_Strict):
     chunks_per_rank: int = Field(2, ge=1)
     microbatches: int = Field(4, ge=1)
     schedule: Literal["interleaved", "zbv"] = "interleaved"
-    wgrad_staging: int = Field(4, ge=0)
+    wgrad_staging: int = Field(8, ge=0)
     """Staged weight-gradient accumulation: microbatch weight gradients kept in the GEMM's own dtype and
     folded into the fp32 gradient in one pass per group of this many (0: add each as it comes). Used when
     every stage runs dW in microbatch order; same bits either way, fewer memory passes, more memory."""
