@@ -482,7 +482,11 @@ def test_dw_in_order_selects_the_accumulating_arena() -> None:
     cfg = load_config()
     swapped = _swap_dw(build_schedule("interleaved", 2, 2, cfg.pipeline.microbatches))
     assert not dw_in_order(swapped, 0)
-    pipe = build_single_process(cfg, native=False)
-    assert all(r.arena.accumulate for r in pipe.ranks)
+    pipe = build_single_process(cfg.with_overrides(**{"pipeline.wgrad_staging": 0}), native=False)
+    assert all(r.arena.accumulate and r.arena.staging == 0 for r in pipe.ranks)
+    staged = build_single_process(cfg, native=False)  # staging slots (fp32 for the reference) on top
+    assert all(r.arena.accumulate and r.arena.staging == cfg.pipeline.microbatches for r in staged.ranks)
+    assert [r.arena.nbytes for r in staged.ranks] == [r.arena.nbytes * (1 + cfg.pipeline.microbatches)
+                                                     for r in pipe.ranks]
     per_m = build_single_process(cfg, native=False, accumulate=False)
     assert [r.arena.nbytes for r in per_m.ranks] == [r.arena.nbytes * cfg.pipeline.microbatches for r in pipe.ranks]
