@@ -246,7 +246,7 @@ class CapturedStageActions(StageActions):
             if group is not None:
                 group.before_backward()  # restore (remap + H2D) unless look-ahead did; then look ahead
             self.manager.replay(graphs.dI, {"grad": grad_output, "token": prev.value})
-            accumulate_grads(self.chunk, grads)
+            accumulate_grads(self._nonmatrix, grads)
 
         self.on_tape(ref, run, Consumer.DI)
         return InputGradOut(grad_in, self.nonmatrix_grads(), token)

@@ -57,6 +57,8 @@ class TorchCudaBackend:
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"GraphManager needs a CUDA device, got {self.device}")
+        if self.device.index is None:  # an indexed device skips torch's current-device query per call
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)
