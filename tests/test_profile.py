@@ -498,3 +498,61 @@ def test_time_runner_traces_after_the_timed_steps(monkeypatch) -> None:
     fake, r = _FakeRunner(), result()
     time_runner(r, lambda: fake, torch.device("cpu"), steps=3, warmup=2, trace_steps=2)
     assert r.trace is None and r.trace_error == "RuntimeError: no profiler here" and len(r.step_seconds) == 3
+
+
+# ------------------------------------------------------------------------------------------ targets
+def test_targets_in_a_cpu_report_are_not_measured_not_passed(profiled) -> None:
+    """A CPU runs no captured configuration: every target says 'not measured' and why, none passes."""
+    _, report = profiled
+    assert report.result("captured-direct").status == "not run"
+    by = {t.name: t for t in report.targets}
+    assert list(by) == ["speedup-vs-native", "break-even", "capture-host-time", "zero-growth"]  # reference, h<4096
+    assert all(t.met is None and t.value is None and t.note for t in by.values())
+    assert "captured-direct" in by["speedup-vs-native"].note and "CUDA" in by["capture-host-time"].note
+
+
+def _hand_report(profiled, medians_ms: dict[str, float], backend: str = "te", hidden: int = 4096):
+    """The CPU report with chosen medians (and derived ratios) for exact threshold checks."""
+    from qeffect.profile.matrix import derive_ratios
+
+    _, report = profiled
+    r = report.model_copy(deep=True)
+    r.backend, r.config["model"]["hidden"] = backend, hidden
+    for c in r.configs:
+        if c.name in medians_ms:
+            c.status, c.median_step_seconds = "ok", medians_ms[c.name] / 1e3
+            c.setup_seconds = c.setup_seconds or 1.0
+            c.path = c.path or ("te" if c.name == "te-graphed" else "eager")
+            c.persistent_growth_bytes_per_step = 0.0
+    derive_ratios([c for c in r.configs if c.status == "ok"], r.floor.seconds, r.floor.seconds_layers_only)
+    return r.with_targets()
+
+
+def test_target_thresholds_by_hand(profiled) -> None:
+    base = {"native-eager": 120.0, "qeffect-eager": 200.0, "captured-copy": 25.0, "captured-direct": 20.0,
+            "captured-zbv-direct": 15.0, "te-graphed": 30.0}
+    by = {t.name: t for t in _hand_report(profiled, base).targets}
+    assert list(by) == ["speedup-vs-native", "vs-te-anchor", "fastest-vs-te-anchor", "floor-ratio", "break-even",
+                        "capture-host-time", "zero-growth"]
+    assert by["speedup-vs-native"].met and by["speedup-vs-native"].value == pytest.approx(6.0, rel=0, abs=1e-12)
+    assert by["vs-te-anchor"].met and by["vs-te-anchor"].value == pytest.approx(1.5, rel=0, abs=1e-12)
+    fastest = by["fastest-vs-te-anchor"]  # ZB-V at 15 ms: exactly 2x
+    assert fastest.met and "captured-zbv-direct" in fastest.description
+    assert by["zero-growth"].met
+    # 10% slower captured-direct: both of its targets missed, by how much, and what would meet them
+    by = {t.name: t for t in _hand_report(profiled, {**base, "captured-direct": 22.0}).targets}
+    s = by["speedup-vs-native"]
+    assert s.met is False and s.shortfall == pytest.approx(1 - (120 / 22) / 6) and "<= 20.00 ms (now 22.00 ms)" in s.needed
+    assert s.where.startswith("captured-direct: ")
+    assert by["vs-te-anchor"].met is False and "<= 20.00 ms" in by["vs-te-anchor"].needed
+    assert by["fastest-vs-te-anchor"].met  # ZB-V still 2x
+    # the reference backend has no anchor targets; h2048 has no floor target
+    names = [t.name for t in _hand_report(profiled, base, backend="reference", hidden=2048).targets]
+    assert "vs-te-anchor" not in names and "floor-ratio" not in names
+
+
+def test_targets_render_in_the_table(capsys, profiled) -> None:
+    path, _ = profiled
+    rc, out, _ = run(capsys, "profile", "--report", str(path))
+    assert rc == 0 and "targets (from this run's measurements)" in out and "speedup-vs-native" in out
+    assert "not measured" in out

@@ -12,7 +12,7 @@ from launch import run as _run
 from launch import torchrun
 from qeffect.profile.distributed import merge_ranks, pipeline_floor
 from qeffect.profile.flops import Floor
-from qeffect.profile.report import ConfigResult
+from qeffect.profile.report import SCHEMA_VERSION, ConfigResult
 
 
 @pytest.mark.slow
@@ -23,7 +23,10 @@ def test_profile_under_torchrun_writes_one_report(tmp_path: Path) -> None:
                 tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["schema_version"] == 3 and r["world_size"] == 2 and r["command"].startswith("torchrun --nproc-per-node 2")
+    assert r["schema_version"] == SCHEMA_VERSION and r["world_size"] == 2
+    assert r["command"].startswith("torchrun --nproc-per-node 2")
+    assert [t["name"] for t in r["targets"]][0] == "speedup-vs-native"  # not measured on CPU: no captured run
+    assert r["targets"][0]["met"] is None
     by = {c["name"]: c for c in r["configs"]}
     for name in ("native-eager", "qeffect-eager"):
         assert by[name]["status"] == "ok" and len(by[name]["step_seconds"]) == 2

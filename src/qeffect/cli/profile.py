@@ -86,6 +86,31 @@ def render(report, console: Console) -> None:
                          row.capture_note.startswith("not run") else row.capture_note
                          for row in report.resources if row.capture_note}):
             console.print(f"capture: {n}", highlight=False)
+    _render_targets(report, console)
+
+
+def _render_targets(report, console: Console) -> None:
+    """Issue 8's targets: met or missed, by how much, and (missed) where the time goes."""
+    if not report.targets:
+        return
+    t = Table(title="targets (from this run's measurements)")
+    t.add_column("target", no_wrap=True)
+    for col in ("value", "threshold", "result"):
+        t.add_column(col, justify="right")
+    t.add_column("what would meet it")
+    for c in report.targets:
+        if c.met is None:
+            result = "[dim]not measured[/dim]"
+        elif c.met:
+            result = "[green]met[/green]"
+        else:
+            result = "[red]missed[/red]" + (f" by {c.shortfall:.0%}" if c.shortfall is not None else "")
+        t.add_row(c.name, "-" if c.value is None else f"{c.value:,.2f}", f"{c.comparison} {c.threshold:g}", result,
+                  c.needed or c.note or "")
+    console.print(t)
+    for c in report.targets:
+        if c.met is False and c.where:
+            console.print(f"{c.name}: {c.where}", highlight=False, soft_wrap=True)
 
 
 def _render_traces(report, console: Console) -> None:
@@ -236,4 +261,4 @@ def _load(path: Path):
     if report.schema_version not in READABLE_SCHEMA_VERSIONS:
         raise ReportError(f"{path}: profile report schema {report.schema_version}, this qeffect reads "
                           f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
-    return report
+    return report if report.targets else report.with_targets()  # older reports: from their measurements

@@ -161,7 +161,7 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
         device=device.type, device_name=device_name_of(device), torch_version=torch.__version__,
         te_version=te_version(), config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
         steps=steps, warmup=warmup, trace_steps=0, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
-        resources=None, world_size=dist.get_world_size())
+        resources=None, world_size=dist.get_world_size()).with_targets()
 
 
 def refuse_single_process_options(trace: int, microbatches: str | None) -> None:

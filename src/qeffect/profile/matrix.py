@@ -314,7 +314,7 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
         device=device.type, device_name=device_name_of(device), torch_version=torch.__version__,
         te_version=te_version(), config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
         steps=steps, warmup=warmup, trace_steps=trace_steps, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
-        resources=resources)
+        resources=resources).with_targets()
 
 
 def derive_ratios(results: list[ConfigResult], floor: float, floor_layers: float) -> None:

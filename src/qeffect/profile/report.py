@@ -12,9 +12,12 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from qeffect.profile.flops import Floor, GemmRate, MatrixFlops
+from qeffect.profile.targets import TargetCheck
 
-SCHEMA_VERSION = 3  # 2: optional per-configuration `trace`; 3: `world_size` and per-rank memory (torchrun)
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)  # older reports are newer ones of one process without traces
+# 2: optional per-configuration `trace`; 3: `world_size` and per-rank memory (torchrun); 4: `targets`
+SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)  # older reports are newer ones of one process without traces or
+# targets (a reader evaluates the targets from the measurements: `qeffect.profile.targets`)
 Status = Literal["ok", "not run", "failed"]
 
 
@@ -173,6 +176,15 @@ class ProfileReport(BaseModel):
     floor: Floor
     configs: list[ConfigResult]
     resources: list[ResourceRow] | None = None
+    # issue 8's acceptance targets from the measurements above (met, by how much, where the time goes)
+    targets: list[TargetCheck] = Field(default_factory=list)
+
+    def with_targets(self) -> ProfileReport:
+        """Evaluate the targets (all derived from this report's measurements) into `targets`."""
+        from qeffect.profile.targets import evaluate_targets
+
+        self.targets = evaluate_targets(self)
+        return self
 
     def result(self, name: str) -> ConfigResult | None:
         return next((c for c in self.configs if c.name == name), None)

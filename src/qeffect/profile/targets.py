@@ -1,0 +1,144 @@
+"""Issue 8's acceptance targets, evaluated on a profile report: met or not, by how much, and where the
+time of a missed one goes.
+
+Every value is derived from the report's own measurements (one run, one process), so a saved report
+can be evaluated again (`qeffect profile --report`). A target whose configuration or analysis did not
+run is "not measured" (`met` is None) with the reason, never passed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from qeffect.profile.report import ConfigResult, ProfileReport
+
+SPEEDUP_VS_NATIVE = 6.0
+VS_TE_ANCHOR = 1.5
+FASTEST_VS_TE_ANCHOR = 2.0
+FLOOR_RATIO = 4.0
+FLOOR_RATIO_HIDDEN = 4096  # the issue sets the floor target for the hidden-4,096 shape
+BREAK_EVEN_STEPS = 10.0
+CAPTURE_MICROBATCHES = 16
+CAPTURE_SECONDS = 1.0
+QEFFECT_CONFIGS = ("qeffect-eager", "captured-copy", "captured-direct", "captured-zbv-direct")
+
+
+class TargetCheck(BaseModel):
+    """One target: the measured value against its threshold."""
+
+    name: str
+    description: str
+    value: float | None  # None: not measured in this report
+    threshold: float
+    comparison: Literal[">=", "<=", "<"]  # value <comparison> threshold meets it
+    met: bool | None  # None: not measured (see `note`)
+    shortfall: float | None = None  # missed: how far from the threshold, relative (0.06 = 6% short)
+    needed: str | None = None  # missed: what would meet it, in the report's own units
+    where: str | None = None  # missed: the trace summary of the configuration the target is about
+    note: str | None = None
+
+
+def _check(name: str, description: str, value: float | None, threshold: float, comparison: str, *,
+           note: str | None = None, needed: str | None = None, about: ConfigResult | None = None) -> TargetCheck:
+    base = {"name": name, "description": description, "threshold": threshold, "comparison": comparison}
+    if value is None:
+        return TargetCheck(**base, value=None, met=None, note=note or "not measured")
+    met = {">=": value >= threshold, "<=": value <= threshold, "<": value < threshold}[comparison]
+    shortfall = None
+    if not met and threshold != 0:
+        shortfall = 1.0 - value / threshold if comparison == ">=" else value / threshold - 1.0
+    where = None
+    if not met and about is not None:
+        from qeffect.profile.trace import trace_line
+
+        where = f"{about.name}: " + (trace_line(about.trace) if about.trace is not None
+                                     else "no trace (run with --trace N for where the time goes)")
+    return TargetCheck(**base, value=value, met=met, shortfall=shortfall, needed=None if met else needed,
+                       where=where, note=note)
+
+
+def _ok(report: ProfileReport, name: str) -> ConfigResult | None:
+    c = report.result(name)
+    return c if c is not None and c.status == "ok" else None
+
+
+def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
+    """The targets that apply to this report's shape and backend, in the issue's order."""
+    out: list[TargetCheck] = []
+    native, direct = _ok(report, "native-eager"), _ok(report, "captured-direct")
+    ms = 1e3
+    if native is not None and direct is not None:
+        out.append(_check(
+            "speedup-vs-native", f"captured-direct at least {SPEEDUP_VS_NATIVE:g}x faster than native eager "
+            f"({report.backend} backend)", direct.speedup_vs_native, SPEEDUP_VS_NATIVE, ">=",
+            needed=f"captured-direct step <= {native.median_step_seconds / SPEEDUP_VS_NATIVE * ms:.2f} ms "
+                   f"(now {direct.median_step_seconds * ms:.2f} ms)", about=direct))
+    else:
+        out.append(_check("speedup-vs-native", "captured-direct vs native eager", None, SPEEDUP_VS_NATIVE,
+                          ">=", note="needs native-eager and captured-direct"))
+    if report.backend == "te":
+        anchor = _ok(report, "te-graphed")
+        if anchor is None or direct is None:
+            note = "needs te-graphed (Transformer Engine) and captured-direct"
+            out.append(_check("vs-te-anchor", "captured-direct vs TE per-layer graphs", None, VS_TE_ANCHOR,
+                              ">=", note=note))
+            out.append(_check("fastest-vs-te-anchor", "fastest qeffect vs TE per-layer graphs", None,
+                              FASTEST_VS_TE_ANCHOR, ">=", note=note))
+        else:
+            a = anchor.median_step_seconds
+            out.append(_check(
+                "vs-te-anchor", f"captured-direct at least {VS_TE_ANCHOR:g}x faster than Transformer Engine's "
+                "make_graphed_callables per layer", a / direct.median_step_seconds, VS_TE_ANCHOR, ">=",
+                needed=f"captured-direct step <= {a / VS_TE_ANCHOR * ms:.2f} ms "
+                       f"(now {direct.median_step_seconds * ms:.2f} ms)", about=direct))
+            ours = [c for c in (_ok(report, n) for n in QEFFECT_CONFIGS) if c is not None]
+            fastest = min(ours, key=lambda c: c.median_step_seconds)
+            out.append(_check(
+                "fastest-vs-te-anchor", f"fastest qeffect configuration ({fastest.name}) at least "
+                f"{FASTEST_VS_TE_ANCHOR:g}x faster than Transformer Engine's per-layer graphs",
+                a / fastest.median_step_seconds, FASTEST_VS_TE_ANCHOR, ">=",
+                needed=f"{fastest.name} step <= {a / FASTEST_VS_TE_ANCHOR * ms:.2f} ms "
+                       f"(now {fastest.median_step_seconds * ms:.2f} ms)", about=fastest))
+    if report.config.get("model", {}).get("hidden") == FLOOR_RATIO_HIDDEN:
+        value = direct.floor_ratio if direct is not None else None
+        needed = None
+        if direct is not None and direct.floor_seconds:
+            needed = (f"captured-direct step <= {direct.floor_seconds * FLOOR_RATIO * ms:.2f} ms "
+                      f"(now {direct.median_step_seconds * ms:.2f} ms)")
+        out.append(_check("floor-ratio", f"captured-direct step at most {FLOOR_RATIO:g}x its FP8 matrix-FLOP "
+                          "floor", value, FLOOR_RATIO, "<=", needed=needed, about=direct,
+                          note=None if direct is not None else "needs captured-direct"))
+    captured = [c for c in report.configs if c.status == "ok" and (c.path or "").startswith("captured")]
+    if captured and native is not None:
+        never = [c.name for c in captured if c.break_even_steps is None]
+        description = (f"every captured configuration breaks even against native eager within "
+                       f"{BREAK_EVEN_STEPS:g} steps")
+        if never:  # not faster per step: no finite value, and missed
+            out.append(TargetCheck(name="break-even", description=description, value=None,
+                                   threshold=BREAK_EVEN_STEPS, comparison="<=", met=False,
+                                   needed="faster per step than native eager: " + ", ".join(never),
+                                   note="never breaks even: " + ", ".join(never)))
+        else:
+            worst = max(captured, key=lambda c: c.break_even_steps)
+            out.append(_check("break-even", f"{description} (worst: {worst.name})", worst.break_even_steps,
+                              BREAK_EVEN_STEPS, "<=", needed=f"{worst.name}: less setup or a faster step",
+                              about=worst))
+    else:
+        out.append(_check("break-even", "captured configurations vs native eager", None, BREAK_EVEN_STEPS, "<=",
+                          note="needs native-eager and a captured configuration"))
+    rows = [r for r in report.resources or [] if r.microbatches == CAPTURE_MICROBATCHES]
+    times = [r.capture_host_seconds for r in rows if r.capture_host_seconds is not None]
+    out.append(_check(
+        "capture-host-time", f"capture host time at {CAPTURE_MICROBATCHES} microbatches under "
+        f"{CAPTURE_SECONDS:g} s (worst schedule)", max(times) if times else None, CAPTURE_SECONDS, "<",
+        needed="capture fewer or cheaper graphs",
+        note=None if times else f"needs --microbatches with {CAPTURE_MICROBATCHES} on a CUDA device"))
+    growth = [c.persistent_growth_bytes_per_step for c in captured if c.persistent_growth_bytes_per_step is not None]
+    out.append(_check(
+        "zero-growth", "no persistent memory growth per step in any captured configuration (bytes/step, worst)",
+        max(growth) if growth else None, 0.0, "<=", needed="find what each step leaves allocated",
+        note=None if growth else "needs a captured configuration on a CUDA device"))
+    return out
