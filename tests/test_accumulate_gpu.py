@@ -26,8 +26,8 @@ def _block(G: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 def test_fused_fold_is_bitwise_the_sequence(dtype: torch.dtype, init: bool) -> None:
     region0 = torch.randn(3 * BLOCK + 17, device="cuda") * 1e3
     assert fused_available(region0), "the fused fold needs Triton on the GPU machine"
-    for count in (1, 2, 3, 4):
-        block = _block(4, region0.numel(), dtype, seed=count)
+    for count in (1, 2, 3, 5, 8):
+        block = _block(8, region0.numel(), dtype, seed=count)
         fused, seq = region0.clone(), region0.clone()
         fold_staged(fused, block, count, init)
         sequential_reduce(seq, block, count, init)
@@ -51,3 +51,21 @@ def test_fused_fold_captures_into_a_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(region, expect)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_fold_keeps_special_values_bit_for_bit(dtype: torch.dtype) -> None:
+    """Subnormals (no flush to zero), signed zeros, infinities and NaNs: compared as bit patterns."""
+    tiny = torch.finfo(torch.float32).tiny
+    specials = torch.tensor([0.0, -0.0, tiny / 4, -tiny / 8, float("inf"), -float("inf"), float("nan"), 1e-40,
+                             -1e-39, 3.0], device="cuda")
+    n = BLOCK + 7
+    region0 = specials.repeat(n // specials.numel() + 1)[:n].contiguous()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    block = specials[torch.randint(0, specials.numel(), (6, n + 8), device="cuda", generator=g)].to(dtype)
+    for init in (True, False):
+        fused, seq = region0.clone(), region0.clone()
+        fold_staged(fused, block, 6, init)
+        sequential_reduce(seq, block, 6, init)
+        assert torch.equal(fused.view(torch.int32), seq.view(torch.int32)), init

@@ -556,3 +556,17 @@ def test_targets_render_in_the_table(capsys, profiled) -> None:
     rc, out, _ = run(capsys, "profile", "--report", str(path))
     assert rc == 0 and "targets (from this run's measurements)" in out and "speedup-vs-native" in out
     assert "not measured" in out
+
+
+def test_a_failed_captured_configuration_fails_the_every_configuration_targets(profiled) -> None:
+    base = {"native-eager": 120.0, "qeffect-eager": 200.0, "captured-copy": 25.0, "captured-direct": 20.0,
+            "captured-zbv-direct": 15.0, "te-graphed": 30.0}
+    r = _hand_report(profiled, base)
+    r.result("captured-zbv-direct").status = "failed"
+    r.resources = [row.model_copy(update={"microbatches": 16, "capture_note": "failed: OutOfMemoryError"})
+                   for row in r.resources or []]
+    by = {t.name: t for t in r.with_targets().targets}
+    assert list(by)[-3:] == ["break-even", "capture-host-time", "zero-growth"]
+    for name in ("break-even", "zero-growth"):
+        assert by[name].met is False and "captured-zbv-direct" in by[name].note
+    assert by["capture-host-time"].met is False and "capture failed" in by["capture-host-time"].note

@@ -74,3 +74,37 @@ def test_copied_gradients_equal_direct_placement() -> None:
         for s in rd.chunks:
             for (n, a), (_, b) in zip(rd.chunks[s].named_parameters(), rc.chunks[s].named_parameters(), strict=True):
                 assert bitwise_equal(a.detach(), b.detach()), (s, n)
+
+
+def test_copied_gradients_into_staged_slots_with_a_partial_group() -> None:
+    """The copy path (`place_copies`) stages in the parameter's dtype and folds groups of 2 over M = 3:
+    the region ends with copy(g0); add(g1); add(g2), bit for bit, and the fold ran at m = 1 and m = 2."""
+    from qeffect.contracts import EpochClock, GradientArena, TapePool
+    from qeffect.runtime.build import build_chunks_for
+    from qeffect.stage.actions import StageActions, arena_name
+
+    chunk = build_chunks_for(CFG, "cpu")[0]
+    specs = {arena_name(0, p): (tuple(w.shape), w.dtype) for p, w in chunk.matrix_params().items()}
+    calls = []
+
+    def spy(region, block, count, init):
+        from qeffect.contracts.arena import sequential_reduce
+
+        calls.append((count, init))
+        sequential_reduce(region, block, count, init)
+
+    arena = GradientArena(specs, 3, accumulate=True, staging=2, reduce=spy)
+    acts = StageActions(chunk, TapePool(3), EpochClock(), arena, direct=False)
+    gen = torch.Generator().manual_seed(0)
+    grads = [{p: torch.randn(w.shape, generator=gen) * 10.0 ** torch.randint(-3, 4, (), generator=gen)
+              for p, w in chunk.matrix_params().items()} for _ in range(3)]
+    for m in range(3):
+        acts.place_copies(m, grads[m])
+    arena.finalize()
+    for p in chunk.matrix_params():
+        expect = grads[0][p].clone()
+        expect += grads[1][p]
+        expect += grads[2][p]
+        assert torch.equal(arena.sum_microbatches(arena_name(0, p)), expect)
+    n = len(specs)
+    assert calls == [(2, True)] * n + [(1, False)] * n

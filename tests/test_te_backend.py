@@ -182,10 +182,11 @@ def test_split_backward_equals_native(mode: str) -> None:
             dw = split.compute_wgrad(work[0], out=view)
             assert dw is view
         elif mode == "staged":  # a staging slot in the GEMM's own dtype is TE's GEMM output buffer
-            from qeffect.fp8.te import _wgrad_gemm_kwargs
+            from qeffect.fp8.te import _PLAIN_GEMM_KWARGS, _wgrad_gemm_kwargs
 
-            kwargs = _wgrad_gemm_kwargs(split.wgrad_store)
-            assert kwargs is not None and kwargs["out"] is None and kwargs["out_dtype"] == torch.bfloat16
+            kwargs = _wgrad_gemm_kwargs(split.wgrad_store)  # the gate of the no-copy path holds
+            assert kwargs is not None and kwargs["out_dtype"] == torch.bfloat16 and not kwargs["accumulate"]
+            assert all(kwargs.get(k) is None for k in _PLAIN_GEMM_KWARGS)
             slot = torch.full_like(split.weight, float("nan"), dtype=split.wgrad_dtype(torch.bfloat16))
             dw = split.compute_wgrad(work[0], out=slot)
             assert dw is slot and dw.dtype == torch.bfloat16 and kwargs["out"] is None
@@ -303,3 +304,31 @@ def test_perturbed_te_scale_is_caught() -> None:
     d = report.first_divergence
     assert {c.category: c.mismatches for c in report.categories}["fp8_state"] > 0
     assert d is not None and d.step == 1 and d.action == "F"
+
+
+def test_wgrad_closure_lookup_without_te() -> None:
+    """The keyword dict of the oldest queued closure is found by its free-variable name, without
+    dequeuing; anything else (empty queue, another closure) gives None, so the caller falls back."""
+    import queue
+    from types import SimpleNamespace
+
+    from qeffect.fp8.te import _wgrad_gemm_kwargs
+
+    def make(kw):
+        wgrad_gemm_kwargs = kw
+
+        def wgrad_gemm(x, dy):
+            return wgrad_gemm_kwargs, x, dy
+
+        return wgrad_gemm
+
+    store = SimpleNamespace(context=queue.Queue())
+    assert _wgrad_gemm_kwargs(store) is None
+    first, second = {"out": None, "out_dtype": "bf16"}, {"out": None}
+    store.context.put([["x", "dy"], make(first)])
+    store.context.put([["x", "dy"], make(second)])
+    assert _wgrad_gemm_kwargs(store) is first and store.context.qsize() == 2
+    other = SimpleNamespace(context=queue.Queue())
+    other.context.put([["x"], lambda x: x])
+    assert _wgrad_gemm_kwargs(other) is None
+    assert _wgrad_gemm_kwargs(SimpleNamespace(context=None)) is None

@@ -412,6 +412,8 @@ def te_linear_class() -> type[nn.Module]:
                 return wgrad.to(self.weight.dtype)
             if raw:
                 if wgrad.data_ptr() != out.data_ptr():  # TE did not take the buffer: same bits via a copy
+                    if wgrad.dtype != out.dtype:  # a narrower slot would round the gradient: refuse
+                        raise ValueError(f"dW staging slot is {out.dtype}, the wgrad GEMM wrote {wgrad.dtype}")
                     out.copy_(wgrad)
                 return out
             if accumulate:
@@ -425,8 +427,8 @@ def te_linear_class() -> type[nn.Module]:
             closure keeps its GEMM arguments in `wgrad_gemm_kwargs`, with `out=None` when not fusing
             accumulation); a closure of another shape or dtype falls back to TE's own buffer."""
             kwargs = _wgrad_gemm_kwargs(self.wgrad_store) if into is not None else None
-            if kwargs is None or kwargs.get("out") is not None or kwargs.get("out_dtype") != into.dtype \
-                    or kwargs.get("accumulate"):
+            plain = kwargs is not None and all(kwargs.get(k) is None for k in _PLAIN_GEMM_KWARGS)
+            if not plain or kwargs.get("out_dtype") != into.dtype or kwargs.get("accumulate"):
                 (wgrad, _bgrad), _ = self.wgrad_store.pop()
                 return wgrad
             tensors, func = self.wgrad_store.context.get()
@@ -453,6 +455,11 @@ def te_linear_class() -> type[nn.Module]:
         setattr(TELinear, _name, _state_property(_name))
 
     return TELinear
+
+
+# Only a plain high-precision wgrad GEMM may be handed our buffer: no output already bound (fused
+# accumulation), no output quantizer (block-scaled recipes), no userbuffers communication overlap.
+_PLAIN_GEMM_KWARGS = ("out", "quantization_params", "ub", "ub_type", "extra_output")
 
 
 def _wgrad_gemm_kwargs(store: Any) -> dict | None:

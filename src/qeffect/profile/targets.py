@@ -112,7 +112,13 @@ def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
                           "floor", value, FLOOR_RATIO, "<=", needed=needed, about=direct,
                           note=None if direct is not None else "needs captured-direct"))
     captured = [c for c in report.configs if c.status == "ok" and (c.path or "").startswith("captured")]
-    if captured and native is not None:
+    failed = [c.name for c in report.configs if c.status == "failed" and (c.path or "").startswith("captured")]
+    failed_note = "failed: " + ", ".join(failed)
+    if failed:  # "every captured configuration": one that failed cannot be shown to meet anything
+        out.append(TargetCheck(name="break-even", description="every captured configuration breaks even against "
+                               "native eager", value=None, threshold=BREAK_EVEN_STEPS, comparison="<=", met=False,
+                               needed="a run of every captured configuration", note=failed_note))
+    elif captured and native is not None:
         never = [c.name for c in captured if c.break_even_steps is None]
         description = (f"every captured configuration breaks even against native eager within "
                        f"{BREAK_EVEN_STEPS:g} steps")
@@ -131,14 +137,28 @@ def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
                           note="needs native-eager and a captured configuration"))
     rows = [r for r in report.resources or [] if r.microbatches == CAPTURE_MICROBATCHES]
     times = [r.capture_host_seconds for r in rows if r.capture_host_seconds is not None]
-    out.append(_check(
-        "capture-host-time", f"capture host time at {CAPTURE_MICROBATCHES} microbatches under "
-        f"{CAPTURE_SECONDS:g} s (worst schedule)", max(times) if times else None, CAPTURE_SECONDS, "<",
-        needed="capture fewer or cheaper graphs",
-        note=None if times else f"needs --microbatches with {CAPTURE_MICROBATCHES} on a CUDA device"))
-    growth = [c.persistent_growth_bytes_per_step for c in captured if c.persistent_growth_bytes_per_step is not None]
-    out.append(_check(
-        "zero-growth", "no persistent memory growth per step in any captured configuration (bytes/step, worst)",
-        max(growth) if growth else None, 0.0, "<=", needed="find what each step leaves allocated",
-        note=None if growth else "needs a captured configuration on a CUDA device"))
+    broken = [r.schedule for r in rows if (r.capture_note or "").startswith("failed")]
+    if broken:
+        out.append(TargetCheck(name="capture-host-time", description=f"capture host time at "
+                               f"{CAPTURE_MICROBATCHES} microbatches", value=None, threshold=CAPTURE_SECONDS,
+                               comparison="<", met=False, needed="a capture that succeeds",
+                               note="capture failed: " + ", ".join(broken)))
+    else:
+        out.append(_check(
+            "capture-host-time", f"capture host time at {CAPTURE_MICROBATCHES} microbatches under "
+            f"{CAPTURE_SECONDS:g} s (worst schedule)", max(times) if times else None, CAPTURE_SECONDS, "<",
+            needed="capture fewer or cheaper graphs",
+            note=None if times else (f"needs a single-process run with --microbatches including "
+                                     f"{CAPTURE_MICROBATCHES} on a CUDA device")))
+    if failed:
+        out.append(TargetCheck(name="zero-growth", description="no persistent memory growth in any captured "
+                               "configuration", value=None, threshold=0.0, comparison="<=", met=False,
+                               needed="a run of every captured configuration", note=failed_note))
+    else:
+        growth = [c.persistent_growth_bytes_per_step for c in captured
+                  if c.persistent_growth_bytes_per_step is not None]
+        out.append(_check(
+            "zero-growth", "no persistent memory growth per step in any captured configuration (bytes/step, worst)",
+            max(growth) if growth else None, 0.0, "<=", needed="find what each step leaves allocated",
+            note=None if growth else "needs a captured configuration on a CUDA device"))
     return out

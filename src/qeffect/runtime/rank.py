@@ -136,8 +136,11 @@ class QEffectRank(BaseRank):
             for lname, lin in chunk.matrix_linears().items():
                 p, name = lin.weight, arena_name(s, f"{lname}.weight")
                 specs[name] = (tuple(p.shape), p.dtype)
+                # direct placement: the slot is the wgrad GEMM's own output buffer, in its dtype; copied
+                # gradients arrive in the parameter's dtype and are staged in it (an exact copy always)
                 act = activation[1] if activation is not None else p.dtype
-                staging_dtypes[name] = lin.wgrad_dtype(act) if hasattr(lin, "wgrad_dtype") else p.dtype
+                raw = direct and hasattr(lin, "wgrad_dtype")
+                staging_dtypes[name] = lin.wgrad_dtype(act) if raw else p.dtype
         self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena",
                                    accumulate=accumulate, staging=staging if accumulate else 0,
                                    staging_dtypes=staging_dtypes, reduce=fold_staged)

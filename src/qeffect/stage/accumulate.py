@@ -58,7 +58,9 @@ def fused_available(t: torch.Tensor) -> bool:
 
 def fold_staged(region: torch.Tensor, block: torch.Tensor, count: int, init: bool) -> None:
     """`contracts.arena.Reduce`: fold `block[0:count]` into `region` in slot order, fused where possible."""
-    if not fused_available(region) or not region.is_contiguous() or block.stride(1) != 1:
+    # the kernel's slot offsets are 32-bit products (j * slot_stride): larger blocks take the sequence
+    if (not fused_available(region) or not region.is_contiguous() or block.stride(1) != 1
+            or block.numel() >= 2**31):
         sequential_reduce(region, block, count, init)
         return
     n = region.numel()
