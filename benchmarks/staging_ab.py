@@ -23,7 +23,7 @@ import torch
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.graphs.handshake import git_revision
-from qeffect.profile.matrix import ConfigSpec, _make_runner, device_name_of, te_version, time_runner
+from qeffect.profile.matrix import ConfigSpec, PipelineRunner, device_name_of, te_version, time_runner
 from qeffect.profile.report import ConfigResult
 
 
@@ -49,7 +49,7 @@ def main() -> int:
         c = cfg.with_overrides(**{"pipeline.wgrad_staging": g})
         res = ConfigResult(name=f"staging={g}", description=spec.description, status="ok", schedule="interleaved",
                            path=args.path)
-        time_runner(res, _make_runner(spec, c, device), device, steps=args.steps, warmup=args.warmup)
+        time_runner(res, lambda c=c: PipelineRunner(c, device, spec), device, steps=args.steps, warmup=args.warmup)
         rows.append({"wgrad_staging": g, "median_step_seconds": res.median_step_seconds,
                      "step_seconds": res.step_seconds, "warmup_seconds": res.warmup_seconds,
                      "peak_allocated_bytes": res.peak_allocated_bytes, "arena_bytes": res.arena_bytes,

@@ -26,29 +26,32 @@ offload_bench() {  # offload_bench <schedule>
     step 80 "offload-$1-reference" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
         --schedule "$1" --backend reference --steps 20 --out "$out/offload-bench-h2048-$1-reference-h200.json"
 }
+bitwise_matrix() {  # the verify matrix (reference, te x interleaved, zbv x captured-copy, -direct, 20 steps)
+    step 180 verify python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends reference,te --paths captured-copy,captured-direct --out "$out/verify"
+}
+keep_merged() {  # only 8 files come back: keep each matrix's merged report, drop the per-cell ones
+    for d in "$@"; do
+        [ -f "$out/$d/gpu-check.json" ] && mv "$out/$d/gpu-check.json" "$out/$d-gpu-check.json"
+        rm -rf "${out:?}/$d"
+    done
+}
 for part in "$@"; do
 case $part in
 verify)
     step 240 pytest python3 -m pytest -m gpu -q -p no:cacheprovider
-    step 180 verify python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
-        --backends reference,te --paths captured-copy,captured-direct --out "$out/verify"
+    bitwise_matrix
     step 70 torchao python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
         --backends reference,te --schedules interleaved --paths captured-direct --head torchao --out "$out/torchao"
-    # only 8 files come back: keep the merged report of each matrix
-    for d in verify torchao; do
-        [ -f "$out/$d/gpu-check.json" ] && mv "$out/$d/gpu-check.json" "$out/$d-gpu-check.json"
-        rm -rf "${out:?}/$d"
-    done
+    keep_merged verify torchao
     ;;
 staged)
     # staged weight-gradient accumulation: fused fold and TE GEMM-into-slot tests, the bitwise matrix,
     # then the A/B of wgrad_staging in one process (h4096 te, h2048 reference)
     step 120 pytest-staged python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_accumulate_gpu.py \
         tests/test_te_backend.py tests/test_graphs_gpu.py
-    step 180 verify python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
-        --backends reference,te --paths captured-copy,captured-direct --out "$out/verify"
-    [ -f "$out/verify/gpu-check.json" ] && mv "$out/verify/gpu-check.json" "$out/verify-gpu-check.json"
-    rm -rf "${out:?}/verify"
+    bitwise_matrix
+    keep_merged verify
     step 150 staging-h4096-te python3 benchmarks/staging_ab.py --config examples/configs/h4096.toml \
         --staging 0,4,8 --out "$out/staging-ab-h4096-te-h200.json"
     step 90 staging-h2048-reference python3 benchmarks/staging_ab.py --config examples/configs/h2048.toml \

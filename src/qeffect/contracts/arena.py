@@ -236,10 +236,7 @@ class GradientArena:
         the reference's ``.grad`` holds after its backward of microbatch ``upto``. An accumulating arena
         must hold exactly the writes ``0..upto``; a staged one adds the slots not yet folded, in order."""
         if not self.accumulate:
-            acc = self._lookup(name, 0, "prefix_sum").clone()
-            for k in range(1, upto + 1):
-                acc += self._lookup(name, k, "prefix_sum")
-            return acc
+            return self._ordered_sum(name, upto, "prefix_sum")
         written = sorted(k for (n, k) in self._written if n == name)
         if written != list(range(upto + 1)):
             raise ValueError(f"{name}: the accumulating arena holds the sum over microbatches {written}, "
@@ -342,10 +339,7 @@ class GradientArena:
                 relation="sum before finalize", key=name, expected="finalized", found="not finalized")
         if self.accumulate:  # the region already holds the sum, added in the order m = 0..M-1
             return self.region(name)
-        acc = self._lookup(name, 0, "sum_microbatches").clone()
-        for m in range(1, self.microbatches):
-            acc += self._views[(name, m)]
-        return acc
+        return self._ordered_sum(name, self.microbatches - 1, "sum_microbatches")
 
     # ------------------------------------------------------------- transitions
     def advance_epoch(self, zero: bool = True) -> int:
@@ -388,6 +382,13 @@ class GradientArena:
             self._epoch = epoch
 
     # ----------------------------------------------------------------- helpers
+    def _ordered_sum(self, name: str, upto: int, op: str) -> torch.Tensor:
+        """``view(0).clone(); += view(1); ...; += view(upto)``: the reference's order (per-microbatch views)."""
+        acc = self._lookup(name, 0, op).clone()
+        for m in range(1, upto + 1):
+            acc += self._lookup(name, m, op)
+        return acc
+
     def _require_usable(self, op: str, name: str | None, m: int | None) -> None:
         if not self._usable:
             where = f" view {_vk(name, m)}" if name is not None and m is not None else ""

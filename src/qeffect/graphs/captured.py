@@ -125,8 +125,6 @@ class CapturedStageActions(StageActions):
             self.slots[m].dI = self.manager.capture(
                 f"{tag}.dI{m}", di_body, static_inputs={"grad": self._gout[m], "token": self._tok[m]},
                 warmup=0, private_pool=True)
-        if self.direct:
-            self._warm_up_folds(dev)
         for m in range(self._microbatches):
 
             def dw_body(m: int = m) -> tuple:
@@ -179,6 +177,13 @@ class CapturedStageActions(StageActions):
             for lin in self._matrix.values():
                 if hasattr(lin, "discard_wgrad_work"):
                     lin.discard_wgrad_work()
+            # every staged fold the dW graphs will capture, once: a JIT kernel (Triton) compiles and loads
+            # its module on first launch, which must not happen inside a capture. The regions get garbage,
+            # which the first group's fold of every step overwrites.
+            for m in range(self._microbatches) if self.direct else ():
+                if self.arena.flushes(m):
+                    for pname in self._matrix_param.values():
+                        self.arena.flush(arena_name(self.stage, pname), m)
             del out
             self._out.clear()
             for m in range(self._microbatches) if self.groups else ():
@@ -187,19 +192,6 @@ class CapturedStageActions(StageActions):
                 self._out.clear()  # drop the autograd graph and what it saved
         torch.cuda.current_stream(dev).wait_stream(stream)
         self._out.clear()
-
-    def _warm_up_folds(self, dev: torch.device) -> None:
-        """Run every staged fold the dW graphs will capture once, eagerly: a JIT kernel (Triton) compiles
-        and loads its module on first launch, which must not happen inside a capture. The regions get
-        garbage, which the first group's fold of every step overwrites."""
-        stream = self.manager.stream
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for m in range(self._microbatches):
-                if self.arena.flushes(m):
-                    for pname in self._matrix_param.values():
-                        self.arena.flush(arena_name(self.stage, pname), m)
-        torch.cuda.current_stream(dev).wait_stream(stream)
 
     def _discovery(self, m: int):
         return self.groups[m].discovery_hooks() if m in self.groups else contextlib.nullcontext()

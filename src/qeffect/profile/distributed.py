@@ -9,7 +9,6 @@ as not run; `--trace` and `--microbatches` are single-process analyses and are r
 
 from __future__ import annotations
 
-import datetime as _dt
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,15 +21,14 @@ from qeffect.profile.flops import Floor, count_matrix_flops, floor_of, measure_g
 from qeffect.profile.matrix import (
     TE_ANCHOR,
     ConfigSpec,
+    GraphCounters,
     check_inputs,
     derive_ratios,
-    device_name_of,
-    git_revision,
+    make_report,
     not_run_reason,
     release_memory,
     resolve_configs,
     te_importable,
-    te_version,
     time_runner,
 )
 from qeffect.profile.report import ConfigResult, ProfileReport
@@ -49,7 +47,7 @@ def sync_all(device: torch.device) -> None:
     dist.barrier()
 
 
-class DistributedRunner:
+class DistributedRunner(GraphCounters):
     """This process's rank of a `DistributedPipeline` behind the profile `Runner` interface."""
 
     def __init__(self, cfg: RunConfig, spec: ConfigSpec) -> None:
@@ -58,12 +56,8 @@ class DistributedRunner:
         self.cfg = cfg
         self.pipe = DistributedPipeline(cfg, native=spec.native, path=spec.path)
         self.device = self.pipe.device
-        stats = self.pipe.manager.stats if self.pipe.manager is not None else None
-        self.graph_count = stats.graph_count if stats else 0
-        self.graphs_per_rank = self.graph_count
-        self.capture_host_seconds = stats.capture_host_seconds if stats else None
         arena = getattr(self.pipe.rank, "arena", None)
-        self.arena_bytes = None if spec.native or arena is None else arena.nbytes
+        self._take_stats(self.pipe.manager, 1, None if spec.native or arena is None else arena.nbytes)
 
     def data(self, step: int) -> Any:
         # each data-parallel replica its own batches, made before the timer starts
@@ -72,9 +66,6 @@ class DistributedRunner:
     def step(self, data: Any) -> torch.Tensor:
         return self.pipe.step(data)
 
-    def counters(self) -> tuple[int, int]:
-        m = self.pipe.manager
-        return (0, 0) if m is None else (m.stats.replay_count, m.stats.handoffs)
 
 
 def merge_ranks(results: list[dict]) -> ConfigResult:
@@ -155,13 +146,8 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
     if not rank0:
         return None
     derive_ratios(results, floor.seconds, floor.seconds_layers_only)
-    return ProfileReport(
-        command=command, git_revision=git_revision(),
-        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        device=device.type, device_name=device_name_of(device), torch_version=torch.__version__,
-        te_version=te_version(), config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
-        steps=steps, warmup=warmup, trace_steps=0, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
-        resources=None, world_size=dist.get_world_size()).with_targets()
+    return make_report(cfg, device, command=command, config_path=config_path, steps=steps, warmup=warmup,
+                       flops=flops, gemm=gemm, floor=floor, results=results, world_size=dist.get_world_size())
 
 
 def refuse_single_process_options(trace: int, microbatches: str | None) -> None:

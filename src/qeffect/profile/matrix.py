@@ -32,7 +32,14 @@ import torch
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
 from qeffect.graphs.stats import GraphStats
-from qeffect.profile.flops import count_matrix_flops, floor_of, measure_gemm_rates
+from qeffect.profile.flops import (
+    Floor,
+    GemmRate,
+    MatrixFlops,
+    count_matrix_flops,
+    floor_of,
+    measure_gemm_rates,
+)
 from qeffect.profile.report import ConfigResult, ProfileReport, Spread, break_even_steps
 from qeffect.profile.resources import resource_rows
 from qeffect.profile.trace import sync_device
@@ -83,7 +90,25 @@ class Runner(Protocol):
     def counters(self) -> tuple[int, int]: ...
 
 
-class PipelineRunner:
+class GraphCounters:
+    """The `Runner` statistics of a pipeline built with `manager` (None: not captured): graphs, capture
+    host time and arena bytes at build, replays and handoffs as it runs. Shared by both runners."""
+
+    def _take_stats(self, manager: Any, ranks_here: int, arena_bytes: int | None) -> None:
+        self.manager = manager
+        stats = manager.stats if manager is not None else None
+        self.graph_count = stats.graph_count if stats else 0
+        self.graphs_per_rank = self.graph_count // ranks_here
+        self.capture_host_seconds = stats.capture_host_seconds if stats else None
+        self.arena_bytes = arena_bytes
+
+    def counters(self) -> tuple[int, int]:
+        if self.manager is None:
+            return 0, 0
+        return self.manager.stats.replay_count, self.manager.stats.handoffs
+
+
+class PipelineRunner(GraphCounters):
     """A `SingleProcessPipeline` (native, qeffect eager or captured) behind the `Runner` interface."""
 
     def __init__(self, cfg: RunConfig, device: torch.device, spec: ConfigSpec) -> None:
@@ -91,23 +116,14 @@ class PipelineRunner:
             cfg = cfg.with_overrides(**{"pipeline.schedule": spec.schedule})
         self.cfg, self.device = cfg, device
         self.pipe = build_single_process(cfg, native=spec.native, device=device, path=spec.path)
-        self.manager = self.pipe.manager
-        stats = self.manager.stats if self.manager is not None else None
-        self.graph_count = stats.graph_count if stats else 0
-        self.graphs_per_rank = self.graph_count // cfg.pipeline.pp
-        self.capture_host_seconds = stats.capture_host_seconds if stats else None
-        self.arena_bytes = None if spec.native else sum(r.arena.nbytes for r in self.pipe.ranks)
+        self._take_stats(self.pipe.manager, cfg.pipeline.pp,
+                         None if spec.native else sum(r.arena.nbytes for r in self.pipe.ranks))
 
     def data(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return synthetic_batches(self.cfg, step, self.device)
 
     def step(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         return self.pipe.step(data)
-
-    def counters(self) -> tuple[int, int]:
-        if self.manager is None:
-            return 0, 0
-        return self.manager.stats.replay_count, self.manager.stats.handoffs
 
 
 def te_version() -> str | None:
@@ -308,13 +324,23 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
         say(f"resource analysis for M = {', '.join(map(str, microbatches))}")
         resources = resource_rows(cfg, list(microbatches), resource_schedules(specs, cfg),
                                   capture=device.type == "cuda")
+    return make_report(cfg, device, command=command, config_path=config_path, steps=steps, warmup=warmup,
+                       flops=flops, gemm=gemm, floor=floor, results=results, trace_steps=trace_steps,
+                       resources=resources)
+
+
+def make_report(cfg: RunConfig, device: torch.device, *, command: str, config_path: str | None, steps: int,
+                warmup: int, flops: MatrixFlops, gemm: list[GemmRate], floor: Floor, results: list[ConfigResult],
+                **extra: Any) -> ProfileReport:
+    """The report of a finished matrix: provenance (command, revision, device, versions), the config, the
+    results, and the targets evaluated from them. `extra`: trace_steps, resources, world_size."""
     return ProfileReport(
         command=command, git_revision=git_revision(),
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         device=device.type, device_name=device_name_of(device), torch_version=torch.__version__,
         te_version=te_version(), config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
-        steps=steps, warmup=warmup, trace_steps=trace_steps, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
-        resources=resources).with_targets()
+        steps=steps, warmup=warmup, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
+        **extra).with_targets()
 
 
 def derive_ratios(results: list[ConfigResult], floor: float, floor_layers: float) -> None:

@@ -60,6 +60,13 @@ def _check(name: str, description: str, value: float | None, threshold: float, c
                        where=where, note=note)
 
 
+def _missed(name: str, description: str, threshold: float, comparison: str, *, needed: str,
+            note: str) -> TargetCheck:
+    """A target with no value that is nevertheless missed (a configuration failed or never breaks even)."""
+    return TargetCheck(name=name, description=description, value=None, threshold=threshold, comparison=comparison,
+                       met=False, needed=needed, note=note)
+
+
 def _ok(report: ProfileReport, name: str) -> ConfigResult | None:
     c = report.result(name)
     return c if c is not None and c.status == "ok" else None
@@ -115,18 +122,16 @@ def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
     failed = [c.name for c in report.configs if c.status == "failed" and (c.path or "").startswith("captured")]
     failed_note = "failed: " + ", ".join(failed)
     if failed:  # "every captured configuration": one that failed cannot be shown to meet anything
-        out.append(TargetCheck(name="break-even", description="every captured configuration breaks even against "
-                               "native eager", value=None, threshold=BREAK_EVEN_STEPS, comparison="<=", met=False,
-                               needed="a run of every captured configuration", note=failed_note))
+        out.append(_missed("break-even", "every captured configuration breaks even against native eager",
+                           BREAK_EVEN_STEPS, "<=", needed="a run of every captured configuration", note=failed_note))
     elif captured and native is not None:
         never = [c.name for c in captured if c.break_even_steps is None]
         description = (f"every captured configuration breaks even against native eager within "
                        f"{BREAK_EVEN_STEPS:g} steps")
         if never:  # not faster per step: no finite value, and missed
-            out.append(TargetCheck(name="break-even", description=description, value=None,
-                                   threshold=BREAK_EVEN_STEPS, comparison="<=", met=False,
-                                   needed="faster per step than native eager: " + ", ".join(never),
-                                   note="never breaks even: " + ", ".join(never)))
+            out.append(_missed("break-even", description, BREAK_EVEN_STEPS, "<=",
+                               needed="faster per step than native eager: " + ", ".join(never),
+                               note="never breaks even: " + ", ".join(never)))
         else:
             worst = max(captured, key=lambda c: c.break_even_steps)
             out.append(_check("break-even", f"{description} (worst: {worst.name})", worst.break_even_steps,
@@ -139,10 +144,9 @@ def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
     times = [r.capture_host_seconds for r in rows if r.capture_host_seconds is not None]
     broken = [r.schedule for r in rows if (r.capture_note or "").startswith("failed")]
     if broken:
-        out.append(TargetCheck(name="capture-host-time", description=f"capture host time at "
-                               f"{CAPTURE_MICROBATCHES} microbatches", value=None, threshold=CAPTURE_SECONDS,
-                               comparison="<", met=False, needed="a capture that succeeds",
-                               note="capture failed: " + ", ".join(broken)))
+        out.append(_missed("capture-host-time", f"capture host time at {CAPTURE_MICROBATCHES} microbatches",
+                           CAPTURE_SECONDS, "<", needed="a capture that succeeds",
+                           note="capture failed: " + ", ".join(broken)))
     else:
         out.append(_check(
             "capture-host-time", f"capture host time at {CAPTURE_MICROBATCHES} microbatches under "
@@ -151,9 +155,8 @@ def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
             note=None if times else (f"needs a single-process run with --microbatches including "
                                      f"{CAPTURE_MICROBATCHES} on a CUDA device")))
     if failed:
-        out.append(TargetCheck(name="zero-growth", description="no persistent memory growth in any captured "
-                               "configuration", value=None, threshold=0.0, comparison="<=", met=False,
-                               needed="a run of every captured configuration", note=failed_note))
+        out.append(_missed("zero-growth", "no persistent memory growth in any captured configuration", 0.0, "<=",
+                           needed="a run of every captured configuration", note=failed_note))
     else:
         growth = [c.persistent_growth_bytes_per_step for c in captured
                   if c.persistent_growth_bytes_per_step is not None]

@@ -92,16 +92,9 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
     is built.
     """
     device = device or cfg.train.device
-    offload_mode = "off" if native else cfg.train.offload
-    check_path("eager" if native else path, device, offload_mode)
+    manager, offload, direct = path_runtime(cfg, path, device, native=native, direct=direct)
     schedule = schedule_of(cfg, native=native)
     chunks = build_chunks_for(cfg, device)
-    manager = offload = None
-    if not native and path != "eager":
-        manager = GraphManager(device)
-        direct = path == "captured-direct"
-        if offload_mode != "off":
-            offload = make_offload_manager(offload_mode, device)
     ranks = [build_rank(cfg, schedule, r, chunks, native=native, direct=direct, fixed_order_sum=fixed_order_sum,
                         manager=manager, capture=capture, offload=offload, accumulate=accumulate)
              for r in range(schedule.pp)]
@@ -111,6 +104,18 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
     if offload is not None and capture:
         capture_graphs(cfg, pipe)
     return pipe
+
+
+def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, native: bool,
+                 direct: bool) -> tuple[GraphManager | None, OffloadManager | None, bool]:
+    """What an action path needs on `device`, checked first: the graph manager and offload manager of a
+    captured path (None, None on the eager path and for native) and the `direct` flag it implies."""
+    offload_mode = "off" if native else cfg.train.offload
+    check_path("eager" if native else path, device, offload_mode)
+    if native or path == "eager":
+        return None, None, direct
+    offload = make_offload_manager(offload_mode, device) if offload_mode != "off" else None
+    return GraphManager(device), offload, path == "captured-direct"
 
 
 def make_offload_manager(mode: str, device: str | torch.device) -> OffloadManager:

@@ -26,9 +26,8 @@ from qeffect.runtime.build import (
     build_chunks_for,
     build_rank,
     capture_ranks,
-    check_path,
     dtype_of,
-    make_offload_manager,
+    path_runtime,
     schedule_of,
 )
 from qeffect.runtime.rank import BaseRank, Batch, Observer, QEffectRank
@@ -127,18 +126,11 @@ class DistributedPipeline:
         else:
             self.schedule = schedule_of(cfg, native=native)
         self.device = torch.device(cfg.train.device, _local_rank()) if cfg.train.device == "cuda" else torch.device("cpu")
-        offload_mode = "off" if native else cfg.train.offload
-        check_path("eager" if native else path, self.device, offload_mode)
+        self.manager: GraphManager | None
+        self.manager, self.offload, direct = path_runtime(cfg, path, self.device, native=native, direct=direct)
         chunks = build_chunks_for(cfg, self.device)
         self.reductions = ReductionTracker(f"rank{self.topo.rank}.reductions")
         self.reductions_run = 0
-        self.manager: GraphManager | None = None
-        self.offload = None
-        if not native and path != "eager":
-            self.manager = GraphManager(self.device)
-            direct = path == "captured-direct"
-            if offload_mode != "off":
-                self.offload = make_offload_manager(offload_mode, self.device)
         self.rank: BaseRank = build_rank(cfg, self.schedule, self.topo.pp_rank, chunks, native=native,
                                          direct=direct, reductions=self.reductions, manager=self.manager,
                                          capture=False, offload=self.offload)

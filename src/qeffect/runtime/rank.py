@@ -139,8 +139,7 @@ class QEffectRank(BaseRank):
                 # direct placement: the slot is the wgrad GEMM's own output buffer, in its dtype; copied
                 # gradients arrive in the parameter's dtype and are staged in it (an exact copy always)
                 act = activation[1] if activation is not None else p.dtype
-                raw = direct and hasattr(lin, "wgrad_dtype")
-                staging_dtypes[name] = lin.wgrad_dtype(act) if raw else p.dtype
+                staging_dtypes[name] = lin.wgrad_dtype(act) if direct else p.dtype
         self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena",
                                    accumulate=accumulate, staging=staging if accumulate else 0,
                                    staging_dtypes=staging_dtypes, reduce=fold_staged)
