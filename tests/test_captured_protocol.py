@@ -47,6 +47,7 @@ def _actions(direct: bool = True, foreign_dest: bool = False):
             F=SimpleNamespace(name=f"F{m}", outputs=(torch.zeros(()), tok())),
             dI=SimpleNamespace(name=f"dI{m}", outputs=(None, nonmatrix, tok())),
             dW=SimpleNamespace(name=f"dW{m}", outputs=(grads, tok())))
+    acts._ngrad = {n: torch.ones_like(p) for n, p in chunk.nonmatrix_params().items()}  # what dI graphs fill
     return acts
 
 
@@ -119,3 +120,22 @@ def test_rank_hands_its_offload_manager_to_every_captured_action() -> None:
     r = build_rank(cfg, schedule_of(cfg), 0, chunks, native=False, manager=FakeManager(), capture=False,
                    offload=mgr)
     assert r.actions and all(a.offload is mgr for a in r.actions.values())
+
+
+def test_captured_di_binds_the_fixed_gradient_buffers_and_refuses_another_order() -> None:
+    """The dI graphs accumulate the non-matrix gradients into fixed buffers (copy at m = 0, add after),
+    so `.grad` is those buffers after every dI, and a dI out of microbatch order is refused before it
+    replays (its graph would copy or add at the wrong point)."""
+    acts = _actions()
+    x, y = _tokens()
+    f0 = acts.forward(0, x, acts.ledger.current, y)
+    f1 = acts.forward(1, x, f0.token, y)
+    with pytest.raises(RuntimeError, match=r"expected dI\(0\), got dI\(1\)"):
+        acts.input_grad(1, f1.ref, torch.tensor(0.5), f1.token)
+    assert "dI1" not in [r[0] for r in acts.manager.replays]
+    di = acts.input_grad(0, f0.ref, torch.tensor(0.5), f1.token)
+    params = acts.chunk.nonmatrix_params()
+    assert all(params[n].grad is buf for n, buf in acts._ngrad.items())
+    assert set(di.nonmatrix_grads) == set(acts._ngrad)
+    acts.input_grad(1, f1.ref, torch.tensor(0.5), di.token)
+    assert acts._di_next == 0  # the next step starts at dI(0) again

@@ -35,7 +35,6 @@ from qeffect.stage.actions import (
     InputGradOut,
     StageActions,
     WeightGradOut,
-    accumulate_grads,
     arena_name,
     input_grad_body,
     take_wgrad_work,
@@ -59,6 +58,9 @@ class CapturedStageActions(StageActions):
     slots: dict[int, SlotGraphs] = field(default_factory=dict)
     offload: OffloadManager | None = None  # saved activations of each slot's F in a fixed-VA group
     groups: dict[int, OffloadGroup] = field(default_factory=dict)
+    # fixed non-matrix gradient buffers the dI graphs accumulate into, and the next dI they expect
+    _ngrad: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _di_next: int = 0
 
     # ------------------------------------------------------------------------------------ capture
     def capture(self, microbatches: int, microbatch_size: int, seq_len: int) -> None:
@@ -112,6 +114,10 @@ class CapturedStageActions(StageActions):
                 f = self.manager.capture(f"{tag}.F{m}", lambda m=m: self._f_body(m), static_inputs=inputs,
                                          warmup=0, private_pool=True)
             self.slots[m] = SlotGraphs(F=f)
+        # The non-matrix gradients accumulate into fixed buffers inside the dI graphs (no eager kernel
+        # launches per dI); `.grad` is bound to them after each replay. Valid because a stage runs dI in
+        # microbatch order (checked at every dI).
+        self._ngrad = {n: torch.zeros_like(p) for n, p in self._nonmatrix.items()}
         for m in range(self._microbatches):
             out = self._out[m]
             if m not in self._gout:
@@ -120,6 +126,12 @@ class CapturedStageActions(StageActions):
             def di_body(m: int = m) -> tuple:
                 grad_in, grads = input_grad_body(chunk, self._x[m], self._out[m], self._gout[m], retain_graph=True)
                 self._work[m] = take_wgrad_work(self._matrix)
+                with torch.no_grad():  # AccumulateGrad's bits, inside the graph: dI(0) copies, later dIs add
+                    for n, g in grads.items():
+                        if m == 0:
+                            self._ngrad[n].copy_(g)
+                        else:
+                            self._ngrad[n].add_(g)
                 return grad_in, grads, self._tok[m] + 1
 
             self.slots[m].dI = self.manager.capture(
@@ -201,6 +213,8 @@ class CapturedStageActions(StageActions):
                 targets: torch.Tensor | None = None) -> ForwardOut:
         key = self.key(m)
         graphs = self.slots[m]
+        if m == 0:  # a new step (after an aborted one too): its dIs start again at microbatch 0
+            self._di_next = 0
         refresh = self.cache.check_forward(self.clock, first_microbatch=(m == 0))
         if refresh != (m == 0):  # the slot-0 graph is the one that refreshes the weight cache
             raise RuntimeError(f"stage {self.stage}: cache refresh on microbatch {m} is not captured")
@@ -227,6 +241,9 @@ class CapturedStageActions(StageActions):
     def input_grad(self, m: int, ref: TapeRef, grad_output: torch.Tensor, token: EffectToken) -> InputGradOut:
         key = self.key(m)
         self.pool.check_consumer(ref, key, Consumer.DI)
+        if m != self._di_next:  # the dI graphs copy at m = 0 and add after: only microbatch order is right
+            raise RuntimeError(f"stage {self.stage}: captured dI accumulates non-matrix gradients in microbatch "
+                               f"order: expected dI({self._di_next}), got dI({m})")
         graphs = self.slots[m]
         grad_in, grads, tok = graphs.dI.outputs
         prev = token
@@ -238,9 +255,13 @@ class CapturedStageActions(StageActions):
             if group is not None:
                 group.before_backward()  # restore (remap + H2D) unless look-ahead did; then look ahead
             self.manager.replay(graphs.dI, {"grad": grad_output, "token": prev.value})
-            accumulate_grads(self._nonmatrix, grads)
+            for n, buf in self._ngrad.items():
+                p = self._nonmatrix[n]
+                if p.grad is not buf:
+                    p.grad = buf
 
         self.on_tape(ref, run, Consumer.DI)
+        self._di_next = (m + 1) % len(self.slots)
         return InputGradOut(grad_in, self.nonmatrix_grads(), token)
 
     def weight_grad(self, m: int, ref: TapeRef, token: EffectToken) -> WeightGradOut:
