@@ -255,8 +255,8 @@ class CapturedStageActions(StageActions):
             if group is not None:
                 group.before_backward()  # restore (remap + H2D) unless look-ahead did; then look ahead
             self.manager.replay(graphs.dI, {"grad": grad_output, "token": prev.value})
-            for n, buf in self._ngrad.items():
-                p = self._nonmatrix[n]
+            for n in grads:  # the parameters this dI's graph wrote (allow_unused may leave some out)
+                buf, p = self._ngrad[n], self._nonmatrix[n]
                 if p.grad is not buf:
                     p.grad = buf
 
