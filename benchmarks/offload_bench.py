@@ -12,9 +12,13 @@ every parameter, optimizer state and FP8 state tensor. Then:
 - time: median step and its ratio to `off` (targets: resident <= 1.03, release <= 1.10);
 - memory: peak allocated (torch) and peak driver-level used memory (`cuMemGetInfo`, sampled after every
   action of one extra, untimed step), the bytes mapped by the offload slots;
-- release: the driver-level free memory just before and just after every group's `after_forward` (D2H,
-  then unmap and release) in that extra step; returned = sum of the increases / sum of the slots' bytes
-  (target >= 0.9).
+- release: the driver-level free memory just before and just after every unmap of a group's slot
+  between its forward and its backward in that extra step (the unmap runs at the first hook that finds
+  the group's D2H done); returned = sum of those increases / sum of the slot bytes of every group's
+  forward in the step, so a group whose D2H was still running at its backward (never released) counts
+  as nothing returned (target >= 0.9).
+
+`--modes` takes `resident@K` for resident offload with at least K banks (`train.offload_banks`).
 """
 
 from __future__ import annotations
@@ -51,12 +55,14 @@ def _final_state(pipe) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_mode(cfg, mode: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
-    cfg = cfg.with_overrides(**{"train.offload": mode})
+def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
+    mode, _, banks = label.partition("@")
+    cfg = cfg.with_overrides(**{"train.offload": mode, "train.offload_banks": int(banks) if banks else None})
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
+    baseline = torch.cuda.memory_allocated(dev)  # what earlier modes left behind (should be ~0)
     t0 = time.perf_counter()
     pipe = build_single_process(cfg, native=False, device=dev, path=path)
     torch.cuda.synchronize(dev)
@@ -80,21 +86,25 @@ def run_mode(cfg, mode: str, path: str, steps: int, warmup: int, dev: torch.devi
     mgr = pipe.offload
     if mgr is not None and mode == "release":
         for g in mgr.groups:
-            orig = g.after_forward
+            if g.slot is None:
+                continue
+            orig = g.slot.unmap
 
-            def wrapped(g=g, orig=orig) -> None:
+            def unmap(*a, g=g, orig=orig, **kw) -> None:
+                if not g.live:  # a consumed group's reap: not the forward-to-backward release
+                    return orig(*a, **kw)
                 before = torch.cuda.mem_get_info(dev)[0]
-                orig()
+                orig(*a, **kw)
                 returned.append((g.name, g.nbytes, torch.cuda.mem_get_info(dev)[0] - before))
-            g.after_forward = wrapped
+            g.slot.unmap = unmap
     pipe.step(synthetic_batches(cfg, warmup + steps, dev),
               observer=lambda a, r: free_samples.append(torch.cuda.mem_get_info(dev)[0]))
     torch.cuda.synchronize(dev)
     total = torch.cuda.mem_get_info(dev)[1]
     res = {
-        "mode": mode, "setup_seconds": setup, "step_seconds": times,
+        "mode": label, "offload_banks": cfg.train.offload_banks, "setup_seconds": setup, "step_seconds": times,
         "median_step_seconds": statistics.median(times),
-        "peak_allocated_bytes": peak_alloc,
+        "peak_allocated_bytes": peak_alloc, "baseline_allocated_bytes": baseline,
         "peak_driver_used_bytes": total - min(free_samples),
         "graph_count": pipe.manager.stats.graph_count,
         "persistent_growth_bytes_per_step": pipe.manager.persistent_growth_per_step(),
@@ -106,13 +116,13 @@ def run_mode(cfg, mode: str, path: str, steps: int, warmup: int, dev: torch.devi
             "banks": len(mgr.banks), "bank_plan": mgr.bank_plan, "mapped_bytes_now": mgr.mapped_bytes(),
             "host_bytes": mgr.host_bytes(),
             **{k: getattr(st, k) for k in ("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes", "maps", "unmaps",
-                                           "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped",
+                                           "released_live", "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped",
                                            "reloads_skipped", "evictions")}}
-        if returned:
-            slot = sum(n for _, n, _ in returned)
+        if mode == "release":
+            slot = sum(g.nbytes for g in mgr.groups)  # every group's forward runs once in the step
             got = sum(d for _, _, d in returned)
-            res["offload"]["release"] = {"unmaps_measured": len(returned), "slot_bytes": slot,
-                                         "driver_free_increase_bytes": got,
+            res["offload"]["release"] = {"unmaps_measured": len(returned), "groups": len(mgr.groups),
+                                         "slot_bytes": slot, "driver_free_increase_bytes": got,
                                          "returned_fraction": got / slot if slot else None,
                                          "per_group": returned[:64]}
     del pipe
@@ -120,6 +130,7 @@ def run_mode(cfg, mode: str, path: str, steps: int, warmup: int, dev: torch.devi
         mgr.close()
     gc.collect()
     torch.cuda.empty_cache()
+    res["leftover_allocated_bytes"] = torch.cuda.memory_allocated(dev)  # after teardown: a leak if > 0
     return res, torch.cat(losses), final
 
 
@@ -129,7 +140,8 @@ def main() -> int:
     ap.add_argument("--backend", default=None, help="override fp8.backend")
     ap.add_argument("--schedule", default=None, help="override pipeline.schedule")
     ap.add_argument("--path", default="captured-direct")
-    ap.add_argument("--modes", default="off,release,resident")
+    ap.add_argument("--modes", default="off,release,resident",
+                    help="comma list of off, release, resident, resident@K (at least K banks)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", required=True)

@@ -5,6 +5,7 @@ prints the functions with the most own time and the most cumulative time, per st
 
     source .gpu-kit/setup.sh
     python3 scripts/host_profile.py --config examples/configs/h2048.toml --path captured-direct --steps 10
+    python3 scripts/host_profile.py --config examples/configs/h2048.toml --offload resident --top 25
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ def main() -> None:
     ap.add_argument("--schedule", default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--offload", default=None, help="train.offload: off, release or resident")
+    ap.add_argument("--offload-banks", type=int, default=None, help="train.offload_banks (resident)")
     args = ap.parse_args()
-    cfg = load_config(args.config)
-    if args.schedule:
-        cfg = cfg.with_overrides(**{"pipeline.schedule": args.schedule})
+    cfg = load_config(args.config).with_overrides(**{
+        "pipeline.schedule": args.schedule, "train.offload": args.offload, "train.offload_banks": args.offload_banks})
     device = torch.device(cfg.train.device)
     pipe = build_single_process(cfg, native=False, device=device, path=args.path)
     data = [synthetic_batches(cfg, i, device) for i in range(args.steps + 3)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -326,8 +327,8 @@ def test_every_interleaving_restores_the_right_bytes(mode: str, program: str, lo
         assert mgr.stats.d2h_copies == 2 * len(order)
         if mode == "resident":
             assert mgr.stats.h2d_copies > 0 and mgr.stats.evictions > 0  # banks were really reused
-        else:
-            assert mgr.stats.h2d_copies == 2 * len(order)
+        else:  # every group released between its forward and its backward, then restored
+            assert mgr.stats.h2d_copies == mgr.stats.released_live == 2 * len(order)
     if program == "odd-warmup" and mode == "resident" and lookahead:
         assert mgr.stats.prefetches_wasted > 0
 
@@ -369,11 +370,19 @@ def test_release_mode_offload_order() -> None:
         ("wait", "d2h", "G0.forward_done"),  # the copy stream waits on the forward-done event only
         ("copy", "d2h", host, slot, g.nbytes),
         ("record", "d2h", "G0.d2h_done"),
-        ("sync", "G0.d2h_done"),  # the host waits for that copy alone, never the whole device ...
-        ("cuMemUnmap", g.slot.va, g.slot.size),  # ... then unmaps and releases
-        ("cuMemRelease", 1),
-    ]
+    ]  # and no host wait: the host runs on
+    assert g.state is GroupState.RELEASE_D2H_PENDING and g.slot.mapped
+    dev.trace.clear()
+    assert mgr.reap() == 0  # a query: the copy has not run yet (no progress without a wait)
+    assert [e for e in dev.trace if not e[0].startswith("cuCtx")] == [("query", "G0.d2h_done", False)]
+    dev.synchronize()
+    dev.trace.clear()
+    assert mgr.reap() == 1  # the next query finds the copy done: unmap and release
+    assert [e for e in dev.trace if not e[0].startswith("cuCtx")] == [
+        ("query", "G0.d2h_done", True), ("sync", "G0.d2h_done"), ("cuMemUnmap", g.slot.va, g.slot.size),
+        ("cuMemRelease", 1)]
     assert g.state is GroupState.UNMAPPED and not g.slot.mapped and mgr.mapped_bytes() == 3 * GRAN
+    assert mgr.stats.released_live == 1
     dev.trace.clear()
     g.before_backward()
     assert [e[0] if e[0].startswith("cu") else e for e in dev.trace if not e[0].startswith("cuCtx")][:7] == [
@@ -393,6 +402,8 @@ def test_release_mode_frees_device_memory_between_forward_and_backward() -> None
     for g in groups:
         g.before_forward()
         g.after_forward()
+    assert mgr.mapped_bytes() == 4 * GRAN  # the copies are queued; nothing waited for them
+    assert mgr.reap(block=True) == 4
     assert mgr.mapped_bytes() == 0 and dev.cu.free == total  # everything lives on the host now
     for g in reversed(groups):
         g.before_backward()
@@ -473,6 +484,7 @@ def test_lookahead_restores_the_next_group_before_the_current_backward_runs() ->
         for g in groups:
             g.before_forward()
             g.after_forward()
+        mgr.reap(block=True)
         dev.trace.clear()
         for k in (3, 2):
             groups[k].before_backward()
@@ -567,7 +579,9 @@ def test_states_along_the_lifecycle(mode: str) -> None:
         g.after_forward()
         seen.append(g.state)
     if mode == "release":
-        assert seen == [GroupState.UNMAPPED] * 3
+        assert seen == [GroupState.RELEASE_D2H_PENDING] * 3  # at its after_forward; later hooks may reap
+        mgr.reap(block=True)
+        assert [g.state for g in (g0, g1, g2)] == [GroupState.UNMAPPED] * 3 and mgr.stats.released_live == 3
     else:  # g2 took g0's bank
         assert seen == [GroupState.RESIDENT_D2H_PENDING] * 3
         assert [g.state for g in (g0, g1, g2)] == [GroupState.RESIDENT_RELOAD_PENDING,
@@ -719,6 +733,7 @@ def test_saved_activations_round_trip_through_the_slot_bitwise(mode: str) -> Non
     assert [v.data_ptr() - g.va for v in g.views] == g.offsets == [0, 256, 512]
     g.after_forward()
     if mode == "release":
+        assert mgr.reap(block=True) == 1
         assert torch.all(g.slot_bytes == POISON)  # released: nothing of it left on the device
     other.before_forward()
     with dev.host_compute():
@@ -748,7 +763,8 @@ def test_backward_without_restore_reads_poison() -> None:
     g.before_forward()
     with dev.host_compute(), g.capture_hooks():
         y = f(x)
-    g.after_forward()  # unmapped: the views now read the poison byte
+    g.after_forward()
+    assert mgr.reap(block=True) == 1  # unmapped: the views now read the poison byte
     got = torch.autograd.grad(y, inputs, gy)
     assert not torch.equal(got[0], ref[0])
 
@@ -833,3 +849,20 @@ def test_prefetch_into_a_bank_under_a_running_backward_is_skipped() -> None:
     assert not g2.prefetch() and mgr.stats.prefetches_skipped == 1  # bank 0 is being read by g0
     g0.after_backward()
     assert g2.prefetch()
+
+
+def test_driver_copy_is_one_checked_memcpy_on_the_stream() -> None:
+    """`TorchCudaStreams.copy` with a driver: one cuMemcpyAsync (dst, src, bytes, stream), sizes checked.
+    (The stream handle and pointers are only passed through here; the GPU tests run the real call.)"""
+    from qeffect.offload.streams import TorchCudaStreams
+
+    calls = []
+    cu = SimpleNamespace(CUdeviceptr=lambda p: ("ptr", p), CUstream=lambda h: ("stream", h))
+    driver = SimpleNamespace(cu=cu, call=lambda name, *a: calls.append((name, *a)))
+    ops = object.__new__(TorchCudaStreams)
+    ops.driver, ops.device = driver, torch.device("cpu")
+    dst, src = torch.empty(64, dtype=torch.uint8), torch.ones(64, dtype=torch.uint8)
+    ops.copy(dst, src, SimpleNamespace(cuda_stream=1234))
+    assert calls == [("cuMemcpyAsync", ("ptr", dst.data_ptr()), ("ptr", src.data_ptr()), 64, ("stream", 1234))]
+    with pytest.raises(ValueError, match="one size"):
+        ops.copy(dst, torch.ones(32, dtype=torch.uint8), SimpleNamespace(cuda_stream=1234))

@@ -73,13 +73,20 @@ def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0) -> None
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 @pytest.mark.parametrize("microbatches", [4, 8])
-def test_planned_banks_run_the_schedule(schedule: str, microbatches: int) -> None:
+@pytest.mark.parametrize("min_banks", [2, 3, 6])
+def test_planned_banks_run_the_schedule(schedule: str, microbatches: int, min_banks: int) -> None:
     events = schedule_events(schedule, microbatches)
-    plan = assign_banks(events)
+    plan = assign_banks(events, min_banks=min_banks)
     banks = [plan[g] for g in backward_order(events)]
-    assert max(banks) + 1 >= 2 and max(banks) + 1 < len(plan)  # ping-pong: fewer banks than groups
+    assert max(banks) + 1 >= min_banks and max(banks) + 1 < len(plan)  # ping-pong: fewer banks than groups
+    assert len(set(banks)) == max(banks) + 1  # every bank is used (least recently used first)
     for seed in range(3):
         _run(events, banks, seed=seed)
+
+
+def test_min_banks_is_checked() -> None:
+    with pytest.raises(ValueError, match="min_banks"):
+        assign_banks(schedule_events("interleaved", 4), min_banks=0)
 
 
 def test_banks_by_position_fail_on_zbv() -> None:

@@ -80,6 +80,8 @@ class TrainConfig(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     path: Literal["eager", "captured-copy", "captured-direct"] = "eager"
     offload: Literal["off", "release", "resident"] = "off"
+    # resident offload: at least this many banks (more: fewer evictions and reloads, more device memory)
+    offload_banks: int = Field(2, ge=2, le=64)
     eval_every: int = Field(20, ge=0)
     eval_batches: int = Field(4, ge=1)
     data: str = ""

@@ -6,7 +6,7 @@ memory and back around the replays (release or resident ping-pong mode, with loo
 `checks` is the GPU check behind `qeffect offload-check`. Importing this package needs neither a GPU
 nor `cuda.bindings` (imported lazily by `driver.load_bindings`).
 
-NOT YET RUN ON A GPU: everything here is tested on CPU against `fake.FakeDevice` only.
+Tested on CPU against `fake.FakeDevice` and on the H200 by tests/test_offload_gpu.py and `qeffect offload-check`.
 """
 
 from __future__ import annotations

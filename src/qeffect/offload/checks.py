@@ -21,8 +21,8 @@
 
 Every function here needs CUDA and cuda.bindings (`require_gpu`).
 
-NOT YET RUN ON A GPU: written without access to one; the first run of this module is the acceptance
-run on the H200 (see tests/test_offload_gpu.py for the same checks at small sizes).
+Run on the H200 (benchmarks/results/offload-check-h200.json); tests/test_offload_gpu.py runs the same
+checks at small sizes.
 """
 
 from __future__ import annotations
@@ -275,8 +275,8 @@ class ToyStack:
             self.gy[-1].copy_(gy_last)
         grads: dict[int, list[torch.Tensor]] = {}
         for k in reversed(range(self.layers)):
-            if sync_before_backward:
-                cur.synchronize()
+            if sync_before_backward:  # the whole device: the D2H copies too (then the hooks find them done)
+                torch.cuda.synchronize(self.device)
             g = self.groups[k]
             g.before_backward()
             if timing is not None:

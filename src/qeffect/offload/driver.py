@@ -9,8 +9,8 @@ VMM call from it would fail with CUDA_ERROR_INVALID_CONTEXT.
 `cu` is injectable: the real module on a GPU machine, or `qeffect.offload.fake.FakeCudaDriver` (same
 function names, same tuple returns) on CPU, so this exact code is what the CPU tests run.
 
-NOT YET RUN ON A GPU: written against cuda-bindings 13.x (the H200 has 13.3.1) from its documentation;
-the CPU tests drive it through the fake module only. `qeffect offload-check` is its first real run.
+Written against cuda-bindings 13.x (the H200 has 13.3.1); run there by `qeffect offload-check` and
+tests/test_offload_gpu.py, and by the CPU tests through the fake module.
 """
 
 from __future__ import annotations

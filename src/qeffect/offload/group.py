@@ -12,9 +12,12 @@ microbatch slot) of a captured stage):
    session checks count, order, shape/stride/dtype/device against discovery and data_ptr() == VA.
 4. forward offload (`after_forward`): the compute stream records `forward_done`; the D2H stream waits
    on that event only and copies the slot to the group's pinned host buffer, then records `d2h_done`.
-   release mode: the host waits on `d2h_done` alone, unmaps and releases (-> `unmapped`).
+   release mode: (-> `release_d2h_pending`) the host does not wait: the first hook that finds
+   `d2h_done` complete (an event query) unmaps and releases the slot (-> `unmapped`).
    resident mode: nothing else; the bank stays mapped (-> `resident_d2h_pending`).
-5. backward restore (`before_backward`): release: remap at the same VA and H2D on the H2D stream;
+5. backward restore (`before_backward`): release: remap at the same VA and H2D on the H2D stream (a
+   group still in `release_d2h_pending` is released first: the host waits for its D2H alone, which
+   was queued a whole window earlier; release mode promises the memory is returned between F and B);
    resident: H2D into the group's bank only if another group took the bank meanwhile
    (`resident_reload_pending`); then the compute stream waits on `restore_done` (-> `mapped`).
    Look-ahead: right after that, the NEXT group in backward order is restored on the H2D stream, so
@@ -24,9 +27,12 @@ microbatch slot) of a captured stage):
 Modes. `release`: each group has its own slot; the device memory of a group exists only while its
 activations are on the device. After a consumed backward the slot is also released ("reaped", when
 its `consumed` event has completed; checked without blocking at every hook) and remapped, without
-H2D, before the next forward. Driver calls run on the hot path and `after_forward` blocks the host
-until that group's D2H is done (the unmap must not race the copy). `resident` (ping-pong): `num_banks`
-(2) slots mapped for the whole run; group i of the backward order uses bank i % num_banks, so the
+H2D, before the next forward. Driver calls run on the hot path, but the host does not wait for a D2H
+after the forward (that would keep it from running ahead of the device and serialize every copy with
+the step): the slot is released at the first hook whose event query finds the copy done, and only a
+backward that comes before that waits for the copy (its own group's, queued a window earlier).
+`resident` (ping-pong): at least `num_banks` (2) slots mapped for the whole run; group i of the
+backward order uses bank i % num_banks (or the bank `offload.plan.assign_banks` gives it), so the
 bank a backward reads and the bank the look-ahead restores into always differ. No driver calls and
 no host waits on the hot path. A bank is written (by a forward or a restore) only after its previous
 D2H finished and its previous backward consumer finished (stream waits on `bank.last_d2h` and
@@ -69,6 +75,7 @@ class GroupState(StrEnum):
     DISCOVERING = "discovering"  # recording saved-tensor descriptors; no memory yet
     MAPPED = "mapped"  # the group's slot (or bank) is mapped; its bytes are there, or it holds nothing
     UNMAPPED = "unmapped"  # release mode: no physical memory; live bytes (if any) are on the host
+    RELEASE_D2H_PENDING = "release_d2h_pending"  # release: D2H enqueued; unmapped once a query finds it done
     RESIDENT_D2H_PENDING = "resident_d2h_pending"  # resident: D2H enqueued; the bank still holds the bytes
     RESIDENT_RELOAD_PENDING = "resident_reload_pending"  # resident: another group took the bank; bytes on host
     CLOSED = "closed"  # terminal: the manager was closed
@@ -145,6 +152,7 @@ class OffloadStats:
     h2d_bytes: int = 0
     maps: int = 0  # physical mappings created on the hot path (not counting allocate)
     unmaps: int = 0
+    released_live: int = 0  # release mode: slots released between their forward and backward (after the D2H)
     reaped: int = 0  # release mode: consumed slots released
     prefetches: int = 0  # restores started by look-ahead
     prefetches_wasted: int = 0  # resident: a prefetched restore evicted before its backward
@@ -187,6 +195,7 @@ class OffloadGroup:
         self.restore_done: Any = None
         self.consumed: Any = None
         self._consumed_recorded = False
+        self._d2h_recorded = False  # a D2H out of the slot was enqueued (writers of the slot wait on d2h_done)
         self._restore_pending = False  # restore enqueued; the compute stream has not waited on it yet
 
     # ----------------------------------------------------------------------------------- discovery
@@ -302,9 +311,11 @@ class OffloadGroup:
             if self.state is GroupState.UNMAPPED:
                 self.slot.map()  # a fresh mapping: the forward writes every view before anything reads it
                 m.stats.maps += 1
-                self.state = GroupState.MAPPED
-            elif self._consumed_recorded:  # the last backward's reads come before this forward's writes
+            elif self._consumed_recorded:  # still mapped: the last backward's reads come before these writes
+                # (a D2H still reading the slot may copy torn bytes, but only into this group's host buffer,
+                # which this forward's own D2H, later on the same stream, overwrites before any restore)
                 m.streams.wait(cur, self.consumed)
+            self.state = GroupState.MAPPED
         else:
             m._claim(self.bank, self, cur)
             self.state = GroupState.MAPPED
@@ -322,13 +333,13 @@ class OffloadGroup:
         s.wait(m.d2h_stream, self.forward_done)
         s.copy(self.host, self.slot_bytes, m.d2h_stream)
         s.record(self.d2h_done, m.d2h_stream)
+        self._d2h_recorded = True
         m.stats.d2h_copies += 1
         m.stats.d2h_bytes += self.nbytes
         if m.mode == "release":
-            # The host waits for this copy alone (and what it waited on: the forward), then unmaps.
-            self.slot.unmap(wait=lambda: s.synchronize_event(self.d2h_done))
-            m.stats.unmaps += 1
-            self.state = GroupState.UNMAPPED
+            # No host wait: a later hook's `reap` releases the slot once a query finds this copy done.
+            self.state = GroupState.RELEASE_D2H_PENDING
+            m._maybe_reap(exclude=self)
         else:
             self.bank.last_d2h = self.d2h_done
             self.state = GroupState.RESIDENT_D2H_PENDING
@@ -347,6 +358,8 @@ class OffloadGroup:
             self.phase = "backward"
             return
         m._maybe_reap(exclude=self)
+        if self.state is GroupState.RELEASE_D2H_PENDING:  # no hook found its D2H done yet: release it now
+            m._release(self, block=True)
         if self.state in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
             m._restore(self, under=None)
         elif self.state is GroupState.RESIDENT_D2H_PENDING:
@@ -463,11 +476,11 @@ class OffloadManager:
         if mode != "off":
             if self.device.type == "cuda" and self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            if self.streams is None:
-                self.streams = TorchCudaStreams(self.device)
             if self.driver is None:
                 self.driver = VmmDriver(self.device.index or 0)
                 self._own_driver = True
+            if self.streams is None:
+                self.streams = TorchCudaStreams(self.device, driver=self.driver)
         self.d2h_stream: Any = None
         self.h2d_stream: Any = None
 
@@ -604,6 +617,9 @@ class OffloadManager:
     def _prefetch(self, g: OffloadGroup, *, under: OffloadGroup | None) -> bool:
         if g._inactive() or not g.live or g.phase is not None:
             return False
+        if g.state is GroupState.RELEASE_D2H_PENDING:  # release it if its D2H is done; else its backward will
+            if not self._release(g, block=False):
+                return False
         if g.state not in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
             return False  # already on the device (or being restored)
         owner = g.bank.owner if g.bank is not None else None
@@ -616,28 +632,43 @@ class OffloadManager:
         return True
 
     def _maybe_reap(self, *, exclude: OffloadGroup | None = None) -> None:
-        if self.mode == "release" and self.release_consumed:
+        if self.mode == "release":
             self.reap(block=False, exclude=exclude)
 
     # ---------------------------------------------------------------------------------- public
     def reap(self, *, block: bool = False, exclude: OffloadGroup | None = None) -> int:
-        """Release mode: release the slots of consumed groups. Without `block`, only those whose
-        `consumed` event has completed (a query, no host wait). Returns how many were released."""
+        """Release mode: release the slots whose bytes are on the host (D2H done) and, with
+        `release_consumed`, those of consumed groups (backward and any D2H done). Without `block`, only
+        where a query says the events completed (no host wait). Returns how many were released."""
         if self.mode != "release" or not self._allocated or self._closed:
             return 0
         n = 0
         for g in self.groups:
-            if (g is exclude or g.live or g.phase is not None or g.state is not GroupState.MAPPED
-                    or g.slot is None or not g._consumed_recorded):
-                continue
-            if not block and not self.streams.query(g.consumed):
-                continue
-            g.slot.unmap(wait=lambda g=g: self.streams.synchronize_event(g.consumed))
-            g.state = GroupState.UNMAPPED
-            self.stats.unmaps += 1
-            self.stats.reaped += 1
-            n += 1
+            if g is not exclude and g.phase is None and g.slot is not None:
+                n += self._release(g, block=block)
         return n
+
+    def _release(self, g: OffloadGroup, *, block: bool) -> bool:
+        """Unmap and release `g`'s slot if its bytes are on the host (D2H done) or, with
+        `release_consumed`, consumed (backward and any D2H done). `block`: the host waits for those
+        events; otherwise only a query. True if released."""
+        s = self.streams
+        if g.state is GroupState.RELEASE_D2H_PENDING:
+            events = [g.d2h_done]
+        elif self.release_consumed and g.state is GroupState.MAPPED and not g.live and g._consumed_recorded:
+            events = [g.consumed] + ([g.d2h_done] if g._d2h_recorded else [])
+        else:
+            return False
+        if not block and not all(s.query(e) for e in events):
+            return False
+        g.slot.unmap(wait=lambda: [s.synchronize_event(e) for e in events])
+        self.stats.unmaps += 1
+        if g.state is GroupState.RELEASE_D2H_PENDING:
+            self.stats.released_live += int(g.live)
+        else:
+            self.stats.reaped += 1
+        g.state = GroupState.UNMAPPED
+        return True
 
     def mapped_bytes(self) -> int:
         """Device bytes currently mapped by this manager's slots and banks."""

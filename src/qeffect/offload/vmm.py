@@ -11,7 +11,7 @@ a replay that touches it unmapped is a hard fault (illegal address, error 700) t
 Driver calls go through a `VmmDriver` (checked, any thread). On CPU the tests use a fake driver whose
 "VA" is host memory, which is also how `wrap_pointer` is tested with a CPU pointer.
 
-NOT YET RUN ON A GPU: `qeffect offload-check` and tests/test_offload_gpu.py are the first real runs.
+On a GPU: `qeffect offload-check` and tests/test_offload_gpu.py.
 """
 
 from __future__ import annotations

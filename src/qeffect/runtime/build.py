@@ -114,16 +114,17 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     check_path("eager" if native else path, device, offload_mode)
     if native or path == "eager":
         return None, None, direct
-    offload = make_offload_manager(offload_mode, device) if offload_mode != "off" else None
+    offload = make_offload_manager(offload_mode, device, cfg.train.offload_banks) if offload_mode != "off" else None
     return GraphManager(device), offload, path == "captured-direct"
 
 
-def make_offload_manager(mode: str, device: str | torch.device) -> OffloadManager:
-    """One offload manager per device; a clear error where VMM offload cannot work."""
+def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2) -> OffloadManager:
+    """One offload manager per device (`banks`: resident mode's minimum bank count); a clear error where
+    VMM offload cannot work."""
     from qeffect.offload.driver import OffloadUnavailable
 
     try:
-        return OffloadManager(mode, device=torch.device(device))
+        return OffloadManager(mode, device=torch.device(device), num_banks=banks)
     except OffloadUnavailable as err:
         raise UserError(f"train.offload = {mode}: {err}") from None
 
@@ -157,7 +158,7 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
     backward = backward_order(events)
     banks = None
     if offload.mode == "resident":
-        plan = assign_banks(events)
+        plan = assign_banks(events, min_banks=offload.num_banks)
         banks = [plan[g] for g in backward]
     offload.allocate(backward, banks=banks)
     for r in ranks:
