@@ -33,9 +33,9 @@ class StreamOps(Protocol):
 class TorchCudaStreams:
     """The real operations on one CUDA device (torch.cuda streams and events, pinned host memory).
 
-    With a `driver` (`VmmDriver`), `copy` is one checked `cuMemcpyAsync` on the stream: a torch
-    `copy_` under a stream context costs tens of microseconds of host time per call (stream switches,
-    the pinned-memory allocator's bookkeeping), on the host-bound hot path of a captured step."""
+    With a `driver` (`VmmDriver`), `copy` is one checked `cuMemcpyAsync` on the stream instead of a
+    torch `copy_` under a stream context (stream switches, the pinned-memory allocator's bookkeeping).
+    Fewer host calls; on the H200 the offload benchmark's step times did not measurably change."""
 
     def __init__(self, device: torch.device | str = "cuda", driver: Any = None) -> None:
         self.driver = driver
