@@ -327,8 +327,8 @@ def test_every_interleaving_restores_the_right_bytes(mode: str, program: str, lo
         assert mgr.stats.d2h_copies == 2 * len(order)
         if mode == "resident":
             assert mgr.stats.h2d_copies > 0 and mgr.stats.evictions > 0  # banks were really reused
-        else:  # every group released between its forward and its backward, then restored
-            assert mgr.stats.h2d_copies == mgr.stats.released_live == 2 * len(order)
+        else:  # every group released between its forward and its backward (by a query or by its backward's wait)
+            assert mgr.stats.h2d_copies == mgr.stats.released_live + mgr.stats.released_at_backward == 2 * len(order)
     if program == "odd-warmup" and mode == "resident" and lookahead:
         assert mgr.stats.prefetches_wasted > 0
 
@@ -393,6 +393,22 @@ def test_release_mode_offload_order() -> None:
         ("wait", "compute", "G0.restore_done"),  # the compute stream waits on the restore event
     ]
     assert g.state is GroupState.MAPPED and g.slot.va == g.views[0].data_ptr() - g.offsets[0]
+
+
+def test_release_backward_before_its_d2h_waits_for_that_copy_alone() -> None:
+    """Strict release: a backward that comes before any hook found its group's D2H done waits for that one
+    copy, releases and restores (counted apart from the releases a query made)."""
+    dev, mgr, (g, *_) = build("release", lookahead=False, progress=0)
+    g.before_forward()
+    g.after_forward()
+    dev.trace.clear()
+    g.before_backward()
+    calls = [e[0] if e[0].startswith("cu") else e for e in dev.trace if not e[0].startswith("cuCtx")]
+    assert calls[:3] == [("sync", "G0.d2h_done"), "cuMemUnmap", "cuMemRelease"]  # that one copy, then release
+    assert calls[3:6] == ["cuMemCreate", "cuMemMap", "cuMemSetAccess"]  # then the restore, as always
+    assert (mgr.stats.released_live, mgr.stats.released_at_backward, mgr.stats.h2d_copies) == (0, 1, 1)
+    g.after_backward()
+    dev.synchronize()
 
 
 def test_release_mode_frees_device_memory_between_forward_and_backward() -> None:
@@ -581,7 +597,8 @@ def test_states_along_the_lifecycle(mode: str) -> None:
     if mode == "release":
         assert seen == [GroupState.RELEASE_D2H_PENDING] * 3  # at its after_forward; later hooks may reap
         mgr.reap(block=True)
-        assert [g.state for g in (g0, g1, g2)] == [GroupState.UNMAPPED] * 3 and mgr.stats.released_live == 3
+        assert [g.state for g in (g0, g1, g2)] == [GroupState.UNMAPPED] * 3
+        assert (mgr.stats.released_live, mgr.stats.released_at_backward) == (3, 0)
     else:  # g2 took g0's bank
         assert seen == [GroupState.RESIDENT_D2H_PENDING] * 3
         assert [g.state for g in (g0, g1, g2)] == [GroupState.RESIDENT_RELOAD_PENDING,

@@ -152,7 +152,8 @@ class OffloadStats:
     h2d_bytes: int = 0
     maps: int = 0  # physical mappings created on the hot path (not counting allocate)
     unmaps: int = 0
-    released_live: int = 0  # release mode: slots released between their forward and backward (after the D2H)
+    released_live: int = 0  # release mode: slots released between forward and backward once a query found the D2H done
+    released_at_backward: int = 0  # release mode: slots whose backward came first, released by its wait, then restored
     reaped: int = 0  # release mode: consumed slots released
     prefetches: int = 0  # restores started by look-ahead
     prefetches_wasted: int = 0  # resident: a prefetched restore evicted before its backward
@@ -359,7 +360,7 @@ class OffloadGroup:
             return
         m._maybe_reap(exclude=self)
         if self.state is GroupState.RELEASE_D2H_PENDING:  # no hook found its D2H done yet: release it now
-            m._release(self, block=True)
+            m._release(self, block=True, at_backward=True)
         if self.state in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
             m._restore(self, under=None)
         elif self.state is GroupState.RESIDENT_D2H_PENDING:
@@ -648,10 +649,11 @@ class OffloadManager:
                 n += self._release(g, block=block)
         return n
 
-    def _release(self, g: OffloadGroup, *, block: bool) -> bool:
+    def _release(self, g: OffloadGroup, *, block: bool, at_backward: bool = False) -> bool:
         """Unmap and release `g`'s slot if its bytes are on the host (D2H done) or, with
         `release_consumed`, consumed (backward and any D2H done). `block`: the host waits for those
-        events; otherwise only a query. True if released."""
+        events; otherwise only a query. `at_backward`: called by `g`'s own backward (counted apart:
+        that memory comes back only for the moment before the restore). True if released."""
         s = self.streams
         if g.state is GroupState.RELEASE_D2H_PENDING:
             events = [g.d2h_done]
@@ -664,7 +666,10 @@ class OffloadManager:
         g.slot.unmap(wait=lambda: [s.synchronize_event(e) for e in events])
         self.stats.unmaps += 1
         if g.state is GroupState.RELEASE_D2H_PENDING:
-            self.stats.released_live += int(g.live)
+            if at_backward:
+                self.stats.released_at_backward += 1
+            else:
+                self.stats.released_live += int(g.live)
         else:
             self.stats.reaped += 1
         g.state = GroupState.UNMAPPED
