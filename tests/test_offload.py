@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -866,20 +865,3 @@ def test_prefetch_into_a_bank_under_a_running_backward_is_skipped() -> None:
     assert not g2.prefetch() and mgr.stats.prefetches_skipped == 1  # bank 0 is being read by g0
     g0.after_backward()
     assert g2.prefetch()
-
-
-def test_driver_copy_is_one_checked_memcpy_on_the_stream() -> None:
-    """`TorchCudaStreams.copy` with a driver: one cuMemcpyAsync (dst, src, bytes, stream), sizes checked.
-    (The stream handle and pointers are only passed through here; the GPU tests run the real call.)"""
-    from qeffect.offload.streams import TorchCudaStreams
-
-    calls = []
-    cu = SimpleNamespace(CUdeviceptr=lambda p: ("ptr", p), CUstream=lambda h: ("stream", h))
-    driver = SimpleNamespace(cu=cu, call=lambda name, *a: calls.append((name, *a)))
-    ops = object.__new__(TorchCudaStreams)
-    ops.driver, ops.device = driver, torch.device("cpu")
-    dst, src = torch.empty(64, dtype=torch.uint8), torch.ones(64, dtype=torch.uint8)
-    ops.copy(dst, src, SimpleNamespace(cuda_stream=1234))
-    assert calls == [("cuMemcpyAsync", ("ptr", dst.data_ptr()), ("ptr", src.data_ptr()), 64, ("stream", 1234))]
-    with pytest.raises(ValueError, match="one size"):
-        ops.copy(dst, torch.ones(32, dtype=torch.uint8), SimpleNamespace(cuda_stream=1234))

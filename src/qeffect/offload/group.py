@@ -481,7 +481,7 @@ class OffloadManager:
                 self.driver = VmmDriver(self.device.index or 0)
                 self._own_driver = True
             if self.streams is None:
-                self.streams = TorchCudaStreams(self.device, driver=self.driver)
+                self.streams = TorchCudaStreams(self.device)
         self.d2h_stream: Any = None
         self.h2d_stream: Any = None
 
