@@ -477,11 +477,11 @@ class OffloadManager:
         if mode != "off":
             if self.device.type == "cuda" and self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
+            if self.streams is None:
+                self.streams = TorchCudaStreams(self.device)
             if self.driver is None:
                 self.driver = VmmDriver(self.device.index or 0)
                 self._own_driver = True
-            if self.streams is None:
-                self.streams = TorchCudaStreams(self.device)
         self.d2h_stream: Any = None
         self.h2d_stream: Any = None
 
