@@ -8,6 +8,7 @@ touches CUDA; tests/test_offload_gpu.py runs the real thing.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 
@@ -865,3 +866,53 @@ def test_prefetch_into_a_bank_under_a_running_backward_is_skipped() -> None:
     assert not g2.prefetch() and mgr.stats.prefetches_skipped == 1  # bank 0 is being read by g0
     g0.after_backward()
     assert g2.prefetch()
+
+
+def _param_survives(hooks_of, eligible=None) -> bool:
+    """Run y = exp(x @ w) (exp saves its output) under `hooks_of(group)`, drop y and w: is w still alive?"""
+    import weakref
+
+    dev, drv = fake()
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev, **({"eligible": eligible} if eligible else {}))
+    g = mgr.group("G0")
+    x = torch.randn(3, 4)
+    with g.discovery_hooks():
+        (x @ torch.randn(4, 4, requires_grad=True)).exp()
+    mgr.allocate()
+    w = torch.randn(4, 4, requires_grad=True)
+    alive = weakref.ref(w)
+    g.before_forward()
+    with dev.host_compute(), hooks_of(g):
+        y = (x @ w).exp()
+    del y, w
+    gc.collect()
+    return alive() is not None
+
+
+def test_pack_hooks_leave_no_reference_cycle() -> None:
+    """A pack hook that returned a saved output itself kept the whole forward graph (and its parameters)
+    alive after the graph was dropped: discovery leaked every warm-up graph of an offloaded pipeline."""
+    assert not _param_survives(lambda g: contextlib.nullcontext())  # the control: autograd alone frees it
+    assert not _param_survives(lambda g: torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t))
+    assert _param_survives(lambda g: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))  # the leak
+    # (discovery_hooks: the test below; they are refused after allocate)
+    # capture: x and exp's output go to the slot (the hook remembers what it stored) ...
+    assert not _param_survives(lambda g: g.capture_hooks())
+    # ... or exp's output (requires grad: not eligible here) stays where autograd keeps it
+    assert not _param_survives(lambda g: g.capture_hooks(), eligible=lambda t: not t.requires_grad)
+
+
+def test_discovery_hooks_leave_no_reference_cycle() -> None:
+    import weakref
+
+    dev, drv = fake()
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    g = mgr.group("G0")
+    w = torch.randn(4, 4, requires_grad=True)
+    alive = weakref.ref(w)
+    with g.discovery_hooks():
+        y = (torch.randn(3, 4) @ w).exp()
+    assert len(g.specs) == 2  # x and exp's output were discovered
+    del y, w
+    gc.collect()
+    assert alive() is None

@@ -153,3 +153,33 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
     assert o["d2h_copies"] >= 3 * 16 and o["h2d_copies"] > 0, o
     if mode == "release":
         assert o["unmaps"] >= 3 * 16, o
+
+
+@pytest.mark.parametrize("mode", ["off", "release", "resident"])
+def test_a_torn_down_offloaded_pipeline_leaves_no_cuda_memory(mode: str) -> None:
+    """An offloaded pipeline once left ~2.3 GiB (h2048) allocated after teardown: the offload pack hooks
+    made reference cycles through autograd that kept every warm-up graph and its parameters alive."""
+    import gc
+
+    from qeffect.config import load_config
+    from qeffect.runtime.build import build_single_process
+    from qeffect.verify.state import synthetic_batches
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = load_config(None).with_overrides(**{"train.device": "cuda", "train.offload": mode})
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    pipe = build_single_process(cfg, native=False, device=dev, path="captured-direct")
+    params = sum(p.numel() * p.element_size() for r in pipe.ranks for c in r.chunks.values() for p in c.parameters())
+    pipe.step(synthetic_batches(cfg, 0, dev))
+    torch.cuda.synchronize(dev)
+    mgr = pipe.offload
+    del pipe
+    if mgr is not None:
+        mgr.close()
+    del mgr
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    left = torch.cuda.memory_allocated(dev) - before
+    assert left < params / 2, f"{mode}: {left} bytes still allocated after teardown (parameters: {params})"

@@ -220,15 +220,17 @@ class OffloadGroup:
         """Record the tensors autograd saves in this block (an eager warm-up of the forward)."""
         if self.state is not GroupState.DISCOVERING:
             raise OffloadStateError(f"group {self.name!r}: discovery_hooks() after allocate() (state {self.state})")
-        seen: dict[tuple, Tensor] = {}  # holds the tensors: no address reuse inside one session
+        # holds the tensors (no address reuse inside one session), unlinked: autograd keeps this closure
+        # with every tensor it packs, so a tensor with its grad_fn here would be a reference cycle
+        seen: dict[tuple, Tensor] = {}
 
         def pack(t: Tensor) -> Tensor:
             if self.manager._eligible(t):
                 key = _key(t)
                 if key not in seen:
-                    seen[key] = t
+                    seen[key] = _unlinked(t)
                     self.discover(t)
-            return t
+            return _unlinked(t)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield self
@@ -277,7 +279,7 @@ class OffloadGroup:
         def pack(t: Tensor) -> Tensor:
             nonlocal count
             if not self.manager._eligible(t):
-                return t
+                return _unlinked(t)
             key = _key(t)
             if key in seen:
                 return seen[key][0]
@@ -285,7 +287,7 @@ class OffloadGroup:
                 raise OffloadStateError(f"group {self.name!r}: capture saved more tensors than discovery "
                                         f"({len(self.specs)})")
             view = self.store(count, t)
-            seen[key] = (view, t)
+            seen[key] = (view, _unlinked(t))  # unlinked: see discovery_hooks
             count += 1
             return view
 
@@ -433,6 +435,17 @@ class OffloadGroup:
 
     def __repr__(self) -> str:
         return f"OffloadGroup({self.name!r}, {self.state}, live={self.live}, phase={self.phase}, nbytes={self.nbytes})"
+
+
+def _unlinked(t: Tensor) -> Tensor:
+    """What a pack hook keeps of a tensor it does not move: the same bytes without the autograd link.
+
+    Autograd stores whatever a pack hook returns, and keeps the pack hook itself with it. A tensor
+    with its `grad_fn` in either (an op that saves its own output: exp, softmax, a norm's statistics;
+    or a hook closure that remembers the tensors it saw) is a cycle through C++ objects the garbage
+    collector cannot see: it keeps the whole forward graph (saved tensors, parameters) alive after the
+    graph is dropped. Plain tensors only: a subclass (an FP8 tensor) is returned as it is."""
+    return t.detach() if type(t) is torch.Tensor else t
 
 
 def _key(t: Tensor) -> tuple:
