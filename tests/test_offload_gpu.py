@@ -166,7 +166,8 @@ def test_a_torn_down_offloaded_pipeline_leaves_no_cuda_memory(mode: str) -> None
     from qeffect.verify.state import synthetic_batches
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = load_config(None).with_overrides(**{"train.device": "cuda", "train.offload": mode})
+    # h2048: parameters of ~1.3 GB, so a leak of the graphs stands far above the 32 MiB cuBLAS workspace
+    cfg = load_config("examples/configs/h2048.toml").with_overrides(**{"train.device": "cuda", "train.offload": mode})
     gc.collect()
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
@@ -182,4 +183,4 @@ def test_a_torn_down_offloaded_pipeline_leaves_no_cuda_memory(mode: str) -> None
     gc.collect()
     torch.cuda.synchronize(dev)
     left = torch.cuda.memory_allocated(dev) - before
-    assert left < params / 2, f"{mode}: {left} bytes still allocated after teardown (parameters: {params})"
+    assert left < 256 * MIB, f"{mode}: {left} bytes still allocated after teardown (parameters: {params})"
