@@ -137,6 +137,10 @@ class CapturedStageActions(StageActions):
             self.slots[m].dI = self.manager.capture(
                 f"{tag}.dI{m}", di_body, static_inputs={"grad": self._gout[m], "token": self._tok[m]},
                 warmup=0, private_pool=True)
+        written = [sorted(self.slots[m].dI.outputs[1]) for m in range(self._microbatches)]
+        if any(w != written[0] for w in written):  # dI(0) copies what later dIs add to: the same set each
+            raise RuntimeError(f"stage {self.stage}: the captured dI graphs write different non-matrix gradients "
+                               f"per microbatch ({written}); in-graph accumulation needs the same set")
         for m in range(self._microbatches):
 
             def dw_body(m: int = m) -> tuple:
