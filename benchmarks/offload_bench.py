@@ -20,7 +20,8 @@ every parameter, optimizer state and FP8 state tensor. Then:
   included) say how often each happened: `released_live`, `released_at_backward`. The measured step
   samples memory after every action, which slows the host, so it may find more copies done in time.
 
-`--modes` takes `resident@K` for resident offload with at least K banks (`train.offload_banks`).
+`--modes` takes `resident@K` for resident offload with at least K banks (`train.offload_banks`) and
+`release-keep` for release offload that keeps consumed slots mapped (`train.offload_reap = false`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def _final_state(pipe) -> dict[str, torch.Tensor]:
 
 def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
     mode, _, banks = label.partition("@")
-    cfg = cfg.with_overrides(**{"train.offload": mode, "train.offload_banks": int(banks) if banks else None})
+    keep = mode == "release-keep"  # release without releasing consumed slots (train.offload_reap = false)
+    mode = "release" if keep else mode
+    cfg = cfg.with_overrides(**{"train.offload": mode, "train.offload_banks": int(banks) if banks else None,
+                                "train.offload_reap": False if keep else None})
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize(dev)
@@ -172,7 +176,7 @@ def main() -> int:
     ap.add_argument("--schedule", default=None, help="override pipeline.schedule")
     ap.add_argument("--path", default="captured-direct")
     ap.add_argument("--modes", default="off,release,resident",
-                    help="comma list of off, release, resident, resident@K (at least K banks)")
+                    help="comma list of off, release, release-keep, resident, resident@K (at least K banks)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", required=True)

@@ -11,6 +11,8 @@
 #          timings) for Interleaved and ZB-V (te backend as in h2048.toml; reference if te fails).
 # profile-h2048, profile-h4096: `qeffect profile` matrices with trace summaries, reference and te.
 # staged: the staged weight-gradient accumulation's GPU tests, bitwise matrix and A/B benchmark.
+# offload-next: the offload GPU tests (teardown leak included), scripts/offload_leak.py, and the offload
+#          benchmark over off, release, release-keep, resident and resident@6 for both schedules.
 # Each step has its own time limit so that one hang cannot cost the others; logs and JSON go to OUT.
 set -u
 out=$1
@@ -69,6 +71,15 @@ offload-final)
     offload_bench interleaved
     offload_bench zbv
     ;;
+offload-next)
+    # the branch next/offload-pack-detach: teardown leak test, offload tests, then every offload mode
+    step 120 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py tests/test_train.py
+    step 60 offload-leak python3 scripts/offload_leak.py --config examples/configs/h2048.toml --modes off,release,resident
+    for s in interleaved zbv; do
+        step 100 "offload-$s" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml --schedule "$s" \
+            --steps 20 --modes off,release,release-keep,resident,resident@6 --out "$out/offload-bench-h2048-$s-h200.json"
+    done
+    ;;
 profile-h2048)
     step 280 profile-h2048 python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference,h2048:te \
         --steps 20 --warmup 3 --trace 3
@@ -80,7 +91,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

@@ -916,3 +916,14 @@ def test_discovery_hooks_leave_no_reference_cycle() -> None:
     del y, w
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_release_without_reaping_keeps_consumed_slots_for_the_next_forward(program: str) -> None:
+    """`release_consumed=False` (config `train.offload_reap = false`): a slot stays mapped from its backward
+    to its next forward, so the only remaps are the restores; the bytes are still right in every order."""
+    prog, order = PROGRAMS[program]
+    for seed in range(6):
+        dev, mgr, groups = build("release", seed, layers=len(order), order=order, release_consumed=False)
+        assert run_program(dev, groups, prog) == [], (program, seed)
+        assert mgr.stats.reaped == 0 and mgr.stats.maps == mgr.stats.h2d_copies == 2 * len(order)

@@ -82,6 +82,9 @@ class TrainConfig(_Strict):
     offload: Literal["off", "release", "resident"] = "off"
     # resident offload: at least this many banks (more: fewer evictions and reloads, more device memory)
     offload_banks: int = Field(2, ge=2, le=64)
+    # release offload: also release a slot after its backward (its memory comes back until the group's next
+    # forward, for a remap per group per step); false keeps it mapped from the backward to the next forward
+    offload_reap: bool = True
     eval_every: int = Field(20, ge=0)
     eval_batches: int = Field(4, ge=1)
     data: str = ""

@@ -114,17 +114,18 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     check_path("eager" if native else path, device, offload_mode)
     if native or path == "eager":
         return None, None, direct
-    offload = make_offload_manager(offload_mode, device, cfg.train.offload_banks) if offload_mode != "off" else None
+    offload = (make_offload_manager(offload_mode, device, cfg.train.offload_banks, cfg.train.offload_reap)
+               if offload_mode != "off" else None)
     return GraphManager(device), offload, path == "captured-direct"
 
 
-def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2) -> OffloadManager:
-    """One offload manager per device (`banks`: resident mode's minimum bank count); a clear error where
-    VMM offload cannot work."""
+def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, reap: bool = True) -> OffloadManager:
+    """One offload manager per device (`banks`: resident mode's minimum bank count; `reap`: release mode
+    also releases consumed slots); a clear error where VMM offload cannot work."""
     from qeffect.offload.driver import OffloadUnavailable
 
     try:
-        return OffloadManager(mode, device=torch.device(device), num_banks=banks)
+        return OffloadManager(mode, device=torch.device(device), num_banks=banks, release_consumed=reap)
     except OffloadUnavailable as err:
         raise UserError(f"train.offload = {mode}: {err}") from None
 
