@@ -139,3 +139,31 @@ def test_captured_di_binds_the_fixed_gradient_buffers_and_refuses_another_order(
     assert set(di.nonmatrix_grads) == set(acts._ngrad)
     acts.input_grad(1, f1.ref, torch.tensor(0.5), di.token)
     assert acts._di_next == 0  # the next step starts at dI(0) again
+
+
+@pytest.mark.parametrize("fail_at", ["F", "dI"])
+def test_a_slot_with_offload_runs_again_after_an_aborted_step(fail_at: str) -> None:
+    """A replay that fails between its offload hooks aborts the tape; the slot's next forward (a new
+    step) abandons the group's leftovers instead of refusing the hook order forever."""
+    from qeffect.offload.group import OffloadManager
+
+    acts = _actions()
+    mgr = OffloadManager("off", device="cpu")
+    acts.groups = {m: mgr.group(f"s0.m{m}") for m in range(2)}
+    mgr.allocate([acts.groups[0], acts.groups[1]])
+    x, y = _tokens()
+    if fail_at == "F":
+        acts.manager.fail = True
+        with pytest.raises(RuntimeError, match="replay failed"):
+            acts.forward(0, x, acts.ledger.current, y)
+    else:
+        f = acts.forward(0, x, acts.ledger.current, y)
+        acts.manager.fail = True
+        with pytest.raises(RuntimeError, match="replay failed"):
+            acts.input_grad(0, f.ref, torch.zeros(()), f.token)
+    assert acts.pool.live_count == 0 and (acts.groups[0].phase is not None or acts.groups[0].live)
+    acts.manager.fail = False
+    f = acts.forward(0, x, acts.ledger.current, y)
+    d = acts.input_grad(0, f.ref, torch.zeros(()), f.token)
+    acts.weight_grad(0, f.ref, d.token)
+    assert not acts.groups[0].live and acts.groups[0].phase is None

@@ -927,3 +927,19 @@ def test_release_without_reaping_keeps_consumed_slots_for_the_next_forward(progr
         dev, mgr, groups = build("release", seed, layers=len(order), order=order, release_consumed=False)
         assert run_program(dev, groups, prog) == [], (program, seed)
         assert mgr.stats.reaped == 0 and mgr.stats.maps == mgr.stats.h2d_copies == 2 * len(order)
+
+
+@pytest.mark.parametrize("mode", ["release", "resident"])
+@pytest.mark.parametrize("fail_in", ["forward", "backward", "live"])
+def test_abandon_after_an_aborted_step_then_every_order_still_restores_the_right_bytes(mode: str, fail_in: str) -> None:
+    for seed in range(6):
+        dev, mgr, groups = build(mode, seed, layers=4, order=[3, 2, 1, 0])
+        g = groups[0]
+        g.before_forward()  # a failed forward replay: after_forward never ran
+        if fail_in != "forward":
+            g.after_forward()
+            if fail_in == "backward":
+                g.before_backward()  # a failed backward replay: after_backward never ran
+        g.abandon()
+        assert not g.live and g.phase is None
+        assert run_program(dev, groups, STACK[0]) == [], (mode, fail_in, seed)

@@ -230,6 +230,8 @@ class CapturedStageActions(StageActions):
         if targets is not None:
             dynamic["targets"] = targets
         group = self.groups.get(m)
+        if group is not None and (group.live or group.phase is not None):
+            group.abandon()  # the pool gave this slot a new tape: the old one was aborted with its step
 
         def run() -> None:
             if group is not None:

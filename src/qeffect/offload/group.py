@@ -389,6 +389,17 @@ class OffloadGroup:
         if m.mode == "resident":
             self.bank.last_consumed = self.consumed
 
+    def abandon(self) -> None:
+        """Forget the activations of an aborted step: a forward or backward whose replay failed between
+        its hooks, or live activations whose tape was aborted. A failed backward still records
+        `consumed`, so the next writer of the slot waits for anything its replay had queued."""
+        self._allocated("abandon")
+        if self.phase == "backward":
+            self.after_backward()
+        elif self.phase == "forward":
+            self.phase = None  # nothing was copied out; the next forward rewrites the slot
+        self.discard()
+
     def discard(self) -> None:
         """Drop live activations without a backward (an aborted tape). The slot stays allocated."""
         self._allocated("discard")
