@@ -74,7 +74,7 @@ offload-final)
 offload-next)
     # the branch next/offload-pack-detach: teardown leak test, offload tests, then every offload mode
     step 120 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py tests/test_train.py
-    step 60 offload-leak python3 scripts/offload_leak.py --config examples/configs/h2048.toml --modes off,release,resident
+    step 90 offload-leak python3 scripts/offload_leak.py --config examples/configs/h2048.toml --modes off,release,resident
     for s in interleaved zbv; do
         step 100 "offload-$s" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml --schedule "$s" \
             --steps 20 --modes off,release,release-keep,resident,resident@6 --out "$out/offload-bench-h2048-$s-h200.json"
