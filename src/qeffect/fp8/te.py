@@ -77,18 +77,31 @@ BACKWARD_STATE: tuple[str, ...] = tuple(n for n in TE_STATE_NAMES if n.startswit
 _UNREGISTERED = [0, "qeffect-private-forward", 0, "qeffect-private-backward"]
 
 
-def te_available() -> bool:
-    """Whether `transformer_engine.pytorch` imports here (it needs CUDA libraries)."""
+def te_import_error() -> str | None:
+    """Why `transformer_engine.pytorch` does not import here (it needs CUDA libraries), or None.
+
+    A missing package says nothing more than TE_MISSING_MSG; any other failure (a broken install, a
+    library clash) is worth its own words, so it is returned for the error message."""
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # an ImportError, or a broken install (missing CUDA libraries)
-        return False
-    return True
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] == "transformer_engine":
+            return ""
+        return f"{type(err).__name__}: {err}"
+    except Exception as err:  # a broken install (missing CUDA libraries), or an import-order clash
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def te_available() -> bool:
+    """Whether `transformer_engine.pytorch` imports here."""
+    return te_import_error() is None
 
 
 def require_te() -> None:
-    if not te_available():
-        raise UserError(TE_MISSING_MSG)
+    reason = te_import_error()
+    if reason is not None:
+        raise UserError(TE_MISSING_MSG + (f" ({reason})" if reason else ""))
 
 
 def te_recipe_kwargs(recipe: DelayedScalingRecipe) -> dict[str, Any]:
