@@ -11,7 +11,8 @@
 #          timings) for Interleaved and ZB-V (te backend as in h2048.toml; reference if te fails).
 # profile-h2048, profile-h4096: `qeffect profile` matrices with trace summaries, reference and te.
 # staged: the staged weight-gradient accumulation's GPU tests, bitwise matrix and A/B benchmark.
-# fused-quantize: the fused reference quantization's GPU tests, the reference bitwise matrix, profiles.
+# fused-quantize, fused-quantize-profile (two calls): the fused reference quantization's GPU tests and
+#          the reference bitwise matrix; then the reference profiles at h2048 and h4096.
 # Each step has its own time limit so that one hang cannot cost the others; logs and JSON go to OUT.
 set -u
 out=$1
@@ -71,16 +72,18 @@ offload-final)
     offload_bench zbv
     ;;
 fused-quantize)
-    # the branch next/ref-fused-quantize: the fused reference quantization's GPU tests, the reference
-    # backend's bitwise matrix, then both reference profiles
-    step 120 pytest-fq python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py \
+    # the branch next/ref-fused-quantize: the fused reference quantization's GPU tests (cold Triton cache:
+    # about 30 compiles) and the reference backend's bitwise matrix; fused-quantize-profile: its profiles
+    step 240 pytest-fq python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_fused_quantize_gpu.py \
         tests/test_fp8_reference.py
-    step 120 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
         --backends reference --paths captured-copy,captured-direct --out "$out/verify"
     keep_merged verify
-    step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
+    ;;
+fused-quantize-profile)
+    step 200 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
         --steps 20 --warmup 3 --trace 3
-    step 200 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
+    step 250 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 profile-h2048)
@@ -94,7 +97,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|fused-quantize|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

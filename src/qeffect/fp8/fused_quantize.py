@@ -57,7 +57,9 @@ def _kernel():  # noqa: ANN202 - a Triton JIT function, or None where Triton is 
         tl.store(q_ptr + rows[:, None] * n + cols[None, :], q, mask=mask)
         if TRANSPOSE:
             tl.store(qt_ptr + cols[None, :] * m + rows[:, None], q, mask=mask)
-        bits = tl.abs(x).to(tl.int32, bitcast=True)  # >= 0: integer order is float order, NaN above inf
+        # |x| as bits with the sign cleared by a mask (abs.f32 leaves a NaN's sign unspecified): >= 0, so
+        # integer order is float order, and a NaN's bits exceed infinity's
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         bits = tl.where(mask, bits, 0)
         tl.atomic_max(amax_bits_ptr, tl.max(tl.max(bits, axis=1), axis=0))
 
@@ -65,9 +67,13 @@ def _kernel():  # noqa: ANN202 - a Triton JIT function, or None where Triton is 
 
 
 def fused_available(x: Tensor) -> bool:
-    """Whether `x` quantizes through the fused kernel (CUDA, 2-D contiguous, Triton present, not disabled)."""
-    return (x.is_cuda and x.dim() == 2 and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and x.numel() > 0 and os.environ.get("QEFFECT_FUSED_QUANTIZE", "1") != "0" and _kernel() is not None)
+    """Whether `x` quantizes through the fused kernel: CUDA on sm90 or newer (Triton's fp32->fp8 cast is
+    one round-to-nearest-even `cvt` there; below, it rounds through fp16 first or cannot cast E4M3), 2-D
+    contiguous, Triton present, not disabled."""
+    return (x.is_cuda and x.dim() == 2 and x.is_contiguous()
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.numel() > 0
+            and os.environ.get("QEFFECT_FUSED_QUANTIZE", "1") != "0"
+            and torch.cuda.get_device_capability(x.device) >= (9, 0) and _kernel() is not None)
 
 
 def quantize_sequence(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.dtype,
@@ -94,6 +100,7 @@ def quantize_amax(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.
     qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device) if transpose else q
     amax_slot.zero_()  # the atomic max starts from 0 (|x| >= 0, so 0 is the identity)
     grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
-    _kernel()[grid](x, scale, q, qt, amax_slot.view(torch.int32), m, n, fp8_max(fp8_dtype),
-                    TRANSPOSE=transpose, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    with torch.cuda.device(x.device):  # Triton launches on the current device
+        _kernel()[grid](x, scale, q, qt, amax_slot.view(torch.int32), m, n, fp8_max(fp8_dtype),
+                        TRANSPOSE=transpose, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     return q, (qt if transpose else None)

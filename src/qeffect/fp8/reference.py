@@ -82,7 +82,7 @@ class _FP8LinearFn(torch.autograd.Function):
         w_scale_inv: Tensor,
     ) -> Tensor:
         x_q_t = None  # what dW needs of x: its transpose, made in the same pass as x_q
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1]:  # (forward runs with grad mode off: requires_grad is what says a dW comes)
             x_q, x_q_t, x_scale_inv = module.input_state().quantize_pair(x)
         else:
             x_q, x_scale_inv = module.input_state().quantize(x)
