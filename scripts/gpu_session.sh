@@ -13,6 +13,9 @@
 # staged: the staged weight-gradient accumulation's GPU tests, bitwise matrix and A/B benchmark.
 # offload-next: the offload GPU tests (teardown leak included), scripts/offload_leak.py, and the offload
 #          benchmark over off, release, release-keep, resident and resident@6 for both schedules.
+# combined: the teardown test alone, the whole GPU suite and the 8-cell matrix.
+# fused-quantize, fused-quantize-profile (two calls): the fused reference quantization's GPU tests and
+#          the reference bitwise matrix; then the reference profiles at h2048 and h4096.
 # Each step has its own time limit so that one hang cannot cost the others; logs and JSON go to OUT.
 set -u
 out=$1
@@ -80,6 +83,29 @@ offload-next)
             --steps 20 --modes off,release,release-keep,resident,resident@6 --out "$out/offload-bench-h2048-$s-h200.json"
     done
     ;;
+combined)
+    # next/combined (offload-pack-detach + ref-fused-quantize): the teardown test alone first (Transformer
+    # Engine imported after the offload driver only), then the whole GPU suite and both backends' matrix
+    step 90 pytest-teardown python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py -k torn_down
+    step 320 pytest python3 -m pytest -m gpu -q -p no:cacheprovider
+    bitwise_matrix
+    keep_merged verify
+    ;;
+fused-quantize)
+    # the branch next/ref-fused-quantize: the fused reference quantization's GPU tests (cold Triton cache:
+    # about 30 compiles) and the reference backend's bitwise matrix; fused-quantize-profile: its profiles
+    step 240 pytest-fq python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_fused_quantize_gpu.py \
+        tests/test_fp8_reference.py
+    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
+    keep_merged verify
+    ;;
+fused-quantize-profile)
+    step 200 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
+        --steps 20 --warmup 3 --trace 3
+    step 250 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
+        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    ;;
 profile-h2048)
     step 280 profile-h2048 python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference,h2048:te \
         --steps 20 --warmup 3 --trace 3
@@ -91,7 +117,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|combined|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

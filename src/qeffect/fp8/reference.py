@@ -81,11 +81,15 @@ class _FP8LinearFn(torch.autograd.Function):
         w_q_t: Tensor,
         w_scale_inv: Tensor,
     ) -> Tensor:
-        x_q, x_scale_inv = module.input_state().quantize(x)
+        x_q_t = None  # what dW needs of x: its transpose, made in the same pass as x_q
+        if ctx.needs_input_grad[1]:  # (forward runs with grad mode off: requires_grad is what says a dW comes)
+            x_q, x_q_t, x_scale_inv = module.input_state().quantize_pair(x)
+        else:
+            x_q, x_scale_inv = module.input_state().quantize(x)
         y = fp8_mm(x_q, x_scale_inv, w_q, w_scale_inv, out_dtype=x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x_q, x_scale_inv, w_q_t, w_scale_inv)
+        ctx.save_for_backward(x_q_t, x_scale_inv, w_q_t, w_scale_inv)
         ctx.module = module
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -93,10 +97,14 @@ class _FP8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x_q, x_scale_inv, w_q_t, w_scale_inv = ctx.saved_tensors
+        x_q_t, x_scale_inv, w_q_t, w_scale_inv = ctx.saved_tensors
         module: RefFP8Linear = ctx.module
         # The one backward state transition of this module for this microbatch.
-        dy_q, dy_scale_inv = module.grad_state().quantize(dy)
+        dy_q_t = None
+        if ctx.needs_input_grad[1]:
+            dy_q, dy_q_t, dy_scale_inv = module.grad_state().quantize_pair(dy)
+        else:
+            dy_q, dy_scale_inv = module.grad_state().quantize(dy)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = fp8_mm(dy_q, dy_scale_inv, w_q_t, w_scale_inv, out_dtype=ctx.x_dtype)
@@ -105,7 +113,7 @@ class _FP8LinearFn(torch.autograd.Function):
             dbias = dy.sum(0, dtype=ctx.bias_dtype)
         dw = None
         if ctx.needs_input_grad[1]:
-            work = WgradWork(dy_q.t().contiguous(), dy_scale_inv, x_q.t().contiguous(), x_scale_inv)
+            work = WgradWork(dy_q_t, dy_scale_inv, x_q_t, x_scale_inv)
             if module.delay_wgrad:
                 module.wgrad_store.append(work)
             else:
@@ -193,8 +201,8 @@ class RefFP8Linear(nn.Module):
 
         New tensors every time: tapes of an earlier epoch may still hold the previous ones.
         """
-        w_q, scale_inv = self.weight_state().quantize(self.weight)
-        self._cache = WeightCache(w_q, w_q.t().contiguous(), scale_inv)
+        w_q, w_q_t, scale_inv = self.weight_state().quantize_pair(self.weight)
+        self._cache = WeightCache(w_q, w_q_t, scale_inv)
         return self._cache
 
     # -- compute -----------------------------------------------------------------------------------

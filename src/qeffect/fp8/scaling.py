@@ -101,7 +101,27 @@ class ScalingState:
 
     def quantize(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Quantize with the current scale, record the amax of `x`, update the scale: one transition."""
-        q, scale_inv = quantize(x, self.scale, self.fp8_dtype)
-        record_amax(x, self.amax_history)
-        self.update()
+        if x.dim() != 2:
+            q, scale_inv = quantize(x, self.scale, self.fp8_dtype)
+            record_amax(x, self.amax_history)
+            self.update()
+            return q, scale_inv
+        q, _, scale_inv = self._quantize_2d(x, transpose=False)
         return q, scale_inv
+
+    def quantize_pair(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`quantize` of a 2-D `x` that also returns `q^T` (contiguous, for the weight-gradient GEMM):
+        `(q, q_t, scale_inv)`. On a GPU one fused pass (`fp8.fused_quantize`), same bits."""
+        if x.dim() != 2:
+            raise ValueError(f"quantize_pair wants a 2-D tensor, got {tuple(x.shape)}")
+        q, q_t, scale_inv = self._quantize_2d(x, transpose=True)
+        assert q_t is not None
+        return q, q_t, scale_inv
+
+    def _quantize_2d(self, x: Tensor, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+        from qeffect.fp8.fused_quantize import quantize_amax
+
+        scale_inv = self.scale.reciprocal()  # taken before the update, as in `quantize`
+        q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
+        self.update()
+        return q, q_t, scale_inv

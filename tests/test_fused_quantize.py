@@ -1,0 +1,47 @@
+"""`ScalingState.quantize_pair` and the fused-quantize entry point on CPU (the torch sequence runs):
+the pair is exactly `quantize` plus the contiguous transpose, with the same state transitions.
+The fused GPU kernel itself: tests/test_fused_quantize_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qeffect.fp8.fused_quantize import fused_available, quantize_amax, quantize_sequence
+from qeffect.fp8.recipe import DelayedScalingRecipe
+from qeffect.fp8.scaling import ScalingState
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantize_pair_is_quantize_plus_transpose_with_the_same_transitions(fp8) -> None:
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(37, 53, generator=g) * 10 ** k for k in range(-2, 3)]
+    a = ScalingState.new(DelayedScalingRecipe(), fp8)
+    b = ScalingState.new(DelayedScalingRecipe(), fp8)
+    for x in xs:
+        q, q_t, inv = a.quantize_pair(x)
+        q_ref, inv_ref = b.quantize(x)
+        assert _same_bits(q, q_ref) and _same_bits(q_t, q_ref.t().contiguous()) and q_t.is_contiguous()
+        assert torch.equal(inv, inv_ref)
+        assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale)
+    assert not torch.equal(a.scale, torch.ones(()))  # the scales really moved
+
+
+def test_quantize_pair_wants_2d() -> None:
+    st = ScalingState.new(DelayedScalingRecipe(), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="2-D"):
+        st.quantize_pair(torch.ones(2, 3, 4))
+
+
+def test_cpu_takes_the_sequence() -> None:
+    x = torch.randn(8, 16)
+    assert not fused_available(x)
+    s = torch.tensor(3.0)
+    a1, a2 = torch.zeros(()), torch.zeros(())
+    q, qt = quantize_amax(x, s, a1, torch.float8_e4m3fn, transpose=True)
+    q_ref, qt_ref = quantize_sequence(x, s, a2, torch.float8_e4m3fn, transpose=True)
+    assert _same_bits(q, q_ref) and _same_bits(qt, qt_ref) and torch.equal(a1, a2) and a1 == x.abs().max()

@@ -1,0 +1,128 @@
+"""The fused FP8 quantization (`fp8.fused_quantize`) against the torch sequence it replaces, bit for bit.
+
+GPU only (the fused path needs CUDA and Triton). Every FP8 byte and the transpose must be identical;
+the amax must have the same bits (for a NaN input: both NaN, payloads may differ -- see the module).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _fused():
+    from qeffect.fp8 import fused_quantize
+
+    if fused_quantize._kernel() is None:
+        pytest.skip("needs Triton")
+    return fused_quantize
+
+
+def _special(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values over many magnitudes, with zeros, -0, subnormals, huge values and infinities."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, device="cuda", generator=g) * torch.exp2(torch.randint(-30, 30, shape, device="cuda",
+                                                                                  generator=g).float())
+    flat = x.view(-1)
+    k = max(1, flat.numel() // 16)
+    picks = torch.randint(0, flat.numel(), (6, k), device="cuda", generator=g)
+    flat[picks[0]] = 0.0
+    flat[picks[1]] = -0.0
+    flat[picks[2]] = 1e-40  # a subnormal (in bf16 too, about 9.2e-41)
+    flat[picks[3]] = -3e38
+    flat[picks[4]] = float("inf")
+    flat[picks[5]] = -float("inf")
+    return x.to(dtype)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (64, 64), (255, 1000), (256, 4096), (4096, 1), (1000, 257)])
+@pytest.mark.parametrize("scale", [1.0, 0.37, 1e-3, 3.5e4])
+def test_fused_quantize_is_bitwise_the_sequence(fp8, dtype, shape, scale) -> None:
+    fq = _fused()
+    for seed, special in ((0, False), (1, True)):
+        x = _special(shape, dtype, seed) if special else (torch.randn(shape, device="cuda") * 3).to(dtype)
+        s = torch.tensor(scale, device="cuda")
+        assert fq.fused_available(x)
+        a_ref, a_got = torch.full((), 7.0, device="cuda"), torch.full((), 7.0, device="cuda")
+        q_ref, qt_ref = fq.quantize_sequence(x, s, a_ref, fp8, transpose=True)
+        q, qt = fq.quantize_amax(x, s, a_got, fp8, transpose=True)
+        assert q.is_contiguous() and qt.is_contiguous() and qt.shape == (shape[1], shape[0])
+        assert _same_bits(q, q_ref), (fp8, dtype, shape, scale, special)
+        assert _same_bits(qt, qt_ref)
+        assert torch.equal(a_got.view(torch.int32), a_ref.view(torch.int32)), (a_got, a_ref)
+        q2, none = fq.quantize_amax(x, s, a_got, fp8, transpose=False)
+        assert none is None and _same_bits(q2, q_ref)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_nan_input_gives_nan_amax_and_the_sequence_bytes_elsewhere(fp8) -> None:
+    fq = _fused()
+    x = torch.randn(128, 96, device="cuda", dtype=torch.bfloat16)
+    x[5, 7] = float("nan")
+    s = torch.tensor(2.0, device="cuda")
+    a_ref, a_got = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
+    q_ref, _ = fq.quantize_sequence(x, s, a_ref, fp8, transpose=False)
+    q, _ = fq.quantize_amax(x, s, a_got, fp8, transpose=False)
+    assert torch.isnan(a_ref) and torch.isnan(a_got)
+    keep = torch.ones_like(x, dtype=torch.bool)
+    keep[5, 7] = False
+    assert torch.equal(q.view(torch.uint8)[keep], q_ref.view(torch.uint8)[keep])
+    assert torch.isnan(q[5, 7].float()) and torch.isnan(q_ref[5, 7].float())
+    print(f"NaN byte: fused {q.view(torch.uint8)[5, 7].item():#x}, torch {q_ref.view(torch.uint8)[5, 7].item():#x}")
+
+
+def test_reversing_the_scale_changes_the_bytes() -> None:
+    """The comparison above can fail: a different scale gives different bytes."""
+    fq = _fused()
+    x = torch.randn(64, 64, device="cuda")
+    a = torch.zeros((), device="cuda")
+    q1, _ = fq.quantize_amax(x, torch.tensor(1.0, device="cuda"), a, torch.float8_e4m3fn)
+    q2, _ = fq.quantize_amax(x, torch.tensor(1.5, device="cuda"), a, torch.float8_e4m3fn)
+    assert not _same_bits(q1, q2)
+
+
+def test_fused_quantize_captures_into_a_graph() -> None:
+    fq = _fused()
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    s = torch.tensor(0.5, device="cuda")
+    hist = torch.zeros(4, device="cuda")
+    fq.quantize_amax(x, s, hist[0], torch.float8_e4m3fn, transpose=True)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        q, qt = fq.quantize_amax(x, s, hist[0], torch.float8_e4m3fn, transpose=True)
+    x.copy_(torch.randn_like(x) * 4)
+    hist.zero_()
+    g.replay()
+    ref_a = torch.zeros((), device="cuda")
+    q_ref, qt_ref = fq.quantize_sequence(x, s, ref_a, torch.float8_e4m3fn, transpose=True)
+    torch.cuda.synchronize()
+    assert _same_bits(q, q_ref) and _same_bits(qt, qt_ref) and torch.equal(hist[0], ref_a)
+
+
+def test_scaling_state_pair_equals_quantize_then_transpose(monkeypatch) -> None:
+    """`ScalingState.quantize_pair` on a GPU (fused) against the torch path (QEFFECT_FUSED_QUANTIZE=0)."""
+    from qeffect.fp8.recipe import DelayedScalingRecipe
+    from qeffect.fp8.scaling import ScalingState
+
+    _fused()
+    x = torch.randn(300, 700, device="cuda", dtype=torch.bfloat16) * 10
+    out = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("QEFFECT_FUSED_QUANTIZE", flag)
+        st = ScalingState.new(DelayedScalingRecipe(), torch.float8_e4m3fn, device="cuda")
+        res = [st.quantize_pair(x * (k + 1)) for k in range(3)]  # three transitions: scales move
+        out.append((res, st.amax_history.clone(), st.scale.clone()))
+    (ra, ha, sa), (rb, hb, sb) = out
+    assert torch.equal(ha, hb) and torch.equal(sa, sb)
+    for (qa, qta, ia), (qb, qtb, ib) in zip(ra, rb, strict=True):
+        assert _same_bits(qa, qb) and _same_bits(qta, qtb) and torch.equal(ia, ib)
