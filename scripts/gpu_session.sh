@@ -91,6 +91,23 @@ combined)
     bitwise_matrix
     keep_merged verify
     ;;
+combined2)
+    # next/combined after the transposed-store fix: the fused tests pick the transpose mode (the
+    # kernel's, else torch's), then the offload file alone (Transformer Engine first imported after the
+    # offload tests), the whole GPU suite, the 8-cell matrix (non-finite losses now fail) and the
+    # h2048 reference profile
+    if ! step 150 pytest-fq python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py; then
+        export QEFFECT_FUSED_TRANSPOSE=torch
+        step 100 pytest-fq-torch python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py
+    fi
+    step 60 pytest-offload-file python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py \
+        -k "not captured_pipeline"
+    step 200 pytest python3 -m pytest -m gpu -q -p no:cacheprovider
+    bitwise_matrix
+    keep_merged verify
+    step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
+        --steps 20 --warmup 3 --trace 3
+    ;;
 fused-quantize)
     # the branch next/ref-fused-quantize: the fused reference quantization's GPU tests (cold Triton cache:
     # about 30 compiles) and the reference backend's bitwise matrix; fused-quantize-profile: its profiles
@@ -117,7 +134,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|combined|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|combined|combined2|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

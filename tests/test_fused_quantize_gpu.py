@@ -109,13 +109,29 @@ def test_fused_quantize_captures_into_a_graph() -> None:
     assert _same_bits(q, q_ref) and _same_bits(qt, qt_ref) and torch.equal(hist[0], ref_a)
 
 
-def test_scaling_state_pair_equals_quantize_then_transpose(monkeypatch) -> None:
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(64, 64), (255, 1000), (256, 4096)])
+def test_torch_transpose_fallback_is_bitwise_the_sequence(fp8, dtype, shape, monkeypatch) -> None:
+    """QEFFECT_FUSED_TRANSPOSE=torch: the kernel makes q and the amax, torch the transpose."""
+    fq = _fused()
+    monkeypatch.setenv("QEFFECT_FUSED_TRANSPOSE", "torch")
+    x = (torch.randn(shape, device="cuda") * 3).to(dtype)
+    s = torch.tensor(0.37, device="cuda")
+    a_ref, a_got = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
+    q_ref, qt_ref = fq.quantize_sequence(x, s, a_ref, fp8, transpose=True)
+    q, qt = fq.quantize_amax(x, s, a_got, fp8, transpose=True)
+    assert _same_bits(q, q_ref) and _same_bits(qt, qt_ref) and torch.equal(a_got, a_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp32: master weights
+def test_scaling_state_pair_equals_quantize_then_transpose(dtype, monkeypatch) -> None:
     """`ScalingState.quantize_pair` on a GPU (fused) against the torch path (QEFFECT_FUSED_QUANTIZE=0)."""
     from qeffect.fp8.recipe import DelayedScalingRecipe
     from qeffect.fp8.scaling import ScalingState
 
     _fused()
-    x = torch.randn(300, 700, device="cuda", dtype=torch.bfloat16) * 10
+    x = torch.randn(320, 704, device="cuda", dtype=dtype) * 10
     out = []
     for flag in ("1", "0"):
         monkeypatch.setenv("QEFFECT_FUSED_QUANTIZE", flag)

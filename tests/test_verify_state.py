@@ -61,3 +61,13 @@ def test_staged_accumulation_with_a_partial_group_is_bitwise_equal(schedule: str
     assert report.passed, report.first_divergence
     assert all(c.mismatches == 0 and c.compared > 0 for c in report.categories)
     assert set(folds) == {3, 5}
+
+
+def test_a_run_that_diverged_on_both_sides_fails() -> None:
+    """Two runs that both went to NaN agree bit for bit; the report must still fail."""
+    cfg = load_config().with_overrides(**{"optim.lr": 1e30})
+    report = run_verify_state(cfg, steps=3)
+    assert all(c.mismatches == 0 for c in report.categories), report.first_divergence
+    assert report.non_finite_losses > 0, report.losses
+    assert not report.passed
+    assert type(report).model_validate_json(report.model_dump_json()).non_finite_losses == report.non_finite_losses

@@ -92,6 +92,9 @@ def verify_state(
         d = report.first_divergence
         console.print(f"[red]first divergence: step {d.step}, action {d.action}, stage {d.stage}, "
                       f"microbatch {d.microbatch}, {d.category}: {d.tensor}[/red]")
+    if report.non_finite_losses:
+        console.print(f"[red]{report.non_finite_losses} of {len(report.losses)} losses are NaN or infinite: "
+                      "both runs diverged, so matching bits prove nothing[/red]")
     console.print("PASS: bitwise equal" if report.passed else "[red]FAIL[/red]")
     if json_out:
         write_json(json_out, report)
@@ -130,6 +133,9 @@ def _distributed(cfg, steps: int, path: str, json_out: Path | None, console: Con
         if report.first_divergence:
             d = report.first_divergence
             console.print(f"[red]first divergence: step {d.step}, rank {d.rank}, {d.category}: {d.tensor}[/red]")
+        if report.non_finite_losses:
+            console.print(f"[red]{report.non_finite_losses} of {len(report.losses)} losses are NaN or infinite: "
+                          "both runs diverged, so matching bits prove nothing[/red]")
         console.print("PASS: bitwise equal" if report.passed else "[red]FAIL[/red]")
         if json_out:
             write_json(json_out, report)

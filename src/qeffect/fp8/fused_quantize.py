@@ -17,8 +17,10 @@ Triton is imported lazily and only for CUDA tensors; without it (CPU, or no Trit
 runs. ``QEFFECT_FUSED_QUANTIZE=0`` forces the sequence (for A/B measurements). The kernel compiles on
 first use, which the eager warm-up before capture provides (no JIT inside a CUDA graph capture).
 
-NOT YET RUN ON A GPU: written without access to one (branch next/ref-fused-quantize); its GPU tests
-(tests/test_fused_quantize_gpu.py) are the first run.
+GPU history: the first form (run on the H200 at 9338c7f) stored the transpose through transposed fp8
+pointers, which wrote wrong bytes for fp32 inputs; training then went to NaN on both the captured and the
+native side (so the bitwise matrix agreed; verify-state now fails on non-finite losses). The transpose is
+now an explicit byte transpose in the kernel, or torch's with ``QEFFECT_FUSED_TRANSPOSE=torch``.
 """
 
 from __future__ import annotations
@@ -56,7 +58,13 @@ def _kernel():  # noqa: ANN202 - a Triton JIT function, or None where Triton is 
         q = v.to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows[:, None] * n + cols[None, :], q, mask=mask)
         if TRANSPOSE:
-            tl.store(qt_ptr + cols[None, :] * m + rows[:, None], q, mask=mask)
+            # The tile transposed explicitly, as bytes: storing the fp8 tile through transposed pointers
+            # (Triton 3.6, sm90) wrote wrong bytes for fp32 inputs whose tile was unmasked, while the
+            # same store of bf16 inputs was right (H200 run of 9338c7f); a uint8 transpose is the
+            # common path.
+            qbt = tl.trans(q.to(tl.uint8, bitcast=True))
+            mask_t = (cols[:, None] < n) & (rows[None, :] < m)
+            tl.store(qt_ptr + cols[:, None] * m + rows[None, :], qbt, mask=mask_t)
         # |x| as bits with the sign cleared by a mask (abs.f32 leaves a NaN's sign unspecified): >= 0, so
         # integer order is float order, and a NaN's bits exceed infinity's
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -97,10 +105,22 @@ def quantize_amax(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.
         raise ValueError(f"amax_slot must be one fp32 element, got {amax_slot.dtype} {tuple(amax_slot.shape)}")
     m, n = x.shape
     q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
-    qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device) if transpose else q
+    in_kernel = transpose and _transpose_in_kernel()
+    qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device) if in_kernel else q
     amax_slot.zero_()  # the atomic max starts from 0 (|x| >= 0, so 0 is the identity)
     grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
     with torch.cuda.device(x.device):  # Triton launches on the current device
-        _kernel()[grid](x, scale, q, qt, amax_slot.view(torch.int32), m, n, fp8_max(fp8_dtype),
-                        TRANSPOSE=transpose, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        _kernel()[grid](x, scale, q, qt.view(torch.uint8), amax_slot.view(torch.int32), m, n,
+                        fp8_max(fp8_dtype), TRANSPOSE=in_kernel, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    if transpose and not in_kernel:
+        qt = q.t().contiguous()
     return q, (qt if transpose else None)
+
+
+def _transpose_in_kernel() -> bool:
+    """`QEFFECT_FUSED_TRANSPOSE=torch` leaves the transpose to torch (a byte copy after the kernel): the
+    fallback should Triton's transposed store be wrong on some device, as its first form was."""
+    mode = os.environ.get("QEFFECT_FUSED_TRANSPOSE", "kernel")
+    if mode not in ("kernel", "torch"):
+        raise ValueError(f"QEFFECT_FUSED_TRANSPOSE must be 'kernel' or 'torch', got {mode!r}")
+    return mode == "kernel"

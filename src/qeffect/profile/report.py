@@ -103,7 +103,7 @@ class ConfigResult(BaseModel):
     # raw timings (seconds): warm-up steps (the first is part of setup) and timed steps
     warmup_seconds: list[float] = Field(default_factory=list)
     step_seconds: list[float] = Field(default_factory=list)
-    losses: list[float] = Field(default_factory=list)  # every step's loss (empty where there is none)
+    losses: list[float | None] = Field(default_factory=list)  # every step's loss (NaN is written as null)
     median_step_seconds: float | None = None
     spread: Spread | None = None
     build_seconds: float | None = None  # initialization + capture

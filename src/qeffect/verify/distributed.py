@@ -15,6 +15,7 @@ stage in one process and is not repeated here.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -56,7 +57,8 @@ class DistVerifyReport(BaseModel):
     injection: str | None
     categories: list[CategoryResult]
     first_divergence: RankDivergence | None
-    losses: list[float]
+    losses: list[float | None]
+    non_finite_losses: int = 0  # NaN / inf losses: a failure even where every bit matches
     graphs_per_rank: list[int] | None  # captured paths: graphs each rank captured
     passed: bool
     seconds: float
@@ -164,12 +166,14 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
     cats = [CategoryResult(category=c, compared=int(counts[i, 0]), mismatches=int(counts[i, 1]))
             for i, c in enumerate(categories)]
     expected = 3 * cfg.pipeline.microbatches * cfg.pipeline.chunks_per_rank
+    non_finite = sum(1 for x in losses if not math.isfinite(x))  # two runs that both diverged agree, wrongly
     passed = (all(c.mismatches == 0 and c.compared > 0 for c in cats)
-              and (graphs is None or all(g == expected for g in graphs)))
+              and (graphs is None or all(g == expected for g in graphs)) and non_finite == 0)
     p = cfg.pipeline
     return DistVerifyReport(
         schedule=p.schedule, path=path, backend=cfg.fp8.backend, device=str(qeff.device.type),
         world_size=dist.get_world_size(), pp=p.pp, dp=p.dp, chunks_per_rank=p.chunks_per_rank,
         microbatches=p.microbatches, steps=steps, injection=injection, categories=cats,
-        first_divergence=earliest, losses=losses, graphs_per_rank=graphs, passed=passed,
+        first_divergence=earliest, losses=losses, non_finite_losses=non_finite, graphs_per_rank=graphs,
+        passed=passed,
         seconds=time.perf_counter() - t0)

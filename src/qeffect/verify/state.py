@@ -15,6 +15,7 @@ parameters, AdamW state, FP8 state, cache epochs and the step loss.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -84,7 +85,10 @@ class VerifyReport(BaseModel):
     categories: list[CategoryResult]
     first_divergence: Divergence | None
     amax_rollover: Rollover
-    losses: list[float]
+    losses: list[float | None]
+    # a NaN or infinite loss fails the run even where both sides agree bit for bit: two runs that both
+    # diverged are equal and still wrong (NaN losses are written as JSON null)
+    non_finite_losses: int = 0
     graphs: dict | None = None  # captured paths: graph count, replays, handoffs, memory growth
     seconds: float
     torch_version: str
@@ -397,9 +401,11 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                                  "d2h_copies": o.stats.d2h_copies, "h2d_copies": o.stats.h2d_copies,
                                  "unmaps": o.stats.unmaps, "evictions": o.stats.evictions}
         passed = passed and graphs["graphs_per_rank"] == graphs["expected_per_rank"]
+    non_finite = sum(1 for x in losses if not math.isfinite(x))
+    passed = passed and non_finite == 0
     return VerifyReport(
         schedule=cfg.pipeline.schedule, path=path, backend=cfg.fp8.backend, device=str(device), steps=steps,
         pp=sched.pp, chunks_per_rank=cfg.pipeline.chunks_per_rank, microbatches=cfg.pipeline.microbatches,
         injection=injection, categories=cats, first_divergence=tally.first, amax_rollover=rollover,
-        losses=losses, graphs=graphs, seconds=time.perf_counter() - t0, torch_version=torch.__version__, passed=passed,
+        losses=losses, non_finite_losses=non_finite, graphs=graphs, seconds=time.perf_counter() - t0, torch_version=torch.__version__, passed=passed,
     )
