@@ -108,6 +108,12 @@ combined2)
     step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
         --steps 20 --warmup 3 --trace 3
     ;;
+combined3)
+    # the landed default (torch transposes; the kernel's for 16-bit inputs when asked) and h4096 reference
+    step 100 pytest-fq python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py
+    step 300 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
+        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    ;;
 fused-quantize)
     # the branch next/ref-fused-quantize: the fused reference quantization's GPU tests (cold Triton cache:
     # about 30 compiles) and the reference backend's bitwise matrix; fused-quantize-profile: its profiles
@@ -134,7 +140,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|combined|combined2|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|combined|combined2|combined3|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

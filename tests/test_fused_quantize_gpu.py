@@ -47,8 +47,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5), (64, 64), (255, 1000), (256, 4096), (4096, 1), (1000, 257)])
 @pytest.mark.parametrize("scale", [1.0, 0.37, 1e-3, 3.5e4])
-def test_fused_quantize_is_bitwise_the_sequence(fp8, dtype, shape, scale) -> None:
+@pytest.mark.parametrize("transpose_mode", ["torch", "kernel"])
+def test_fused_quantize_is_bitwise_the_sequence(fp8, dtype, shape, scale, transpose_mode, monkeypatch) -> None:
     fq = _fused()
+    monkeypatch.setenv("QEFFECT_FUSED_TRANSPOSE", transpose_mode)  # kernel: 16-bit inputs only
     for seed, special in ((0, False), (1, True)):
         x = _special(shape, dtype, seed) if special else (torch.randn(shape, device="cuda") * 3).to(dtype)
         s = torch.tensor(scale, device="cuda")

@@ -17,10 +17,13 @@ Triton is imported lazily and only for CUDA tensors; without it (CPU, or no Trit
 runs. ``QEFFECT_FUSED_QUANTIZE=0`` forces the sequence (for A/B measurements). The kernel compiles on
 first use, which the eager warm-up before capture provides (no JIT inside a CUDA graph capture).
 
-GPU history: the first form (run on the H200 at 9338c7f) stored the transpose through transposed fp8
-pointers, which wrote wrong bytes for fp32 inputs; training then went to NaN on both the captured and the
-native side (so the bitwise matrix agreed; verify-state now fails on non-finite losses). The transpose is
-now an explicit byte transpose in the kernel, or torch's with ``QEFFECT_FUSED_TRANSPOSE=torch``.
+GPU history (H200, Triton 3.6): the first form (9338c7f) also stored the transpose from the kernel,
+through transposed fp8 pointers; it wrote wrong bytes for some fp32 tiles (64x64, 256x4096), so the fp32
+master weights' transposes were garbage and training went to NaN on both the captured and the native
+side (the bitwise matrix agreed; verify-state now fails on non-finite losses). An explicit byte transpose
+in the kernel (d7e5437) was still wrong for the same fp32 tiles, right for bf16. So torch makes the
+transpose by default (the form the H200 matrices and profiles ran), and the kernel's transpose is an
+opt-in for 16-bit inputs (``QEFFECT_FUSED_TRANSPOSE=kernel``).
 """
 
 from __future__ import annotations
@@ -58,10 +61,7 @@ def _kernel():  # noqa: ANN202 - a Triton JIT function, or None where Triton is 
         q = v.to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows[:, None] * n + cols[None, :], q, mask=mask)
         if TRANSPOSE:
-            # The tile transposed explicitly, as bytes: storing the fp8 tile through transposed pointers
-            # (Triton 3.6, sm90) wrote wrong bytes for fp32 inputs whose tile was unmasked, while the
-            # same store of bf16 inputs was right (H200 run of 9338c7f); a uint8 transpose is the
-            # common path.
+            # opt-in, 16-bit inputs only (see `_transpose_in_kernel`): the tile transposed as bytes
             qbt = tl.trans(q.to(tl.uint8, bitcast=True))
             mask_t = (cols[:, None] < n) & (rows[None, :] < m)
             tl.store(qt_ptr + cols[:, None] * m + rows[None, :], qbt, mask=mask_t)
@@ -105,7 +105,7 @@ def quantize_amax(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.
         raise ValueError(f"amax_slot must be one fp32 element, got {amax_slot.dtype} {tuple(amax_slot.shape)}")
     m, n = x.shape
     q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
-    in_kernel = transpose and _transpose_in_kernel()
+    in_kernel = transpose and _transpose_in_kernel(x)
     qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device) if in_kernel else q
     amax_slot.zero_()  # the atomic max starts from 0 (|x| >= 0, so 0 is the identity)
     grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
@@ -117,10 +117,13 @@ def quantize_amax(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.
     return q, (qt if transpose else None)
 
 
-def _transpose_in_kernel() -> bool:
-    """`QEFFECT_FUSED_TRANSPOSE=torch` leaves the transpose to torch (a byte copy after the kernel): the
-    fallback should Triton's transposed store be wrong on some device, as its first form was."""
-    mode = os.environ.get("QEFFECT_FUSED_TRANSPOSE", "kernel")
+def _transpose_in_kernel(x: Tensor) -> bool:
+    """Whether the kernel also writes `q^T`. Default no: torch transposes `q` (a byte copy).
+
+    `QEFFECT_FUSED_TRANSPOSE=kernel` makes the kernel write it, for 16-bit inputs only: on the H200
+    (Triton 3.6) both forms of the in-kernel transpose wrote wrong bytes for some fp32 tiles and right
+    bytes for every bf16 case tested, and the whole-pipeline matrices and profiles ran with torch's."""
+    mode = os.environ.get("QEFFECT_FUSED_TRANSPOSE", "torch")
     if mode not in ("kernel", "torch"):
         raise ValueError(f"QEFFECT_FUSED_TRANSPOSE must be 'kernel' or 'torch', got {mode!r}")
-    return mode == "kernel"
+    return mode == "kernel" and x.dtype in (torch.bfloat16, torch.float16)
