@@ -114,6 +114,16 @@ combined3)
     step 300 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
+kernel-transpose)
+    # the in-kernel transpose for 16-bit inputs (QEFFECT_FUSED_TRANSPOSE=kernel): the reference matrix,
+    # then the h4096 reference profile (torch's fp8 transposes were 8 ms of its 62.5 ms captured step)
+    export QEFFECT_FUSED_TRANSPOSE=kernel
+    step 100 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
+    keep_merged verify
+    step 220 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
+        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    ;;
 fused-quantize)
     # the branch next/ref-fused-quantize: the fused reference quantization's GPU tests (cold Triton cache:
     # about 30 compiles) and the reference backend's bitwise matrix; fused-quantize-profile: its profiles
@@ -140,7 +150,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|combined|combined2|combined3|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|combined|combined2|combined3|kernel-transpose|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

@@ -81,7 +81,13 @@ def fused_available(x: Tensor) -> bool:
     return (x.is_cuda and x.dim() == 2 and x.is_contiguous()
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.numel() > 0
             and os.environ.get("QEFFECT_FUSED_QUANTIZE", "1") != "0"
-            and torch.cuda.get_device_capability(x.device) >= (9, 0) and _kernel() is not None)
+            and _sm90_or_newer(x.device.index) and _kernel() is not None)
+
+
+@functools.cache
+def _sm90_or_newer(index: int | None) -> bool:
+    """Cached: asked once per quantize, and capture time is host time."""
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def quantize_sequence(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.dtype,
