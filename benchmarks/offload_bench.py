@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from qeffect.config import load_config
-from qeffect.graphs.handshake import git_revision
+from qeffect.graphs.handshake import git_revision, qeffect_environment
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
 
@@ -188,6 +188,7 @@ def main() -> int:
     if modes[0] != "off":
         modes = ["off"] + [m for m in modes if m != "off"]
     report = {"command": " ".join(["python3"] + sys.argv), "git_revision": git_revision() or "unknown",
+              "environment": qeffect_environment(),
               "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "python": platform.python_version(), "config": a.config, "backend": cfg.fp8.backend,
               "schedule": cfg.pipeline.schedule, "path": a.path, "steps": a.steps, "warmup": a.warmup, "modes": {}}

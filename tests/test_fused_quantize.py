@@ -45,3 +45,17 @@ def test_cpu_takes_the_sequence() -> None:
     q, qt = quantize_amax(x, s, a1, torch.float8_e4m3fn, transpose=True)
     q_ref, qt_ref = quantize_sequence(x, s, a2, torch.float8_e4m3fn, transpose=True)
     assert _same_bits(q, q_ref) and _same_bits(qt, qt_ref) and torch.equal(a1, a2) and a1 == x.abs().max()
+
+
+def test_transpose_mode_kernel_only_for_16_bit_inputs(monkeypatch) -> None:
+    """fp32 tiles got wrong bytes from Triton's in-kernel transpose on the H200: they always go to torch."""
+    from qeffect.fp8.fused_quantize import _transpose_in_kernel
+
+    bf16, fp32 = torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 2)
+    monkeypatch.delenv("QEFFECT_FUSED_TRANSPOSE", raising=False)
+    assert _transpose_in_kernel(bf16) and not _transpose_in_kernel(fp32)
+    monkeypatch.setenv("QEFFECT_FUSED_TRANSPOSE", "torch")
+    assert not _transpose_in_kernel(bf16)
+    monkeypatch.setenv("QEFFECT_FUSED_TRANSPOSE", "yes")
+    with pytest.raises(ValueError, match="QEFFECT_FUSED_TRANSPOSE"):
+        _transpose_in_kernel(bf16)

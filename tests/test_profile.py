@@ -50,7 +50,8 @@ def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ProfileRep
     d = tmp_path_factory.mktemp("profile")
     (d / "small.toml").write_text(SMALL)
     out = d / "report.json"
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(SystemExit) as exc, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QEFFECT_FUSED_TRANSPOSE", "kernel")  # a switch the report must record
         main(["profile", "--config", str(d / "small.toml"), "--device", "cpu", "--steps", "2", "--warmup", "1",
               "--microbatches", "2,4", "--trace", "1", "--json", str(out)])
     assert exc.value.code in (0, None)
@@ -68,6 +69,7 @@ def test_report_schema_round_trip(profiled) -> None:
     assert "--trace 1" in report.command and report.trace_steps == 1
     assert raw["configs"][0]["trace"]["steps"] == 1 and again.result("native-eager").trace is not None
     assert report.device == "cpu" and report.torch_version == torch.__version__
+    assert report.environment.get("QEFFECT_FUSED_TRANSPOSE") == "kernel"
     assert [c.name for c in report.configs] == ["native-eager", "qeffect-eager", "captured-copy", "captured-direct",
                                                 "captured-zbv-direct", "te-graphed"]
 

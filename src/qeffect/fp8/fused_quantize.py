@@ -17,13 +17,13 @@ Triton is imported lazily and only for CUDA tensors; without it (CPU, or no Trit
 runs. ``QEFFECT_FUSED_QUANTIZE=0`` forces the sequence (for A/B measurements). The kernel compiles on
 first use, which the eager warm-up before capture provides (no JIT inside a CUDA graph capture).
 
-GPU history (H200, Triton 3.6): the first form (9338c7f) also stored the transpose from the kernel,
-through transposed fp8 pointers; it wrote wrong bytes for some fp32 tiles (64x64, 256x4096), so the fp32
-master weights' transposes were garbage and training went to NaN on both the captured and the native
-side (the bitwise matrix agreed; verify-state now fails on non-finite losses). An explicit byte transpose
-in the kernel (d7e5437) was still wrong for the same fp32 tiles, right for bf16. So torch makes the
-transpose by default (the form the H200 matrices and profiles ran), and the kernel's transpose is an
-opt-in for 16-bit inputs (``QEFFECT_FUSED_TRANSPOSE=kernel``).
+GPU history (H200, Triton 3.6): the first form (9338c7f) stored the transpose from the kernel through
+transposed fp8 pointers; it wrote wrong bytes for some fp32 tiles (64x64, 256x4096), so the fp32 master
+weights' transposes were garbage and training went to NaN on both the captured and the native side (the
+bitwise matrix agreed; verify-state now fails on non-finite losses). An explicit byte transpose in the
+kernel (d7e5437) was still wrong for those fp32 tiles and right for bf16. So the kernel transposes 16-bit
+inputs only (9ed487e: reference matrix 0 mismatches, h4096 captured step 62.5 -> 59.8 ms against torch's
+transposes) and torch transposes fp32 ones; ``QEFFECT_FUSED_TRANSPOSE=torch`` makes torch do all.
 """
 
 from __future__ import annotations
@@ -124,12 +124,12 @@ def quantize_amax(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.
 
 
 def _transpose_in_kernel(x: Tensor) -> bool:
-    """Whether the kernel also writes `q^T`. Default no: torch transposes `q` (a byte copy).
+    """Whether the kernel also writes `q^T` (as bytes, from the same tile): for 16-bit inputs by default.
 
-    `QEFFECT_FUSED_TRANSPOSE=kernel` makes the kernel write it, for 16-bit inputs only: on the H200
-    (Triton 3.6) both forms of the in-kernel transpose wrote wrong bytes for some fp32 tiles and right
-    bytes for every bf16 case tested, and the whole-pipeline matrices and profiles ran with torch's."""
-    mode = os.environ.get("QEFFECT_FUSED_TRANSPOSE", "torch")
+    fp32 inputs (the master weights, once per step) always get torch's transpose: on the H200 (Triton
+    3.6) both forms of the in-kernel transpose wrote wrong bytes for some fp32 tiles, and right bytes for
+    every bf16 case tested. `QEFFECT_FUSED_TRANSPOSE=torch` leaves every transpose to torch (A/B runs)."""
+    mode = os.environ.get("QEFFECT_FUSED_TRANSPOSE", "kernel")
     if mode not in ("kernel", "torch"):
         raise ValueError(f"QEFFECT_FUSED_TRANSPOSE must be 'kernel' or 'torch', got {mode!r}")
     return mode == "kernel" and x.dtype in (torch.bfloat16, torch.float16)

@@ -142,6 +142,12 @@ def _run_child(protocol: str, checks: int, json_path: Path, device: str) -> Hand
     return HandshakeResult.model_validate_json(json_path.read_text())
 
 
+def qeffect_environment() -> dict[str, str]:
+    """The QEFFECT_* switches a measurement ran under (fused quantize, its transpose, ...), for provenance:
+    two reports of one revision can differ by them."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("QEFFECT_") and k != "QEFFECT_GIT_REVISION"}
+
+
 def git_revision() -> str | None:
     """QEFFECT_GIT_REVISION if set (machines with a copy of the tree but no .git), else git HEAD."""
     env = os.environ.get("QEFFECT_GIT_REVISION")

@@ -140,6 +140,12 @@ def git_revision() -> str | None:
     return rev()
 
 
+def qeffect_environment() -> dict[str, str]:
+    from qeffect.graphs.handshake import qeffect_environment as env
+
+    return env()
+
+
 def not_run_reason(spec: ConfigSpec, cfg: RunConfig, device: torch.device, te_ok: bool) -> str | None:
     """Why this machine or config cannot run `spec` (None: it can)."""
     if spec.path == "te":
@@ -335,7 +341,7 @@ def make_report(cfg: RunConfig, device: torch.device, *, command: str, config_pa
     """The report of a finished matrix: provenance (command, revision, device, versions), the config, the
     results, and the targets evaluated from them. `extra`: trace_steps, resources, world_size."""
     return ProfileReport(
-        command=command, git_revision=git_revision(),
+        command=command, git_revision=git_revision(), environment=qeffect_environment(),
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         device=device.type, device_name=device_name_of(device), torch_version=torch.__version__,
         te_version=te_version(), config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,

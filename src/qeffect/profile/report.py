@@ -159,6 +159,7 @@ class ProfileReport(BaseModel):
     kind: Literal["profile"] = "profile"
     command: str
     git_revision: str | None
+    environment: dict[str, str] = Field(default_factory=dict)  # the QEFFECT_* switches it ran under
     created: str
     device: str
     device_name: str
