@@ -70,6 +70,26 @@ def test_report_schema_round_trip(profiled) -> None:
     assert raw["configs"][0]["trace"]["steps"] == 1 and again.result("native-eager").trace is not None
     assert report.device == "cpu" and report.torch_version == torch.__version__
     assert report.environment.get("QEFFECT_FUSED_TRANSPOSE") == "kernel"
+    q = report.result("qeffect-eager")
+    assert q.losses_equal_native is True and q.non_finite_losses == 0 and len(q.losses) == 3
+    assert report.result("native-eager").losses_equal_native is None
+
+
+def test_losses_off_native_or_not_finite_are_flagged(profiled, capsys) -> None:
+    _, report = profiled
+    r = ProfileReport.model_validate_json(report.model_dump_json())
+    q = r.result("qeffect-eager")
+    q.losses = [q.losses[0], float("nan"), q.losses[2] + 1e-6]
+    r.with_targets()
+    assert q.losses_equal_native is False and q.non_finite_losses == 1
+    from rich.console import Console
+
+    from qeffect.cli.profile import render
+
+    console = Console(width=200, record=True)
+    render(r, console)
+    text = console.export_text()
+    assert "qeffect-eager: 1 of 3 are NaN or infinite" in text and "qeffect-eager: not native eager's" in text
     assert [c.name for c in report.configs] == ["native-eager", "qeffect-eager", "captured-copy", "captured-direct",
                                                 "captured-zbv-direct", "te-graphed"]
 

@@ -25,6 +25,22 @@ def _num(x: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _render_losses(report, console: Console) -> None:
+    """Timings of a configuration that diverged or computes other losses than native eager are suspect."""
+    for c in report.configs:
+        if c.status != "ok":
+            continue
+        if c.non_finite_losses:
+            console.print(f"[red]losses: {c.name}: {c.non_finite_losses} of {len(c.losses)} are NaN or infinite[/red]",
+                          highlight=False)
+        if c.losses_equal_native is False:
+            console.print(f"[red]losses: {c.name}: not native eager's bit for bit (same model, data and "
+                          "backend)[/red]", highlight=False)
+    same = [c.name for c in report.configs if c.losses_equal_native]
+    if same:
+        console.print(f"losses equal to native eager's, bit for bit: {', '.join(same)}", highlight=False)
+
+
 def render(report, console: Console) -> None:
     """Rich tables of a `ProfileReport`: timings, resources, GEMM floor and the M analysis."""
     cfg = report.config
@@ -45,6 +61,7 @@ def render(report, console: Console) -> None:
                   _num(c.speedup_vs_native, "{:.2f}"), _num(c.setup_seconds, "{:.2f}"), be,
                   _num(c.floor_ratio, "{:.1f}"))
     console.print(t)
+    _render_losses(report, console)
     _render_traces(report, console)
     for c in report.configs:
         if c.status != "ok":
@@ -261,4 +278,5 @@ def _load(path: Path):
     if report.schema_version not in READABLE_SCHEMA_VERSIONS:
         raise ReportError(f"{path}: profile report schema {report.schema_version}, this qeffect reads "
                           f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
+    report.check_losses()  # reports older than the loss check: from their recorded losses
     return report if report.targets else report.with_targets()  # older reports: from their measurements

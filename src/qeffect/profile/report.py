@@ -6,7 +6,9 @@ library versions, so a later reader can recompute any ratio or check the spread 
 
 from __future__ import annotations
 
+import math
 import statistics
+import struct
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -91,6 +93,18 @@ class TraceSummary(BaseModel):
     categories: dict[str, float]
 
 
+# configurations whose arithmetic is not native eager's (Transformer Engine's own modules)
+NOT_NATIVE_MATH = frozenset({"te-graphed"})
+
+
+def _same_floats(a: list[float | None], b: list[float | None]) -> bool:
+    """Bit for bit (as fp64, which holds every fp32 loss exactly); NaN (None in JSON) matches NaN."""
+    def key(x: float | None) -> bytes:
+        return b"nan" if x is None or math.isnan(x) else struct.pack("<d", x)
+
+    return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b, strict=True))
+
+
 class ConfigResult(BaseModel):
     """One configuration of the matrix. `status` "not run" / "failed" carry the reason; numbers are null."""
 
@@ -104,6 +118,10 @@ class ConfigResult(BaseModel):
     warmup_seconds: list[float] = Field(default_factory=list)
     step_seconds: list[float] = Field(default_factory=list)
     losses: list[float | None] = Field(default_factory=list)  # every step's loss (NaN is written as null)
+    # the same model, data and backend as native eager: its losses must be native's, bit for bit (null:
+    # nothing to compare, e.g. native itself or Transformer Engine's anchor, another implementation)
+    losses_equal_native: bool | None = None
+    non_finite_losses: int = 0  # NaN or infinite: a configuration that diverged is timed, not trusted
     median_step_seconds: float | None = None
     spread: Spread | None = None
     build_seconds: float | None = None  # initialization + capture
@@ -184,8 +202,18 @@ class ProfileReport(BaseModel):
         """Evaluate the targets (all derived from this report's measurements) into `targets`."""
         from qeffect.profile.targets import evaluate_targets
 
+        self.check_losses()
         self.targets = evaluate_targets(self)
         return self
+
+    def check_losses(self) -> None:
+        """Fill each configuration's `non_finite_losses` and `losses_equal_native` from the losses."""
+        native = self.result("native-eager")
+        for c in self.configs:
+            c.non_finite_losses = sum(1 for x in c.losses if x is None or not math.isfinite(x))
+            comparable = (native is not None and native.losses and c.losses and c is not native
+                          and c.name not in NOT_NATIVE_MATH)
+            c.losses_equal_native = (_same_floats(c.losses, native.losses) if comparable else None)
 
     def result(self, name: str) -> ConfigResult | None:
         return next((c for c in self.configs if c.name == name), None)
