@@ -27,10 +27,14 @@ def _torchrun(nproc: int, out: Path, *args: str) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("untagged", [False, True], ids=["tagged", "untagged"])
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
-def test_pp2_torchrun_equals_single_process(tmp_path: Path, schedule: str) -> None:
+def test_pp2_torchrun_equals_single_process(tmp_path: Path, schedule: str, untagged: bool) -> None:
+    """`untagged`: NCCL's matching (a pair's messages in posting order, tags ignored). ZB-V's rank 1 wants a
+    gradient before an activation rank 0 sent earlier; receiving in its own order swapped them silently."""
     steps = 3
-    _torchrun(2, tmp_path, "--schedule", schedule, "--pp", "2", "--steps", str(steps))
+    _torchrun(2, tmp_path, "--schedule", schedule, "--pp", "2", "--steps", str(steps),
+              *(["--untagged"] if untagged else []))
     cfg = load_config().with_overrides(**{"pipeline.schedule": schedule})
     # CPU kernels split reductions by thread count (embedding backward, bias sums): the workers run with
     # OMP_NUM_THREADS=1, so the single-process reference must too, or the bits legitimately differ.

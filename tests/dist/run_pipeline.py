@@ -37,7 +37,13 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="run config TOML (default: the embedded tiny one)")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per process)")
     ap.add_argument("--path", default="eager", help="eager, captured-copy or captured-direct (cuda)")
+    ap.add_argument("--untagged", action="store_true",
+                    help="every message with tag 0: gloo then matches a pair's messages in posting order, as NCCL does")
     a = ap.parse_args()
+    if a.untagged:
+        from qeffect.runtime.distributed import P2PTransport
+
+        P2PTransport._tag = lambda self, kind, stage, m: 0
     cfg = load_config(a.config).with_overrides(**{"pipeline.schedule": a.schedule, "pipeline.pp": a.pp,
                                                   "pipeline.dp": a.dp, "train.device": a.device})
     init_from_env(a.device)

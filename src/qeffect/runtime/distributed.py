@@ -31,7 +31,7 @@ from qeffect.runtime.build import (
     schedule_of,
 )
 from qeffect.runtime.rank import BaseRank, Batch, Observer, QEffectRank
-from qeffect.schedule import Schedule, native_with_placement
+from qeffect.schedule import ActionKind, Schedule, native_with_placement
 from qeffect.stage.actions import arena_name
 
 _KINDS = {"act": 0, "grad": 1, "eval": 2}
@@ -63,15 +63,50 @@ def check_world(pp: int, dp: int, world_size: int) -> None:
                         f"{world_size} (torchrun --nproc-per-node)")
 
 
+Key = tuple[str, int, int]  # (kind, producing stage, microbatch)
+
+
+def send_order(schedule: Schedule, src: int, dst: int) -> list[Key]:
+    """The hand-offs pipeline rank `src` puts for rank `dst` in one training step, in the order it puts
+    them: its program's order (`F` of a stage whose successor lives on `dst`: its activation; `dI` or `B`
+    of a stage whose predecessor lives on `dst`: its input gradient), as `BaseRank` does."""
+    out: list[Key] = []
+    last = schedule.num_stages - 1
+    for a in schedule.programs[src]:
+        s, m = a.stage, a.microbatch
+        if a.kind is ActionKind.F and s < last and schedule.stage_to_rank[s + 1] == dst:
+            out.append(("act", s, m))
+        elif a.kind in (ActionKind.DI, ActionKind.B) and s > 0 and schedule.stage_to_rank[s - 1] == dst:
+            out.append(("grad", s, m))
+    return out
+
+
 class P2PTransport:
-    """Point-to-point hand-off between pipeline ranks of one replica (same-rank hand-offs stay local)."""
+    """Point-to-point hand-off between pipeline ranks of one replica (same-rank hand-offs stay local).
+
+    Why receives follow the sender's order: NCCL ignores tags and matches a pair's sends and receives in
+    the order they were posted, and every hand-off has the same shape and dtype. A rank that receives in
+    its own program's order (ZB-V: rank 1 wants a gradient from rank 0 before an activation rank 0 sent
+    earlier) silently got the wrong tensor; both the native reference with the same placement and the
+    qeffect run got it, so bitwise verification agreed (two H200s: ZB-V's step-0 loss 10.838 against
+    Interleaved's 10.850). So a training step receives from each peer in that peer's `send_order`, keeping
+    what comes early until it is asked for, and a send off that order raises. Tags stay (gloo checks them).
+    Evaluation hand-offs (`evaluate`: every process walks (batch, stage) in order) are sent and wanted in
+    the same order on both sides of a pair.
+    """
 
     def __init__(self, topo: Topology, schedule: Schedule, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> None:
         self.topo, self.schedule = topo, schedule
         self.shape, self.dtype, self.device = shape, dtype, device
-        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._local: dict[Key, torch.Tensor] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        me, pp = topo.pp_rank, schedule.pp
+        self._out_order = {r: send_order(schedule, me, r) for r in range(pp) if r != me}
+        self._in_order = {r: send_order(schedule, r, me) for r in range(pp) if r != me}
+        self._sent = dict.fromkeys(self._out_order, 0)  # cursor into _out_order per peer
+        self._received = dict.fromkeys(self._in_order, 0)
+        self._early: dict[Key, torch.Tensor] = {}  # received before they were asked for
 
     def _tag(self, kind: str, stage: int, m: int) -> int:
         return (_KINDS[kind] * self.schedule.num_stages + stage) * _TAG_STRIDE + m
@@ -85,26 +120,57 @@ class P2PTransport:
         if peer == self.topo.pp_rank:
             self._local[(kind, stage, m)] = tensor
             return
+        if kind != "eval":
+            order, i = self._out_order[peer], self._sent[peer]
+            if i >= len(order) or order[i] != (kind, stage, m):
+                raise RuntimeError(f"pipeline rank {self.topo.pp_rank}: sends {(kind, stage, m)} to rank {peer}, "
+                                   f"but its program's order says {order[i] if i < len(order) else 'nothing more'}")
+            self._sent[peer] = i + 1
         t = tensor.detach().contiguous()
         work = dist.isend(t, dst=self.topo.global_rank(peer), tag=self._tag(kind, stage, m))
         self._sends.append((work, t))
+
+    def _recv(self, src: int, key: Key) -> torch.Tensor:
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        dist.irecv(buf, src=self.topo.global_rank(src), tag=self._tag(*key)).wait()
+        return buf
 
     def get(self, kind: str, stage: int, m: int) -> torch.Tensor:
         key = (kind, stage, m)
         if key in self._local:
             return self._local.pop(key)
+        if key in self._early:
+            return self._early.pop(key)
         src = self.schedule.stage_to_rank[stage]
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        dist.irecv(buf, src=self.topo.global_rank(src), tag=self._tag(kind, stage, m)).wait()
-        return buf
+        if kind == "eval":
+            return self._recv(src, key)
+        order = self._in_order[src]
+        if key not in order[self._received[src]:]:
+            raise RuntimeError(f"pipeline rank {self.topo.pp_rank}: wants {key} from rank {src}, which does not "
+                               "send it (any more) this step")
+        while True:  # the peer's sends in its order, keeping the ones that come early
+            nxt = order[self._received[src]]
+            self._received[src] += 1
+            buf = self._recv(src, nxt)
+            if nxt == key:
+                return buf
+            self._early[nxt] = buf
 
     def finish(self) -> None:
-        """Wait for every send of the step (buffers stay alive until then)."""
+        """Wait for every send of the step (buffers stay alive until then); check nothing is left over."""
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
-        if self._local:
-            raise RuntimeError(f"unconsumed local hand-offs: {sorted(self._local)}")
+        if self._local or self._early:
+            raise RuntimeError(f"unconsumed hand-offs: {sorted(self._local) + sorted(self._early)}")
+        for name, cursors, orders in (("sent", self._sent, self._out_order),
+                                      ("received", self._received, self._in_order)):
+            short = {r: len(orders[r]) - c for r, c in cursors.items() if c not in (0, len(orders[r]))}
+            if short:
+                raise RuntimeError(f"pipeline rank {self.topo.pp_rank}: a step ended with hand-offs not {name} "
+                                   f"(peer: how many) {short}")
+        self._sent = dict.fromkeys(self._sent, 0)
+        self._received = dict.fromkeys(self._received, 0)
 
 
 class DistributedPipeline:
