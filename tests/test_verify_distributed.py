@@ -23,7 +23,8 @@ def test_cli_under_torchrun_is_bitwise_equal(tmp_path: Path, schedule: str) -> N
     r = json.loads(out.read_text())
     assert r["kind"] == "verify-state-distributed" and r["world_size"] == 2 and r["passed"]
     by = {c["category"]: c for c in r["categories"]}
-    assert set(by) == {"loss", "parameter_gradients", "parameters", "optimizer_state", "fp8_state"}
+    assert set(by) == {"loss", "parameter_gradients", "parameters", "optimizer_state", "fp8_state"} | (
+        {"loss_vs_interleaved"} if schedule == "zbv" else set())
     assert all(c["compared"] > 0 and c["mismatches"] == 0 for c in by.values())
     assert by["loss"]["compared"] == 2 * 3  # every rank, every step
     assert "PASS" in proc.stdout
@@ -54,9 +55,23 @@ def test_pp2_dp2_is_bitwise_equal_with_replicas_identical(tmp_path: Path, schedu
     assert r["passed"] and (r["pp"], r["dp"], r["world_size"]) == (2, 2, 4)
     by = {c["category"]: c for c in r["categories"]}
     assert set(by) == {"loss", "parameter_gradients", "parameters", "optimizer_state", "fp8_state",
-                       "replicas", "reductions"}
+                       "replicas", "reductions"} | ({"loss_vs_interleaved"} if schedule == "zbv" else set())
     assert all(c["compared"] > 0 and c["mismatches"] == 0 for c in by.values())
     assert by["reductions"]["compared"] == 4 * 3
+
+
+def test_zbv_with_nccl_order_fault_is_caught_by_the_interleaved_loss(tmp_path: Path) -> None:
+    """The transport as it was, under NCCL's matching: ZB-V's hand-offs get swapped on the native
+    reference with the same placement too, so every same-placement category agrees; only the loss against
+    native Interleaved (its own placement, an order that happens to match) shows it."""
+    out = tmp_path / "report.json"
+    proc = _run(torchrun(2, str(ROOT / "tests/dist/run_verify.py"), "--steps", "2", "--schedule", "zbv",
+                         "--nccl-order-fault", "--out", str(out)), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    by = {c["category"]: c["mismatches"] for c in r["categories"]}
+    assert not r["passed"] and by["loss_vs_interleaved"] > 0
+    assert all(n == 0 for c, n in by.items() if c != "loss_vs_interleaved")
 
 
 def test_desynchronized_replica_is_caught(tmp_path: Path) -> None:

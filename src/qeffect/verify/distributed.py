@@ -31,6 +31,10 @@ from qeffect.verify.state import CategoryResult, bits, bitwise_equal, grad_captu
 
 CATEGORIES = ("loss", "parameter_gradients", "parameters", "optimizer_state", "fp8_state")
 DP_CATEGORIES = ("replicas", "reductions")  # only with pipeline.dp > 1
+# Only for a schedule with another stage placement than Interleaved's (ZB-V): the step loss against
+# native Interleaved on its own placement. The same-placement reference shares the placement's hand-off
+# pattern, so a transport fault there (NCCL pairing messages by order) fooled both sides alike.
+PLACEMENT_CATEGORIES = ("loss_vs_interleaved",)
 Injection = Literal["perturb-scale", "desync-replica"]
 
 
@@ -98,12 +102,16 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
     t0 = time.perf_counter()
     native = DistributedPipeline(cfg, native=True)
     qeff = DistributedPipeline(cfg, path=path)
+    other_placement = cfg.pipeline.schedule != "interleaved"
+    interleaved = (DistributedPipeline(cfg.with_overrides(**{"pipeline.schedule": "interleaved"}), native=True)
+                   if other_placement else None)
     if cfg.pipeline.dp > 1 and not qeff.rank.arena.accumulate:
         raise UserError(f"pipeline.dp = {cfg.pipeline.dp} needs the accumulating gradient arena (a schedule that "
                         "runs dW in microbatch order): data-parallel averaging of per-microbatch views and of "
                         "summed gradients associate differently")
     me = dist.get_rank()
-    categories = CATEGORIES + (DP_CATEGORIES if cfg.pipeline.dp > 1 else ())
+    categories = (CATEGORIES + (DP_CATEGORIES if cfg.pipeline.dp > 1 else ())
+                  + (PLACEMENT_CATEGORIES if other_placement else ()))
     compared = dict.fromkeys(categories, 0)
     mismatched = dict.fromkeys(categories, 0)
     first: RankDivergence | None = None
@@ -135,6 +143,10 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
         loss = qeff.run_actions(batches)
         qeff.commit(before_step=grad_capture(qeff.rank, grads))
         check(step, "loss", "step loss", ref_loss, loss)
+        if interleaved is not None:
+            il_loss = interleaved.run_actions(batches)
+            interleaved.commit()
+            check(step, "loss_vs_interleaved", "step loss (native Interleaved placement)", il_loss, loss)
         for name in sorted(set(ref_grads) | set(grads)):
             check(step, "parameter_gradients", name, ref_grads.get(name), grads.get(name))
         ref_state, state = _state(native), _state(qeff)
