@@ -74,6 +74,21 @@ def test_zbv_with_nccl_order_fault_is_caught_by_the_interleaved_loss(tmp_path: P
     assert all(n == 0 for c, n in by.items() if c != "loss_vs_interleaved")
 
 
+def test_zbv_with_a_microbatch_count_interleaved_refuses_notes_the_skipped_check(tmp_path: Path) -> None:
+    """ZB-V runs M=5 at PP=2, Interleaved does not: the cross-placement loss is skipped with a note."""
+    cfg = tmp_path / "m5.toml"
+    cfg.write_text("[pipeline]\nmicrobatches = 5\n")
+    out = tmp_path / "report.json"
+    proc = _run(torchrun(2, "-m", "qeffect", "verify-state", "--schedule", "zbv", "--steps", "2",
+                         "--config", str(cfg), "--json", str(out)), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["passed"] and r["microbatches"] == 5
+    assert "loss_vs_interleaved" not in {c["category"] for c in r["categories"]}
+    assert len(r["notes"]) == 1 and "loss_vs_interleaved not checked" in r["notes"][0]
+    assert "note: loss_vs_interleaved not checked" in proc.stdout
+
+
 def test_desynchronized_replica_is_caught(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = _run(torchrun(4, str(ROOT / "tests/dist/run_verify.py"), "--steps", "3", "--dp", "2",

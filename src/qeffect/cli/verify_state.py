@@ -136,6 +136,8 @@ def _distributed(cfg, steps: int, path: str, json_out: Path | None, console: Con
         if report.non_finite_losses:
             console.print(f"[red]{report.non_finite_losses} of {len(report.losses)} losses are NaN or infinite: "
                           "both runs diverged, so matching bits prove nothing[/red]")
+        for note in report.notes:
+            console.print(f"note: {note}", highlight=False)
         console.print("PASS: bitwise equal" if report.passed else "[red]FAIL[/red]")
         if json_out:
             write_json(json_out, report)

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
+from qeffect.runtime.build import schedule_of
 from qeffect.runtime.distributed import DistributedPipeline
 from qeffect.verify.state import CategoryResult, bits, bitwise_equal, grad_capture, synthetic_batches
 
@@ -63,6 +64,7 @@ class DistVerifyReport(BaseModel):
     first_divergence: RankDivergence | None
     losses: list[float | None]
     non_finite_losses: int = 0  # NaN / inf losses: a failure even where every bit matches
+    notes: list[str] = []  # checks that could not run here, and why
     graphs_per_rank: list[int] | None  # captured paths: graphs each rank captured
     passed: bool
     seconds: float
@@ -102,9 +104,16 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
     t0 = time.perf_counter()
     native = DistributedPipeline(cfg, native=True)
     qeff = DistributedPipeline(cfg, path=path)
-    other_placement = cfg.pipeline.schedule != "interleaved"
-    interleaved = (DistributedPipeline(cfg.with_overrides(**{"pipeline.schedule": "interleaved"}), native=True)
-                   if other_placement else None)
+    interleaved, notes = None, []
+    if cfg.pipeline.schedule != "interleaved":
+        il_cfg = cfg.with_overrides(**{"pipeline.schedule": "interleaved"})
+        try:
+            schedule_of(il_cfg, native=True)  # Interleaved takes fewer microbatch counts than ZB-V
+        except UserError as err:
+            notes.append(f"loss_vs_interleaved not checked: native Interleaved cannot run this shape ({err})")
+        else:
+            interleaved = DistributedPipeline(il_cfg, native=True)
+    other_placement = interleaved is not None
     if cfg.pipeline.dp > 1 and not qeff.rank.arena.accumulate:
         raise UserError(f"pipeline.dp = {cfg.pipeline.dp} needs the accumulating gradient arena (a schedule that "
                         "runs dW in microbatch order): data-parallel averaging of per-microbatch views and of "
@@ -186,6 +195,6 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
         schedule=p.schedule, path=path, backend=cfg.fp8.backend, device=str(qeff.device.type),
         world_size=dist.get_world_size(), pp=p.pp, dp=p.dp, chunks_per_rank=p.chunks_per_rank,
         microbatches=p.microbatches, steps=steps, injection=injection, categories=cats,
-        first_divergence=earliest, losses=losses, non_finite_losses=non_finite, graphs_per_rank=graphs,
+        first_divergence=earliest, losses=losses, non_finite_losses=non_finite, notes=notes, graphs_per_rank=graphs,
         passed=passed,
         seconds=time.perf_counter() - t0)
