@@ -92,9 +92,7 @@ def verify_state(
         d = report.first_divergence
         console.print(f"[red]first divergence: step {d.step}, action {d.action}, stage {d.stage}, "
                       f"microbatch {d.microbatch}, {d.category}: {d.tensor}[/red]")
-    if report.non_finite_losses:
-        console.print(f"[red]{report.non_finite_losses} of {len(report.losses)} losses are NaN or infinite: "
-                      "both runs diverged, so matching bits prove nothing[/red]")
+    _print_non_finite(report, console)
     console.print("PASS: bitwise equal" if report.passed else "[red]FAIL[/red]")
     if json_out:
         write_json(json_out, report)
@@ -133,9 +131,7 @@ def _distributed(cfg, steps: int, path: str, json_out: Path | None, console: Con
         if report.first_divergence:
             d = report.first_divergence
             console.print(f"[red]first divergence: step {d.step}, rank {d.rank}, {d.category}: {d.tensor}[/red]")
-        if report.non_finite_losses:
-            console.print(f"[red]{report.non_finite_losses} of {len(report.losses)} losses are NaN or infinite: "
-                          "both runs diverged, so matching bits prove nothing[/red]")
+        _print_non_finite(report, console)
         for note in report.notes:
             console.print(f"note: {note}", highlight=False)
         console.print("PASS: bitwise equal" if report.passed else "[red]FAIL[/red]")
@@ -152,3 +148,9 @@ def _check_device(device: str, path: str) -> None:
         raise UserError("--device cuda: no CUDA device is available on this machine")
     if path != "eager" and device != "cuda":
         raise UserError(f"--path {path} captures CUDA graphs and needs --device cuda")
+
+
+def _print_non_finite(report, console: Console) -> None:
+    if report.non_finite_losses:
+        console.print(f"[red]{report.non_finite_losses} of {len(report.losses)} losses are NaN or infinite: "
+                      "both runs diverged, so matching bits prove nothing[/red]")

@@ -140,12 +140,6 @@ def git_revision() -> str | None:
     return rev()
 
 
-def qeffect_environment() -> dict[str, str]:
-    from qeffect.graphs.handshake import qeffect_environment as env
-
-    return env()
-
-
 def not_run_reason(spec: ConfigSpec, cfg: RunConfig, device: torch.device, te_ok: bool) -> str | None:
     """Why this machine or config cannot run `spec` (None: it can)."""
     if spec.path == "te":
@@ -340,6 +334,8 @@ def make_report(cfg: RunConfig, device: torch.device, *, command: str, config_pa
                 **extra: Any) -> ProfileReport:
     """The report of a finished matrix: provenance (command, revision, device, versions), the config, the
     results, and the targets evaluated from them. `extra`: trace_steps, resources, world_size."""
+    from qeffect.graphs.handshake import qeffect_environment
+
     return ProfileReport(
         command=command, git_revision=git_revision(), environment=qeffect_environment(),
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),

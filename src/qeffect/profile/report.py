@@ -208,9 +208,11 @@ class ProfileReport(BaseModel):
 
     def check_losses(self) -> None:
         """Fill each configuration's `non_finite_losses` and `losses_equal_native` from the losses."""
+        from qeffect.verify.state import non_finite_count
+
         native = self.result("native-eager")
         for c in self.configs:
-            c.non_finite_losses = sum(1 for x in c.losses if x is None or not math.isfinite(x))
+            c.non_finite_losses = non_finite_count(c.losses)
             comparable = (native is not None and native.losses and c.losses and c is not native
                           and c.name not in NOT_NATIVE_MATH)
             c.losses_equal_native = (_same_floats(c.losses, native.losses) if comparable else None)

@@ -15,7 +15,6 @@ stage in one process and is not repeated here.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -28,7 +27,14 @@ from qeffect.config import RunConfig
 from qeffect.errors import UserError
 from qeffect.runtime.build import schedule_of
 from qeffect.runtime.distributed import DistributedPipeline
-from qeffect.verify.state import CategoryResult, bits, bitwise_equal, grad_capture, synthetic_batches
+from qeffect.verify.state import (
+    CategoryResult,
+    bits,
+    bitwise_equal,
+    grad_capture,
+    non_finite_count,
+    synthetic_batches,
+)
 
 CATEGORIES = ("loss", "parameter_gradients", "parameters", "optimizer_state", "fp8_state")
 DP_CATEGORIES = ("replicas", "reductions")  # only with pipeline.dp > 1
@@ -113,14 +119,13 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
             notes.append(f"loss_vs_interleaved not checked: native Interleaved cannot run this shape ({err})")
         else:
             interleaved = DistributedPipeline(il_cfg, native=True)
-    other_placement = interleaved is not None
     if cfg.pipeline.dp > 1 and not qeff.rank.arena.accumulate:
         raise UserError(f"pipeline.dp = {cfg.pipeline.dp} needs the accumulating gradient arena (a schedule that "
                         "runs dW in microbatch order): data-parallel averaging of per-microbatch views and of "
                         "summed gradients associate differently")
     me = dist.get_rank()
     categories = (CATEGORIES + (DP_CATEGORIES if cfg.pipeline.dp > 1 else ())
-                  + (PLACEMENT_CATEGORIES if other_placement else ()))
+                  + (PLACEMENT_CATEGORIES if interleaved is not None else ()))
     compared = dict.fromkeys(categories, 0)
     mismatched = dict.fromkeys(categories, 0)
     first: RankDivergence | None = None
@@ -187,7 +192,7 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
     cats = [CategoryResult(category=c, compared=int(counts[i, 0]), mismatches=int(counts[i, 1]))
             for i, c in enumerate(categories)]
     expected = 3 * cfg.pipeline.microbatches * cfg.pipeline.chunks_per_rank
-    non_finite = sum(1 for x in losses if not math.isfinite(x))  # two runs that both diverged agree, wrongly
+    non_finite = non_finite_count(losses)
     passed = (all(c.mismatches == 0 and c.compared > 0 for c in cats)
               and (graphs is None or all(g == expected for g in graphs)) and non_finite == 0)
     p = cfg.pipeline

@@ -99,6 +99,12 @@ Key = tuple  # (step, action-name, stage, microbatch)
 Records = dict[Key, dict[str, dict[str, torch.Tensor]]]
 
 
+def non_finite_count(losses: list[float | None]) -> int:
+    """NaN or infinite losses (None: a NaN read back from JSON). Two runs that both diverged agree bit for
+    bit and are still wrong, so every report counts these and fails on them."""
+    return sum(1 for x in losses if x is None or not math.isfinite(x))
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bit pattern as integers, so equality is bitwise (sign of zero and NaNs included)."""
     if t.dtype.is_floating_point:
@@ -401,7 +407,7 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                                  "d2h_copies": o.stats.d2h_copies, "h2d_copies": o.stats.h2d_copies,
                                  "unmaps": o.stats.unmaps, "evictions": o.stats.evictions}
         passed = passed and graphs["graphs_per_rank"] == graphs["expected_per_rank"]
-    non_finite = sum(1 for x in losses if not math.isfinite(x))
+    non_finite = non_finite_count(losses)
     passed = passed and non_finite == 0
     return VerifyReport(
         schedule=cfg.pipeline.schedule, path=path, backend=cfg.fp8.backend, device=str(device), steps=steps,
