@@ -47,12 +47,24 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _start(out: Path, args: list[str], torchrun: bool) -> subprocess.Popen:
+    return subprocess.Popen(_command(out, args, torchrun), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
 def _run_all(jobs: list[tuple[Path, list[str]]], torchrun: bool) -> None:
-    procs = [(out, subprocess.Popen(_command(out, args, torchrun), env=_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)) for out, args in jobs]
+    """Run the jobs side by side. A torchrun launch whose rendezvous port was taken between `free_port`
+    and its bind (EADDRINUSE: concurrent launches on one machine) starts nothing, so it is relaunched on
+    a new port, at most twice."""
+    procs = [(out, args, _start(out, args, torchrun)) for out, args in jobs]
     failures = []
-    for out, p in procs:
+    for out, args, p in procs:
         text, _ = p.communicate(timeout=TIMEOUT)
+        for _ in range(2):
+            if p.returncode == 0 or not torchrun or "EADDRINUSE" not in text:
+                break
+            p = _start(out, args, torchrun)
+            text, _ = p.communicate(timeout=TIMEOUT)
         if p.returncode != 0:
             failures.append(f"{out.name}: exit {p.returncode}\n{text[-3000:]}")
     assert not failures, "\n".join(failures)
