@@ -20,8 +20,10 @@ every parameter, optimizer state and FP8 state tensor. Then:
   included) say how often each happened: `released_live`, `released_at_backward`. The measured step
   samples memory after every action, which slows the host, so it may find more copies done in time.
 
-`--modes` takes `resident@K` for resident offload with at least K banks (`train.offload_banks`) and
-`release-keep` for release offload that keeps consumed slots mapped (`train.offload_reap = false`).
+`--modes` takes `resident@K` for resident offload with at least K banks (`train.offload_banks`),
+`release-keep` for release offload that keeps consumed slots mapped (`train.offload_reap = false`) and
+`resident-copyall` (also `resident-copyall@K`) for resident offload that copies every group to the host,
+even those the plan keeps in their bank (`train.offload_skip_kept_d2h = false`; the A/B of the skip).
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ def _final_state(pipe) -> dict[str, torch.Tensor]:
 def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
     mode, _, banks = label.partition("@")
     keep = mode == "release-keep"  # release without releasing consumed slots (train.offload_reap = false)
-    mode = "release" if keep else mode
+    copyall = mode == "resident-copyall"  # resident, every group copied out (train.offload_skip_kept_d2h = false)
+    mode = "release" if keep else "resident" if copyall else mode
     cfg = cfg.with_overrides(**{"train.offload": mode, "train.offload_banks": int(banks) if banks else None,
-                                "train.offload_reap": False if keep else None})
+                                "train.offload_reap": False if keep else None,
+                                "train.offload_skip_kept_d2h": False if copyall else None})
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize(dev)
@@ -117,7 +121,8 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
     torch.cuda.synchronize(dev)
     total = torch.cuda.mem_get_info(dev)[1]
     res = {
-        "mode": label, "offload_banks": cfg.train.offload_banks, "setup_seconds": setup, "step_seconds": times,
+        "mode": label, "offload_banks": cfg.train.offload_banks,
+        "offload_skip_kept_d2h": cfg.train.offload_skip_kept_d2h, "setup_seconds": setup, "step_seconds": times,
         "median_step_seconds": statistics.median(times),
         "peak_allocated_bytes": peak_alloc, "baseline_allocated_bytes": baseline,
         "peak_driver_used_bytes": total - min(free_samples),
@@ -129,8 +134,8 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
         res["offload"] = {
             "groups": len(mgr.groups), "group_bytes": sum(g.nbytes for g in mgr.groups),
             "banks": len(mgr.banks), "bank_plan": mgr.bank_plan, "mapped_bytes_now": mgr.mapped_bytes(),
-            "host_bytes": mgr.host_bytes(),
-            **{k: getattr(st, k) for k in ("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes", "maps", "unmaps",
+            "host_bytes": mgr.host_bytes(), "kept_groups": [g.name for g in mgr.kept],
+            **{k: getattr(st, k) for k in ("d2h_copies", "d2h_bytes", "d2h_skipped", "h2d_copies", "h2d_bytes", "maps", "unmaps",
                                            "released_live", "released_at_backward", "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped",
                                            "reloads_skipped", "evictions")}}
         if mode == "release":
@@ -176,7 +181,8 @@ def main() -> int:
     ap.add_argument("--schedule", default=None, help="override pipeline.schedule")
     ap.add_argument("--path", default="captured-direct")
     ap.add_argument("--modes", default="off,release,resident",
-                    help="comma list of off, release, release-keep, resident, resident@K (at least K banks)")
+                    help="comma list of off, release, release-keep, resident, resident@K (at least K banks), "
+                         "resident-copyall, resident-copyall@K (no D2H skipped)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", required=True)
@@ -223,6 +229,9 @@ def main() -> int:
                      f"{b['tensors_differing']}/{b['tensors_compared']} tensors differ")
             o = res["offload"]
             line += f", groups {o['groups']} ({o['group_bytes'] / 2**20:.0f} MiB), banks {o['banks']}"
+            if o["banks"]:
+                line += (f", kept {len(o['kept_groups'])}, D2H {o['d2h_copies']} copied / {o['d2h_skipped']} skipped, "
+                         f"H2D {o['h2d_copies']}, reloads skipped {o['reloads_skipped']}")
             if "release" in o:
                 r = o["release"]
                 line += (f", returned {r['returned_fraction']:.3f} of slot bytes before the backward "

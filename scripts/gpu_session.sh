@@ -13,6 +13,9 @@
 # staged: the staged weight-gradient accumulation's GPU tests, bitwise matrix and A/B benchmark.
 # offload-next: the offload GPU tests (teardown leak included), scripts/offload_leak.py, and the offload
 #          benchmark over off, release, release-keep, resident and resident@6 for both schedules.
+# resident-skip: the branch next/resident-skip-d2h (no D2H for groups the plan keeps in their bank): the
+#          offload GPU tests, then the offload benchmark over off, resident, resident@6 and the same
+#          two copying every group (resident-copyall, resident-copyall@6: the A/B) for both schedules.
 # combined: the teardown test alone, the whole GPU suite and the 8-cell matrix.
 # fused-quantize, fused-quantize-profile (two calls): the fused reference quantization's GPU tests and
 #          the reference bitwise matrix; then the reference profiles at h2048 and h4096.
@@ -83,6 +86,14 @@ offload-next)
             --steps 20 --modes off,release,release-keep,resident,resident@6 --out "$out/offload-bench-h2048-$s-h200.json"
     done
     ;;
+resident-skip)
+    step 120 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py
+    for s in interleaved zbv; do
+        step 100 "offload-$s" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml --schedule "$s" \
+            --steps 20 --modes off,resident,resident@6,resident-copyall,resident-copyall@6 \
+            --out "$out/offload-bench-h2048-$s-h200.json"
+    done
+    ;;
 combined)
     # next/combined (offload-pack-detach + ref-fused-quantize): the teardown test alone first (Transformer
     # Engine imported after the offload driver only), then the whole GPU suite and both backends' matrix
@@ -150,7 +161,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|combined|combined2|combined3|kernel-transpose|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|resident-skip|combined|combined2|combined3|kernel-transpose|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

@@ -274,15 +274,22 @@ def pattern(step: int, k: int, i: int, v: torch.Tensor) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float64).reshape(v.shape) * (k + 1) + 1000 * step + 100 * i).to(v.dtype)
 
 
-def build(mode: str, seed: int = 0, layers: int = 4, order: list[int] | None = None, **kw):
+def build(mode: str, seed: int = 0, layers: int = 4, order: list[int] | None = None, program=None, **kw):
+    """`program` (a `run_program` program): the manager gets its events (resident: kept groups skip the D2H)."""
     dev, drv = fake(seed, progress=kw.pop("progress", 2))
     mgr = OffloadManager(mode, device="cpu", driver=drv, streams=dev, **kw)
     groups = [mgr.group(f"G{k}") for k in range(layers)]
     for k, g in enumerate(groups):
         g.discover(torch.empty(3 + k, 5, dtype=torch.float32))
         g.discover(torch.empty(7, dtype=torch.int64))
-    mgr.allocate([groups[k] for k in order] if order is not None else None)
+    events = [(kind, groups[k]) for kind, k in program_events(program)] if program is not None else None
+    mgr.allocate([groups[k] for k in order] if order is not None else None, events=events)
     return dev, mgr, groups
+
+
+def program_events(program) -> list[tuple[str, int]]:
+    """A `run_program` program as plan events: its "B" is both the backward start and the last reader."""
+    return [e for op, k in program for e in ([("F", k)] if op == "F" else [("B", k), ("E", k)])]
 
 
 def run_program(dev: FakeDevice, groups, program, steps: int = 2) -> list:
@@ -521,6 +528,147 @@ def test_timing_records_which_backward_a_restore_ran_under() -> None:
     recs = [(r.group, r.prefetched_under) for r in mgr.stats.restores]
     assert recs == [("G3", None), ("G2", "G3"), ("G1", "G2"), ("G0", "G1")]
     assert all(r.start.timing and r.end.timing for r in mgr.stats.restores)
+
+
+# ------------------------------------------------------------------------------ kept groups (no D2H)
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("lookahead", [True, False])
+@pytest.mark.parametrize("num_banks", [2, 3])
+def test_kept_groups_skip_the_d2h_and_every_interleaving_still_reads_the_right_bytes(
+        program: str, lookahead: bool, num_banks: int) -> None:
+    prog, order = PROGRAMS[program]
+    n = len(order)
+    for seed in range(8):
+        ref = build("resident", seed, layers=n, order=order, program=prog, lookahead=lookahead, num_banks=num_banks,
+                    skip_kept_d2h=False)
+        assert run_program(ref[0], ref[2], prog) == [] and ref[1].kept == [] and ref[1].stats.d2h_copies == 2 * n
+        dev, mgr, groups = build("resident", seed, layers=n, order=order, program=prog, lookahead=lookahead,
+                                 num_banks=num_banks)
+        assert run_program(dev, groups, prog) == [], (program, seed)
+        k = len(mgr.kept)
+        assert all(g.kept == (g in mgr.kept) for g in groups)
+        assert (mgr.stats.d2h_copies, mgr.stats.d2h_skipped) == (2 * (n - k), 2 * k)
+        assert mgr.stats.d2h_bytes == 2 * sum(g.nbytes for g in groups if not g.kept)
+        for f in ("h2d_copies", "evictions", "reloads_skipped", "prefetches", "prefetches_wasted"):
+            assert getattr(mgr.stats, f) == getattr(ref[1].stats, f), f  # only the D2H copies change
+    if program == "stack" or num_banks == 3:
+        assert mgr.kept, program  # the stack on 2 banks keeps its last two forwards; 3 banks keep more
+    if program == "stack" and num_banks == 2:
+        assert [g.name for g in mgr.kept] == ["G3", "G2"]
+
+
+def test_a_kept_group_leaves_no_d2h_and_its_bank_next_writer_waits_for_its_backward() -> None:
+    dev, mgr, groups = build("resident", order=[3, 2, 1, 0], program=STACK[0], progress=0)
+    g0, g1, g2, g3 = groups
+    assert mgr.kept == [g3, g2] and g3.bank is g1.bank
+    for g in groups:
+        g.before_forward()
+        g.after_forward()
+    assert [g.state for g in groups] == [GroupState.RESIDENT_RELOAD_PENDING] * 2 + [GroupState.RESIDENT_KEPT] * 2
+    g3.before_backward()
+    assert g3.state is GroupState.MAPPED and mgr.stats.h2d_copies == 0 and mgr.stats.reloads_skipped == 1
+    g3.after_backward()
+    dev.trace.clear()
+    g2.before_backward()  # look-ahead restores g1 into the bank g3 just read: after g3's backward
+    waits = [e for e in dev.trace if e[0] == "wait"]
+    assert waits == [("wait", "h2d", "G1.d2h_done"), ("wait", "h2d", "G3.consumed"), ("wait", "h2d", "G1.d2h_done")]
+    g2.after_backward()
+    for g in (g1, g0):
+        g.before_backward()
+        g.after_backward()
+    dev.synchronize()
+    records = [e[2] for e in dev.trace if e[0] == "record"]
+    assert not [r for r in records if r in ("G2.d2h_done", "G3.d2h_done")]
+    assert mgr.stats.d2h_skipped == 2 and mgr.stats.d2h_copies == 2
+
+
+def test_a_kept_group_bank_writer_needs_the_consumed_fence(monkeypatch) -> None:
+    """Dropping only the waits on kept groups' `consumed` events corrupts bytes for some interleaving."""
+    orig = FakeDevice.wait
+
+    def wait(self, stream, event):
+        if event.name not in ("G2.consumed", "G3.consumed"):
+            orig(self, stream, event)
+
+    monkeypatch.setattr(FakeDevice, "wait", wait)
+    detected = 0
+    for seed in range(20):
+        dev, mgr, groups = build("resident", seed, order=[3, 2, 1, 0], program=STACK[0], progress=1)
+        assert mgr.kept == [groups[3], groups[2]]
+        try:
+            detected += bool(run_program(dev, groups, STACK[0]))
+        except FakeDeviceFault:
+            detected += 1
+    assert detected > 0
+
+
+def test_a_claim_off_the_plan_raises_instead_of_evicting_a_kept_group() -> None:
+    """The kept groups come from the planned order; a forward or a restore off that order that would
+    overwrite a kept group's bank (its bytes exist nowhere else) raises, names both groups and the
+    bank, and leaves the kept group's bytes for its backward."""
+    dev, mgr, groups = build("resident", order=[3, 2, 1, 0], program=STACK[0])
+    g0, g1, g2, g3 = groups
+
+    def forward(k: int) -> None:
+        g = groups[k]
+        g.before_forward()
+        dev.launch(dev.compute, lambda: [v.copy_(pattern(0, k, i, v)) for i, v in enumerate(g.views)], f"F{k}",
+                   touches=g.views)
+        g.after_forward()
+
+    forward(3)
+    assert g3.state is GroupState.RESIDENT_KEPT and g1.bank is g3.bank
+    with pytest.raises(OffloadStateError, match=r"bank 0: group 'G1' would evict group 'G3', whose D2H was skipped"):
+        g1.before_forward()  # off the plan: G1's forward comes before G3's
+    assert g3.state is GroupState.RESIDENT_KEPT and g3.bank.owner is g3 and g1.phase is None and not g1.live
+    g3.discard()
+    for k in range(4):  # the planned forwards: G1 is evicted by G3's forward
+        forward(k)
+    assert g1.state is GroupState.RESIDENT_RELOAD_PENDING and g3.state is GroupState.RESIDENT_KEPT
+    with pytest.raises(OffloadStateError, match=r"bank 0: group 'G1' would evict group 'G3'"):
+        g1.before_backward()  # off the plan: G1's restore before G3's backward
+    g3.before_backward()
+    out = [torch.empty_like(v) for v in g3.views]
+    dev.launch(dev.compute, lambda: [o.copy_(v) for o, v in zip(out, g3.views, strict=True)], "B3", touches=g3.views)
+    g3.after_backward()
+    dev.synchronize()
+    assert all(torch.equal(o, pattern(0, 3, i, o)) for i, o in enumerate(out))
+
+
+def test_a_kept_group_can_be_discarded_or_abandoned() -> None:
+    dev, mgr, (g0, g1, g2, g3) = build("resident", order=[3, 2, 1, 0], program=STACK[0])
+    g3.before_forward()
+    g3.after_forward()
+    assert g3.prefetch() is False  # nothing to restore: the bank holds it
+    g3.discard()
+    assert g3.state is GroupState.MAPPED and not g3.live
+    g1.before_forward()  # the bank is free again: no eviction, no error
+    g1.after_forward()
+    assert mgr.stats.evictions == 0 and g1.state is GroupState.RESIDENT_D2H_PENDING
+    g3.before_forward()  # g1 (not kept) is evicted as usual
+    assert g1.state is GroupState.RESIDENT_RELOAD_PENDING
+    g3.after_forward()
+    g3.before_backward()
+    g3.abandon()  # a failed backward replay: consumed is recorded, the bank's next writer waits on it
+    assert not g3.live and g3.phase is None and g3.bank.last_consumed is g3.consumed
+    g1.before_backward()
+    g1.after_backward()
+    dev.synchronize()
+
+
+def test_events_must_match_the_backward_order() -> None:
+    dev, drv = fake()
+    mgr = OffloadManager("resident", device="cpu", driver=drv, streams=dev)
+    a, b, empty = mgr.group("a"), mgr.group("b"), mgr.group("empty")
+    a.discover(torch.empty(4))
+    b.discover(torch.empty(4))
+    ev = [("F", a), ("F", empty), ("F", b), ("B", b), ("E", b), ("B", empty), ("E", empty), ("B", a), ("E", a)]
+    with pytest.raises(ValueError, match="backward order"):
+        mgr.allocate([a, empty, b], events=ev)
+    with pytest.raises(ValueError, match="complete"):
+        mgr.allocate([b, empty, a], events=ev[:-1])
+    mgr.allocate([b, empty, a], banks=[0, 0, 1], events=ev)
+    assert mgr.kept == [b, a] and not empty.kept  # one bank each; the empty group holds none
 
 
 # -------------------------------------------------------------------------------- state machine

@@ -1,6 +1,8 @@
 """Offload plans from a pipeline schedule (`offload.plan`), checked against the offload state machine
 on the fake device: with the planned banks, resident ping-pong runs a real schedule's F / dI / dW order
-and every backward reads its own forward's bytes; with banks by position (mod 2) it cannot."""
+and every backward reads its own forward's bytes; with banks by position (mod 2) it cannot. The groups
+`kept_groups` keeps are exactly those the state machine never evicts, and skipping their D2H keeps
+every byte right."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import torch
 
 from qeffect.config import load_config
 from qeffect.offload.fake import FakeDevice
-from qeffect.offload.group import OffloadManager, OffloadStateError
-from qeffect.offload.plan import assign_banks, backward_order, check_events, conflicts
+from qeffect.offload.group import GroupState, OffloadManager, OffloadStateError, OffloadStats
+from qeffect.offload.plan import assign_banks, backward_order, check_events, conflicts, kept_groups
 from qeffect.runtime.build import schedule_of
 from qeffect.schedule import ActionKind, global_order
 
@@ -39,16 +41,21 @@ def test_events_must_be_complete() -> None:
         check_events([("F", "a"), ("B", "a")])
 
 
-def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0) -> None:
-    """Resident mode on the fake device: F writes a pattern into its group's view; E checks it."""
+def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0, *, plan: bool = False,
+         skip: bool = True) -> tuple[OffloadStats, set, set]:
+    """Resident mode on the fake device: F writes a pattern into its group's view; E checks it. `plan`:
+    the manager gets the events (kept groups, with `skip`). Returns the stats, the groups the manager
+    keeps, and the groups found not evicted (d2h pending or kept) at their backward in every step."""
     dev = FakeDevice(seed, granularity=64 * 1024, progress=2)
-    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev)
+    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev, skip_kept_d2h=skip)
     names = sorted({g for _, g in events})
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in names}
     for k, g in enumerate(names):
         groups[g].discover(torch.empty(5 + k % 3, 7, dtype=torch.float32))
     order = backward_order(events)
-    mgr.allocate([groups[g] for g in order], banks=banks)
+    mgr.allocate([groups[g] for g in order], banks=banks,
+                 events=[(kind, groups[g]) for kind, g in events] if plan else None)
+    in_bank = set(names)
     try:
         for step in range(steps):
             for kind, g in events:
@@ -59,6 +66,8 @@ def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0) -> None
                     dev.launch(dev.compute, lambda v=view, x=val: v.fill_(x), f"F{g}", touches=[view])
                     grp.after_forward()
                 elif kind == "B":
+                    if grp.state not in (GroupState.RESIDENT_D2H_PENDING, GroupState.RESIDENT_KEPT):
+                        in_bank.discard(g)
                     grp.before_backward()
                 else:
                     seen = []
@@ -69,6 +78,7 @@ def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0) -> None
             dev.synchronize()
     finally:
         mgr.close()
+    return mgr.stats, {g for g in names if groups[g] in mgr.kept}, in_bank
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
@@ -94,3 +104,150 @@ def test_banks_by_position_fail_on_zbv() -> None:
     events = schedule_events("zbv", 4)
     with pytest.raises(OffloadStateError, match="is busy"):
         _run(events, None)
+
+
+# ------------------------------------------------------------------------------------ kept groups
+def test_kept_groups_hand_examples() -> None:
+    # a layer stack on two banks: a's window holds b's F and B (bank 1), b's window nothing: both kept
+    stack = [("F", "a"), ("F", "b"), ("B", "b"), ("E", "b"), ("B", "a"), ("E", "a")]
+    assert kept_groups(stack, {"a": 0, "b": 1}) == {"a", "b"}
+    # three groups, a and c share bank 0: c's F evicts a; b (bank 1) sees only bank-0 events
+    three = [("F", "a"), ("F", "b"), ("F", "c"), ("B", "c"), ("E", "c"), ("B", "b"), ("E", "b"), ("B", "a"),
+             ("E", "a")]
+    assert kept_groups(three, {"a": 0, "b": 1, "c": 0}) == {"b", "c"}
+    # a restore is a claim too: g's F evicts h (one bank), then h's B restores h over g's bytes
+    restore = [("F", "h"), ("F", "g"), ("B", "h"), ("E", "h"), ("B", "g"), ("E", "g")]
+    assert kept_groups(restore, {"h": 0, "g": 0}) == set()
+    assert kept_groups(restore, {"h": 0, "g": 1}) == {"h", "g"}
+    # events after B (the backward window up to E, the next forward of a later group) do not matter
+    late = [("F", "a"), ("B", "a"), ("F", "b"), ("E", "a"), ("B", "b"), ("E", "b")]
+    assert kept_groups(late, {"a": 0, "b": 0}) == {"a", "b"}
+    # an empty group (no bank) claims nothing and is not kept; banks of unknown groups are refused
+    assert kept_groups(three, {"a": 0, "b": 1}) == {"a", "b"}
+    with pytest.raises(ValueError, match="without events"):
+        kept_groups(stack, {"a": 0, "z": 1})
+    with pytest.raises(ValueError, match="complete"):
+        kept_groups([("F", "a")], {"a": 0})
+
+
+def test_kept_groups_match_the_state_machine_on_hand_banks() -> None:
+    """The one-bank restore case on the fake device: the kept set is what the manager does not evict."""
+    ev = [("F", (0, 0)), ("F", (0, 1)), ("B", (0, 0)), ("E", (0, 0)), ("B", (0, 1)), ("E", (0, 1))]
+    for banks, kept in (([0, 0], set()), ([0, 1], {(0, 0), (0, 1)})):
+        stats, planned, in_bank = _run(ev, banks, steps=3, plan=True, skip=False)
+        assert planned == set() and in_bank == kept == kept_groups(ev, dict(zip(backward_order(ev), banks,
+                                                                               strict=True)))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+@pytest.mark.parametrize("microbatches", [4, 8])
+@pytest.mark.parametrize("min_banks", [2, 3, 6])
+def test_kept_groups_are_exactly_the_groups_never_evicted(schedule: str, microbatches: int, min_banks: int) -> None:
+    """Real schedules, 3 steps: without skipping, the groups the manager never evicts are `kept_groups`;
+    with skipping, those (and only those) skip their D2H, nothing else changes, and every byte is right."""
+    events = schedule_events(schedule, microbatches)
+    plan = assign_banks(events, min_banks=min_banks)
+    banks = [plan[g] for g in backward_order(events)]
+    kept = kept_groups(events, plan)
+    steps, n = 3, len(plan)
+    base, none_kept, in_bank = _run(events, banks, steps=steps, plan=True, skip=False)
+    assert none_kept == set() and in_bank == kept
+    assert base.d2h_copies == steps * n and base.d2h_skipped == 0 and base.reloads_skipped == steps * len(kept)
+    for seed in range(2):
+        st, planned, in_bank = _run(events, banks, steps=steps, seed=seed, plan=True)
+        assert planned == in_bank == kept
+        assert st.d2h_skipped == steps * len(kept) and st.d2h_copies == steps * (n - len(kept))
+        assert (st.h2d_copies, st.evictions, st.reloads_skipped) == (base.h2d_copies, base.evictions,
+                                                                     base.reloads_skipped)
+    if min_banks == 6:
+        assert kept  # more banks than the colouring needs: some groups are never evicted
+
+
+def test_a_claim_off_the_plan_raises_instead_of_evicting_a_kept_group() -> None:
+    """The plan comes from one order; hooks in another order would evict a kept group (its bytes exist
+    nowhere else): the claim raises, naming both groups and the bank."""
+    events = schedule_events("zbv", 4)
+    plan = assign_banks(events, min_banks=6)
+    kept = kept_groups(events, plan)
+    g = next(iter(sorted(kept)))
+    other = next(h for h in sorted(plan) if h != g and plan[h] == plan[g])
+    dev = FakeDevice(0, granularity=64 * 1024)
+    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev)
+    groups = {h: mgr.group(f"s{h[0]}.m{h[1]}") for h in sorted(plan)}
+    for grp in groups.values():
+        grp.discover(torch.empty(4, 4))
+    mgr.allocate([groups[h] for h in backward_order(events)], banks=[plan[h] for h in backward_order(events)],
+                 events=[(kind, groups[h]) for kind, h in events])
+    groups[g].before_forward()
+    groups[g].after_forward()
+    assert groups[g].state is GroupState.RESIDENT_KEPT
+    with pytest.raises(OffloadStateError) as err:
+        groups[other].before_forward()  # off the plan: other's forward would overwrite g's bank
+    msg = str(err.value)
+    assert f"bank {plan[g]}" in msg and groups[g].name in msg and groups[other].name in msg and "skipped" in msg
+    assert groups[g].state is GroupState.RESIDENT_KEPT and groups[g].bank.owner is groups[g]  # nothing changed
+    groups[g].before_backward()  # g's own backward still reads its bytes
+    groups[g].after_backward()
+    dev.synchronize()
+    mgr.close()
+
+
+# ------------------------------------------------------------------------------ wiring from config
+class _Act:
+    def __init__(self, stage: int, groups: dict) -> None:
+        self.stage, self.groups, self.offload, self.captured = stage, groups, None, 0
+
+    def prepare(self, microbatches: int, microbatch_size: int, seq_len: int) -> None:
+        for g in self.groups.values():
+            if not g.specs:
+                g.discover(torch.empty(3 + self.stage, 4))
+
+    def capture_graphs(self) -> None:
+        self.captured += 1
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_config_switch_reaches_the_manager_and_capture_passes_the_events(monkeypatch, schedule: str,
+                                                                         skip: bool) -> None:
+    """`train.offload_skip_kept_d2h` goes through `make_offload_manager` (as `offload_banks` and
+    `offload_reap` do) and `capture_ranks` gives the resident manager the step's events: it keeps
+    exactly `kept_groups` of the planned banks, or nothing with the switch off."""
+    from qeffect.runtime import build as build_mod
+
+    cfg = load_config().with_overrides(**{"pipeline.schedule": schedule, "train.offload_skip_kept_d2h": skip,
+                                          "train.offload_banks": 3})
+    assert load_config().train.offload_skip_kept_d2h is True
+    dev = FakeDevice(0, granularity=64 * 1024)
+    made = {}
+
+    def fake_manager(mode, **kw):
+        made.update(kw)
+        return OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, num_banks=kw["num_banks"],
+                          release_consumed=kw["release_consumed"], skip_kept_d2h=kw["skip_kept_d2h"])
+
+    monkeypatch.setattr(build_mod, "OffloadManager", fake_manager)
+    mgr = build_mod.make_offload_manager("resident", "cpu", cfg.train.offload_banks, cfg.train.offload_reap,
+                                         cfg.train.offload_skip_kept_d2h)
+    assert made["skip_kept_d2h"] is skip and mgr.skip_kept_d2h is skip and mgr.num_banks == 3
+    sched = schedule_of(cfg)
+    order = global_order(sched)
+    acts = {s: _Act(s, {m: mgr.group(f"s{s}.m{m}") for m in range(sched.microbatches)})
+            for s in range(sched.num_stages)}
+    for a in acts.values():
+        a.offload = mgr
+
+    class _Rank:
+        def __init__(self, r: int) -> None:
+            self.microbatches = sched.microbatches
+            self.actions = {s: acts[s] for s in range(sched.num_stages) if sched.stage_to_rank[s] == r}
+
+    ranks = [_Rank(r) for r in range(sched.pp)]
+    build_mod.capture_ranks(ranks, order, mgr, 1, 8)
+    events = [(KINDS[a.kind], (a.stage, a.microbatch)) for _, a in order]
+    plan = assign_banks(events, min_banks=3)
+    names = {g.name for g in mgr.kept}
+    want = {f"s{s}.m{m}" for s, m in kept_groups(events, plan)} if skip else set()
+    assert names == want and (want or not skip)
+    assert all(a.captured == 1 for a in acts.values())
+    mgr.close()

@@ -85,6 +85,9 @@ class TrainConfig(_Strict):
     # release offload: also release a slot after its backward (its memory comes back until the group's next
     # forward, for a remap per group per step); false keeps it mapped from the backward to the next forward
     offload_reap: bool = True
+    # resident offload: no D2H for a group whose bank, by the schedule's static plan, no other group claims
+    # between its forward and its backward (its bytes are still there); false copies every group (the A/B)
+    offload_skip_kept_d2h: bool = True
     eval_every: int = Field(20, ge=0)
     eval_batches: int = Field(4, ge=1)
     data: str = ""

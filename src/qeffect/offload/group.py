@@ -14,12 +14,15 @@ microbatch slot) of a captured stage):
    on that event only and copies the slot to the group's pinned host buffer, then records `d2h_done`.
    release mode: (-> `release_d2h_pending`) the host does not wait: the first hook that finds
    `d2h_done` complete (an event query) unmaps and releases the slot (-> `unmapped`).
-   resident mode: nothing else; the bank stays mapped (-> `resident_d2h_pending`).
+   resident mode: nothing else; the bank stays mapped (-> `resident_d2h_pending`). A group that the
+   static plan keeps (`allocate(events=...)`, `offload.plan.kept_groups`: no other group claims its
+   bank before its backward) only records `forward_done`, with no D2H (-> `resident_kept`).
 5. backward restore (`before_backward`): release: remap at the same VA and H2D on the H2D stream (a
    group still in `release_d2h_pending` is released first: the host waits for its D2H alone, which
    was queued a whole window earlier; release mode promises the memory is returned between F and B);
    resident: H2D into the group's bank only if another group took the bank meanwhile
-   (`resident_reload_pending`); then the compute stream waits on `restore_done` (-> `mapped`).
+   (`resident_reload_pending`); then the compute stream waits on `restore_done` (-> `mapped`); from
+   `resident_d2h_pending` or `resident_kept` nothing to do (-> `mapped`).
    Look-ahead: right after that, the NEXT group in backward order is restored on the H2D stream, so
    its copy runs while the current backward graph runs.
 6. `after_backward` records `consumed` on the compute stream: the bytes are no longer needed.
@@ -36,7 +39,19 @@ backward order uses bank i % num_banks (or the bank `offload.plan.assign_banks` 
 bank a backward reads and the bank the look-ahead restores into always differ. No driver calls and
 no host waits on the hot path. A bank is written (by a forward or a restore) only after its previous
 D2H finished and its previous backward consumer finished (stream waits on `bank.last_d2h` and
-`bank.last_consumed`). Host buffers stay per group. `off`: hooks only check the call order.
+`bank.last_consumed`). Host buffers stay per group. With the schedule's events (`allocate(events=)`,
+`skip_kept_d2h`), a group whose bank the plan leaves alone from its forward to its backward is not
+copied to the host at all (`resident_kept`); a claim that would evict such a group raises
+`OffloadStateError` (the run deviates from the plan: its bytes exist nowhere else). Its bank's next
+writer still waits on its `consumed` (`bank.last_consumed`); it leaves no D2H to wait for.
+`off`: hooks only check the call order.
+
+Resident states of a group in one step (F: before/after_forward, B: before_backward):
+
+    mapped --F--> resident_d2h_pending --(another group claims the bank)--> resident_reload_pending
+    mapped --F--> resident_kept (planned: no claim before B; a claim raises)
+    resident_d2h_pending | resident_kept --B--> mapped (no H2D: reloads_skipped)
+    resident_reload_pending --B or look-ahead (H2D)--> mapped
 
 States are explicit (`GroupState`); every hook checks the state and raises `OffloadStateError`
 naming the group, the hook and what was expected. Empty groups (nothing eligible) do no copies.
@@ -63,6 +78,8 @@ import torch
 from torch import Tensor
 
 from qeffect.offload.driver import VmmDriver
+from qeffect.offload.plan import backward_order as plan_backward_order
+from qeffect.offload.plan import check_events, kept_groups
 from qeffect.offload.streams import StreamOps, TorchCudaStreams
 from qeffect.offload.vmm import VmmSlot, span_bytes
 
@@ -78,6 +95,7 @@ class GroupState(StrEnum):
     RELEASE_D2H_PENDING = "release_d2h_pending"  # release: D2H enqueued; unmapped once a query finds it done
     RESIDENT_D2H_PENDING = "resident_d2h_pending"  # resident: D2H enqueued; the bank still holds the bytes
     RESIDENT_RELOAD_PENDING = "resident_reload_pending"  # resident: another group took the bank; bytes on host
+    RESIDENT_KEPT = "resident_kept"  # resident: no D2H (the plan leaves the bank alone until B); bytes only in the bank
     CLOSED = "closed"  # terminal: the manager was closed
 
 
@@ -148,6 +166,7 @@ class RestoreRecord:
 class OffloadStats:
     d2h_copies: int = 0
     d2h_bytes: int = 0
+    d2h_skipped: int = 0  # resident: forwards of kept groups, not copied to the host (`offload.plan.kept_groups`)
     h2d_copies: int = 0
     h2d_bytes: int = 0
     maps: int = 0  # physical mappings created on the hot path (not counting allocate)
@@ -188,6 +207,7 @@ class OffloadGroup:
         self.host: Tensor | None = None
         self.slot_bytes: Tensor | None = None  # uint8 view of [0, nbytes) of the slot (one copy per direction)
         self.next_backward: OffloadGroup | None = None
+        self.kept = False  # resident: the plan says no other group claims its bank between F and B (no D2H)
         self.live = False  # holds a forward's activations that its backward has not consumed yet
         self.phase: Literal["forward", "backward"] | None = None
         self._views: list[Tensor] = []
@@ -325,7 +345,8 @@ class OffloadGroup:
         self.phase = "forward"
 
     def after_forward(self) -> None:
-        """After the forward replay: D2H on the D2H stream (waiting on forward_done only); release: unmap."""
+        """After the forward replay: D2H on the D2H stream (waiting on forward_done only); release: unmap.
+        Resident, kept by the plan: no D2H (its bank holds the bytes until its backward)."""
         self._expect("after_forward", phase="forward")
         m = self.manager
         self.phase, self.live = None, True
@@ -333,6 +354,10 @@ class OffloadGroup:
             return
         s = m.streams
         s.record(self.forward_done, s.current_stream())
+        if self.kept:
+            self.state = GroupState.RESIDENT_KEPT
+            m.stats.d2h_skipped += 1
+            return
         s.wait(m.d2h_stream, self.forward_done)
         s.copy(self.host, self.slot_bytes, m.d2h_stream)
         s.record(self.d2h_done, m.d2h_stream)
@@ -365,7 +390,7 @@ class OffloadGroup:
             m._release(self, block=True, at_backward=True)
         if self.state in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
             m._restore(self, under=None)
-        elif self.state is GroupState.RESIDENT_D2H_PENDING:
+        elif self.state in (GroupState.RESIDENT_D2H_PENDING, GroupState.RESIDENT_KEPT):
             self.state = GroupState.MAPPED  # nobody took the bank: the forward's bytes are still there
             m.stats.reloads_skipped += 1
         elif not (self.state is GroupState.MAPPED and self._restore_pending):
@@ -419,7 +444,8 @@ class OffloadGroup:
             if self.bank is not None:
                 self.bank.last_consumed = self.consumed
             self._restore_pending = False
-        if self.state in (GroupState.RESIDENT_D2H_PENDING, GroupState.RESIDENT_RELOAD_PENDING):
+        if self.state in (GroupState.RESIDENT_D2H_PENDING, GroupState.RESIDENT_RELOAD_PENDING,
+                          GroupState.RESIDENT_KEPT):
             self.state = GroupState.MAPPED
 
     # -------------------------------------------------------------------------------------- helpers
@@ -474,7 +500,8 @@ class OffloadManager:
     def __init__(self, mode: OffloadMode = "release", *, device: torch.device | str | None = None,
                  driver: VmmDriver | None = None, streams: StreamOps | None = None, num_banks: int = 2,
                  lookahead: bool = True, release_consumed: bool = True, timing: bool = False,
-                 alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None) -> None:
+                 alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
+                 skip_kept_d2h: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {MODES}, got {mode!r}")
         if num_banks < 2:
@@ -484,12 +511,14 @@ class OffloadManager:
         self.mode: OffloadMode = mode
         self.num_banks, self.lookahead, self.release_consumed = num_banks, lookahead, release_consumed
         self.timing, self.alignment = timing, alignment
+        self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
         self._eligible_fn = eligible or default_eligible
         self.groups: list[OffloadGroup] = []
         self.banks: list[Bank] = []
         self.stats = OffloadStats()
         self.backward_order: list[OffloadGroup] = []
         self.bank_plan: list[int] = []
+        self.kept: list[OffloadGroup] = []  # resident: groups the plan keeps in their bank (no D2H)
         self._allocated = False
         self._closed = False
         if device is None:
@@ -523,14 +552,18 @@ class OffloadManager:
         return g
 
     def allocate(self, backward_order: Sequence[OffloadGroup] | None = None,
-                 banks: Sequence[int] | None = None) -> None:
+                 banks: Sequence[int] | None = None,
+                 events: Sequence[tuple[str, OffloadGroup]] | None = None) -> None:
         """Lay out every group, create slots (release) or banks (resident), map them, pin host buffers.
 
         `backward_order`: the order in which the groups' backwards run in a step (default: reverse
         creation order, a layer stack). It links look-ahead and, in resident mode, assigns banks so
         that consecutive backwards never share one. `banks` (resident mode): the bank index of each
         group of `backward_order` (see `offload.plan.assign_banks`), instead of position mod
-        `num_banks`; the manager then has max(banks) + 1 banks. Call outside any capture.
+        `num_banks`; the manager then has max(banks) + 1 banks. `events`: one step's F / B / E events
+        in execution order (`offload.plan`; `runtime.build.offload_events`), the same every step: in
+        resident mode with `skip_kept_d2h`, the groups `offload.plan.kept_groups` keeps are never copied
+        to the host (and a claim that would evict one raises). Call outside any capture.
         """
         if self._closed:
             raise OffloadStateError("allocate() after close()")
@@ -542,6 +575,11 @@ class OffloadManager:
             names = [g.name for g in order]
             raise ValueError(f"backward_order must list every group exactly once; got {names}, groups "
                              f"{[g.name for g in self.groups]}")
+        if events is not None:
+            events = list(events)
+            check_events(events)
+            if [id(g) for g in plan_backward_order(events)] != ids:
+                raise ValueError("events: their backward order differs from backward_order")
         if banks is not None:
             banks = [int(b) for b in banks]
             if len(banks) != len(order) or min(banks, default=0) < 0:
@@ -560,6 +598,11 @@ class OffloadManager:
             g.nbytes = off
         if self.mode != "off":
             self._allocate_memory(order)
+        if self.mode == "resident" and events is not None and self.skip_kept_d2h:
+            keep = kept_groups(events, {g: g.bank.index for g in order if g.bank is not None})
+            self.kept = [g for g in order if g in keep]
+            for g in self.kept:
+                g.kept = True
         for g in self.groups:
             g.state = GroupState.MAPPED
         self._allocated = True
@@ -605,6 +648,10 @@ class OffloadManager:
                 raise OffloadStateError(f"bank {bank.index} is busy: group {owner.name!r} is inside its backward "
                                         f"(before_backward called, after_backward not yet); group {g.name!r} "
                                         "cannot write it")
+            if owner.state is GroupState.RESIDENT_KEPT:
+                raise OffloadStateError(f"bank {bank.index}: group {g.name!r} would evict group {owner.name!r}, "
+                                        "whose D2H was skipped (the plan keeps it in the bank until its backward, "
+                                        "so its bytes are nowhere else): the hooks deviate from the planned events")
             if owner._restore_pending:  # prefetched but not consumed yet: finish that copy first
                 self.streams.wait(writer, owner.restore_done)
                 owner._restore_pending = False

@@ -11,11 +11,14 @@ backwards are consecutive (look-ahead restores one while the other runs). A gree
 backward order gives each group a bank no conflicting group shares. With more banks than the
 colouring needs (`min_banks`), each group takes the free bank used longest ago, so a bank's previous
 owner is more often consumed already: fewer evictions and reloads, for more device memory.
+
+`kept_groups` says which groups no other group evicts between their forward and their backward: their
+bytes are still in the bank when the backward comes, so resident mode need not copy them to the host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Literal
 
 Event = tuple[Literal["F", "B", "E"], Hashable]  # forward, backward start (dI), backward end (last reader)
@@ -81,3 +84,37 @@ def assign_banks(events: Sequence[Event], min_banks: int = 2) -> dict[Hashable, 
         banks[g] = min(free, key=lambda i: (last_used.get(i, -1), i))
         last_used[banks[g]] = pos
     return banks
+
+
+def kept_groups(events: Sequence[Event], banks: Mapping[Hashable, int]) -> set[Hashable]:
+    """Groups whose bank no other group claims between their F and their B: resident mode can skip their D2H.
+
+    `banks`: the bank of every group that holds memory (a group missing from it is empty: it claims
+    nothing and is never kept). What the resident state machine (`offload.group`) does, for a group h
+    of bank b, and why only F and B events of the other groups of b inside g's window (F(g), B(g))
+    matter:
+
+    - F(h) always claims b (`before_forward`);
+    - B(h) claims b when h was evicted (its restore). Inside g's window it always was: by its own F if
+      that is inside the window too (a claim already), else by g's F (h was live then: F(h) < F(g) <
+      B(h)). Counted always, which is therefore exact;
+    - the look-ahead at B(x) restores h = the group after x in backward order (if live and evicted):
+      if B(x) is inside g's window and h != g, B(h) follows B(x) immediately in backward order, so
+      B(h) is inside the window too and already counted. Whether look-ahead is on changes nothing.
+
+    So g is kept exactly when no F or B of another group of its bank falls strictly between F(g) and
+    B(g). After B(g) its bank is read by its backward (a claim then is refused as busy) and after E(g)
+    its bytes are dead. `check_events` puts every F, B and E of a group inside one step, and steps run
+    one after another, so no event of another step falls inside a window: one step decides for all.
+    The manager refuses (raises) a claim that would evict a kept group anyway, so a run whose order
+    deviates from `events` fails instead of reading lost bytes.
+    """
+    check_events(events)
+    unknown = [g for g in banks if g not in {g for _, g in events}]
+    if unknown:
+        raise ValueError(f"offload plan: banks for groups without events: {unknown}")
+    first = {g: i for i, (kind, g) in enumerate(events) if kind == "F"}
+    start = {g: i for i, (kind, g) in enumerate(events) if kind == "B"}
+    claims = [(i, g) for i, (kind, g) in enumerate(events) if kind in ("F", "B") and g in banks]
+    return {g for g, b in banks.items()
+            if not any(h != g and banks[h] == b and first[g] < i < start[g] for i, h in claims)}

@@ -114,18 +114,22 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     check_path("eager" if native else path, device, offload_mode)
     if native or path == "eager":
         return None, None, direct
-    offload = (make_offload_manager(offload_mode, device, cfg.train.offload_banks, cfg.train.offload_reap)
+    offload = (make_offload_manager(offload_mode, device, cfg.train.offload_banks, cfg.train.offload_reap,
+                                    cfg.train.offload_skip_kept_d2h)
                if offload_mode != "off" else None)
     return GraphManager(device), offload, path == "captured-direct"
 
 
-def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, reap: bool = True) -> OffloadManager:
+def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, reap: bool = True,
+                         skip_kept_d2h: bool = True) -> OffloadManager:
     """One offload manager per device (`banks`: resident mode's minimum bank count; `reap`: release mode
-    also releases consumed slots); a clear error where VMM offload cannot work."""
+    also releases consumed slots; `skip_kept_d2h`: resident mode copies no group the schedule's plan
+    keeps in its bank); a clear error where VMM offload cannot work."""
     from qeffect.offload.driver import OffloadUnavailable
 
     try:
-        return OffloadManager(mode, device=torch.device(device), num_banks=banks, release_consumed=reap)
+        return OffloadManager(mode, device=torch.device(device), num_banks=banks, release_consumed=reap,
+                              skip_kept_d2h=skip_kept_d2h)
     except OffloadUnavailable as err:
         raise UserError(f"train.offload = {mode}: {err}") from None
 
@@ -145,7 +149,8 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
                   microbatch_size: int, seq_len: int) -> None:
     """Capture every action of `ranks` (all on one device). Without offload, chunk by chunk. With
     offload: warm up and discover every chunk, allocate the groups in backward order (resident mode:
-    banks from the schedule's conflicts, `offload.plan`), then capture."""
+    banks from the schedule's conflicts, `offload.plan`, and the step's events, so that groups the plan
+    keeps in their bank skip the D2H), then capture."""
     if offload is None:
         for r in ranks:
             r.capture(microbatch_size, seq_len)
@@ -161,7 +166,7 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
     if offload.mode == "resident":
         plan = assign_banks(events, min_banks=offload.num_banks)
         banks = [plan[g] for g in backward]
-    offload.allocate(backward, banks=banks)
+    offload.allocate(backward, banks=banks, events=events if offload.mode == "resident" else None)
     for r in ranks:
         for act in r.actions.values():
             act.capture_graphs()
