@@ -1091,3 +1091,26 @@ def test_abandon_after_an_aborted_step_then_every_order_still_restores_the_right
         g.abandon()
         assert not g.live and g.phase is None
         assert run_program(dev, groups, STACK[0]) == [], (mode, fail_in, seed)
+
+
+def test_begin_step_drops_what_an_aborted_step_left_live() -> None:
+    """An aborted step leaves a kept group live in its bank; without `begin_step` the retried step's
+    first claim of that bank is refused (the hard check), with it the retry runs."""
+    for retry_cleanly in (False, True):
+        dev, mgr, groups = build("resident", order=[3, 2, 1, 0], program=STACK[0])
+        g3 = groups[3]
+        g3.before_forward()
+        g3.after_forward()  # the step dies here: G3 stays live, kept in bank 0 (no D2H)
+        assert g3.live and g3.state is GroupState.RESIDENT_KEPT
+        if retry_cleanly:
+            assert mgr.begin_step() == 1 and not g3.live
+            assert mgr.begin_step() == 0
+            for g in groups:
+                g.before_forward()
+                g.after_forward()
+        else:
+            with pytest.raises(OffloadStateError, match="would evict group 'G3'"):
+                for g in groups:
+                    g.before_forward()
+                    g.after_forward()
+        dev.synchronize()

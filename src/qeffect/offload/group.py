@@ -708,6 +708,17 @@ class OffloadManager:
             self.reap(block=False, exclude=exclude)
 
     # ---------------------------------------------------------------------------------- public
+    def begin_step(self) -> int:
+        """A step starts: every group should be consumed. One that is still live (or inside a replay)
+        belongs to an aborted step; abandon it, so that this step's claims neither wait on nor trip over
+        its bytes (a kept group's bank is otherwise refused to any other writer). Returns how many."""
+        if not self._allocated or self._closed:
+            return 0
+        stale = [g for g in self.groups if g.live or g.phase is not None]
+        for g in stale:
+            g.abandon()
+        return len(stale)
+
     def reap(self, *, block: bool = False, exclude: OffloadGroup | None = None) -> int:
         """Release mode: release the slots whose bytes are on the host (D2H done) and, with
         `release_consumed`, those of consumed groups (backward and any D2H done). Without `block`, only

@@ -227,6 +227,8 @@ class DistributedPipeline:
 
     def run_actions(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
         """Run this rank's program for one step; returns the step loss (broadcast to every rank)."""
+        if self.offload is not None:
+            self.offload.begin_step()  # groups left live by an aborted step are dropped first
         for action in self.program:
             self.rank.run(action, batches, self.transport)
             if observer is not None:

@@ -26,6 +26,8 @@ class SingleProcessPipeline:
     def run_actions(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
         """All actions of one step (no commit); returns the step loss."""
         transport = LocalTransport()
+        if self.offload is not None:
+            self.offload.begin_step()  # groups left live by an aborted step are dropped first
         for rank, action in self.order:
             self.ranks[rank].run(action, batches, transport)
             if observer is not None:
