@@ -65,6 +65,15 @@ def update_scale(
     scale.copy_(sf)
 
 
+def _fused_update(scale: Tensor) -> bool:
+    """Whether the transition runs as one GPU kernel (`fp8.fused_update`): CUDA, sm90+, Triton."""
+    if not scale.is_cuda:
+        return False
+    from qeffect.fp8.fused_update import fused_update_available
+
+    return fused_update_available(scale)
+
+
 @dataclass
 class ScalingState:
     """One tensor's delayed-scaling state: `amax_history` (fp32 [L]) and `scale` (fp32, 0-dim).
@@ -97,7 +106,12 @@ class ScalingState:
         return fp8_max(self.fp8_dtype)
 
     def update(self) -> None:
-        update_scale(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo)
+        if _fused_update(self.scale):
+            from qeffect.fp8.fused_update import update_scale_fused
+
+            update_scale_fused(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo)
+        else:
+            update_scale(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo)
 
     def quantize(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Quantize with the current scale, record the amax of `x`, update the scale: one transition."""
@@ -121,6 +135,14 @@ class ScalingState:
     def _quantize_2d(self, x: Tensor, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
         from qeffect.fp8.fused_quantize import quantize_amax
 
+        if _fused_update(self.scale):  # the update kernel also writes 1 / (the scale before it)
+            from qeffect.fp8.fused_update import update_scale_fused
+
+            scale_inv = torch.empty_like(self.scale)
+            q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
+            update_scale_fused(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo,
+                               scale_inv_out=scale_inv)
+            return q, q_t, scale_inv
         scale_inv = self.scale.reciprocal()  # taken before the update, as in `quantize`
         q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
         self.update()
