@@ -29,6 +29,8 @@ import os
 import torch
 from torch import Tensor
 
+from qeffect.fp8.fused_quantize import _sm90_or_newer
+
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -75,11 +77,6 @@ def fused_update_available(scale: Tensor) -> bool:
     """CUDA on sm90 or newer with Triton, not disabled (the same switch as the fused quantization)."""
     return (scale.is_cuda and os.environ.get("QEFFECT_FUSED_QUANTIZE", "1") != "0"
             and _sm90_or_newer(scale.device.index) and _kernel() is not None)
-
-
-@functools.cache
-def _sm90_or_newer(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def update_scale_fused(amax_history: Tensor, scale: Tensor, fmax: float, margin: int, amax_compute_algo: str,
