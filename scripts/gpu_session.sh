@@ -126,8 +126,8 @@ kernel-transpose)
     ;;
 fused-update)
     # the branch next/fused-scale-update: its GPU tests, the reference matrix, the reference profiles
-    step 120 pytest-fu python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_update_gpu.py \
-        tests/test_fused_quantize_gpu.py tests/test_fp8_reference.py
+    step 150 pytest-fu python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_update_gpu.py \
+        tests/test_fused_quantize_gpu.py tests/test_fp8_reference.py tests/test_accumulate_gpu.py
     step 100 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
         --backends reference --paths captured-copy,captured-direct --out "$out/verify"
     keep_merged verify

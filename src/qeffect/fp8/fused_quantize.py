@@ -37,19 +37,14 @@ import torch
 from torch import Tensor
 
 from qeffect.fp8.recipe import fp8_max
+from qeffect.triton_lazy import triton_kernel
 
 BLOCK_M = 64
 BLOCK_N = 64
 
 
-@functools.cache
-def _kernel():  # noqa: ANN202 - a Triton JIT function, or None where Triton is missing
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@triton_kernel
+def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     @triton.jit
     def quantize_amax(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_bits_ptr, m, n, fmax,
                       TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -76,14 +71,8 @@ def _kernel():  # noqa: ANN202 - a Triton JIT function, or None where Triton is 
     return quantize_amax
 
 
-@functools.cache
-def _transpose_kernel():  # noqa: ANN202 - a Triton JIT function, or None where Triton is missing
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@triton_kernel
+def _transpose_kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     @triton.jit
     def transpose_bytes(src_ptr, dst_ptr, m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """dst[n, m] = src[m, n]^T for bytes: a plain tiled transpose, no conversion anywhere."""

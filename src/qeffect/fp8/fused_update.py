@@ -23,25 +23,19 @@ interpreter only, whose float arithmetic is numpy's (IEEE), not the GPU's.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 from torch import Tensor
 
 from qeffect.fp8.fused_quantize import _sm90_or_newer
+from qeffect.triton_lazy import triton_kernel
 
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
-@functools.cache
-def _kernel():  # noqa: ANN202 - a Triton JIT function, or None where Triton is missing
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@triton_kernel
+def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     @triton.jit
     def update_scale(hist_ptr, scale_ptr, scale_inv_ptr, L, fmax, inv_pow2_margin, flt_max,
                      MOST_RECENT: tl.constexpr, WRITE_INV: tl.constexpr, BLOCK: tl.constexpr):
