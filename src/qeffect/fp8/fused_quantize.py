@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from qeffect.fp8.recipe import fp8_max
+from qeffect.fp8.scaling import cast_fp8
 from qeffect.triton_lazy import triton_kernel
 
 BLOCK_M = 64
@@ -118,8 +119,7 @@ def quantize_sequence(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: to
                       transpose: bool) -> tuple[Tensor, Tensor | None]:
     """The torch sequence the kernel replaces (the reference semantics): `(q, q.t().contiguous() or None)`,
     and `amax_slot` (a 0-dim fp32 view, e.g. `amax_history[0]`) set to the amax of `x`."""
-    fmax = fp8_max(fp8_dtype)
-    q = (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype).contiguous()
+    q = cast_fp8(x, scale, fp8_dtype)
     amax_slot.copy_(x.abs().amax().float())
     return q, (q.t().contiguous() if transpose else None)
 
@@ -129,7 +129,7 @@ def quantize_amax(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.
     """Quantize `x` with `scale`, record its amax into `amax_slot`; with `transpose` also `q^T` (contiguous).
 
     `amax_slot` must be a contiguous 0-dim fp32 tensor (the first element of an amax history)."""
-    if not fused_available(x) or x.dim() != 2:
+    if not fused_available(x):  # (also every non-2-D `x`)
         return quantize_sequence(x, scale, amax_slot, fp8_dtype, transpose)
     if amax_slot.dtype != torch.float32 or amax_slot.numel() != 1:
         raise ValueError(f"amax_slot must be one fp32 element, got {amax_slot.dtype} {tuple(amax_slot.shape)}")
