@@ -135,6 +135,18 @@ kernel-transpose)
     step 220 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
+fused-update)
+    # the branch next/fused-scale-update: its GPU tests, the reference matrix, the reference profiles
+    step 150 pytest-fu python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_update_gpu.py \
+        tests/test_fused_quantize_gpu.py tests/test_fp8_reference.py tests/test_accumulate_gpu.py
+    step 100 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
+    keep_merged verify
+    step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
+        --steps 20 --warmup 3 --trace 3
+    step 200 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
+        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    ;;
 fused-quantize)
     # the branch next/ref-fused-quantize: the fused reference quantization's GPU tests (cold Triton cache:
     # about 30 compiles) and the reference backend's bitwise matrix; fused-quantize-profile: its profiles
@@ -161,7 +173,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|resident-skip|combined|combined2|combined3|kernel-transpose|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|resident-skip|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

@@ -4,6 +4,8 @@ The fused GPU kernel itself: tests/test_fused_quantize_gpu.py."""
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import pytest
 import torch
 
@@ -59,3 +61,30 @@ def test_transpose_mode_kernel_only_for_16_bit_inputs(monkeypatch) -> None:
     monkeypatch.setenv("QEFFECT_FUSED_TRANSPOSE", "yes")
     with pytest.raises(ValueError, match="QEFFECT_FUSED_TRANSPOSE"):
         _transpose_in_kernel(bf16)
+
+
+TRANSPOSE_CASES = """
+import sys, torch
+from qeffect.fp8 import fused_quantize as fq
+k, bad = fq._transpose_kernel(), 0
+for m, n in [(1, 1), (3, 5), (64, 64), (255, 1000), (100, 1), (1, 130)]:
+    q = torch.randint(0, 256, (m, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(m * n))
+    qt = torch.zeros((n, m), dtype=torch.uint8)
+    k[(-(-m // 64), -(-n // 64))](q, qt, m, n, BLOCK_M=64, BLOCK_N=64)
+    want = q.t().contiguous() if sys.argv[1] == "right" else q.reshape(n, m)  # the check must be able to fail
+    bad += not torch.equal(qt, want)
+print(bad)
+"""
+
+
+@pytest.mark.skipif(find_spec("triton") is None,
+                    reason="needs Triton (its interpreter runs on CPU)")
+@pytest.mark.parametrize("variant", ["right", "wrong"])
+def test_byte_transpose_kernel_under_the_interpreter(variant: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", TRANSPOSE_CASES, variant], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300, check=True).stdout.split()
+    assert (int(out[-1]) == 0) if variant == "right" else (int(out[-1]) > 0)

@@ -144,3 +144,10 @@ def test_scaling_state_pair_equals_quantize_then_transpose(dtype, monkeypatch) -
     assert torch.equal(ha, hb) and torch.equal(sa, sb)
     for (qa, qta, ia), (qb, qtb, ib) in zip(ra, rb, strict=True):
         assert _same_bits(qa, qb) and _same_bits(qta, qtb) and torch.equal(ia, ib)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (64, 64), (255, 1000), (256, 4096), (4096, 1), (1000, 257)])
+def test_transpose_bytes_is_torch_transpose(shape) -> None:
+    fq = _fused()
+    q = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    assert _same_bits(fq.transpose_bytes(q), q.t().contiguous())

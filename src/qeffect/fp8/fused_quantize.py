@@ -23,7 +23,9 @@ weights' transposes were garbage and training went to NaN on both the captured a
 bitwise matrix agreed; verify-state now fails on non-finite losses). An explicit byte transpose in the
 kernel (d7e5437) was still wrong for those fp32 tiles and right for bf16. So the kernel transposes 16-bit
 inputs only (9ed487e: reference matrix 0 mismatches, h4096 captured step 62.5 -> 59.8 ms against torch's
-transposes) and torch transposes fp32 ones; ``QEFFECT_FUSED_TRANSPOSE=torch`` makes torch do all.
+transposes); fp32 ones are quantized, then their bytes transposed by `transpose_bytes` (branch
+next/fused-scale-update, NOT YET RUN ON A GPU; on main torch transposed them: 4.5 ms of that 59.8 ms).
+``QEFFECT_FUSED_TRANSPOSE=torch`` makes torch do all.
 """
 
 from __future__ import annotations
@@ -35,19 +37,15 @@ import torch
 from torch import Tensor
 
 from qeffect.fp8.recipe import fp8_max
+from qeffect.fp8.scaling import cast_fp8
+from qeffect.triton_lazy import triton_kernel
 
 BLOCK_M = 64
 BLOCK_N = 64
 
 
-@functools.cache
-def _kernel():  # noqa: ANN202 - a Triton JIT function, or None where Triton is missing
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@triton_kernel
+def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     @triton.jit
     def quantize_amax(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_bits_ptr, m, n, fmax,
                       TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -74,6 +72,33 @@ def _kernel():  # noqa: ANN202 - a Triton JIT function, or None where Triton is 
     return quantize_amax
 
 
+@triton_kernel
+def _transpose_kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
+    @triton.jit
+    def transpose_bytes(src_ptr, dst_ptr, m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """dst[n, m] = src[m, n]^T for bytes: a plain tiled transpose, no conversion anywhere."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tile = tl.load(src_ptr + rows[:, None] * n + cols[None, :], mask=(rows[:, None] < m) & (cols[None, :] < n))
+        tl.store(dst_ptr + cols[:, None] * m + rows[None, :], tl.trans(tile),
+                 mask=(cols[:, None] < n) & (rows[None, :] < m))
+
+    return transpose_bytes
+
+
+def transpose_bytes(q: Tensor) -> Tensor:
+    """`q.t().contiguous()` of a 2-D one-byte tensor (FP8) on the GPU as a tiled Triton transpose: torch's
+    strided copy of FP8 ran at a small fraction of the bandwidth (4.5 ms for 17 weight transposes per
+    h4096 step on the H200). The quantize kernel's own transpose is wrong for fp32 inputs there, so those
+    quantize first and transpose the bytes here (no FP8 conversion in this kernel)."""
+    m, n = q.shape
+    qt = torch.empty((n, m), dtype=q.dtype, device=q.device)
+    grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
+    with torch.cuda.device(q.device):
+        _transpose_kernel()[grid](q.view(torch.uint8), qt.view(torch.uint8), m, n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return qt
+
+
 def fused_available(x: Tensor) -> bool:
     """Whether `x` quantizes through the fused kernel: CUDA on sm90 or newer (Triton's fp32->fp8 cast is
     one round-to-nearest-even `cvt` there; below, it rounds through fp16 first or cannot cast E4M3), 2-D
@@ -94,8 +119,7 @@ def quantize_sequence(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: to
                       transpose: bool) -> tuple[Tensor, Tensor | None]:
     """The torch sequence the kernel replaces (the reference semantics): `(q, q.t().contiguous() or None)`,
     and `amax_slot` (a 0-dim fp32 view, e.g. `amax_history[0]`) set to the amax of `x`."""
-    fmax = fp8_max(fp8_dtype)
-    q = (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype).contiguous()
+    q = cast_fp8(x, scale, fp8_dtype)
     amax_slot.copy_(x.abs().amax().float())
     return q, (q.t().contiguous() if transpose else None)
 
@@ -105,7 +129,7 @@ def quantize_amax(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.
     """Quantize `x` with `scale`, record its amax into `amax_slot`; with `transpose` also `q^T` (contiguous).
 
     `amax_slot` must be a contiguous 0-dim fp32 tensor (the first element of an amax history)."""
-    if not fused_available(x) or x.dim() != 2:
+    if not fused_available(x):  # (also every non-2-D `x`)
         return quantize_sequence(x, scale, amax_slot, fp8_dtype, transpose)
     if amax_slot.dtype != torch.float32 or amax_slot.numel() != 1:
         raise ValueError(f"amax_slot must be one fp32 element, got {amax_slot.dtype} {tuple(amax_slot.shape)}")
@@ -119,17 +143,22 @@ def quantize_amax(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.
         _kernel()[grid](x, scale, q, qt.view(torch.uint8), amax_slot.view(torch.int32), m, n,
                         fp8_max(fp8_dtype), TRANSPOSE=in_kernel, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     if transpose and not in_kernel:
-        qt = q.t().contiguous()
+        qt = transpose_bytes(q) if _transpose_mode() == "kernel" else q.t().contiguous()
     return q, (qt if transpose else None)
 
 
-def _transpose_in_kernel(x: Tensor) -> bool:
-    """Whether the kernel also writes `q^T` (as bytes, from the same tile): for 16-bit inputs by default.
-
-    fp32 inputs (the master weights, once per step) always get torch's transpose: on the H200 (Triton
-    3.6) both forms of the in-kernel transpose wrote wrong bytes for some fp32 tiles, and right bytes for
-    every bf16 case tested. `QEFFECT_FUSED_TRANSPOSE=torch` leaves every transpose to torch (A/B runs)."""
+def _transpose_mode() -> str:
     mode = os.environ.get("QEFFECT_FUSED_TRANSPOSE", "kernel")
     if mode not in ("kernel", "torch"):
         raise ValueError(f"QEFFECT_FUSED_TRANSPOSE must be 'kernel' or 'torch', got {mode!r}")
-    return mode == "kernel" and x.dtype in (torch.bfloat16, torch.float16)
+    return mode
+
+
+def _transpose_in_kernel(x: Tensor) -> bool:
+    """Whether the quantize kernel also writes `q^T` (as bytes, from the same tile): 16-bit inputs.
+
+    fp32 inputs (the master weights, once per step) are transposed by `transpose_bytes` after the
+    quantize kernel: on the H200 (Triton 3.6) both forms of the in-kernel transpose wrote wrong bytes for
+    some fp32 tiles, and right bytes for every bf16 case tested. `QEFFECT_FUSED_TRANSPOSE=torch` leaves
+    every transpose to torch (A/B runs)."""
+    return _transpose_mode() == "kernel" and x.dtype in (torch.bfloat16, torch.float16)

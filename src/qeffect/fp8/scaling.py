@@ -30,10 +30,15 @@ def quantize(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, 
     Saturates at the format's largest finite value (E4M3FN has no infinity: an unclamped cast of an
     out-of-range value would give NaN).
     """
-    fmax = fp8_max(fp8_dtype)
     scale_inv = scale.reciprocal()
-    q = (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype).contiguous()
-    return q, scale_inv
+    return cast_fp8(x, scale, fp8_dtype), scale_inv
+
+
+def cast_fp8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """`x * scale` saturated at the format's largest finite value, cast round-to-nearest-even: the bits
+    every quantization path (this module's, the fused kernel's reference sequence) must produce."""
+    fmax = fp8_max(fp8_dtype)
+    return (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype).contiguous()
 
 
 def record_amax(x: Tensor, amax_history: Tensor) -> None:
@@ -63,6 +68,15 @@ def update_scale(
     sf = torch.where(torch.isfinite(amax), sf, scale)
     sf = torch.where(torch.isinf(sf), torch.full_like(sf, _FP32_MAX), sf)
     scale.copy_(sf)
+
+
+def _fused_update(scale: Tensor) -> bool:
+    """Whether the transition runs as one GPU kernel (`fp8.fused_update`): CUDA, sm90+, Triton."""
+    if not scale.is_cuda:
+        return False
+    from qeffect.fp8.fused_update import fused_update_available
+
+    return fused_update_available(scale)
 
 
 @dataclass
@@ -97,16 +111,16 @@ class ScalingState:
         return fp8_max(self.fp8_dtype)
 
     def update(self) -> None:
-        update_scale(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo)
+        if _fused_update(self.scale):
+            from qeffect.fp8.fused_update import update_scale_fused
+
+            update_scale_fused(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo)
+        else:
+            update_scale(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo)
 
     def quantize(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Quantize with the current scale, record the amax of `x`, update the scale: one transition."""
-        if x.dim() != 2:
-            q, scale_inv = quantize(x, self.scale, self.fp8_dtype)
-            record_amax(x, self.amax_history)
-            self.update()
-            return q, scale_inv
-        q, _, scale_inv = self._quantize_2d(x, transpose=False)
+        q, _, scale_inv = self._transition(x, transpose=False)
         return q, scale_inv
 
     def quantize_pair(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -114,14 +128,24 @@ class ScalingState:
         `(q, q_t, scale_inv)`. On a GPU one fused pass (`fp8.fused_quantize`), same bits."""
         if x.dim() != 2:
             raise ValueError(f"quantize_pair wants a 2-D tensor, got {tuple(x.shape)}")
-        q, q_t, scale_inv = self._quantize_2d(x, transpose=True)
+        q, q_t, scale_inv = self._transition(x, transpose=True)
         assert q_t is not None
         return q, q_t, scale_inv
 
-    def _quantize_2d(self, x: Tensor, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+    def _transition(self, x: Tensor, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+        """`quantize_amax` (one fused pass on a GPU, the torch sequence elsewhere and for non-2-D `x`),
+        with `scale_inv` taken before and the scale update after."""
         from qeffect.fp8.fused_quantize import quantize_amax
 
-        scale_inv = self.scale.reciprocal()  # taken before the update, as in `quantize`
+        if _fused_update(self.scale):  # the update kernel also writes 1 / (the scale before it)
+            from qeffect.fp8.fused_update import update_scale_fused
+
+            scale_inv = torch.empty_like(self.scale)
+            q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
+            update_scale_fused(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo,
+                               scale_inv_out=scale_inv)
+            return q, q_t, scale_inv
+        scale_inv = self.scale.reciprocal()  # taken before the update (see `quantize`)
         q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
         self.update()
         return q, q_t, scale_inv

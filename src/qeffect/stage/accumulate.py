@@ -15,24 +15,18 @@ the plain tensor sequence. ``QEFFECT_FUSED_FOLD=0`` forces the sequence (for A/B
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from qeffect.contracts.arena import sequential_reduce
+from qeffect.triton_lazy import triton_kernel
 
 BLOCK = 2048
 
 
-@functools.cache
-def _kernel():  # noqa: ANN202 - a Triton JIT function, or None where Triton is missing
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@triton_kernel
+def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     @triton.jit
     def fold(region_ptr, block_ptr, slot_stride, n, count, INIT: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
