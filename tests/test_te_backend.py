@@ -51,6 +51,27 @@ def test_missing_te_is_a_user_error() -> None:
         TEBackend(r)
 
 
+def test_cudnn_clash_names_the_import_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H200 image's clash (TE imported after torch loaded its own cuDNN) says what to do."""
+    import builtins
+
+    from qeffect.fp8.te import te_import_error
+
+    real_import = builtins.__import__
+    clash = ("/lib/x86_64-linux-gnu/libcudnn_heuristic.so.9: undefined symbol: "
+             "_ZTVN5cudnn7backend12OperationSetE, version libcudnn_graph.so.9")
+
+    def fake_import(name: str, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if name.startswith("transformer_engine"):
+            raise OSError(clash)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    reason = te_import_error()
+    assert reason is not None and reason.startswith(f"OSError: {clash}")
+    assert "import transformer_engine.pytorch before the first cuDNN use" in reason
+
+
 def test_recipe_mapping() -> None:
     r = DelayedScalingRecipe(margin=2, amax_history_len=7, amax_compute_algo="most_recent")
     assert te_recipe_kwargs(r) == {

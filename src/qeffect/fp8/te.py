@@ -89,7 +89,11 @@ def te_import_error() -> str | None:
             return ""
         return f"{type(err).__name__}: {err}"
     except Exception as err:  # a broken install (missing CUDA libraries), or an import-order clash
-        return f"{type(err).__name__}: {err}"
+        reason = f"{type(err).__name__}: {err}"
+        if "undefined symbol" in reason and "cudnn" in reason:
+            reason += ("; torch loaded its own cuDNN before Transformer Engine opened another one: import "
+                       "transformer_engine.pytorch before the first cuDNN use in this process")
+        return reason
     return None
 
 
