@@ -25,7 +25,7 @@ def _fused():
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32)
+    return t.reshape(-1).view(torch.int32)
 
 
 @pytest.mark.parametrize("length", [1, 2, 4, 16, 1024])
@@ -70,7 +70,7 @@ def test_scaling_state_transitions_fused_equal_torch(dtype: torch.dtype, monkeyp
         for ta, tb in zip(a, b, strict=True):
             assert (ta is None) == (tb is None)
             if ta is not None:
-                assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
+                assert torch.equal(ta.reshape(-1).view(torch.uint8), tb.reshape(-1).view(torch.uint8))  # 0-dim scale_inv too
 
 
 def test_fused_update_captures_into_a_graph() -> None:
