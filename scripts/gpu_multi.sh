@@ -27,10 +27,11 @@ LOGS=$logs
 source "$(dirname "$0")/gpu_lib.sh"
 merge_reports() {  # merge_reports <dir of JSON reports> <out file> <kind>: one file (only 8 come back)
     python3 - "$@" <<'PY'
-import json, sys
+import json, os, sys
 from pathlib import Path
 runs = {p.stem: json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*.json"))}
-Path(sys.argv[2]).write_text(json.dumps({"kind": sys.argv[3], "runs": runs}, indent=1))
+merged = {"kind": sys.argv[3], "git_revision": os.environ.get("QEFFECT_GIT_REVISION"), "runs": runs}
+Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
 print("reports passed:", {k: v.get("passed") for k, v in runs.items()})
 PY
 }

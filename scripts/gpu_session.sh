@@ -13,7 +13,7 @@
 # staged: the staged weight-gradient accumulation's GPU tests, bitwise matrix and A/B benchmark.
 # offload-next: the offload GPU tests (teardown leak included), scripts/offload_leak.py, and the offload
 #          benchmark over off, release, release-keep, resident and resident@6 for both schedules.
-# resident-skip: the branch next/resident-skip-d2h (no D2H for groups the plan keeps in their bank): the
+# resident-skip: no D2H for groups the plan keeps in their bank (merged from next/resident-skip-d2h): the
 #          offload GPU tests, then the offload benchmark over off, resident, resident@6 and the same
 #          two copying every group (resident-copyall, resident-copyall@6: the A/B) for both schedules.
 # combined: the teardown test alone, the whole GPU suite and the 8-cell matrix.
@@ -136,7 +136,8 @@ kernel-transpose)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 fused-update)
-    # the branch next/fused-scale-update: its GPU tests, the reference matrix, the reference profiles
+    # the fused scaling update (merged from next/fused-scale-update): its GPU tests, the reference matrix,
+    # the reference profiles
     step 150 pytest-fu python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_update_gpu.py \
         tests/test_fused_quantize_gpu.py tests/test_fp8_reference.py tests/test_accumulate_gpu.py
     step 100 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \

@@ -18,8 +18,9 @@ GPU tests compare the bits with the torch sequence over histories with zeros, Na
 tiny amaxes. Triton is imported lazily; without it (CPU) the torch sequence runs.
 ``QEFFECT_FUSED_QUANTIZE=0`` turns this off too (one switch for the reference backend's fused passes).
 
-NOT YET RUN ON A GPU (branch next/fused-scale-update): semantics checked on CPU with Triton's
-interpreter only, whose float arithmetic is numpy's (IEEE), not the GPU's.
+CPU tests run the kernel under Triton's interpreter, whose float arithmetic is numpy's (IEEE): they
+check the semantics, not the GPU's rounding. That is what `tests/test_fused_update_gpu.py` is for: it
+caught `tl.fdiv(..., ieee_rounding=True)` rounding approximately on the H200 (Triton 3.6).
 """
 
 from __future__ import annotations
