@@ -85,7 +85,7 @@ profile)
     for cfg in h2048 h4096; do
         port=$((port + 1))
         step 280 "profile-$cfg-pp2" python3 -m torch.distributed.run --nproc-per-node 2 --master-port $port -m qeffect profile --config examples/configs/$cfg.toml \
-            --steps 12 --warmup 3 --json "$out/profile-$cfg-pp2-te-h200x2.json"
+            --steps 12 --warmup 3 --trace 2 --json "$out/profile-$cfg-pp2-te-h200x2.json"
     done
     ;;
 *)

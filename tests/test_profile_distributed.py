@@ -1,5 +1,6 @@
 """`qeffect profile` under torchrun (gloo on CPU, 2 processes): one pipeline rank per process, rank 0
-writes one report with memory and resources by rank; single-process analyses are refused."""
+writes one report with memory, resources and trace summaries by rank; the resource analysis over M is
+single-process and refused."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from launch import run as _run
 from launch import torchrun
 from qeffect.profile.distributed import merge_ranks, pipeline_floor
 from qeffect.profile.flops import Floor
-from qeffect.profile.report import SCHEMA_VERSION, ConfigResult
+from qeffect.profile.report import SCHEMA_VERSION, ConfigResult, TraceSummary
 
 
 @pytest.mark.slow
@@ -41,10 +42,24 @@ def test_profile_under_torchrun_writes_one_report(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_profile_under_torchrun_refuses_trace(tmp_path: Path) -> None:
-    proc = _run(torchrun(2, "-m", "qeffect", "profile", "--steps", "1", "--trace", "1"), tmp_path)
+def test_profile_under_torchrun_traces_every_rank_and_refuses_microbatches(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    proc = _run(torchrun(2, "-m", "qeffect", "profile", "--steps", "1", "--warmup", "1", "--trace", "1",
+                         "--configs", "native-eager,qeffect-eager", "--json", str(out)), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["trace_steps"] == 1 and "--trace 1" in r["command"]
+    for c in r["configs"]:
+        ranks = c["trace_by_rank"]
+        assert len(ranks) == 2 and all(t["steps"] == 1 and t["wall_seconds_per_step"] > 0
+                                       and t["cpu_ops_per_step"] > 0 for t in ranks), c["name"]
+        assert c["trace"] == ranks[0] and c["trace_error"] is None
+        # one pipeline, two halves: the ranks run different ops, so their summaries differ
+        assert ranks[0]["cpu_ops_per_step"] != ranks[1]["cpu_ops_per_step"]
+        assert f"{c['name']} rank 1: trace: wall" in proc.stdout
+    proc = _run(torchrun(2, "-m", "qeffect", "profile", "--steps", "1", "--microbatches", "2,4"), tmp_path)
     assert proc.returncode != 0
-    assert "--trace" in proc.stderr + proc.stdout and "without torchrun" in proc.stderr + proc.stdout
+    assert "--microbatches" in proc.stderr + proc.stdout and "without torchrun" in proc.stderr + proc.stdout
 
 
 def test_merge_ranks_sums_resources_and_maxes_memory() -> None:
@@ -63,6 +78,22 @@ def test_merge_ranks_sums_resources_and_maxes_memory() -> None:
     assert (m.graph_count, m.graphs_per_rank, m.arena_bytes) == (48, 24, 150)
     assert (m.replays_per_step, m.handoffs_per_step) == (48.0, 96.0)
     assert m.build_seconds == 9.0 and m.setup_seconds == 10.0
+    assert m.trace is None and m.trace_by_rank is None and m.trace_error is None
+
+
+def test_merge_ranks_keeps_every_rank_trace_and_names_failed_ones() -> None:
+    def res(trace: TraceSummary | None, error: str | None) -> dict:
+        return ConfigResult(name="captured-direct", description="d", status="ok", step_seconds=[0.1],
+                            trace=trace, trace_error=error).model_dump()
+
+    def summary(wall: float) -> TraceSummary:
+        return TraceSummary(steps=1, wall_seconds_per_step=wall, cpu_op_seconds_per_step=wall / 2,
+                            cpu_ops_per_step=10, top_kernels=[], categories={"gemm": wall / 4})
+
+    m = merge_ranks([res(summary(0.2), None), res(summary(0.3), None), res(None, "RuntimeError: no CUPTI")])
+    assert m.trace == summary(0.2)
+    assert m.trace_by_rank == [summary(0.2), summary(0.3), None]
+    assert m.trace_error == "rank 2: RuntimeError: no CUPTI"
 
 
 def test_pipeline_floor_splits_over_stages() -> None:

@@ -131,13 +131,16 @@ def _render_targets(report, console: Console) -> None:
 
 
 def _render_traces(report, console: Console) -> None:
-    """One trace line per configuration that has a trace summary (or the error of its trace)."""
+    """One trace line per configuration (per rank under torchrun) with a trace summary, and trace errors."""
     from qeffect.profile.trace import trace_line
 
-    for c in report.configs:
-        if c.trace is not None:
-            console.print(f"{c.name}: {trace_line(c.trace)}", highlight=False, soft_wrap=True)
-        elif c.trace_error is not None:
+    for c in report.configs:  # under torchrun: one line per rank
+        traces = [(f"{c.name} rank {k}", t) for k, t in enumerate(c.trace_by_rank)] if c.trace_by_rank \
+            else [(c.name, c.trace)]
+        for label, t in traces:
+            if t is not None:
+                console.print(f"{label}: {trace_line(t)}", highlight=False, soft_wrap=True)
+        if c.trace_error is not None:
             console.print(f"[red]{c.name}: trace failed: {c.trace_error}[/red]", highlight=False)
 
 
@@ -162,7 +165,7 @@ def profile(
     steps: int = typer.Option(20, "--steps", min=1, help="Timed steps per configuration (after warm-up)."),
     warmup: int = typer.Option(3, "--warmup", min=1, help="Warm-up steps, excluded from the statistics; the first is part of setup."),
     trace: int = typer.Option(0, "--trace", min=0, help="Profile this many extra steps per configuration (not timed) "
-                              "and summarize where a step's time goes: GPU busy/idle, host aten time, top kernels."),
+                              "and summarize where a step's time goes: GPU busy/idle, host aten time, top kernels (under torchrun: every rank)."),
     microbatches: str | None = typer.Option(None, "--microbatches", help="Also analyse resources for these M, e.g. 2,4,8,16."),
     configs: str | None = typer.Option(None, "--configs", help="Comma-separated subset (default: all): native-eager, qeffect-eager, captured-copy, "
                                 "captured-direct, captured-zbv-direct, te-graphed."),
@@ -180,7 +183,8 @@ def profile(
 
     Under torchrun (`torchrun --nproc-per-node P*D -m qeffect profile ...`), one pipeline rank per
     process and GPU: every timed step ends with the device synchronized and a barrier of all ranks;
-    rank 0 prints and writes the report, with memory per rank and the floor split over the stages.
+    rank 0 prints and writes the report, with memory per rank and the floor split over the stages
+    (--trace: every rank's summary; --microbatches is single-process).
     """
     console = Console()
     if plot is not None:
@@ -246,18 +250,18 @@ def _distributed(config, device, backend, steps, warmup, microbatches, configs, 
     from qeffect.profile.distributed import refuse_single_process_options, run_profile_distributed
     from qeffect.runtime.distributed import init_from_env
 
-    refuse_single_process_options(trace, microbatches)
+    refuse_single_process_options(microbatches)
     cfg, names = _inputs(config, device, backend, configs)
     init_from_env(cfg.train.device)
     command = f"torchrun --nproc-per-node {dist.get_world_size()} " + _command(
-        config, device, backend, steps, warmup, None, configs, json_out, plot)
+        config, device, backend, steps, warmup, None, configs, json_out, plot, trace)
     rank0 = dist.get_rank() == 0
     try:
         with console.status("profiling") if rank0 else contextlib.nullcontext() as status:
             report = run_profile_distributed(
                 cfg, steps=steps, warmup=warmup, configs=names, command=command,
                 config_path=str(config) if config else None,
-                progress=(lambda msg: status.update(f"profiling: {msg}")) if rank0 else None)
+                progress=(lambda msg: status.update(f"profiling: {msg}")) if rank0 else None, trace_steps=trace)
     finally:
         dist.barrier()
     dist.destroy_process_group()

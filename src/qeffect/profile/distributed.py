@@ -3,8 +3,11 @@
 Every rank builds the same configuration, and every timed step starts and ends with this device
 synchronized and then a barrier of all ranks, so rank 0's step times are the pipeline's. Rank 0
 gathers each configuration's per-rank resources (peak memory and its growth, graphs, arena bytes)
-and writes one report. The TE anchor (`te-graphed`) is a single-process construction and is reported
-as not run; `--trace` and `--microbatches` are single-process analyses and are refused.
+and writes one report. With `--trace N`, every rank profiles N more steps (each synchronized and
+barriered as the timed ones): the report keeps rank 0's summary as the configuration's `trace` and every
+rank's in `trace_by_rank`, since the ranks of a pipeline spend the same step differently (one rank's
+idle time is another's bubble). The TE anchor (`te-graphed`) is a single-process construction and is
+reported as not run; `--microbatches` is a single-process analysis and is refused.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ class DistributedRunner(GraphCounters):
 
 
 def merge_ranks(results: list[dict]) -> ConfigResult:
-    """Rank 0's timings and losses; resources summed (graphs, arena, replays) or maxed (memory, host time)."""
+    """Rank 0's timings, losses and trace; resources summed (graphs, arena, replays) or maxed (memory, host
+    time); every rank's trace summary (`trace_by_rank`) and trace errors (named by rank)."""
     rs = [ConfigResult.model_validate(r) for r in results]
     out = rs[0].model_copy(deep=True)
 
@@ -88,6 +92,10 @@ def merge_ranks(results: list[dict]) -> ConfigResult:
         out.persistent_growth_bytes_per_step_by_rank = [r.persistent_growth_bytes_per_step for r in rs]
     if out.build_seconds is not None and out.first_step_seconds is not None:
         out.setup_seconds = out.build_seconds + out.first_step_seconds
+    if any(r.trace is not None for r in rs):
+        out.trace_by_rank = [r.trace for r in rs]
+    errors = [f"rank {k}: {r.trace_error}" for k, r in enumerate(rs) if r.trace_error is not None]
+    out.trace_error = "; ".join(errors) if errors else None
     return out
 
 
@@ -100,9 +108,10 @@ def pipeline_floor(floor: Floor, pp: int) -> Floor:
 
 def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
                             configs: Sequence[str] | None = None, command: str = "",
-                            config_path: str | None = None,
-                            progress: Callable[[str], None] | None = None) -> ProfileReport | None:
-    """Run the matrix on every rank; rank 0 returns the report, the other ranks None.
+                            config_path: str | None = None, progress: Callable[[str], None] | None = None,
+                            trace_steps: int = 0) -> ProfileReport | None:
+    """Run the matrix on every rank; rank 0 returns the report, the other ranks None. `trace_steps` > 0:
+    every rank traces that many more steps per configuration (see the module docstring).
 
     A configuration that raises on one rank cannot be reported and skipped (its peers wait on it),
     so the error ends the run, as any failure under torchrun does.
@@ -111,6 +120,8 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
         raise RuntimeError("run_profile_distributed needs an initialized process group (init_from_env)")
     p = cfg.pipeline
     check_world(p.pp, p.dp, dist.get_world_size())
+    if trace_steps < 0:
+        raise UserError(f"--trace must be >= 0, got {trace_steps}")
     specs = resolve_configs(configs)
     device = check_inputs(cfg, specs, None, steps, warmup)
     if device.type == "cuda":
@@ -132,9 +143,10 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
             r.status, r.reason = "not run", reason
             results.append(r)
             continue
-        say(f"{spec.name}: build, {warmup} warm-up and {steps} timed steps on {dist.get_world_size()} ranks")
+        say(f"{spec.name}: build, {warmup} warm-up and {steps} timed steps on {dist.get_world_size()} ranks"
+            + (f", {trace_steps} traced" if trace_steps else ""))
         time_runner(r, lambda spec=spec: DistributedRunner(cfg, spec), device, steps=steps, warmup=warmup,
-                    sync=sync_all)
+                    trace_steps=trace_steps, sync=sync_all)
         release_memory(device)
         gathered: list[Any] = [None] * dist.get_world_size() if rank0 else []
         dist.gather_object(r.model_dump(), gathered if rank0 else None, dst=0)
@@ -147,14 +159,12 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
         return None
     derive_ratios(results, floor.seconds, floor.seconds_layers_only)
     return make_report(cfg, device, command=command, config_path=config_path, steps=steps, warmup=warmup,
-                       flops=flops, gemm=gemm, floor=floor, results=results, world_size=dist.get_world_size())
+                       flops=flops, gemm=gemm, floor=floor, results=results, world_size=dist.get_world_size(),
+                       trace_steps=trace_steps)
 
 
-def refuse_single_process_options(trace: int, microbatches: str | None) -> None:
-    """`--trace` and `--microbatches` analyse one process; under torchrun they are refused up front."""
-    if trace:
-        raise UserError("--trace: the profiler summary is single-process; run `qeffect profile --trace N` "
-                        "without torchrun")
+def refuse_single_process_options(microbatches: str | None) -> None:
+    """`--microbatches` analyses one process; under torchrun it is refused up front."""
     if microbatches is not None:
         raise UserError("--microbatches: the resource analysis over M is single-process; run it without torchrun")
 

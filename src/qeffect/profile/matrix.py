@@ -221,7 +221,7 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
         from qeffect.profile.trace import trace_runner
 
         try:
-            result.trace = trace_runner(runner, device, steps=trace_steps, first_step=warmup + steps)
+            result.trace = trace_runner(runner, device, steps=trace_steps, first_step=warmup + steps, sync=sync)
         except Exception as err:  # the profiler failing (e.g. no CUPTI) must not lose the timings
             result.trace_error = f"{type(err).__name__}: {str(err)[:500]}"
 

@@ -16,9 +16,10 @@ from pydantic import BaseModel, Field
 from qeffect.profile.flops import Floor, GemmRate, MatrixFlops
 from qeffect.profile.targets import TargetCheck
 
-# 2: optional per-configuration `trace`; 3: `world_size` and per-rank memory (torchrun); 4: `targets`
-SCHEMA_VERSION = 4
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)  # older reports are newer ones of one process without traces or
+# 2: optional per-configuration `trace`; 3: `world_size` and per-rank memory (torchrun); 4: `targets`;
+# 5: `trace_by_rank` (traces under torchrun)
+SCHEMA_VERSION = 5
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)  # older reports are newer ones of one process without traces or
 # targets (a reader evaluates the targets from the measurements: `qeffect.profile.targets`)
 Status = Literal["ok", "not run", "failed"]
 
@@ -151,7 +152,8 @@ class ConfigResult(BaseModel):
     floor_seconds: float | None = None
     floor_ratio: float | None = None  # median step / floor
     # profiler trace of extra untimed steps (`trace_steps` > 0); a failed trace keeps the timings
-    trace: TraceSummary | None = None
+    trace: TraceSummary | None = None  # under torchrun: rank 0's
+    trace_by_rank: list[TraceSummary | None] | None = None  # under torchrun: every rank's (rank order)
     trace_error: str | None = None
     error: str | None = None  # traceback tail of a failed configuration
 

@@ -54,8 +54,12 @@ def _check(name: str, description: str, value: float | None, threshold: float, c
     if not met and about is not None:
         from qeffect.profile.trace import trace_line
 
-        where = f"{about.name}: " + (trace_line(about.trace) if about.trace is not None
-                                     else "no trace (run with --trace N for where the time goes)")
+        if about.trace_by_rank:  # under torchrun: every rank's summary
+            where = "; ".join(f"{about.name} rank {k}: {trace_line(t)}"
+                              for k, t in enumerate(about.trace_by_rank) if t is not None)
+        else:
+            where = f"{about.name}: " + (trace_line(about.trace) if about.trace is not None
+                                         else "no trace (run with --trace N for where the time goes)")
     return TargetCheck(**base, value=value, met=met, shortfall=shortfall, needed=None if met else needed,
                        where=where, note=note)
 

@@ -23,7 +23,7 @@ import bisect
 import re
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -225,8 +225,12 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def trace_runner(runner: Any, device: torch.device, *, steps: int, first_step: int) -> TraceSummary:
-    """Run `steps` more steps of `runner` (data steps `first_step`...) under the profiler and summarize them."""
+def trace_runner(runner: Any, device: torch.device, *, steps: int, first_step: int,
+                 sync: Callable[[torch.device], None] = sync_device) -> TraceSummary:
+    """Run `steps` more steps of `runner` (data steps `first_step`...) under the profiler and summarize them.
+
+    `sync`: what "synchronized" means around each step, as for the timed steps (under torchrun: this
+    device, then a barrier of every rank, so each rank's traced wall is the pipeline step's)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
@@ -235,11 +239,11 @@ def trace_runner(runner: Any, device: torch.device, *, steps: int, first_step: i
     with profile(activities=activities) as prof:
         for i in range(first_step, first_step + steps):
             data = runner.data(i)  # made before the step's range starts, as for the timed steps
-            sync_device(device)
+            sync(device)
             t = time.perf_counter()
             with record_function(WINDOW):
                 runner.step(data)
-                sync_device(device)
+                sync(device)
             walls.append(time.perf_counter() - t)
     return summarize(kineto_events(prof), walls, cuda=cuda)
 
