@@ -9,10 +9,10 @@ the same arithmetic on the same fp32 values:
 - `scale_inv = 1 / scale` (the scale before the update), correctly rounded, as torch's `reciprocal`;
 - `amax` = the history's maximum (a NaN anywhere makes it NaN, as `torch.max`), or its first entry;
 - the history rolled left by one, its first entry then zero;
-- `sf = (fmax / amax) / 2**margin`, both divisions correctly rounded (`tl.div_rn`;
-  Triton's `/` is an approximate division, and Triton 3.6 on the H200 ignored `tl.fdiv`'s `ieee_rounding`:
-  1-ulp differences from torch, seen in the first GPU run at dae9dd2), kept at the old scale where `amax` is not > 0 or not
-  finite, and FLT_MAX where it overflowed to infinity.
+- `sf = (fmax / amax) / 2**margin`, kept at the old scale where `amax` is not > 0 or not finite, and
+  FLT_MAX where it overflowed to infinity. Both divisions are correctly rounded (`tl.div_rn`): Triton's
+  `/` is approximate, and Triton 3.6 on the H200 ignored `tl.fdiv`'s `ieee_rounding` (1-ulp differences
+  from torch in the first GPU run, at dae9dd2).
 
 GPU tests compare the bits with the torch sequence over histories with zeros, NaNs, infinities and
 tiny amaxes. Triton is imported lazily; without it (CPU) the torch sequence runs.
