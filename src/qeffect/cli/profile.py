@@ -134,10 +134,8 @@ def _render_traces(report, console: Console) -> None:
     """One trace line per configuration (per rank under torchrun) with a trace summary, and trace errors."""
     from qeffect.profile.trace import trace_line
 
-    for c in report.configs:  # under torchrun: one line per rank
-        traces = [(f"{c.name} rank {k}", t) for k, t in enumerate(c.trace_by_rank)] if c.trace_by_rank \
-            else [(c.name, c.trace)]
-        for label, t in traces:
+    for c in report.configs:
+        for label, t in c.labelled_traces():
             if t is not None:
                 console.print(f"{label}: {trace_line(t)}", highlight=False, soft_wrap=True)
         if c.trace_error is not None:

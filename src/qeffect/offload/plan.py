@@ -110,7 +110,8 @@ def kept_groups(events: Sequence[Event], banks: Mapping[Hashable, int]) -> set[H
     deviates from `events` fails instead of reading lost bytes.
     """
     check_events(events)
-    unknown = [g for g in banks if g not in {g for _, g in events}]
+    named = {g for _, g in events}
+    unknown = [g for g in banks if g not in named]
     if unknown:
         raise ValueError(f"offload plan: banks for groups without events: {unknown}")
     first = {g: i for i, (kind, g) in enumerate(events) if kind == "F"}

@@ -120,10 +120,8 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
         raise RuntimeError("run_profile_distributed needs an initialized process group (init_from_env)")
     p = cfg.pipeline
     check_world(p.pp, p.dp, dist.get_world_size())
-    if trace_steps < 0:
-        raise UserError(f"--trace must be >= 0, got {trace_steps}")
     specs = resolve_configs(configs)
-    device = check_inputs(cfg, specs, None, steps, warmup)
+    device = check_inputs(cfg, specs, None, steps, warmup, trace_steps)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     rank0 = dist.get_rank() == 0

@@ -255,11 +255,13 @@ def resource_schedules(specs: Sequence[ConfigSpec], cfg: RunConfig) -> list[str]
 
 
 def check_inputs(cfg: RunConfig, specs: Sequence[ConfigSpec], microbatches: Sequence[int] | None,
-                 steps: int, warmup: int) -> torch.device:
+                 steps: int, warmup: int, trace_steps: int = 0) -> torch.device:
     """Bad input raises `UserError` before anything runs (the CLI prints one line, exit 2)."""
     if steps < 1 or warmup < 1:
         raise UserError(f"--steps and --warmup must be >= 1 (the first warm-up step is part of setup), "
                         f"got {steps} and {warmup}")
+    if trace_steps < 0:
+        raise UserError(f"--trace must be >= 0, got {trace_steps}")
     device = torch.device(cfg.train.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device cuda requested but CUDA is not available here")
@@ -285,10 +287,8 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
     `trace_steps` > 0: after each configuration's timed steps, profile that many more and attach a
     trace summary (where the step's time goes) to its result.
     """
-    if trace_steps < 0:
-        raise UserError(f"--trace must be >= 0, got {trace_steps}")
     specs = resolve_configs(configs)
-    device = check_inputs(cfg, specs, microbatches, steps, warmup)
+    device = check_inputs(cfg, specs, microbatches, steps, warmup, trace_steps)
     say = progress or (lambda _msg: None)
     te_ok = te_importable()
     flops = count_matrix_flops(cfg)

@@ -157,6 +157,12 @@ class ConfigResult(BaseModel):
     trace_error: str | None = None
     error: str | None = None  # traceback tail of a failed configuration
 
+    def labelled_traces(self) -> list[tuple[str, TraceSummary | None]]:
+        """(label, summary) per trace: one per rank under torchrun ("name rank k"), else one ("name")."""
+        if self.trace_by_rank:
+            return [(f"{self.name} rank {k}", t) for k, t in enumerate(self.trace_by_rank)]
+        return [(self.name, self.trace)]
+
 
 class ResourceRow(BaseModel):
     """Resources of one split schedule at `microbatches` microbatches (per rank lists are by rank)."""

@@ -54,12 +54,8 @@ def _check(name: str, description: str, value: float | None, threshold: float, c
     if not met and about is not None:
         from qeffect.profile.trace import trace_line
 
-        if about.trace_by_rank:  # under torchrun: every rank's summary
-            where = "; ".join(f"{about.name} rank {k}: {trace_line(t)}"
-                              for k, t in enumerate(about.trace_by_rank) if t is not None)
-        else:
-            where = f"{about.name}: " + (trace_line(about.trace) if about.trace is not None
-                                         else "no trace (run with --trace N for where the time goes)")
+        lines = [f"{label}: {trace_line(t)}" for label, t in about.labelled_traces() if t is not None]
+        where = "; ".join(lines) or f"{about.name}: no trace (run with --trace N for where the time goes)"
     return TargetCheck(**base, value=value, met=met, shortfall=shortfall, needed=None if met else needed,
                        where=where, note=note)
 
