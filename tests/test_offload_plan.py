@@ -372,3 +372,29 @@ def test_config_reaches_the_manager(monkeypatch) -> None:
     assert made["min_window"] == 7 and made["mode"] == "release"
     with pytest.raises(Exception, match="offload_min_window"):
         load_config().with_overrides(**{"train.offload_min_window": -1})
+
+
+def test_a_not_offloaded_group_backward_still_starts_the_next_restore() -> None:
+    """Look-ahead: the group after a not-offloaded one in backward order is restored during that group's
+    backward, as it would be during an offloaded one's."""
+    dev = FakeDevice(0, granularity=64 * 1024)
+    mgr = OffloadManager("release", device="cpu", driver=dev.driver(), streams=dev, min_window=1)
+    a, b = mgr.group("a"), mgr.group("b")
+    for g in (a, b):
+        g.discover(torch.empty(4, 4))
+    events = [("F", b), ("F", a), ("B", a), ("E", a), ("B", b), ("E", b)]  # a: no window, b: three actions
+    mgr.allocate([a, b], events=events)
+    assert mgr.not_offloaded == [a] and a.next_backward is b
+    b.before_forward()
+    b.after_forward()
+    a.before_forward()
+    a.after_forward()
+    dev.synchronize()
+    assert mgr.reap(block=True) == 1 and b.state is GroupState.UNMAPPED  # b's bytes are on the host only
+    a.before_backward()
+    assert mgr.stats.prefetches == 1 and b.state is GroupState.MAPPED and b._restore_pending
+    a.after_backward()
+    b.before_backward()
+    b.after_backward()
+    assert mgr.stats.h2d_copies == 1
+    mgr.close()

@@ -391,6 +391,8 @@ class OffloadGroup:
         m = self.manager
         if self._inactive():
             self.phase = "backward"
+            if m.mode != "off" and m.lookahead and self.next_backward is not None:
+                m._prefetch(self.next_backward, under=self)  # its backward still hides the next restore
             return
         m._maybe_reap(exclude=self)
         if self.state is GroupState.RELEASE_D2H_PENDING:  # no hook found its D2H done yet: release it now
