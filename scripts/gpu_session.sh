@@ -13,6 +13,9 @@
 # staged: the staged weight-gradient accumulation's GPU tests, bitwise matrix and A/B benchmark.
 # offload-next: the offload GPU tests (teardown leak included), scripts/offload_leak.py, and the offload
 #          benchmark over off, release, release-keep, resident and resident@6 for both schedules.
+# release-window: release mode leaves the last stage's groups on the device (train.offload_min_window, branch
+#          next/release-min-window): the offload GPU tests, then the benchmark over off, release, release-all
+#          (every group offloaded: the A/B) and resident for both schedules.
 # resident-skip: no D2H for groups the plan keeps in their bank (merged from next/resident-skip-d2h): the
 #          offload GPU tests, then the offload benchmark over off, resident, resident@6 and the same
 #          two copying every group (resident-copyall, resident-copyall@6: the A/B) for both schedules.
@@ -84,6 +87,14 @@ offload-next)
     for s in interleaved zbv; do
         step 100 "offload-$s" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml --schedule "$s" \
             --steps 20 --modes off,release,release-keep,resident,resident@6 --out "$out/offload-bench-h2048-$s-h200.json"
+    done
+    ;;
+release-window)
+    step 120 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py
+    for s in interleaved zbv; do
+        step 100 "offload-$s" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml --schedule "$s" \
+            --steps 20 --modes off,release,release-all,resident \
+            --out "$out/offload-bench-h2048-$s-release-window-h200.json"
     done
     ;;
 resident-skip)
@@ -174,7 +185,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|resident-skip|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|resident-skip|release-window|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

@@ -2,7 +2,8 @@
 on the fake device: with the planned banks, resident ping-pong runs a real schedule's F / dI / dW order
 and every backward reads its own forward's bytes; with banks by position (mod 2) it cannot. The groups
 `kept_groups` keeps are exactly those the state machine never evicts, and skipping their D2H keeps
-every byte right."""
+every byte right. In release mode the groups `short_window_groups` names (the last virtual stage's) get
+no slot and no copies, autograd keeps their saved tensors, and the other groups' bytes stay right."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import torch
 from qeffect.config import load_config
 from qeffect.offload.fake import FakeDevice
 from qeffect.offload.group import GroupState, OffloadManager, OffloadStateError, OffloadStats
-from qeffect.offload.plan import assign_banks, backward_order, check_events, conflicts, kept_groups
+from qeffect.offload.plan import (
+    assign_banks,
+    backward_order,
+    check_events,
+    conflicts,
+    kept_groups,
+    short_window_groups,
+)
 from qeffect.runtime.build import schedule_of
 from qeffect.schedule import ActionKind, global_order
 
@@ -42,12 +50,14 @@ def test_events_must_be_complete() -> None:
 
 
 def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0, *, plan: bool = False,
-         skip: bool = True) -> tuple[OffloadStats, set, set]:
-    """Resident mode on the fake device: F writes a pattern into its group's view; E checks it. `plan`:
-    the manager gets the events (kept groups, with `skip`). Returns the stats, the groups the manager
-    keeps, and the groups found not evicted (d2h pending or kept) at their backward in every step."""
+         skip: bool = True, mode: str = "resident", min_window: int = 0) -> tuple[OffloadStats, set, set]:
+    """`mode` (resident by default) on the fake device: F writes a pattern into its group's view; E checks
+    it. `plan`: the manager gets the events (resident: kept groups, with `skip`; release: groups not
+    offloaded, with `min_window`). Returns the stats, the groups the manager keeps (resident) or does not
+    offload (release), and the groups found not evicted (d2h pending or kept) at their backward in every step."""
     dev = FakeDevice(seed, granularity=64 * 1024, progress=2)
-    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev, skip_kept_d2h=skip)
+    mgr = OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, skip_kept_d2h=skip,
+                         min_window=min_window)
     names = sorted({g for _, g in events})
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in names}
     for k, g in enumerate(names):
@@ -60,25 +70,28 @@ def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0, *, plan
         for step in range(steps):
             for kind, g in events:
                 grp, val = groups[g], float(1000 * step + names.index(g))
-                view = grp.views[0]
+                view = grp.views[0] if grp.offloaded else None  # a group release mode leaves alone has none
                 if kind == "F":
                     grp.before_forward()
-                    dev.launch(dev.compute, lambda v=view, x=val: v.fill_(x), f"F{g}", touches=[view])
+                    if view is not None:
+                        dev.launch(dev.compute, lambda v=view, x=val: v.fill_(x), f"F{g}", touches=[view])
                     grp.after_forward()
                 elif kind == "B":
                     if grp.state not in (GroupState.RESIDENT_D2H_PENDING, GroupState.RESIDENT_KEPT):
                         in_bank.discard(g)
                     grp.before_backward()
                 else:
-                    seen = []
-                    dev.launch(dev.compute, lambda v=view, s=seen: s.append(v.clone()), f"E{g}", touches=[view])
-                    dev.synchronize()
-                    assert torch.equal(seen[0], torch.full_like(seen[0], val)), f"{g} step {step} read foreign bytes"
+                    if view is not None:
+                        seen = []
+                        dev.launch(dev.compute, lambda v=view, s=seen: s.append(v.clone()), f"E{g}", touches=[view])
+                        dev.synchronize()
+                        assert torch.equal(seen[0], torch.full_like(seen[0], val)), f"{g} step {step} read foreign bytes"
                     grp.after_backward()
             dev.synchronize()
     finally:
         mgr.close()
-    return mgr.stats, {g for g in names if groups[g] in mgr.kept}, in_bank
+    chosen = mgr.kept if mode == "resident" else mgr.not_offloaded
+    return mgr.stats, {g for g in names if groups[g] in chosen}, in_bank
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
@@ -250,4 +263,138 @@ def test_config_switch_reaches_the_manager_and_capture_passes_the_events(monkeyp
     want = {f"s{s}.m{m}" for s, m in kept_groups(events, plan)} if skip else set()
     assert names == want and (want or not skip)
     assert all(a.captured == 1 for a in acts.values())
+    mgr.close()
+
+
+# ------------------------------------------------------------------- release: short windows
+def test_short_window_hand_examples() -> None:
+    # other actions between F and B: a one (F b), b two (B a, E a), c none
+    ev = [("F", "a"), ("F", "b"), ("B", "a"), ("E", "a"), ("B", "b"), ("E", "b"), ("F", "c"), ("B", "c"),
+          ("E", "c")]
+    assert short_window_groups(ev, 0) == set()
+    assert short_window_groups(ev, 1) == {"c"}
+    assert short_window_groups(ev, 2) == {"a", "c"}
+    assert short_window_groups(ev, 3) == {"a", "b", "c"}
+    with pytest.raises(ValueError, match="min_window"):
+        short_window_groups(ev, -1)
+    with pytest.raises(ValueError, match="without a complete"):
+        short_window_groups([("F", "a"), ("B", "a")], 1)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_the_default_window_leaves_the_last_stage_on_the_device(schedule: str) -> None:
+    """PP=2 x 2 chunks, M=4 (the default and h2048 shapes): the last virtual stage's input gradient comes
+    within one action of its forward, every other group's after many; the default (2) names exactly the
+    last stage's groups, 0 names none."""
+    events = schedule_events(schedule, 4)
+    assert load_config().train.offload_min_window == 2
+    assert short_window_groups(events, 2) == {(3, m) for m in range(4)}
+    assert short_window_groups(events, 0) == set()
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_short_window_groups_get_no_slot_and_no_copies(schedule: str) -> None:
+    """Release mode over the real schedule, 3 steps: the groups the plan names get no slot and no D2H,
+    the others still read their own bytes back; with `min_window = 0` every group is offloaded."""
+    events, steps = schedule_events(schedule, 4), 3
+    short = short_window_groups(events, 2)
+    st, not_offloaded, _ = _run(events, None, steps, plan=True, mode="release", min_window=2)
+    n = len({g for _, g in events})
+    assert not_offloaded == short and st.d2h_copies == steps * (n - len(short))
+    assert st.h2d_copies <= steps * (n - len(short))
+    st, not_offloaded, _ = _run(events, None, steps, plan=True, mode="release", min_window=0)
+    assert not_offloaded == set() and st.d2h_copies == steps * n
+
+
+def test_resident_mode_ignores_the_window() -> None:
+    events = schedule_events("interleaved", 4)
+    dev = FakeDevice(0, granularity=64 * 1024)
+    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev, min_window=5)
+    groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in sorted({g for _, g in events})}
+    for g in groups.values():
+        g.discover(torch.empty(3, 3))
+    mgr.allocate([groups[g] for g in backward_order(events)], events=[(k, groups[g]) for k, g in events])
+    assert mgr.not_offloaded == [] and all(g.offloaded and g.slot is not None for g in groups.values())
+    mgr.close()
+    with pytest.raises(ValueError, match="min_window"):
+        OffloadManager("release", device="cpu", driver=dev.driver(), streams=dev, min_window=-1)
+
+
+def test_a_not_offloaded_group_leaves_autograd_alone_and_backward_is_bitwise() -> None:
+    """Its capture hooks store nothing in a slot: autograd keeps its own saved tensors, and its gradients
+    are the plain run's, bit for bit; its hooks still check the order (a second after_backward raises)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 5, generator=gen))
+    x = torch.randn(4, 6, generator=gen, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w).sin()
+
+    ref = torch.autograd.grad(f(x).sum(), (x, w))
+    dev = FakeDevice(0, granularity=64 * 1024)
+    mgr = OffloadManager("release", device="cpu", driver=dev.driver(), streams=dev, min_window=1)
+    a, b = mgr.group("a"), mgr.group("b")
+    for g in (a, b):
+        with g.discovery_hooks():
+            f(x)
+    # a's backward follows its forward at once: not offloaded; b's window holds a's three actions
+    events = [("F", b), ("F", a), ("B", a), ("E", a), ("B", b), ("E", b)]
+    mgr.allocate([a, b], events=events)
+    assert not a.offloaded and b.offloaded and a.slot is None and a.views == [] and b.slot is not None
+    a.before_forward()
+    with dev.host_compute(), a.capture_hooks():
+        y = f(x)
+    a.after_forward()
+    calls = len(dev.trace)
+    a.before_backward()
+    got = torch.autograd.grad(y.sum(), (x, w))
+    a.after_backward()
+    assert len(dev.trace) == calls and a.state is GroupState.MAPPED
+    assert all(torch.equal(p, q) for p, q in zip(got, ref, strict=True))
+    with pytest.raises(OffloadStateError, match="after_backward"):
+        a.after_backward()
+    mgr.close()
+
+
+def test_config_reaches_the_manager(monkeypatch) -> None:
+    from qeffect.runtime import build as build_mod
+
+    made = {}
+
+    class _Manager:
+        def __init__(self, mode, **kw) -> None:
+            made.update(kw, mode=mode)
+
+    monkeypatch.setattr(build_mod, "OffloadManager", _Manager)
+    cfg = load_config().with_overrides(**{"train.offload_min_window": 7})
+    build_mod.make_offload_manager("release", "cpu", cfg.train.offload_banks, cfg.train.offload_reap,
+                                   cfg.train.offload_skip_kept_d2h, cfg.train.offload_min_window)
+    assert made["min_window"] == 7 and made["mode"] == "release"
+    with pytest.raises(Exception, match="offload_min_window"):
+        load_config().with_overrides(**{"train.offload_min_window": -1})
+
+
+def test_a_not_offloaded_group_backward_still_starts_the_next_restore() -> None:
+    """Look-ahead: the group after a not-offloaded one in backward order is restored during that group's
+    backward, as it would be during an offloaded one's."""
+    dev = FakeDevice(0, granularity=64 * 1024)
+    mgr = OffloadManager("release", device="cpu", driver=dev.driver(), streams=dev, min_window=1)
+    a, b = mgr.group("a"), mgr.group("b")
+    for g in (a, b):
+        g.discover(torch.empty(4, 4))
+    events = [("F", b), ("F", a), ("B", a), ("E", a), ("B", b), ("E", b)]  # a: no window, b: three actions
+    mgr.allocate([a, b], events=events)
+    assert mgr.not_offloaded == [a] and a.next_backward is b
+    b.before_forward()
+    b.after_forward()
+    a.before_forward()
+    a.after_forward()
+    dev.synchronize()
+    assert mgr.reap(block=True) == 1 and b.state is GroupState.UNMAPPED  # b's bytes are on the host only
+    a.before_backward()
+    assert mgr.stats.prefetches == 1 and b.state is GroupState.MAPPED and b._restore_pending
+    a.after_backward()
+    b.before_backward()
+    b.after_backward()
+    assert mgr.stats.h2d_copies == 1
     mgr.close()

@@ -44,6 +44,12 @@ D2H finished and its previous backward consumer finished (stream waits on `bank.
 copied to the host at all (`resident_kept`); a claim that would evict such a group raises
 `OffloadStateError` (the run deviates from the plan: its bytes exist nowhere else). Its bank's next
 writer still waits on its `consumed` (`bank.last_consumed`); it leaves no D2H to wait for.
+With the schedule's events and `min_window` > 0 (`train.offload_min_window`), release mode does not
+offload a group whose backward comes within fewer than `min_window` other actions of its forward
+(`offload.plan.short_window_groups`: the last virtual stage's groups): its D2H could not finish before
+the backward, so no memory would come back, and the copies and driver calls would be spent for nothing.
+Such a group gets no slot: its saved tensors stay where autograd puts them (the graph's memory pool), as
+with `off`, and its hooks only check the call order (`offloaded` False; the manager's `not_offloaded`).
 `off`: hooks only check the call order.
 
 Resident states of a group in one step (F: before/after_forward, B: before_backward):
@@ -79,7 +85,7 @@ from torch import Tensor
 
 from qeffect.offload.driver import VmmDriver
 from qeffect.offload.plan import backward_order as plan_backward_order
-from qeffect.offload.plan import check_events, kept_groups
+from qeffect.offload.plan import check_events, kept_groups, short_window_groups
 from qeffect.offload.streams import StreamOps, TorchCudaStreams
 from qeffect.offload.vmm import VmmSlot, span_bytes
 
@@ -208,6 +214,7 @@ class OffloadGroup:
         self.slot_bytes: Tensor | None = None  # uint8 view of [0, nbytes) of the slot (one copy per direction)
         self.next_backward: OffloadGroup | None = None
         self.kept = False  # resident: the plan says no other group claims its bank between F and B (no D2H)
+        self.offloaded = True  # release: False where the plan's window is too short (no slot; autograd keeps it)
         self.live = False  # holds a forward's activations that its backward has not consumed yet
         self.phase: Literal["forward", "backward"] | None = None
         self._views: list[Tensor] = []
@@ -283,14 +290,14 @@ class OffloadGroup:
         """While F is captured: each eligible saved tensor goes into its slot view; autograd keeps the view.
 
         The captured backward then reads the slot's VA. Must see exactly the discovered tensors, in
-        order. In `off` mode (and for an empty group) autograd is left alone.
+        order. In `off` mode (and for an empty or not offloaded group) autograd is left alone.
         """
         self._allocated("capture_hooks")
         if self.live or self.phase == "backward":
             raise OffloadStateError(f"group {self.name!r}: capture_hooks() while its activations are live")
         if self.state is not GroupState.MAPPED:
             raise OffloadStateError(f"group {self.name!r}: capture_hooks() needs a mapped slot (state {self.state})")
-        if self.manager.mode == "off" or not self.specs:
+        if self.manager.mode == "off" or not self.specs or not self.offloaded:
             yield self
             return
         seen: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -384,6 +391,8 @@ class OffloadGroup:
         m = self.manager
         if self._inactive():
             self.phase = "backward"
+            if m.mode != "off" and m.lookahead and self.next_backward is not None:
+                m._prefetch(self.next_backward, under=self)  # its backward still hides the next restore
             return
         m._maybe_reap(exclude=self)
         if self.state is GroupState.RELEASE_D2H_PENDING:  # no hook found its D2H done yet: release it now
@@ -450,7 +459,7 @@ class OffloadGroup:
 
     # -------------------------------------------------------------------------------------- helpers
     def _inactive(self) -> bool:
-        return self.manager.mode == "off" or self.nbytes == 0
+        return self.manager.mode == "off" or self.nbytes == 0 or not self.offloaded
 
     def _allocated(self, op: str) -> None:
         if self.state is GroupState.DISCOVERING:
@@ -501,17 +510,20 @@ class OffloadManager:
                  driver: VmmDriver | None = None, streams: StreamOps | None = None, num_banks: int = 2,
                  lookahead: bool = True, release_consumed: bool = True, timing: bool = False,
                  alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
-                 skip_kept_d2h: bool = True) -> None:
+                 skip_kept_d2h: bool = True, min_window: int = 0) -> None:
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {MODES}, got {mode!r}")
         if num_banks < 2:
             raise ValueError(f"resident ping-pong needs at least 2 banks, got {num_banks}")
+        if min_window < 0:
+            raise ValueError(f"min_window must be >= 0, got {min_window}")
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         self.mode: OffloadMode = mode
         self.num_banks, self.lookahead, self.release_consumed = num_banks, lookahead, release_consumed
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
+        self.min_window = min_window  # release, with allocate(events=): fewer other actions F..B: not offloaded
         self._eligible_fn = eligible or default_eligible
         self.groups: list[OffloadGroup] = []
         self.banks: list[Bank] = []
@@ -519,6 +531,7 @@ class OffloadManager:
         self.backward_order: list[OffloadGroup] = []
         self.bank_plan: list[int] = []
         self.kept: list[OffloadGroup] = []  # resident: groups the plan keeps in their bank (no D2H)
+        self.not_offloaded: list[OffloadGroup] = []  # release: the plan's short-window groups (no slot)
         self._allocated = False
         self._closed = False
         if device is None:
@@ -563,7 +576,8 @@ class OffloadManager:
         `num_banks`; the manager then has max(banks) + 1 banks. `events`: one step's F / B / E events
         in execution order (`offload.plan`; `runtime.build.offload_events`), the same every step: in
         resident mode with `skip_kept_d2h`, the groups `offload.plan.kept_groups` keeps are never copied
-        to the host (and a claim that would evict one raises). Call outside any capture.
+        to the host (and a claim that would evict one raises); in release mode with `min_window` > 0, the
+        groups `offload.plan.short_window_groups` names are not offloaded (no slot). Call outside any capture.
         """
         if self._closed:
             raise OffloadStateError("allocate() after close()")
@@ -596,6 +610,11 @@ class OffloadManager:
                 g.offsets.append(off)
                 off += spec.nbytes
             g.nbytes = off
+        if self.mode == "release" and events is not None and self.min_window > 0:
+            short = short_window_groups(events, self.min_window)
+            self.not_offloaded = [g for g in order if g in short]
+            for g in self.not_offloaded:
+                g.offloaded = False
         if self.mode != "off":
             self._allocate_memory(order)
         if self.mode == "resident" and events is not None and self.skip_kept_d2h:
@@ -612,7 +631,7 @@ class OffloadManager:
         self.d2h_stream, self.h2d_stream = s.new_stream("d2h"), s.new_stream("h2d")
         if self.mode == "release":
             for g in self.groups:
-                if g.nbytes:
+                if g.nbytes and g.offloaded:
                     g.slot = VmmSlot(self.driver, g.nbytes, device=self.device, name=g.name)
         else:
             need = [0] * self.num_banks
@@ -626,7 +645,7 @@ class OffloadManager:
                     g.bank = by_index[self.bank_plan[pos]]
                     g.slot = g.bank.slot
         for g in self.groups:
-            if not g.nbytes:
+            if g.slot is None:
                 continue
             g._views = [g.slot.tensor(sp.shape, sp.dtype, offset=o, stride=sp.stride) for sp, o in zip(g.specs, g.offsets,
                                                                                                           strict=True)]

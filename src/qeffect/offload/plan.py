@@ -14,6 +14,11 @@ owner is more often consumed already: fewer evictions and reloads, for more devi
 
 `kept_groups` says which groups no other group evicts between their forward and their backward: their
 bytes are still in the bank when the backward comes, so resident mode need not copy them to the host.
+
+`short_window_groups` says which groups release mode should not offload at all: their backward comes
+within fewer than `min_window` other actions of their forward (the last virtual stage's groups: their
+input gradient follows their forward at once), so their D2H cannot finish, and their memory cannot come
+back, before the backward needs them again: offloading them costs copies and driver calls for nothing.
 """
 
 from __future__ import annotations
@@ -119,3 +124,17 @@ def kept_groups(events: Sequence[Event], banks: Mapping[Hashable, int]) -> set[H
     claims = [(i, g) for i, (kind, g) in enumerate(events) if kind in ("F", "B") and g in banks]
     return {g for g, b in banks.items()
             if not any(h != g and banks[h] == b and first[g] < i < start[g] for i, h in claims)}
+
+
+def short_window_groups(events: Sequence[Event], min_window: int) -> set[Hashable]:
+    """Groups with fewer than `min_window` events of other groups strictly between their F and their B.
+
+    Each event is one action (a forward, an input gradient or a weight gradient), so this counts the
+    actions that run while the group's D2H could be under way. `min_window = 0` keeps every group."""
+    check_events(events)
+    if min_window < 0:
+        raise ValueError(f"min_window must be >= 0, got {min_window}")
+    first = {g: i for i, (kind, g) in enumerate(events) if kind == "F"}
+    start = {g: i for i, (kind, g) in enumerate(events) if kind == "B"}
+    return {g for g in first
+            if sum(1 for i in range(first[g] + 1, start[g]) if events[i][1] != g) < min_window}

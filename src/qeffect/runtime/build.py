@@ -115,21 +115,22 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     if native or path == "eager":
         return None, None, direct
     offload = (make_offload_manager(offload_mode, device, cfg.train.offload_banks, cfg.train.offload_reap,
-                                    cfg.train.offload_skip_kept_d2h)
+                                    cfg.train.offload_skip_kept_d2h, cfg.train.offload_min_window)
                if offload_mode != "off" else None)
     return GraphManager(device), offload, path == "captured-direct"
 
 
 def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, reap: bool = True,
-                         skip_kept_d2h: bool = True) -> OffloadManager:
+                         skip_kept_d2h: bool = True, min_window: int = 0) -> OffloadManager:
     """One offload manager per device (`banks`: resident mode's minimum bank count; `reap`: release mode
     also releases consumed slots; `skip_kept_d2h`: resident mode copies no group the schedule's plan
-    keeps in its bank); a clear error where VMM offload cannot work."""
+    keeps in its bank; `min_window`: release mode offloads no group with fewer other actions between its
+    forward and its backward); a clear error where VMM offload cannot work."""
     from qeffect.offload.driver import OffloadUnavailable
 
     try:
         return OffloadManager(mode, device=torch.device(device), num_banks=banks, release_consumed=reap,
-                              skip_kept_d2h=skip_kept_d2h)
+                              skip_kept_d2h=skip_kept_d2h, min_window=min_window)
     except OffloadUnavailable as err:
         raise UserError(f"train.offload = {mode}: {err}") from None
 
@@ -150,7 +151,8 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
     """Capture every action of `ranks` (all on one device). Without offload, chunk by chunk. With
     offload: warm up and discover every chunk, allocate the groups in backward order (resident mode:
     banks from the schedule's conflicts, `offload.plan`, and the step's events, so that groups the plan
-    keeps in their bank skip the D2H), then capture."""
+    keeps in their bank skip the D2H; release mode: the same events name the groups whose window is too
+    short to offload, `train.offload_min_window`), then capture."""
     if offload is None:
         for r in ranks:
             r.capture(microbatch_size, seq_len)
@@ -166,7 +168,7 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
     if offload.mode == "resident":
         plan = assign_banks(events, min_banks=offload.num_banks)
         banks = [plan[g] for g in backward]
-    offload.allocate(backward, banks=banks, events=events if offload.mode == "resident" else None)
+    offload.allocate(backward, banks=banks, events=events)
     for r in ranks:
         for act in r.actions.values():
             act.capture_graphs()

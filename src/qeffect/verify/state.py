@@ -406,7 +406,8 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                                  "group_bytes": sum(g.nbytes for g in o.groups), "banks": len(o.banks),
                                  "d2h_copies": o.stats.d2h_copies, "d2h_skipped": o.stats.d2h_skipped,
                                  "h2d_copies": o.stats.h2d_copies,
-                                 "unmaps": o.stats.unmaps, "evictions": o.stats.evictions}
+                                 "unmaps": o.stats.unmaps, "evictions": o.stats.evictions,
+                                 "not_offloaded": [g.name for g in o.not_offloaded]}
         passed = passed and graphs["graphs_per_rank"] == graphs["expected_per_rank"]
     non_finite = non_finite_count(losses)
     passed = passed and non_finite == 0
