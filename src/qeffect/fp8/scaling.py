@@ -137,15 +137,14 @@ class ScalingState:
         with `scale_inv` taken before and the scale update after."""
         from qeffect.fp8.fused_quantize import quantize_amax
 
-        if _fused_update(self.scale):  # the update kernel also writes 1 / (the scale before it)
+        fused = _fused_update(self.scale)  # the update kernel also writes 1 / (the scale before it)
+        scale_inv = torch.empty_like(self.scale) if fused else self.scale.reciprocal()  # before the update
+        q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
+        if fused:
             from qeffect.fp8.fused_update import update_scale_fused
 
-            scale_inv = torch.empty_like(self.scale)
-            q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
             update_scale_fused(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo,
                                scale_inv_out=scale_inv)
-            return q, q_t, scale_inv
-        scale_inv = self.scale.reciprocal()  # taken before the update (see `quantize`)
-        q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
-        self.update()
+        else:
+            update_scale(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo)
         return q, q_t, scale_inv
