@@ -149,6 +149,21 @@ def test_one_way_replay_has_neither_edge() -> None:
     assert not any(op[0] in ("wait_stream", "wait_event") for op in be.log)
 
 
+def test_stream_ordered_replay_copies_and_launches_on_the_caller_stream() -> None:
+    mgr, be = _manager("stream-ordered")
+    action, _ = _capture_add(mgr)
+    for step in range(2):
+        be.log.clear()
+        out = mgr.replay(action, {"a": torch.full((3,), 1.0 + step), "b": torch.full((3,), 10.0 + step)})
+        # no edge and no record_stream: the copies and the graph are on the caller's stream, in order
+        assert be.log == [("copy", "caller", 1.0 + step), ("copy", "caller", 10.0 + step), ("replay", "caller", "g1")]
+        assert out is action.outputs
+        assert torch.equal(action.static_inputs["b"], torch.full((3,), 10.0 + step))
+    assert be.current is be.caller and mgr.stats.handoffs == 0 and mgr.stats.replay_count == 2
+    with pytest.raises(ValueError, match="dynamic input 'a'"):
+        mgr.replay(action, {"a": torch.zeros(4)})  # the same checks as the other protocols
+
+
 def test_replay_without_dynamic_inputs_still_handshakes() -> None:
     mgr, be = _manager("two-way")
     action, _ = _capture_add(mgr)
@@ -217,7 +232,7 @@ def test_importing_graphs_touches_no_cuda() -> None:
 
 
 # ------------------------------------------------------------------------------------------ stats
-@pytest.mark.parametrize(("protocol", "per_replay"), [("two-way", 2), ("one-way", 0)])
+@pytest.mark.parametrize(("protocol", "per_replay"), [("two-way", 2), ("one-way", 0), ("stream-ordered", 0)])
 def test_stats_count_graphs_replays_handoffs_and_capture_cost(protocol: str, per_replay: int) -> None:
     mgr, be = _manager(protocol)
 
@@ -281,7 +296,7 @@ def _fake_child(stale: dict[str, int]):
 
 
 def test_suite_sums_fresh_processes_per_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hs, "_run_child", _fake_child({"one-way": 200, "two-way": 0}))
+    monkeypatch.setattr(hs, "_run_child", _fake_child({"one-way": 200, "two-way": 0, "stream-ordered": 0}))
     monkeypatch.setenv("QEFFECT_GIT_REVISION", "abc123")
     seen: list[tuple[str, int]] = []
     report = hs.run_handshake_suite(3, 200, command="qeffect capture --handshake-check",
@@ -289,14 +304,17 @@ def test_suite_sums_fresh_processes_per_protocol(monkeypatch: pytest.MonkeyPatch
     by = {s.protocol: s for s in report.protocols}
     assert (by["one-way"].processes, by["one-way"].checks, by["one-way"].stale_reads) == (3, 600, 600)
     assert (by["two-way"].processes, by["two-way"].checks, by["two-way"].stale_reads) == (3, 600, 0)
-    assert len(seen) == 6 and len(by["two-way"].runs) == 3
+    assert by["stream-ordered"].stale_reads == 0 and len(by["stream-ordered"].runs) == 3
+    assert len(seen) == 9 and len(by["two-way"].runs) == 3
     assert report.passed
     assert (report.git_revision, report.device_name, report.torch_version) == ("abc123", "Fake GPU", "0.0")
     assert report.command == "qeffect capture --handshake-check"
     assert hs.HandshakeReport.model_validate_json(report.model_dump_json()) == report
 
 
-@pytest.mark.parametrize("stale", [{"one-way": 200, "two-way": 1}, {"one-way": 0, "two-way": 0}])
+@pytest.mark.parametrize("stale", [{"one-way": 200, "two-way": 1, "stream-ordered": 0},
+                                   {"one-way": 200, "two-way": 0, "stream-ordered": 1},
+                                   {"one-way": 0, "two-way": 0, "stream-ordered": 0}])
 def test_suite_fails_on_a_two_way_race_or_a_blind_one_way_check(monkeypatch: pytest.MonkeyPatch,
                                                                 stale: dict[str, int]) -> None:
     monkeypatch.setattr(hs, "_run_child", _fake_child(stale))
@@ -337,7 +355,9 @@ def test_cli_capture_config_errors_are_one_line(monkeypatch: pytest.MonkeyPatch,
     assert err.count("\n") == 1 and "--path must be captured-copy or captured-direct" in err
 
 
-@pytest.mark.parametrize(("stale", "code"), [({"one-way": 5, "two-way": 0}, 0), ({"one-way": 5, "two-way": 2}, 1)])
+@pytest.mark.parametrize(("stale", "code"), [({"one-way": 5, "two-way": 0, "stream-ordered": 0}, 0),
+                                             ({"one-way": 5, "two-way": 2, "stream-ordered": 0}, 1),
+                                             ({"one-way": 5, "two-way": 0, "stream-ordered": 3}, 1)])
 def test_cli_handshake_check_table_json_and_exit_code(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path,
                                                       stale: dict[str, int], code: int) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -349,7 +369,7 @@ def test_cli_handshake_check_table_json_and_exit_code(monkeypatch: pytest.Monkey
     report = hs.HandshakeReport.model_validate_json(out.read_text())
     assert report.passed == (code == 0)
     assert report.command == f"qeffect capture --handshake-check --processes 2 --checks 7 --json {out}"
-    assert [s.checks for s in report.protocols] == [14, 14]
+    assert [s.checks for s in report.protocols] == [14, 14, 14]
 
 
 def test_dry_capture_runs_under_capture_and_registers_nothing() -> None:

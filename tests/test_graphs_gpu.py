@@ -49,13 +49,15 @@ def test_replay_with_new_dynamic_inputs_gives_the_new_result() -> None:
     assert torch.equal(action.static_inputs["a"], a2)
 
 
-def test_handshake_one_way_races_and_two_way_does_not() -> None:
+def test_handshake_one_way_races_and_two_way_and_stream_ordered_do_not() -> None:
     from qeffect.graphs.handshake import run_handshake_check
 
     one = run_handshake_check("one-way", 200)
     two = run_handshake_check("two-way", 200)
+    ordered = run_handshake_check("stream-ordered", 200)
     assert one.stale_reads > 0, one
     assert two.stale_reads == 0, two
+    assert ordered.stale_reads == 0, ordered
 
 
 def test_no_persistent_memory_growth_over_50_replays() -> None:

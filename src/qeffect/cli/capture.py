@@ -30,8 +30,9 @@ def capture(
 
     --handshake-check replays a graph that reads its input, spins about a millisecond and then writes
     its output, and reads that output on the caller stream right after each replay. It runs
-    PROCESSES fresh processes of CHECKS checks for GraphPP's one-way handoff and for qeffect's two-way
-    handshake. Exit 0 only if one-way showed stale reads (the check can see the race) and two-way none.
+    PROCESSES fresh processes of CHECKS checks for GraphPP's one-way handoff, for qeffect's two-way
+    handshake and for stream-ordered replay (the graph launched on the caller's stream). Exit 0 only if
+    one-way showed stale reads (the check can see the race) and the other two none.
     """
     import torch
 
@@ -41,7 +42,7 @@ def capture(
     if not handshake_check:
         _capture_config(config, path, schedule, backend, steps, json_out, console)
         return
-    from qeffect.graphs.handshake import HandshakeError, run_handshake_suite
+    from qeffect.graphs.handshake import SAFE, HandshakeError, run_handshake_suite
 
     command = f"qeffect capture --handshake-check --processes {processes} --checks {checks}" + \
         (f" --json {json_out}" if json_out else "")
@@ -55,12 +56,12 @@ def capture(
                          ("stale reads", "right")):
         table.add_column(col, justify=justify, no_wrap=True)
     for s in report.protocols:
-        bad = (s.protocol == "two-way" and s.stale_reads) or (s.protocol == "one-way" and not s.stale_reads)
+        bad = (s.protocol in SAFE and s.stale_reads) or (s.protocol == "one-way" and not s.stale_reads)
         table.add_row(s.protocol, str(s.processes), str(s.checks), f"{s.stale_reads} / {s.checks}",
                       style="red" if bad else None)
     console.print(table)
-    console.print("PASS: one-way races, two-way does not" if report.passed else
-                  "[red]FAIL: expected stale reads with one-way and none with two-way[/red]")
+    console.print(f"PASS: one-way races, {' and '.join(SAFE)} do not" if report.passed else
+                  f"[red]FAIL: expected stale reads with one-way and none with {' or '.join(SAFE)}[/red]")
     if json_out:
         write_json(json_out, report)
     raise typer.Exit(0 if report.passed else 1)

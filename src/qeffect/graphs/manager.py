@@ -13,6 +13,13 @@ Here every replay is
 No host synchronization anywhere on that path. `protocol="one-way"` drops steps 1 and 4 on purpose, to
 reproduce GraphPP's defect (`qeffect.graphs.handshake` measures both).
 
+`protocol="stream-ordered"` gives the same two guarantees with no edge at all: the graph is captured on
+the graph stream but replayed on the caller's stream (a CUDA graph launches into any stream), after the
+input copies on that same stream. Caller writes -> copies -> graph -> caller reads is then plain stream
+order, so there is nothing to hand off; it saves the two cross-stream waits per replay. Each graph's
+memory is in its own private pool (`capture(private_pool=True)`, what stage actions use), so which
+stream replays it does not matter to the allocator.
+
 Every CUDA call goes through a `GraphBackend`, so the bookkeeping and the exact order of handshake
 operations are testable on a CPU-only machine with fakes; importing this module touches no CUDA.
 """
@@ -30,7 +37,8 @@ from torch import Tensor
 
 from qeffect.graphs.stats import GraphStats
 
-HandshakeProtocol = Literal["two-way", "one-way"]
+HandshakeProtocol = Literal["two-way", "one-way", "stream-ordered"]
+PROTOCOLS: tuple[str, ...] = ("two-way", "one-way", "stream-ordered")
 
 
 class GraphBackend(Protocol):
@@ -125,8 +133,8 @@ class GraphManager:
 
     def __init__(self, device: torch.device | str = "cuda", *, protocol: HandshakeProtocol = "two-way",
                  backend: GraphBackend | None = None) -> None:
-        if protocol not in ("two-way", "one-way"):
-            raise ValueError(f"protocol must be 'two-way' or 'one-way', got {protocol!r}")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
         self.protocol: HandshakeProtocol = protocol
         self.backend: GraphBackend = backend if backend is not None else TorchCudaBackend(device)
         self.stream = self.backend.new_stream()
@@ -202,28 +210,42 @@ class GraphManager:
         until the graph stream's copy is done). One-way (the defect) gives neither guarantee.
         """
         be = self.backend
+        if self.protocol == "stream-ordered":  # copies and graph on the caller's stream: stream order
+            if dynamic:
+                self._copy_inputs(action, dynamic, None)
+            action.graph.replay()
+            action.replays += 1
+            self.stats.record_replay(0)
+            return action.outputs
         caller = be.current_stream()
         two_way = self.protocol == "two-way"
         if two_way:
             self.stream.wait_stream(caller)  # (1) caller -> graph edge
         with be.use_stream(self.stream):
             if dynamic:
-                for key, src in dynamic.items():  # (2) after the edge, on the graph stream
-                    try:
-                        dst = action.static_inputs[key]
-                    except KeyError:
-                        raise KeyError(f"graph {action.name!r} has no static input {key!r}") from None
-                    if dst.shape != src.shape or dst.dtype != src.dtype:
-                        raise ValueError(f"graph {action.name!r}: dynamic input {key!r} is {src.dtype}"
-                                         f"{tuple(src.shape)}, its static buffer {dst.dtype}{tuple(dst.shape)}")
-                    be.copy_(dst, src)
-                    be.record_stream(src, self.stream)
+                self._copy_inputs(action, dynamic, self.stream)  # (2) after the edge, on the graph stream
             action.graph.replay()  # (3)
         if two_way:
             caller.wait_event(action.tail_event)  # (4) graph tail -> caller
         action.replays += 1
         self.stats.record_replay(2 if two_way else 0)
         return action.outputs
+
+    def _copy_inputs(self, action: CapturedAction, dynamic: dict[str, Tensor], stream: Any) -> None:
+        """Copy each dynamic input into its static buffer on the current stream; `stream` (the graph
+        stream, when it is not the caller's) keeps each source's memory alive until its copy is done."""
+        be = self.backend
+        for key, src in dynamic.items():
+            try:
+                dst = action.static_inputs[key]
+            except KeyError:
+                raise KeyError(f"graph {action.name!r} has no static input {key!r}") from None
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise ValueError(f"graph {action.name!r}: dynamic input {key!r} is {src.dtype}"
+                                 f"{tuple(src.shape)}, its static buffer {dst.dtype}{tuple(dst.shape)}")
+            be.copy_(dst, src)
+            if stream is not None:
+                be.record_stream(src, stream)
 
     # -------------------------------------------------------------------------------------- stats
     def mark_step(self) -> int:
