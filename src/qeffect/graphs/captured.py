@@ -17,7 +17,8 @@ caches, tokens and arena are rewritten by the first replays.
 
 The effect token's device update and the reference backend's amax/scale updates are inside the graphs;
 accumulating non-matrix gradients into `.grad` and copying gradients (copy path) run eagerly between
-replays, on the caller stream.
+replays, on the caller stream. The first stage's token table accumulates its gradient over the rows
+each microbatch touched (`stage/embedding_grad.py`: the same bits as the dense accumulation).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from qeffect.contracts import Consumer, EffectToken, TapeRef
 from qeffect.graphs.manager import CapturedAction, GraphManager
 from qeffect.offload.group import OffloadGroup, OffloadManager
 from qeffect.stage.actions import (
+    EXTRA,
     ForwardOut,
     InputGradOut,
     StageActions,
@@ -39,6 +41,9 @@ from qeffect.stage.actions import (
     input_grad_body,
     take_wgrad_work,
 )
+from qeffect.stage.embedding_grad import TokenEmbeddingGrad
+
+TOKEN_TABLE = "tok_emb.weight"
 
 
 @dataclass
@@ -61,6 +66,8 @@ class CapturedStageActions(StageActions):
     # fixed non-matrix gradient buffers the dI graphs accumulate into, and the next dI they expect
     _ngrad: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _di_next: int = 0
+    # the first stage's token table: its gradient over the touched rows only (stage/embedding_grad.py)
+    _token_grad: TokenEmbeddingGrad | None = None
 
     # ------------------------------------------------------------------------------------ capture
     def capture(self, microbatches: int, microbatch_size: int, seq_len: int) -> None:
@@ -84,6 +91,11 @@ class CapturedStageActions(StageActions):
         self._tok: dict[int, torch.Tensor] = {}
         self._out: dict[int, torch.Tensor] = {}
         self._work: dict[int, dict[str, object]] = {}
+        self._token_out: dict[int, torch.Tensor] = {}
+        if first and TOKEN_TABLE in self._nonmatrix:  # before warm-up: every F it runs or captures uses it
+            chunk.sparse_token_grad = True
+            self._token_grad = TokenEmbeddingGrad(self._nonmatrix[TOKEN_TABLE], microbatch_size * seq_len,
+                                                  microbatches)
         for m in range(microbatches):
             if first:
                 self._x[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
@@ -99,6 +111,8 @@ class CapturedStageActions(StageActions):
     def _f_body(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.chunk(self._x[m], is_first_microbatch=(m == 0), targets=self._tgt.get(m))
         self._out[m] = out
+        if self._token_grad is not None:
+            self._token_out[m] = self.chunk.token_out
         return out, self._tok[m] + 1
 
     def capture_graphs(self) -> None:
@@ -117,21 +131,26 @@ class CapturedStageActions(StageActions):
         # The non-matrix gradients accumulate into fixed buffers inside the dI graphs (no eager kernel
         # launches per dI); `.grad` is bound to them after each replay. Valid because a stage runs dI in
         # microbatch order (checked at every dI).
-        self._ngrad = {n: torch.zeros_like(p) for n, p in self._nonmatrix.items()}
+        self._ngrad = {n: (self._token_grad.grad if n == TOKEN_TABLE and self._token_grad is not None
+                           else torch.zeros_like(p)) for n, p in self._nonmatrix.items()}
         for m in range(self._microbatches):
             out = self._out[m]
             if m not in self._gout:
                 self._gout[m] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
 
             def di_body(m: int = m) -> tuple:
-                grad_in, grads = input_grad_body(chunk, self._x[m], self._out[m], self._gout[m], retain_graph=True)
+                grad_in, grads = input_grad_body(chunk, self._x[m], self._out[m], self._gout[m], retain_graph=True,
+                                                 extra=self._token_out.get(m))
                 self._work[m] = take_wgrad_work(self._matrix)
                 with torch.no_grad():  # AccumulateGrad's bits, inside the graph: dI(0) copies, later dIs add
+                    token_grad = grads.pop(EXTRA, None)
                     for n, g in grads.items():
                         if m == 0:
                             self._ngrad[n].copy_(g)
                         else:
                             self._ngrad[n].add_(g)
+                    if token_grad is not None:  # the same bits from the rows this microbatch touched
+                        grads[TOKEN_TABLE] = self._token_grad.accumulate(m, self._x[m], token_grad)
                 return grad_in, grads, self._tok[m] + 1
 
             self.slots[m].dI = self.manager.capture(
@@ -188,7 +207,12 @@ class CapturedStageActions(StageActions):
         with torch.cuda.stream(stream):
             out, _ = self._f_body(0)
             self._gout[0] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
-            input_grad_body(self.chunk, self._x[0], out, self._gout[0], retain_graph=False)
+            _, grads = input_grad_body(self.chunk, self._x[0], out, self._gout[0], retain_graph=False,
+                                       extra=self._token_out.get(0))
+            if self._token_grad is not None:  # its kernels too (the first dI of every step rewrites it)
+                with torch.no_grad():
+                    self._token_grad.accumulate(0, self._x[0], grads[EXTRA])
+                    self._token_grad.accumulate(1 % self._microbatches, self._x[0], grads[EXTRA])
             take_wgrad_work(self._matrix)
             for lin in self._matrix.values():
                 if hasattr(lin, "discard_wgrad_work"):
@@ -208,6 +232,7 @@ class CapturedStageActions(StageActions):
                 self._out.clear()  # drop the autograd graph and what it saved
         torch.cuda.current_stream(dev).wait_stream(stream)
         self._out.clear()
+        self._token_out.clear()
 
     def _discovery(self, m: int):
         return self.groups[m].discovery_hooks() if m in self.groups else contextlib.nullcontext()

@@ -130,6 +130,10 @@ class StageChunk(nn.Module):
         self.stage = stage
         self.num_stages = shape.num_stages
         self.dtype = dtype
+        # Set by captured stage actions (stage/embedding_grad.py): forward then leaves the token table out
+        # of autograd and keeps the lookup's output in `token_out`, whose gradient dI takes instead.
+        self.sparse_token_grad = False
+        self.token_out: Tensor | None = None
         if self.is_first:
             self.tok_emb = nn.Embedding(shape.vocab_size, shape.hidden, device=device)
             self.pos_emb = nn.Embedding(shape.seq_len, shape.hidden, device=device)
@@ -161,7 +165,12 @@ class StageChunk(nn.Module):
             if x.dtype != torch.int64 or x.dim() != 2:
                 raise ValueError(f"stage 0 takes int64 token ids [B, T], got {x.dtype} {tuple(x.shape)}")
             pos = torch.arange(x.shape[1], device=x.device)
-            x = (self.tok_emb(x) + self.pos_emb(pos)).to(self.dtype)
+            if self.sparse_token_grad:  # the table's gradient is TokenEmbeddingGrad's: autograd stops here
+                tok = F.embedding(x, self.tok_emb.weight.detach()).requires_grad_(True)
+                self.token_out = tok
+            else:
+                tok = self.tok_emb(x)
+            x = (tok + self.pos_emb(pos)).to(self.dtype)
         elif x.dim() != 3 or x.shape[-1] != self.shape.hidden:
             raise ValueError(
                 f"stage {self.stage} takes hidden [B, T, {self.shape.hidden}], got {tuple(x.shape)}"

@@ -117,7 +117,9 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     offload = (make_offload_manager(offload_mode, device, cfg.train.offload_banks, cfg.train.offload_reap,
                                     cfg.train.offload_skip_kept_d2h, cfg.train.offload_min_window)
                if offload_mode != "off" else None)
-    return GraphManager(device), offload, path == "captured-direct"
+    # stream-ordered: graphs launched on the caller's stream (no cross-stream edge per replay; the same
+    # guarantees as the two-way handshake, 1.5% faster at h2048: benchmarks/replay_protocol.py)
+    return GraphManager(device, protocol="stream-ordered"), offload, path == "captured-direct"
 
 
 def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, reap: bool = True,

@@ -41,16 +41,23 @@ def arena_name(stage: int, param: str) -> str:
 
 
 def input_grad_body(chunk: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, grad_output: torch.Tensor,
-                    *, retain_graph: bool) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+                    *, retain_graph: bool, extra: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """dI's tensor work (shared by the eager and the captured path): the input gradient and this
     microbatch's non-matrix gradients as independent tensors. The matrix modules' retained `dW` work
-    lands in their stores (delay_wgrad), not in any `.grad`."""
+    lands in their stores (delay_wgrad), not in any `.grad`. `extra`: one more tensor of the graph whose
+    gradient is wanted (the token lookup's output, `stage/embedding_grad.py`), returned under `EXTRA`."""
     names, params = zip(*chunk.nonmatrix_params().items(), strict=True)
-    inputs = ([x] if x.requires_grad else []) + list(params)
-    grads = torch.autograd.grad(out, inputs, grad_output, retain_graph=retain_graph, allow_unused=True)
+    lead = ([x] if x.requires_grad else []) + ([extra] if extra is not None else [])
+    grads = torch.autograd.grad(out, lead + list(params), grad_output, retain_graph=retain_graph, allow_unused=True)
     grad_in = grads[0] if x.requires_grad else None
-    nonmatrix = dict(zip(names, grads[1:] if x.requires_grad else grads, strict=True))
+    nonmatrix = dict(zip(names, grads[len(lead):], strict=True))
+    if extra is not None:
+        nonmatrix[EXTRA] = grads[len(lead) - 1]
     return grad_in, {n: g for n, g in nonmatrix.items() if g is not None}
+
+
+EXTRA = "<extra>"  # key of `input_grad_body(extra=...)`'s gradient: never a parameter name
 
 
 def take_wgrad_work(matrix: dict[str, torch.nn.Module]) -> dict[str, object]:

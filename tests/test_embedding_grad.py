@@ -1,0 +1,112 @@
+"""The token table's row-sparse gradient (stage/embedding_grad.py) against autograd's dense one, bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qeffect.config import load_config
+from qeffect.runtime.build import build_chunks_for
+from qeffect.stage.actions import EXTRA, input_grad_body
+from qeffect.stage.embedding_grad import TokenEmbeddingGrad
+from qeffect.verify.state import bitwise_equal
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def dense_reference(weight: torch.Tensor, tokens: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
+    """What autograd leaves in `.grad`: one embedding backward per microbatch, AccumulateGrad over them."""
+    w = weight.detach().clone().requires_grad_(True)
+    for t, g in zip(tokens, grads, strict=True):
+        torch.nn.functional.embedding(t, w).backward(g)
+    return w.grad
+
+
+def sparse(weight: torch.Tensor, tokens: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
+    acc = TokenEmbeddingGrad(weight, tokens[0].numel(), len(tokens))
+    acc.buffer.fill_(7.0)  # leftovers of an earlier step: microbatch 0 must clear them
+    for m, (t, g) in enumerate(zip(tokens, grads, strict=True)):
+        out = acc.accumulate(m, t, g)
+    assert out.data_ptr() == acc.buffer.data_ptr() and out.shape == weight.shape
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), vocab=st.integers(1, 40), microbatches=st.integers(1, 4),
+       tokens=st.integers(1, 24))
+def test_sparse_accumulation_has_the_dense_bits(device: str, seed: int, vocab: int, microbatches: int,
+                                                tokens: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, 8, generator=g).to(device)
+    toks = [torch.randint(0, vocab, (1, tokens), generator=g).to(device) for _ in range(microbatches)]
+    grads = [torch.randn(1, tokens, 8, generator=g).to(device) for _ in range(microbatches)]
+    assert bitwise_equal(sparse(weight, toks, grads), dense_reference(weight, toks, grads))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_signed_zeros_follow_the_dense_add(device: str) -> None:
+    """`add_rows` against the dense copy-then-add: -0.0 from microbatch 0 in a row microbatch 1 does not
+    touch becomes +0.0 (-0.0 + +0.0); in a row microbatch 1 touches with -0.0 it stays -0.0
+    (-0.0 + -0.0), so the +0.0 pass must skip that row; untouched rows stay +0.0."""
+    vocab, h = 6, 4
+    acc = TokenEmbeddingGrad(torch.zeros(vocab, h, device=device), 3, 2)
+    acc.buffer.fill_(-0.0)
+    rows0 = torch.tensor([1, 2, vocab], device=device)
+    rows1 = torch.tensor([2, 3, vocab], device=device)
+    g0 = torch.full((3, h), -0.0, device=device)
+    g1 = torch.full((3, h), -0.0, device=device)
+    g1[1] = 0.5
+    dense = []
+    for rows, g in ((rows0, g0), (rows1, g1)):
+        d = torch.zeros(vocab + 1, h, device=device)
+        d[rows] = g
+        dense.append(d[:vocab])
+    want = dense[0].clone() + dense[1]
+    acc.add_rows(0, rows0, g0)
+    got = acc.add_rows(1, rows1, g1)
+    assert not torch.signbit(want[1]).any() and torch.signbit(want[2]).all()  # the case is real
+    assert bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_upstream_negative_zeros_give_the_dense_bits(device: str) -> None:
+    weight = torch.zeros(6, 4, device=device)
+    toks = [torch.tensor([[1, 2, 2]], device=device), torch.tensor([[2, 3, 3]], device=device)]
+    grads = [torch.full((1, 3, 4), -0.0, device=device), torch.full((1, 3, 4), -0.0, device=device)]
+    assert bitwise_equal(sparse(weight, toks, grads), dense_reference(weight, toks, grads))
+
+
+def test_microbatch_size_is_checked() -> None:
+    acc = TokenEmbeddingGrad(torch.zeros(5, 2), 4, 2)
+    with pytest.raises(ValueError, match="expected 4 tokens"):
+        acc.accumulate(0, torch.zeros(3, dtype=torch.int64), torch.zeros(3, 2))
+
+
+def test_first_chunk_with_sparse_token_grad_matches_autograd() -> None:
+    """The first stage's chunk with `sparse_token_grad`: the same output bits, and the token table's
+    gradient over 3 microbatches (dI's `extra` gradient into the accumulator) equal to autograd's."""
+    cfg = load_config().with_overrides(**{"model.vocab_size": 64, "pipeline.microbatches": 3})
+    dense, sparse_chunk = build_chunks_for(cfg, "cpu")[0], build_chunks_for(cfg, "cpu")[0]
+    sparse_chunk.sparse_token_grad = True
+    mb, t = cfg.model.microbatch_size, cfg.model.seq_len
+    acc = TokenEmbeddingGrad(sparse_chunk.tok_emb.weight, mb * t, 3)
+    g = torch.Generator().manual_seed(3)
+    ref = got = None
+    for m in range(3):
+        x = torch.randint(0, 64, (mb, t), generator=g)
+        out_d = dense(x, is_first_microbatch=m == 0)
+        out_s = sparse_chunk(x, is_first_microbatch=m == 0)
+        assert bitwise_equal(out_d, out_s)
+        gout = torch.randn(out_d.shape, generator=g).to(out_d.dtype)
+        _, gd = input_grad_body(dense, x, out_d, gout, retain_graph=False)
+        _, gs = input_grad_body(sparse_chunk, x, out_s, gout, retain_graph=False, extra=sparse_chunk.token_out)
+        assert "tok_emb.weight" in gd and "tok_emb.weight" not in gs and EXTRA in gs
+        for n in gs.keys() - {EXTRA}:
+            assert bitwise_equal(gd[n], gs[n]), n
+        ref = gd["tok_emb.weight"] if ref is None else ref + gd["tok_emb.weight"]
+        with torch.no_grad():
+            got = acc.accumulate(m, x, gs[EXTRA])
+    assert bitwise_equal(got, ref)
