@@ -13,7 +13,8 @@ from qeffect.stage.actions import EXTRA, input_grad_body
 from qeffect.stage.embedding_grad import TokenEmbeddingGrad
 from qeffect.verify.state import bitwise_equal
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                  reason="needs CUDA")])]
 
 
 def dense_reference(weight: torch.Tensor, tokens: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
