@@ -10,6 +10,8 @@
 # offload, offload-final (shorter: the offload and captured-training GPU tests only): the offload GPU tests and the offload benchmark (off / release / resident, bitwise and
 #          timings) for Interleaved and ZB-V (te backend as in h2048.toml; reference if te fails).
 # profile-h2048, profile-h4096: `qeffect profile` matrices with trace summaries, reference and te.
+# replay-protocol: the graph and token-table GPU tests, then benchmarks/replay_protocol.py (two-way vs
+#          stream-ordered replay) for both backends at h2048.
 # staged: the staged weight-gradient accumulation's GPU tests, bitwise matrix and A/B benchmark.
 # offload-next: the offload GPU tests (teardown leak included), scripts/offload_leak.py, and the offload
 #          benchmark over off, release, release-keep, resident and resident@6 for both schedules.
@@ -174,6 +176,14 @@ fused-quantize-profile)
     step 250 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
+replay-protocol)
+    # two-way handshake vs stream-ordered replay, A/B in one process per backend (h2048)
+    step 120 pytest-graphs python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graphs_gpu.py tests/test_embedding_grad.py
+    for b in reference te; do
+        step 100 "replay-protocol-$b" python3 benchmarks/replay_protocol.py --config examples/configs/h2048.toml \
+            --backend "$b" --out "$out/replay-protocol-h2048-$b-h200.json"
+    done
+    ;;
 profile-h2048)
     step 280 profile-h2048 python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference,h2048:te \
         --steps 20 --warmup 3 --trace 3
@@ -185,7 +195,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|resident-skip|release-window|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

@@ -1,4 +1,4 @@
-"""CUDA graph manager: one graph stream, one pool, two-way replay handshake, statistics.
+"""CUDA graph manager: one graph stream, one pool, two-way or stream-ordered replay, statistics.
 
 Importing this package touches no CUDA; only constructing a `GraphManager` without a fake backend does.
 """

@@ -2,7 +2,7 @@
 
 `CapturedStageActions` keeps the checked protocol of `StageActions` (tape pool, effect token, cache
 epoch, arena) and replaces only the physical action by a graph replay through the `GraphManager`
-(two-way handshake). Graph count is 3 x M per chunk.
+(stream-ordered: launched on the caller's stream, see `graphs/manager.py`). Graph count is 3 x M per chunk.
 
 Capture, per chunk: all F graphs first, then all dI graphs, then all dW graphs. dI is captured with
 `torch.autograd.grad(..., retain_graph=True)` over the autograd graph that F's capture recorded (the
