@@ -15,10 +15,11 @@ before the first capture so that libraries initialize outside it; warm-up and ca
 bodies for real, so the FP8 state is snapshotted before and restored (in place, same addresses) after;
 caches, tokens and arena are rewritten by the first replays.
 
-The effect token's device update and the reference backend's amax/scale updates are inside the graphs;
-accumulating non-matrix gradients into `.grad` and copying gradients (copy path) run eagerly between
-replays, on the caller stream. The first stage's token table accumulates its gradient over the rows
-each microbatch touched (`stage/embedding_grad.py`: the same bits as the dense accumulation).
+The effect token's device update, the reference backend's amax/scale updates and the accumulation of
+the non-matrix gradients (into fixed buffers that `.grad` is bound to after each dI replay) are inside
+the graphs; copying gradients (copy path) runs eagerly between replays, on the caller stream. The first
+stage's token table accumulates its gradient over the rows each microbatch touched
+(`stage/embedding_grad.py`: the same bits as the dense accumulation).
 """
 
 from __future__ import annotations
