@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from qeffect.checkpoint.state import local_view, tensor_state
 from qeffect.config import load_config
 from qeffect.graphs.handshake import git_revision, qeffect_environment
 from qeffect.runtime.build import build_single_process
@@ -50,18 +51,8 @@ from qeffect.verify.state import synthetic_batches
 
 
 def _final_state(pipe) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for r in pipe.ranks:
-        for s, chunk in r.chunks.items():
-            for n, p in chunk.named_parameters():
-                out[f"s{s}.{n}"] = p.detach().cpu().clone()
-            for n, t in chunk.fp8_state().items():
-                out[f"s{s}.fp8.{n}"] = t.detach().cpu().clone()
-        for i, st in enumerate(r.optimizer.state.values()):
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    out[f"r{r.rank}.opt{i}.{k}"] = v.detach().cpu().clone()
-    return out
+    """Parameters, optimizer and FP8 state by checkpoint key, copied off the device."""
+    return {k: v.detach().cpu().clone() for k, v in tensor_state(local_view(pipe)).items()}
 
 
 def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:

@@ -23,13 +23,14 @@ from collections import Counter
 
 import torch
 
+from qeffect.checkpoint.state import local_view, tensor_state
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.graphs.handshake import git_revision
 from qeffect.profile.matrix import device_name_of, te_version
 from qeffect.profile.trace import kineto_events, merge_intervals
 from qeffect.runtime.build import build_single_process
-from qeffect.verify.state import _all_params, _fp8, _optimizer_state, bitwise_equal, synthetic_batches
+from qeffect.verify.state import bitwise_equal, synthetic_batches
 
 PROTOCOLS = ("two-way", "stream-ordered")
 
@@ -114,8 +115,7 @@ def main() -> int:
             bounds.append((part[0].start, max(e.end for e in part)))
         traces[p] = gap_summary(prof, args.trace_steps, bounds)
         traces[p]["traced_seconds_per_step"] = statistics.median((b - a) * 1e-9 for a, b in windows)
-    state = {p: {f"r{i}.{k}": v for i, r in enumerate(pipes[p].ranks)
-                 for k, v in {**_all_params(r), **_optimizer_state(r), **_fp8(r)}.items()} for p in PROTOCOLS}
+    state = {p: tensor_state(local_view(pipes[p])) for p in PROTOCOLS}  # parameters, optimizer, FP8 state
     a, b = PROTOCOLS
     same_losses = losses[a] == losses[b]
     differ = sum(not bitwise_equal(v, state[b][k]) for k, v in state[a].items())

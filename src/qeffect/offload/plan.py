@@ -119,8 +119,7 @@ def kept_groups(events: Sequence[Event], banks: Mapping[Hashable, int]) -> set[H
     unknown = [g for g in banks if g not in named]
     if unknown:
         raise ValueError(f"offload plan: banks for groups without events: {unknown}")
-    first = {g: i for i, (kind, g) in enumerate(events) if kind == "F"}
-    start = {g: i for i, (kind, g) in enumerate(events) if kind == "B"}
+    first, start = _windows(events)
     claims = [(i, g) for i, (kind, g) in enumerate(events) if kind in ("F", "B") and g in banks]
     return {g for g, b in banks.items()
             if not any(h != g and banks[h] == b and first[g] < i < start[g] for i, h in claims)}
@@ -134,7 +133,13 @@ def short_window_groups(events: Sequence[Event], min_window: int) -> set[Hashabl
     check_events(events)
     if min_window < 0:
         raise ValueError(f"min_window must be >= 0, got {min_window}")
-    first = {g: i for i, (kind, g) in enumerate(events) if kind == "F"}
-    start = {g: i for i, (kind, g) in enumerate(events) if kind == "B"}
+    first, start = _windows(events)
     return {g for g in first
             if sum(1 for i in range(first[g] + 1, start[g]) if events[i][1] != g) < min_window}
+
+
+def _windows(events: Sequence[Event]) -> tuple[dict[Hashable, int], dict[Hashable, int]]:
+    """Each group's window: the positions of its F and of its B in `events` (checked by the caller)."""
+    first = {g: i for i, (kind, g) in enumerate(events) if kind == "F"}
+    start = {g: i for i, (kind, g) in enumerate(events) if kind == "B"}
+    return first, start
