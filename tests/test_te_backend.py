@@ -425,9 +425,12 @@ def test_batched_scaling_updates_equal_per_module() -> None:
         before = [{k: v.clone() for k, v in lin.fp8_state().items()} for lin in chains[1]]
         with batched_scaling_updates():
             yb = run(chains[1], xb)
-            if m > 0:  # deferred: nothing updated inside the scope (before m=0 the state does not exist)
-                assert all(_same(b[k], v) for b, lin in zip(before, chains[1], strict=True)
-                           for k, v in lin.fp8_state().items() if k in FORWARD_STATE)
+            if m > 0:  # deferred: no scale recomputed, no history rolled inside the scope (the forward
+                # itself only records this microbatch's amaxes into row 0; before m=0 there is no state)
+                moved = [k for b, lin in zip(before, chains[1], strict=True) for k, v in lin.fp8_state().items()
+                         if k in FORWARD_STATE and not _same(b[k] if k.endswith("_scale") else b[k][1:],
+                                                             v if k.endswith("_scale") else v[1:])]
+                assert moved == []
         assert _same(ya, yb)
         ya.backward(dy)
         with batched_scaling_updates():
