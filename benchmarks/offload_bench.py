@@ -23,7 +23,9 @@ every parameter, optimizer state and FP8 state tensor. Then:
   samples memory after every action, which slows the host, so it may find more copies done in time.
 
 `--modes` takes `resident@K` for resident offload with at least K banks (`train.offload_banks`),
-`release-keep` for release offload that keeps consumed slots mapped (`train.offload_reap = false`) and
+`release-keep` for release offload that keeps consumed slots mapped (`train.offload_reap = false`, the
+default), `release-reap` for release offload that also releases them after their backward
+(`train.offload_reap = true`; the A/B) and
 `resident-copyall` (also `resident-copyall@K`) for resident offload that copies every group to the host,
 even those the plan keeps in their bank (`train.offload_skip_kept_d2h = false`; the A/B of the skip), and
 `release-all` for release offload of every group, short windows included (`train.offload_min_window =
@@ -58,11 +60,12 @@ def _final_state(pipe) -> dict[str, torch.Tensor]:
 def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
     mode, _, banks = label.partition("@")
     keep = mode == "release-keep"  # release without releasing consumed slots (train.offload_reap = false)
+    reap = mode == "release-reap"  # release that also releases consumed slots (train.offload_reap = true)
     every = mode == "release-all"  # release offloading every group (train.offload_min_window = 0)
     copyall = mode == "resident-copyall"  # resident, every group copied out (train.offload_skip_kept_d2h = false)
-    mode = "release" if keep or every else "resident" if copyall else mode
+    mode = "release" if keep or reap or every else "resident" if copyall else mode
     cfg = cfg.with_overrides(**{"train.offload": mode, "train.offload_banks": int(banks) if banks else None,
-                                "train.offload_reap": False if keep else None,
+                                "train.offload_reap": False if keep else True if reap else None,
                                 "train.offload_min_window": 0 if every else None,
                                 "train.offload_skip_kept_d2h": False if copyall else None})
     gc.collect()
@@ -186,7 +189,7 @@ def main() -> int:
     ap.add_argument("--schedule", default=None, help="override pipeline.schedule")
     ap.add_argument("--path", default="captured-direct")
     ap.add_argument("--modes", default="off,release,resident",
-                    help="comma list of off, release, release-keep, release-all (every group offloaded), resident, "
+                    help="comma list of off, release, release-keep, release-reap, release-all (every group offloaded), resident, "
                          "resident@K (at least K banks), resident-copyall, resident-copyall@K (no D2H skipped)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)

@@ -97,6 +97,7 @@ def main() -> int:
             f = report.floor
             print(f"{stem}:{backend}: floor {f.seconds * 1e3:.3f} ms (layers {f.seconds_layers_only * 1e3:.3f} ms), "
                   f"FP8 GEMM {f.effective_tflops:.4g} TFLOP/s effective / {f.peak_tflops:.4g} peak; "
+                  f"initial weights drawn once in {report.init_draw_seconds or 0:.2f} s; "
                   f"{time.perf_counter() - t0:.0f}s -> {path}", flush=True)
             for c in report.configs:
                 if c.status != "ok":

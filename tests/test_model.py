@@ -155,3 +155,31 @@ def test_training_smoke_loss_decreases():
         losses.append(loss.item())
     assert all(map(torch.isfinite, map(torch.tensor, losses)))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_shared_init_draws_reuses_the_same_numbers(monkeypatch) -> None:
+    """Inside the scope the second build of a model copies the first one's draws (no generator call) and
+    gets the same parameters as a build outside it; another seed or shape draws afresh; the cache ends
+    with the scope."""
+    import qeffect.model.gpt as gpt
+
+    s = _shape()
+    plain = _params(build_chunks(s, BACKEND, seed=7))
+    draws = []
+    real = gpt._init_value
+    monkeypatch.setattr(gpt, "_init_value", lambda *a: draws.append(a[0]) or real(*a))
+    with gpt.shared_init_draws():
+        first = _params(build_chunks(s, BACKEND, seed=7))
+        n = len(draws)
+        assert n == sum(1 for c in build_chunks(s, BACKEND, seed=9) for _ in c.parameters())
+        draws.clear()
+        again = _params(build_chunks(s, BACKEND, seed=7, stages=[1]))
+        assert draws == []  # copied, not drawn
+        other = _params(build_chunks(s, BACKEND, seed=8))
+        assert len(draws) == n
+    assert gpt._DRAWS is None
+    assert plain.keys() == first.keys() and all(torch.equal(plain[k], first[k]) for k in plain)
+    assert again and all(torch.equal(v, first[k]) for k, v in again.items())
+    assert any(not torch.equal(plain[k], other[k]) for k in plain)
+    build_chunks(s, BACKEND, seed=7)
+    assert len(draws) == 2 * n  # outside the scope every build draws

@@ -70,6 +70,7 @@ def test_report_schema_round_trip(profiled) -> None:
     assert raw["configs"][0]["trace"]["steps"] == 1 and again.result("native-eager").trace is not None
     assert report.device == "cpu" and report.torch_version == torch.__version__
     assert report.environment.get("QEFFECT_FUSED_TRANSPOSE") == "kernel"
+    assert report.init_draw_seconds is not None and report.init_draw_seconds > 0  # drawn once, outside setups
     q = report.result("qeffect-eager")
     assert q.losses_equal_native is True and q.non_finite_losses == 0 and len(q.losses) == 3
     assert report.result("native-eager").losses_equal_native is None

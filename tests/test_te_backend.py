@@ -353,3 +353,90 @@ def test_wgrad_closure_lookup_without_te() -> None:
     other.context.put([["x"], lambda x: x])
     assert _wgrad_gemm_kwargs(other) is None
     assert _wgrad_gemm_kwargs(SimpleNamespace(context=None)) is None
+
+
+def test_batched_scaling_updates_group_nest_and_drop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scope's bookkeeping, with TE's kernel replaced by a recorder: one call per (recipe,
+    direction) at the outermost exit, the amax buffer being the states' current amaxes in queue
+    order; nothing runs when the body raises."""
+    import types
+
+    import qeffect.fp8.te as te_mod
+
+    calls = []
+
+    def fake_update(buf, hists, scales, algo, dtype, margin):
+        calls.append((buf.tolist(), [h.data_ptr() for h in hists], [s.data_ptr() for s in scales], algo, dtype, margin))
+
+    monkeypatch.setitem(sys.modules, "transformer_engine_torch",
+                        types.SimpleNamespace(fused_amax_and_scale_update_after_reduction=fake_update))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.quantization",
+                        types.SimpleNamespace(get_fp8_te_dtype=lambda r, fwd: ("e4m3" if fwd else "e5m2", r.tag)))
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
+
+    def state(v: float):
+        return types.SimpleNamespace(amax_history=torch.tensor([[v, v + 0.5], [0.0, 0.0]]), scale=torch.ones(2))
+
+    ra = types.SimpleNamespace(tag="a", amax_compute_algo="max", margin=0)
+    rb = types.SimpleNamespace(tag="b", amax_compute_algo="most_recent", margin=1)
+    s1, s2, s3, s4 = state(1.0), state(2.0), state(3.0), state(4.0)
+    with te_mod.batched_scaling_updates():
+        te_mod._PENDING.append((s1, True, ra))
+        with te_mod.batched_scaling_updates():  # nested: handed to the outer scope
+            te_mod._PENDING.append((s2, False, ra))
+            te_mod._PENDING.append((s3, True, ra))
+        assert calls == []
+        te_mod._PENDING.append((s4, True, rb))
+    assert te_mod._PENDING is None
+    ptrs = lambda *ss: [s.amax_history.data_ptr() for s in ss]  # noqa: E731
+    assert [(c[0], c[1], c[4]) for c in calls] == [
+        ([1.0, 1.5, 3.0, 3.5], ptrs(s1, s3), ("e4m3", "a")),
+        ([2.0, 2.5], ptrs(s2), ("e5m2", "a")),
+        ([4.0, 4.5], ptrs(s4), ("e4m3", "b")),
+    ]
+    assert [(c[3], c[5]) for c in calls] == [("max", 0.0), ("max", 0.0), ("most_recent", 1.0)]
+    calls.clear()
+    with pytest.raises(ValueError), te_mod.batched_scaling_updates():
+        te_mod._PENDING.append((s1, True, ra))
+        raise ValueError("body failed")
+    assert calls == [] and te_mod._PENDING is None
+
+
+@pytest.mark.gpu
+@requires_te
+def test_batched_scaling_updates_equal_per_module() -> None:
+    """A chain of three TE linears: forward and backward inside `batched_scaling_updates` (one fused
+    update per direction at the scope's end) give the bits of the per-module updates, over enough
+    microbatches to roll the amax history; inside the scope no state has moved yet."""
+    from qeffect.fp8.te import batched_scaling_updates
+
+    chains = [_pair((False, False, False), in_f=64, out_f=64) for _ in range(2)]
+
+    def run(chain, x):
+        for lin in chain:
+            x = lin(x, is_first_microbatch=False if lin.cache_valid else True)
+        return x
+
+    for m in range(6):
+        x, dy = _inputs(m, 64, 64)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya = run(chains[0], xa)
+        before = [{k: v.clone() for k, v in lin.fp8_state().items()} for lin in chains[1]]
+        with batched_scaling_updates():
+            yb = run(chains[1], xb)
+            if m > 0:  # deferred: no scale recomputed, no history rolled inside the scope (the forward
+                # itself only records this microbatch's amaxes into row 0; before m=0 there is no state)
+                moved = [k for b, lin in zip(before, chains[1], strict=True) for k, v in lin.fp8_state().items()
+                         if k in FORWARD_STATE and not _same(b[k] if k.endswith("_scale") else b[k][1:],
+                                                             v if k.endswith("_scale") else v[1:])]
+                assert moved == []
+        assert _same(ya, yb)
+        ya.backward(dy)
+        with batched_scaling_updates():
+            yb.backward(dy)
+        assert _same(xa.grad, xb.grad)
+        for a, b in zip(*chains, strict=True):
+            assert set(a.fp8_state()) == set(TE_STATE_NAMES)
+            assert all(_same(a.fp8_state()[k], b.fp8_state()[k]) for k in TE_STATE_NAMES)
+            assert _same(a.weight.grad, b.weight.grad)

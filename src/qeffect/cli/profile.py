@@ -84,6 +84,9 @@ def render(report, console: Console) -> None:
                       "arena are summed over ranks (by-rank values in the JSON)", highlight=False)
     for n in sorted({c.memory_note for c in report.configs if c.memory_note}):
         console.print(f"memory: {n}", highlight=False)
+    if report.init_draw_seconds is not None:
+        console.print(f"setup: the initial weights were drawn once ({report.init_draw_seconds:.2f} s, before any "
+                      "timer) and copied into every configuration's build", highlight=False)
     f = report.floor
     console.print(f"matrix FLOPs per step: {report.matrix_flops.total:,} ({report.matrix_flops.layers_only:,} in the "
                   f"layers); FP8 GEMM on these shapes: {f.effective_tflops:.3g} TFLOP/s effective, "

@@ -111,10 +111,15 @@ class ScalingState:
         return fp8_max(self.fp8_dtype)
 
     def update(self) -> None:
-        if _fused_update(self.scale):
+        self._update(_fused_update(self.scale))
+
+    def _update(self, fused: bool, scale_inv_out: Tensor | None = None) -> None:
+        """The transition, as one kernel (`fused`, which can also write `scale_inv_out`) or torch's sequence."""
+        if fused:
             from qeffect.fp8.fused_update import update_scale_fused
 
-            update_scale_fused(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo)
+            update_scale_fused(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo,
+                               scale_inv_out=scale_inv_out)
         else:
             update_scale(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo)
 
@@ -140,11 +145,5 @@ class ScalingState:
         fused = _fused_update(self.scale)  # the update kernel also writes 1 / (the scale before it)
         scale_inv = torch.empty_like(self.scale) if fused else self.scale.reciprocal()  # before the update
         q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
-        if fused:
-            from qeffect.fp8.fused_update import update_scale_fused
-
-            update_scale_fused(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo,
-                               scale_inv_out=scale_inv)
-        else:
-            update_scale(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo)
+        self._update(fused, scale_inv if fused else None)
         return q, q_t, scale_inv

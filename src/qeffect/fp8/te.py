@@ -225,8 +225,7 @@ def _linear_node(node: Any, depth: int = 4) -> Any:
 def te_linear_class() -> type[nn.Module]:
     """`TELinear`, a subclass of `transformer_engine.pytorch.Linear` (built on first use: lazy import)."""
     import transformer_engine.pytorch as te
-    import transformer_engine_torch as tex
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager, get_fp8_te_dtype
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     buffer_key = FP8GlobalStateManager.get_buffer_info()
 
@@ -299,16 +298,13 @@ def te_linear_class() -> type[nn.Module]:
             return out
 
         def _update_scaling(self, key: str, forward: bool) -> None:
-            """TE's delayed-scaling update (roll the amax history, recompute scales) for this module only."""
+            """TE's delayed-scaling update (roll the amax history, recompute scales) for this module only,
+            or queued for the enclosing `batched_scaling_updates` scope."""
             st = self.fp8_meta[key]
-            tex.fused_amax_and_scale_update_after_reduction(
-                st.amax_history[0].clone(),  # TE passes a concatenated copy of the current amaxes
-                [st.amax_history],
-                [st.scale],
-                self._te_recipe.amax_compute_algo,
-                get_fp8_te_dtype(self._te_recipe, forward),
-                float(self._te_recipe.margin),
-            )
+            if _PENDING is not None:
+                _PENDING.append((st, forward, self._te_recipe))
+                return
+            _run_updates([st], forward, self._te_recipe)
 
         def extra_state(self) -> dict[str, Tensor]:
             """Persistent FP8 state as plain tensors (copies), safe to checkpoint without pickle.
@@ -472,6 +468,56 @@ def te_linear_class() -> type[nn.Module]:
         setattr(TELinear, _name, _state_property(_name))
 
     return TELinear
+
+
+# The updates queued by the innermost `batched_scaling_updates` scope (None: update at once).
+_PENDING: list[tuple[Any, bool, Any]] | None = None
+
+
+def _run_updates(states: list[Any], forward: bool, te_recipe: Any) -> None:
+    """One `fused_amax_and_scale_update_after_reduction` over `states` (one recipe, one direction).
+
+    The kernel updates each state in its own thread block from its own slice of the amax buffer, so
+    one call over many states writes the same bits as one call per state; the buffer is the states'
+    current amaxes concatenated (what TE passes after its reduction; a single process has none)."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.quantization import get_fp8_te_dtype
+
+    tex.fused_amax_and_scale_update_after_reduction(
+        torch.cat([st.amax_history[0] for st in states]),
+        [st.amax_history for st in states],
+        [st.scale for st in states],
+        te_recipe.amax_compute_algo,
+        get_fp8_te_dtype(te_recipe, forward),
+        float(te_recipe.margin),
+    )
+
+
+@contextlib.contextmanager
+def batched_scaling_updates():
+    """Defer the delayed-scaling updates of every TE linear inside the scope to its end, as one fused
+    kernel per (recipe, direction) instead of a clone and a kernel per module and action.
+
+    Same bits as updating each module right after its forward (or backward): a module's state is read
+    only by its own next forward (backward), never by another module of the same action, so moving its
+    update to the end of the action changes nothing any kernel reads. Meant for one chunk action (`F`
+    or `dI`): captured, it saves two small kernels per linear and microbatch. Hooks that run on
+    autograd's device thread queue into the same list, so the scope is process-wide, not per thread."""
+    global _PENDING
+    outer, _PENDING = _PENDING, []
+    try:
+        yield
+        pending = _PENDING
+    finally:
+        _PENDING = outer
+    groups: dict[tuple[int, bool], tuple[Any, list[Any]]] = {}
+    for st, forward, te_recipe in pending:
+        groups.setdefault((id(te_recipe), forward), (te_recipe, []))[1].append(st)
+    for (_, forward), (te_recipe, states) in groups.items():
+        if outer is not None:  # nested: the outer scope flushes
+            outer.extend((st, forward, te_recipe) for st in states)
+        else:
+            _run_updates(states, forward, te_recipe)
 
 
 # Only a plain high-precision wgrad GEMM may be handed our buffer: no output already bound (fused

@@ -15,7 +15,8 @@ before the first capture so that libraries initialize outside it; warm-up and ca
 bodies for real, so the FP8 state is snapshotted before and restored (in place, same addresses) after;
 caches, tokens and arena are rewritten by the first replays.
 
-The effect token's device update, the reference backend's amax/scale updates and the accumulation of
+The effect token's device update, the backends' amax/scale updates (te: batched, one fused kernel per
+direction at the end of each F or dI, `fp8.te.batched_scaling_updates`) and the accumulation of
 the non-matrix gradients (into fixed buffers that `.grad` is bound to after each dI replay) are inside
 the graphs; copying gradients (copy path) runs eagerly between replays, on the caller stream. The first
 stage's token table accumulates its gradient over the rows each microbatch touched
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qeffect.contracts import Consumer, EffectToken, TapeRef
+from qeffect.fp8.te import batched_scaling_updates
 from qeffect.graphs.manager import CapturedAction, GraphManager
 from qeffect.offload.group import OffloadGroup, OffloadManager
 from qeffect.stage.actions import (
@@ -110,7 +112,8 @@ class CapturedStageActions(StageActions):
         self._warm_up(dev)
 
     def _f_body(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.chunk(self._x[m], is_first_microbatch=(m == 0), targets=self._tgt.get(m))
+        with batched_scaling_updates():  # te: one scaling-update kernel per F graph, not one per linear
+            out = self.chunk(self._x[m], is_first_microbatch=(m == 0), targets=self._tgt.get(m))
         self._out[m] = out
         if self._token_grad is not None:
             self._token_out[m] = self.chunk.token_out
@@ -140,8 +143,9 @@ class CapturedStageActions(StageActions):
                 self._gout[m] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
 
             def di_body(m: int = m) -> tuple:
-                grad_in, grads = input_grad_body(chunk, self._x[m], self._out[m], self._gout[m], retain_graph=True,
-                                                 extra=self._token_out.get(m))
+                with batched_scaling_updates():  # te: one scaling-update kernel per dI graph
+                    grad_in, grads = input_grad_body(chunk, self._x[m], self._out[m], self._gout[m],
+                                                     retain_graph=True, extra=self._token_out.get(m))
                 self._work[m] = take_wgrad_work(self._matrix)
                 with torch.no_grad():  # AccumulateGrad's bits, inside the graph: dI(0) copies, later dIs add
                     token_grad = grads.pop(EXTRA, None)

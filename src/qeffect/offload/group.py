@@ -28,9 +28,11 @@ microbatch slot) of a captured stage):
 6. `after_backward` records `consumed` on the compute stream: the bytes are no longer needed.
 
 Modes. `release`: each group has its own slot; the device memory of a group exists only while its
-activations are on the device. After a consumed backward the slot is also released ("reaped", when
-its `consumed` event has completed; checked without blocking at every hook) and remapped, without
-H2D, before the next forward. Driver calls run on the hot path, but the host does not wait for a D2H
+activations are on the device. With `release_consumed` (config `train.offload_reap = true`) the slot
+is also released after a consumed backward ("reaped", when its `consumed` event has completed; checked
+without blocking at every hook) and remapped, without H2D, before the next forward; the config's
+default keeps it mapped from the backward to the next forward, which writes it anyway (half the driver
+calls; the memory still comes back between every forward and its backward). Driver calls run on the hot path, but the host does not wait for a D2H
 after the forward (that would keep it from running ahead of the device and serialize every copy with
 the step): the slot is released at the first hook whose event query finds the copy done, and only a
 backward that comes before that waits for the copy (its own group's, queued a window earlier).

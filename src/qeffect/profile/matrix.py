@@ -6,7 +6,11 @@ reported with their spread; on CUDA the device is synchronized before and after 
 the next step's data is made before its timer starts. Every configuration builds its model from the
 same seed and runs on the same synthetic data sequence (step i gets `synthetic_batches(cfg, i)`), one
 configuration at a time: its pipeline is freed before the next one is built, and CUDA peak-memory
-statistics are reset in between.
+statistics are reset in between. The initial weights are drawn once, before any timer, and copied
+into every configuration's build (`model.gpt.shared_init_draws`): the CPU generator's draw is the same
+work for every configuration, and its run-to-run noise (seconds at hidden 4,096) would otherwise
+decide the break-even steps. Setup (build + first step) covers everything else: module construction,
+the copy to the device, arenas, capture.
 
 A configuration this machine cannot run is recorded as `not run` with the reason, never timed some
 other way; one that raises is recorded as `failed` with its error and the matrix goes on.
@@ -32,6 +36,7 @@ import torch
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
 from qeffect.graphs.stats import GraphStats
+from qeffect.model.gpt import shared_init_draws
 from qeffect.profile.flops import (
     Floor,
     GemmRate,
@@ -43,7 +48,7 @@ from qeffect.profile.flops import (
 from qeffect.profile.report import ConfigResult, ProfileReport, Spread, break_even_steps
 from qeffect.profile.resources import resource_rows
 from qeffect.profile.trace import sync_device
-from qeffect.runtime.build import build_single_process, dtype_of
+from qeffect.runtime.build import build_chunks_for, build_single_process, dtype_of
 from qeffect.schedule import build_schedule
 from qeffect.verify.state import synthetic_batches
 
@@ -296,6 +301,35 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
     gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
     floor = floor_of(gemm, flops)
     release_memory(device)
+    with shared_init_draws():
+        say("drawing the initial weights once (shared by every configuration, outside their setup)")
+        init_draw_seconds = draw_initial_weights(cfg, device)
+        release_memory(device)
+        results = _run_specs(cfg, specs, device, te_ok, flops, steps=steps, warmup=warmup,
+                             trace_steps=trace_steps, say=say)
+        derive_ratios(results, floor.seconds, floor.seconds_layers_only)
+        resources = None
+        if microbatches:
+            say(f"resource analysis for M = {', '.join(map(str, microbatches))}")
+            resources = resource_rows(cfg, list(microbatches), resource_schedules(specs, cfg),
+                                      capture=device.type == "cuda")
+    return make_report(cfg, device, command=command, config_path=config_path, steps=steps, warmup=warmup,
+                       flops=flops, gemm=gemm, floor=floor, results=results, trace_steps=trace_steps,
+                       resources=resources, init_draw_seconds=init_draw_seconds)
+
+
+def draw_initial_weights(cfg: RunConfig, device: torch.device) -> float:
+    """Build the model once inside `shared_init_draws` (which keeps its initial values for every later
+    build) and return the seconds it took; the model itself is dropped."""
+    t0 = time.perf_counter()
+    build_chunks_for(cfg, device)
+    return time.perf_counter() - t0
+
+
+def _run_specs(cfg: RunConfig, specs: Sequence[ConfigSpec], device: torch.device, te_ok: bool,
+               flops: MatrixFlops, *, steps: int, warmup: int, trace_steps: int,
+               say: Callable[[str], None]) -> list[ConfigResult]:
+    """Time every configuration of the matrix; one that fails is reported, the others still run."""
     results = []
     for spec in specs:
         r = ConfigResult(name=spec.name, description=spec.description, status="ok", schedule=spec.schedule,
@@ -318,15 +352,7 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
             release_memory(device)
         r.matrix_flops = flops.layers_only if spec.path == "te" else flops.total
         results.append(r)
-    derive_ratios(results, floor.seconds, floor.seconds_layers_only)
-    resources = None
-    if microbatches:
-        say(f"resource analysis for M = {', '.join(map(str, microbatches))}")
-        resources = resource_rows(cfg, list(microbatches), resource_schedules(specs, cfg),
-                                  capture=device.type == "cuda")
-    return make_report(cfg, device, command=command, config_path=config_path, steps=steps, warmup=warmup,
-                       flops=flops, gemm=gemm, floor=floor, results=results, trace_steps=trace_steps,
-                       resources=resources)
+    return results
 
 
 def make_report(cfg: RunConfig, device: torch.device, *, command: str, config_path: str | None, steps: int,

@@ -198,6 +198,9 @@ class ProfileReport(BaseModel):
     warmup: int
     trace_steps: int = 0  # profiled steps per configuration after the timed ones (0: no traces)
     world_size: int = 1  # processes (one GPU each) under torchrun; 1: the single-process matrix
+    # seconds to draw the initial weights once, before any configuration's timer (every configuration's
+    # build then copies them: `model.gpt.shared_init_draws`); None: each build drew its own
+    init_draw_seconds: float | None = None
     matrix_flops: MatrixFlops
     gemm: list[GemmRate]
     floor: Floor

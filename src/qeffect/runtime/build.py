@@ -122,7 +122,7 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     return GraphManager(device, protocol="stream-ordered"), offload, path == "captured-direct"
 
 
-def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, reap: bool = True,
+def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, reap: bool = False,
                          skip_kept_d2h: bool = True, min_window: int = 0) -> OffloadManager:
     """One offload manager per device (`banks`: resident mode's minimum bank count; `reap`: release mode
     also releases consumed slots; `skip_kept_d2h`: resident mode copies no group the schedule's plan
