@@ -25,6 +25,7 @@ def test_profile_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["schema_version"] == SCHEMA_VERSION and r["world_size"] == 2
+    assert r["init_draw_seconds"] > 0  # every process drew the initial weights once, before any timer
     assert r["command"].startswith("torchrun --nproc-per-node 2")
     assert [t["name"] for t in r["targets"]][0] == "speedup-vs-native"  # not measured on CPU: no captured run
     assert r["targets"][0]["met"] is None

@@ -20,13 +20,15 @@ import torch.distributed as dist
 
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
-from qeffect.profile.flops import Floor, count_matrix_flops, floor_of, measure_gemm_rates
+from qeffect.model.gpt import shared_init_draws
+from qeffect.profile.flops import Floor, MatrixFlops, count_matrix_flops, floor_of, measure_gemm_rates
 from qeffect.profile.matrix import (
     TE_ANCHOR,
     ConfigSpec,
     GraphCounters,
     check_inputs,
     derive_ratios,
+    draw_initial_weights,
     make_report,
     not_run_reason,
     release_memory,
@@ -132,6 +134,24 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
     gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
     floor = pipeline_floor(floor_of(gemm, flops), p.pp)
     release_memory(device)
+    with shared_init_draws():  # every process draws the initial weights once, before any timer
+        say("drawing the initial weights once (shared by every configuration, outside their setup)")
+        init_draw_seconds = draw_initial_weights(cfg, device)
+        release_memory(device)
+        results = _run_specs(cfg, specs, device, te_ok, flops, steps=steps, warmup=warmup,
+                             trace_steps=trace_steps, say=say, rank0=rank0)
+    if not rank0:
+        return None
+    derive_ratios(results, floor.seconds, floor.seconds_layers_only)
+    return make_report(cfg, device, command=command, config_path=config_path, steps=steps, warmup=warmup,
+                       flops=flops, gemm=gemm, floor=floor, results=results, world_size=dist.get_world_size(),
+                       trace_steps=trace_steps, init_draw_seconds=init_draw_seconds)
+
+
+def _run_specs(cfg: RunConfig, specs: Sequence[ConfigSpec], device: torch.device, te_ok: bool,
+               flops: MatrixFlops, *, steps: int, warmup: int, trace_steps: int, say: Callable[[str], None],
+               rank0: bool) -> list[ConfigResult]:
+    """Time every configuration on every rank; rank 0 gathers and merges each one's results."""
     results: list[ConfigResult] = []
     for spec in specs:
         r = ConfigResult(name=spec.name, description=spec.description, status="ok", schedule=spec.schedule,
@@ -153,12 +173,7 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
             merged.matrix_flops = flops.total
             results.append(merged)
         sync_all(device)
-    if not rank0:
-        return None
-    derive_ratios(results, floor.seconds, floor.seconds_layers_only)
-    return make_report(cfg, device, command=command, config_path=config_path, steps=steps, warmup=warmup,
-                       flops=flops, gemm=gemm, floor=floor, results=results, world_size=dist.get_world_size(),
-                       trace_steps=trace_steps)
+    return results
 
 
 def refuse_single_process_options(microbatches: str | None) -> None:
