@@ -510,14 +510,14 @@ def batched_scaling_updates():
         pending = _PENDING
     finally:
         _PENDING = outer
+    if outer is not None:  # nested: the outer scope flushes
+        outer.extend(pending)
+        return
     groups: dict[tuple[int, bool], tuple[Any, list[Any]]] = {}
     for st, forward, te_recipe in pending:
         groups.setdefault((id(te_recipe), forward), (te_recipe, []))[1].append(st)
     for (_, forward), (te_recipe, states) in groups.items():
-        if outer is not None:  # nested: the outer scope flushes
-            outer.extend((st, forward, te_recipe) for st in states)
-        else:
-            _run_updates(states, forward, te_recipe)
+        _run_updates(states, forward, te_recipe)
 
 
 # Only a plain high-precision wgrad GEMM may be handed our buffer: no output already bound (fused
