@@ -243,7 +243,7 @@ _DRAWS: dict[tuple, dict[tuple[int, str], Tensor]] | None = None
 @contextlib.contextmanager
 def shared_init_draws() -> Iterator[None]:
     """Within the scope, `build_chunks` draws each model's initial values once and copies them into
-    every later build of the same (seed, shape, head): the same numbers, without drawing the CPU
+    every later build of the same (seed, shape, head, backend): the same numbers, without drawing the CPU
     generator again (about 9 s per billion parameters). `qeffect profile` builds one model per
     configuration and draws it once before any timer, so the configurations' setup times compare
     what differs between them, not the same random draws with their run-to-run noise."""
