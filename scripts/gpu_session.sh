@@ -18,6 +18,8 @@
 # release-window: release mode leaves the last stage's groups on the device (train.offload_min_window, branch
 #          next/release-min-window): the offload GPU tests, then the benchmark over off, release, release-all
 #          (every group offloaded: the A/B) and resident for both schedules.
+# release-keep: release mode keeping consumed slots mapped (the default since d459de8): the offload GPU tests,
+#          then the offload benchmark over off, release, release-reap (the A/B) and resident for both schedules.
 # resident-skip: no D2H for groups the plan keeps in their bank (merged from next/resident-skip-d2h): the
 #          offload GPU tests, then the offload benchmark over off, resident, resident@6 and the same
 #          two copying every group (resident-copyall, resident-copyall@6: the A/B) for both schedules.
@@ -34,9 +36,9 @@ LOGS=$out
 # shellcheck source=scripts/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
 offload_bench() {  # offload_bench <schedule>
-    step 80 "offload-$1" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+    step 120 "offload-$1" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
         --schedule "$1" --steps 20 --out "$out/offload-bench-h2048-$1-h200.json" ||
-    step 80 "offload-$1-reference" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+    step 120 "offload-$1-reference" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
         --schedule "$1" --backend reference --steps 20 --out "$out/offload-bench-h2048-$1-reference-h200.json"
 }
 bitwise_matrix() {  # the verify matrix (reference, te x interleaved, zbv x captured-copy, -direct, 20 steps)
@@ -182,6 +184,14 @@ replay-protocol)
     for b in reference te; do
         step 100 "replay-protocol-$b" python3 benchmarks/replay_protocol.py --config examples/configs/h2048.toml \
             --backend "$b" --out "$out/replay-protocol-h2048-$b-h200.json"
+    done
+    ;;
+release-keep)
+    step 90 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py
+    for s in zbv interleaved; do
+        step 150 "offload-keep-$s" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            --schedule "$s" --steps 20 --modes off,release,release-reap,resident \
+            --out "$out/offload-bench-h2048-$s-release-keep-h200.json"
     done
     ;;
 profile-h2048)
