@@ -132,12 +132,13 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
     }
     if mgr is not None:
         st = mgr.stats
+        not_offloaded = sum(g.nbytes for g in mgr.not_offloaded)  # release: the short-window groups' bytes
         res["offload"] = {
             "groups": len(mgr.groups), "group_bytes": sum(g.nbytes for g in mgr.groups),
             "banks": len(mgr.banks), "bank_plan": mgr.bank_plan, "mapped_bytes_now": mgr.mapped_bytes(),
             "host_bytes": mgr.host_bytes(), "kept_groups": [g.name for g in mgr.kept],
             "not_offloaded_groups": [g.name for g in mgr.not_offloaded],
-            "not_offloaded_bytes": sum(g.nbytes for g in mgr.not_offloaded),
+            "not_offloaded_bytes": not_offloaded,
             **{k: getattr(st, k) for k in ("d2h_copies", "d2h_bytes", "d2h_skipped", "h2d_copies", "h2d_bytes", "maps", "unmaps",
                                            "released_live", "released_at_backward", "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped",
                                            "reloads_skipped", "evictions")}}
@@ -150,7 +151,7 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
                 "groups": len(mgr.groups), "slot_bytes": slot, "driver_free_increase_bytes": early,
                 "returned_fraction": early / slot if slot else None,
                 # over every group's bytes, the ones not offloaded counted as not returned
-                "returned_fraction_all_groups": early / (slot + sum(g.nbytes for g in mgr.not_offloaded)) if slot else None,
+                "returned_fraction_all_groups": early / (slot + not_offloaded) if slot else None,
                 "returned_fraction_incl_backward": total / slot if slot else None, "per_group": returned[:64]}
     del pipe
     if mgr is not None:

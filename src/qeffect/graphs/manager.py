@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 from torch import Tensor
@@ -38,7 +38,7 @@ from torch import Tensor
 from qeffect.graphs.stats import GraphStats
 
 HandshakeProtocol = Literal["two-way", "one-way", "stream-ordered"]
-PROTOCOLS: tuple[str, ...] = ("two-way", "one-way", "stream-ordered")
+PROTOCOLS: tuple[str, ...] = get_args(HandshakeProtocol)
 
 
 class GraphBackend(Protocol):

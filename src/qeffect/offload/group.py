@@ -32,9 +32,9 @@ activations are on the device. With `release_consumed` (config `train.offload_re
 is also released after a consumed backward ("reaped", when its `consumed` event has completed; checked
 without blocking at every hook) and remapped, without H2D, before the next forward; the config's
 default keeps it mapped from the backward to the next forward, which writes it anyway (half the driver
-calls; the memory still comes back between every forward and its backward). Driver calls run on the hot path, but the host does not wait for a D2H
-after the forward (that would keep it from running ahead of the device and serialize every copy with
-the step): the slot is released at the first hook whose event query finds the copy done, and only a
+calls; the memory still comes back between every forward and its backward). Driver calls run on the
+hot path, but the host does not wait for a D2H after the forward (that would keep it from running ahead
+of the device and serialize every copy with the step): the slot is released at the first hook whose event query finds the copy done, and only a
 backward that comes before that waits for the copy (its own group's, queued a window earlier).
 `resident` (ping-pong): at least `num_banks` (2) slots mapped for the whole run; group i of the
 backward order uses bank i % num_banks (or the bank `offload.plan.assign_banks` gives it), so the

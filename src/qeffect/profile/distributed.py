@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
-from qeffect.model.gpt import shared_init_draws
 from qeffect.profile.flops import Floor, MatrixFlops, count_matrix_flops, floor_of, measure_gemm_rates
 from qeffect.profile.matrix import (
     TE_ANCHOR,
@@ -28,7 +27,7 @@ from qeffect.profile.matrix import (
     GraphCounters,
     check_inputs,
     derive_ratios,
-    draw_initial_weights,
+    initial_weights_drawn_once,
     make_report,
     not_run_reason,
     release_memory,
@@ -134,10 +133,7 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
     gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
     floor = pipeline_floor(floor_of(gemm, flops), p.pp)
     release_memory(device)
-    with shared_init_draws():  # every process draws the initial weights once, before any timer
-        say("drawing the initial weights once (shared by every configuration, outside their setup)")
-        init_draw_seconds = draw_initial_weights(cfg, device)
-        release_memory(device)
+    with initial_weights_drawn_once(cfg, device, say) as init_draw_seconds:  # in every process
         results = _run_specs(cfg, specs, device, te_ok, flops, steps=steps, warmup=warmup,
                              trace_steps=trace_steps, say=say, rank0=rank0)
     if not rank0:

@@ -22,12 +22,13 @@ in aten ops, the largest kernels and coarse kernel categories (see `qeffect.prof
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import gc
 import platform
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -301,10 +302,7 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
     gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
     floor = floor_of(gemm, flops)
     release_memory(device)
-    with shared_init_draws():
-        say("drawing the initial weights once (shared by every configuration, outside their setup)")
-        init_draw_seconds = draw_initial_weights(cfg, device)
-        release_memory(device)
+    with initial_weights_drawn_once(cfg, device, say) as init_draw_seconds:
         results = _run_specs(cfg, specs, device, te_ok, flops, steps=steps, warmup=warmup,
                              trace_steps=trace_steps, say=say)
         derive_ratios(results, floor.seconds, floor.seconds_layers_only)
@@ -318,12 +316,18 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
                        resources=resources, init_draw_seconds=init_draw_seconds)
 
 
-def draw_initial_weights(cfg: RunConfig, device: torch.device) -> float:
-    """Build the model once inside `shared_init_draws` (which keeps its initial values for every later
-    build) and return the seconds it took; the model itself is dropped."""
-    t0 = time.perf_counter()
-    build_chunks_for(cfg, device)
-    return time.perf_counter() - t0
+@contextlib.contextmanager
+def initial_weights_drawn_once(cfg: RunConfig, device: torch.device,
+                               say: Callable[[str], None]) -> Iterator[float]:
+    """A `shared_init_draws` scope whose model is drawn at once: builds it (then drops it and frees its
+    memory) and yields the seconds that took; every build inside the scope copies those values."""
+    with shared_init_draws():
+        say("drawing the initial weights once (shared by every configuration, outside their setup)")
+        t0 = time.perf_counter()
+        build_chunks_for(cfg, device)
+        seconds = time.perf_counter() - t0
+        release_memory(device)
+        yield seconds
 
 
 def _run_specs(cfg: RunConfig, specs: Sequence[ConfigSpec], device: torch.device, te_ok: bool,
