@@ -179,6 +179,62 @@ def test_any_thread_gets_the_primary_context() -> None:
     assert out["ctx"] == drv.context and out["va"] == slot.va and slot.mapped and slot.maps == 2
 
 
+def test_vmm_calls_make_no_context_lookup_once_the_thread_has_one() -> None:
+    """The hot path's VMM calls go straight to the driver on a thread with a context; a thread without
+    one gets CUDA_ERROR_INVALID_CONTEXT once per call site (nothing done), binds the primary context and
+    calls again; the context-bound calls (free memory, synchronize) always bind it first."""
+    dev, drv = fake()
+    slot = VmmSlot(drv, 2 * GRAN, device="cpu")
+    start = len(dev.cu.trace)
+    slot.unmap(wait=lambda: None)  # the offload groups wait on their copy's event, not the context
+    slot.map()
+    names = [t[0] for t in dev.cu.trace[start:]]
+    assert names == ["cuMemUnmap", "cuMemRelease", "cuMemCreate", "cuMemMap", "cuMemSetAccess"]
+    start = len(dev.cu.trace)
+    drv.mem_get_info()
+    drv.synchronize()
+    names = [t[0] for t in dev.cu.trace[start:]]
+    assert names == ["cuCtxGetCurrent", "cuMemGetInfo", "cuCtxGetCurrent", "cuCtxSynchronize"]
+    out: dict[str, list[str]] = {}
+
+    def worker() -> None:
+        begin = len(dev.cu.trace)
+        slot.unmap(wait=lambda: None)
+        slot.map()
+        out["names"] = [t[0] for t in dev.cu.trace[begin:]]
+
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert out["names"] == ["cuMemUnmap", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemUnmap", "cuMemRelease",
+                            "cuMemCreate", "cuMemMap", "cuMemSetAccess"]
+    assert slot.mapped and dev.cu.free == dev.cu.total - slot.size
+
+
+def test_other_errors_are_not_retried_and_a_context_that_stays_missing_raises() -> None:
+    dev, drv = fake()
+    slot = VmmSlot(drv, GRAN, device="cpu", map_now=False)
+    dev.cu.fail_next["cuMemCreate"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    start = len(dev.cu.trace)
+    with pytest.raises(CudaDriverError, match="cuMemCreate failed"):
+        slot.map()
+    assert [t[0] for t in dev.cu.trace[start:]] == ["cuMemCreate"]
+    out: dict[str, object] = {}
+
+    def worker() -> None:  # no context here, and binding it does not help: the retry's error is raised
+        dev.cu.fail_next["cuCtxSetCurrent"] = CUresult.CUDA_ERROR_INVALID_CONTEXT
+        try:
+            slot.map()
+        except CudaDriverError as err:
+            out["err"] = err
+
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert isinstance(out["err"], CudaDriverError) and out["err"].call == "cuCtxSetCurrent"
+    assert not slot.mapped
+
+
 def test_context_reference_is_released_on_close() -> None:
     dev, drv = fake()
     assert dev.cu.primary_retains == [1]

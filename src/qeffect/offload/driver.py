@@ -2,9 +2,13 @@
 
 Why a wrapper: every `cuda.bindings.driver` function returns `(CUresult, value...)` and never raises, so
 an unchecked call fails silently and the next one fails somewhere else. `VmmDriver` checks every
-result and raises `CudaDriverError` naming the call and the code. It also makes the device's primary
-context current before each call: a thread that never touched CUDA has no current context and every
-VMM call from it would fail with CUDA_ERROR_INVALID_CONTEXT.
+result and raises `CudaDriverError` naming the call and the code. It also works from any thread: a
+thread that never touched CUDA has no current context, and every VMM call from it fails with
+CUDA_ERROR_INVALID_CONTEXT (nothing done); the wrapper then binds the device's primary context and
+makes the call again. The VMM calls name their device themselves (allocation and access
+descriptors), so they need a context, not a particular one: no context lookup precedes them on the
+hot path (release offload makes a few hundred per step). The calls whose meaning is the current
+context's (`cuCtxSynchronize`, `cuMemGetInfo`) bind the primary context first, every time.
 
 `cu` is injectable: the real module on a GPU machine, or `qeffect.offload.fake.FakeCudaDriver` (same
 function names, same tuple returns) on CPU, so this exact code is what the CPU tests run.
@@ -59,8 +63,12 @@ def _code(result: Any) -> int:
         return int(getattr(result, "value", -1))
 
 
+# Calls whose result depends on which context is current: made on this device's primary context, always.
+CONTEXT_CALLS = frozenset({"cuCtxSynchronize", "cuMemGetInfo"})
+
+
 class VmmDriver:
-    """One device's VMM calls, each checked; the primary context is made current before every call.
+    """One device's VMM calls, each checked, from any thread (see the module docstring on contexts).
 
     Holds a reference on the device's primary context (`cuDevicePrimaryCtxRetain`, the context PyTorch
     uses) until `close()`.
@@ -72,6 +80,10 @@ class VmmDriver:
         self.torch_device = torch.device(torch_device) if torch_device is not None else torch.device("cuda", self.ordinal)
         self._lock = threading.Lock()
         self._granularity: int | None = None
+        self._prop: Any = None
+        self._access: Any = None
+        retry = ("CUDA_ERROR_INVALID_CONTEXT", "CUDA_ERROR_CONTEXT_IS_DESTROYED")
+        self._no_context = tuple(getattr(self.cu.CUresult, n) for n in retry if hasattr(self.cu.CUresult, n))
         self._closed = False
         self._raw("cuInit", 0)
         self.device = self._raw("cuDeviceGet", self.ordinal)
@@ -92,17 +104,23 @@ class VmmDriver:
             pass
         return CudaDriverError(call, code, name, message)
 
-    def _raw(self, call: str, *args: Any) -> Any:
-        """Call `cu.<call>(*args)` and check its CUresult; return None, the one value, or a tuple of values."""
+    def _invoke(self, call: str, *args: Any) -> tuple:
+        """`cu.<call>(*args)` as (CUresult, values), unchecked."""
         ret = getattr(self.cu, call)(*args)
         if not isinstance(ret, tuple) or not ret:
             raise TypeError(f"{call} returned {ret!r}; cuda.bindings calls return (CUresult, value...)")
-        result, values = ret[0], ret[1:]
+        return ret[0], ret[1:]
+
+    def _check(self, call: str, result: Any, values: tuple) -> Any:
         if result != self.cu.CUresult.CUDA_SUCCESS:
             raise self._error(call, result)
         if not values:
             return None
         return values[0] if len(values) == 1 else values
+
+    def _raw(self, call: str, *args: Any) -> Any:
+        """Call `cu.<call>(*args)` and check its CUresult; return None, the one value, or a tuple of values."""
+        return self._check(call, *self._invoke(call, *args))
 
     def make_current(self) -> None:
         """Bind this device's primary context to the calling thread if another (or none) is current."""
@@ -114,28 +132,44 @@ class VmmDriver:
             self._raw("cuCtxSetCurrent", self.context)
 
     def call(self, call: str, *args: Any) -> Any:
-        """A checked driver call on this device's primary context, from any thread."""
-        self.make_current()
-        return self._raw(call, *args)
+        """A checked driver call from any thread: bound to this device's primary context first when it
+        depends on the current context; otherwise made at once and, where the thread has no context
+        yet (CUDA_ERROR_INVALID_CONTEXT: nothing was done), made again after binding it."""
+        if self._closed:
+            raise RuntimeError("VmmDriver is closed")
+        if call in CONTEXT_CALLS:
+            self.make_current()
+            return self._raw(call, *args)
+        result, values = self._invoke(call, *args)
+        if result in self._no_context:
+            self.make_current()
+            result, values = self._invoke(call, *args)
+        return self._check(call, result, values)
 
     # --------------------------------------------------------------------------------- descriptors
     def allocation_prop(self) -> Any:
-        """Pinned (non-migratable) device memory on this device, no shareable handle."""
-        cu = self.cu
-        prop = cu.CUmemAllocationProp()
-        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = self.ordinal
-        return prop
+        """Pinned (non-migratable) device memory on this device, no shareable handle (built once: the
+        driver only reads it)."""
+        if self._prop is None:
+            cu = self.cu
+            prop = cu.CUmemAllocationProp()
+            prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            prop.location.id = self.ordinal
+            self._prop = prop
+        return self._prop
 
     def access_desc(self) -> Any:
-        """Read-write access for this device (cuMemSetAccess after every map: a fresh mapping has none)."""
-        cu = self.cu
-        desc = cu.CUmemAccessDesc()
-        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = self.ordinal
-        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        return desc
+        """Read-write access for this device (cuMemSetAccess after every map: a fresh mapping has none;
+        built once)."""
+        if self._access is None:
+            cu = self.cu
+            desc = cu.CUmemAccessDesc()
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = self.ordinal
+            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            self._access = desc
+        return self._access
 
     # --------------------------------------------------------------------------------- operations
     @property
