@@ -29,7 +29,8 @@ default), `release-reap` for release offload that also releases them after their
 `resident-copyall` (also `resident-copyall@K`) for resident offload that copies every group to the host,
 even those the plan keeps in their bank (`train.offload_skip_kept_d2h = false`; the A/B of the skip), and
 `release-all` for release offload of every group, short windows included (`train.offload_min_window =
-0`; the A/B of not offloading them).
+0`; the A/B of not offloading them). Any mode takes a `/laN` suffix (`release/la2`, `resident@6/la3`):
+`train.offload_lookahead = N`, the offloaded groups each backward restores ahead (0: none; the A/B).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _final_state(pipe) -> dict[str, torch.Tensor]:
 
 
 def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
-    mode, _, banks = label.partition("@")
+    base, _, depth = label.partition("/la")  # "/laN": train.offload_lookahead = N
+    mode, _, banks = base.partition("@")
     keep = mode == "release-keep"  # release without releasing consumed slots (train.offload_reap = false)
     reap = mode == "release-reap"  # release that also releases consumed slots (train.offload_reap = true)
     every = mode == "release-all"  # release offloading every group (train.offload_min_window = 0)
@@ -67,7 +69,8 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
     cfg = cfg.with_overrides(**{"train.offload": mode, "train.offload_banks": int(banks) if banks else None,
                                 "train.offload_reap": False if keep else True if reap else None,
                                 "train.offload_min_window": 0 if every else None,
-                                "train.offload_skip_kept_d2h": False if copyall else None})
+                                "train.offload_skip_kept_d2h": False if copyall else None,
+                                "train.offload_lookahead": int(depth) if depth else None})
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize(dev)
@@ -123,7 +126,7 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
     res = {
         "mode": label, "offload_banks": cfg.train.offload_banks,
         "offload_skip_kept_d2h": cfg.train.offload_skip_kept_d2h, "offload_min_window": cfg.train.offload_min_window,
-        "setup_seconds": setup, "step_seconds": times,
+        "offload_lookahead": cfg.train.offload_lookahead, "setup_seconds": setup, "step_seconds": times,
         "median_step_seconds": statistics.median(times),
         "peak_allocated_bytes": peak_alloc, "baseline_allocated_bytes": baseline,
         "peak_driver_used_bytes": total - min(free_samples),

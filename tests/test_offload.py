@@ -578,6 +578,73 @@ def test_lookahead_restores_the_next_group_before_the_current_backward_runs() ->
         dev.synchronize()
 
 
+def test_deeper_lookahead_queues_the_next_restores_before_the_current_backward_runs() -> None:
+    """Depth 2 in a stack: B3 already queues G2's and G1's restores; depth 1 only G2's (G1's comes at B2)."""
+    for depth in (1, 2, 3):
+        dev, mgr, groups = build("release", lookahead=depth, progress=0)
+        for g in groups:
+            g.before_forward()
+            g.after_forward()
+        mgr.reap(block=True)
+        dev.trace.clear()
+        groups[3].before_backward()
+        dev.launch(dev.compute, lambda: None, "B3")
+        restored = [e[3] for e in dev.trace if e[:2] == ("copy", "h2d")]
+        assert len(restored) == 1 + min(depth, 3), depth  # its own restore, then `depth` ahead
+        assert mgr.stats.prefetches == min(depth, 3)
+        groups[3].after_backward()
+        dev.synchronize()
+
+
+@pytest.mark.parametrize("mode", ["release", "resident"])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("depth", [2, 3])
+def test_every_interleaving_restores_the_right_bytes_at_any_lookahead_depth(mode: str, program: str,
+                                                                            depth: int) -> None:
+    prog, order = PROGRAMS[program]
+    for seed in range(12):
+        dev, mgr, groups = build(mode, seed, layers=len(order), order=order, lookahead=depth, num_banks=3)
+        assert run_program(dev, groups, prog) == [], (mode, program, seed, depth)
+        assert mgr.stats.d2h_copies == 2 * len(order)
+
+
+def test_lookahead_passes_over_groups_without_a_slot_and_a_deep_one_never_evicts() -> None:
+    # release: a group with nothing to offload does not use up the depth
+    dev, drv = fake(0, progress=0)
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev, lookahead=1)
+    g0, empty, g2 = (mgr.group(n) for n in ("G0", "E1", "G2"))
+    g0.discover(torch.empty(4))
+    g2.discover(torch.empty(4))
+    mgr.allocate([g2, empty, g0])
+    for g in (g0, empty, g2):
+        g.before_forward()
+        g.after_forward()
+    mgr.reap(block=True)
+    g2.before_backward()
+    assert mgr.stats.prefetches == 1 and g0._restore_pending  # past the empty group to G0
+    g2.after_backward()
+    dev.synchronize()
+    # resident, G0 and G2 share bank 1: at B3, depth 3 reaches G0, whose restore would evict G2 (live,
+    # its backward next): skipped, G2 stays; G0 is restored at its own backward
+    dev, drv = fake(0, progress=0)
+    mgr = OffloadManager("resident", device="cpu", driver=drv, streams=dev, lookahead=3)
+    groups = [mgr.group(f"G{k}") for k in range(4)]
+    for g in groups:
+        g.discover(torch.empty(4))
+    mgr.allocate(groups[::-1], banks=[0, 1, 2, 1])
+    for g in groups:
+        g.before_forward()
+        g.after_forward()
+    assert groups[0].state is GroupState.RESIDENT_RELOAD_PENDING and groups[0].bank.owner is groups[2]
+    groups[3].before_backward()
+    assert mgr.stats.prefetches_skipped == 1 and not groups[0]._restore_pending
+    assert groups[0].bank.owner is groups[2] and mgr.stats.evictions == 1
+    groups[3].after_backward()
+    dev.synchronize()
+    with pytest.raises(ValueError, match="lookahead"):
+        OffloadManager("release", device="cpu", driver=fake()[1], streams=fake()[0], lookahead=-1)
+
+
 def test_timing_records_which_backward_a_restore_ran_under() -> None:
     dev, mgr, groups = build("release", timing=True)
     assert run_program(dev, groups, STACK[0], steps=1) == []

@@ -366,12 +366,15 @@ def test_config_reaches_the_manager(monkeypatch) -> None:
             made.update(kw, mode=mode)
 
     monkeypatch.setattr(build_mod, "OffloadManager", _Manager)
-    cfg = load_config().with_overrides(**{"train.offload_min_window": 7})
+    assert load_config().train.offload_lookahead == 1
+    cfg = load_config().with_overrides(**{"train.offload_min_window": 7, "train.offload_lookahead": 3})
     build_mod.make_offload_manager("release", "cpu", cfg.train.offload_banks, cfg.train.offload_reap,
-                                   cfg.train.offload_skip_kept_d2h, cfg.train.offload_min_window)
-    assert made["min_window"] == 7 and made["mode"] == "release"
-    with pytest.raises(Exception, match="offload_min_window"):
-        load_config().with_overrides(**{"train.offload_min_window": -1})
+                                   cfg.train.offload_skip_kept_d2h, cfg.train.offload_min_window,
+                                   cfg.train.offload_lookahead)
+    assert made["min_window"] == 7 and made["lookahead"] == 3 and made["mode"] == "release"
+    for field in ("offload_min_window", "offload_lookahead"):
+        with pytest.raises(Exception, match=field):
+            load_config().with_overrides(**{f"train.{field}": -1})
 
 
 def test_a_not_offloaded_group_backward_still_starts_the_next_restore() -> None:

@@ -94,6 +94,10 @@ class TrainConfig(_Strict):
     # forward (the last virtual stage's) is not offloaded: its D2H could not finish, its memory could not
     # come back before the backward; 0 offloads every group (the A/B)
     offload_min_window: int = Field(2, ge=0, le=1_000_000)
+    # release and resident offload: each backward restores this many offloaded groups ahead (next in
+    # backward order) on the copy stream; deeper hides a copy longer than one backward, and maps the
+    # slots (release) earlier; 0 restores each group only at its own backward (the A/B)
+    offload_lookahead: int = Field(1, ge=0, le=64)
     eval_every: int = Field(20, ge=0)
     eval_batches: int = Field(4, ge=1)
     data: str = ""

@@ -23,8 +23,10 @@ microbatch slot) of a captured stage):
    resident: H2D into the group's bank only if another group took the bank meanwhile
    (`resident_reload_pending`); then the compute stream waits on `restore_done` (-> `mapped`); from
    `resident_d2h_pending` or `resident_kept` nothing to do (-> `mapped`).
-   Look-ahead: right after that, the NEXT group in backward order is restored on the H2D stream, so
-   its copy runs while the current backward graph runs.
+   Look-ahead: right after that, the next `lookahead` (1 by default; `train.offload_lookahead`)
+   offloaded groups in backward order are restored on the H2D stream, so their copies run while the
+   current backward graph (and, deeper, the actions after it) run. Only the first may evict a live
+   group from its bank.
 6. `after_backward` records `consumed` on the compute stream: the bytes are no longer needed.
 
 Modes. `release`: each group has its own slot; the device memory of a group exists only while its
@@ -393,8 +395,8 @@ class OffloadGroup:
         m = self.manager
         if self._inactive():
             self.phase = "backward"
-            if m.mode != "off" and m.lookahead and self.next_backward is not None:
-                m._prefetch(self.next_backward, under=self)  # its backward still hides the next restore
+            if m.mode != "off":
+                m._prefetch_ahead(self)  # its backward still hides the next restores
             return
         m._maybe_reap(exclude=self)
         if self.state is GroupState.RELEASE_D2H_PENDING:  # no hook found its D2H done yet: release it now
@@ -410,8 +412,7 @@ class OffloadGroup:
             m.streams.wait(m.streams.current_stream(), self.restore_done)
             self._restore_pending = False
         self.phase = "backward"
-        if m.lookahead and self.next_backward is not None:
-            m._prefetch(self.next_backward, under=self)
+        m._prefetch_ahead(self)
 
     def after_backward(self) -> None:
         """After the LAST replay that reads this group's saved tensors (dI, or dW if it reads them too)."""
@@ -510,7 +511,7 @@ class OffloadManager:
 
     def __init__(self, mode: OffloadMode = "release", *, device: torch.device | str | None = None,
                  driver: VmmDriver | None = None, streams: StreamOps | None = None, num_banks: int = 2,
-                 lookahead: bool = True, release_consumed: bool = True, timing: bool = False,
+                 lookahead: bool | int = True, release_consumed: bool = True, timing: bool = False,
                  alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
                  skip_kept_d2h: bool = True, min_window: int = 0) -> None:
         if mode not in MODES:
@@ -519,10 +520,13 @@ class OffloadManager:
             raise ValueError(f"resident ping-pong needs at least 2 banks, got {num_banks}")
         if min_window < 0:
             raise ValueError(f"min_window must be >= 0, got {min_window}")
+        if int(lookahead) < 0:
+            raise ValueError(f"lookahead must be >= 0 (groups restored ahead), got {lookahead}")
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         self.mode: OffloadMode = mode
-        self.num_banks, self.lookahead, self.release_consumed = num_banks, lookahead, release_consumed
+        # look-ahead depth: how many offloaded groups, next in backward order, each backward restores ahead
+        self.num_banks, self.lookahead, self.release_consumed = num_banks, int(lookahead), release_consumed
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
         self.min_window = min_window  # release, with allocate(events=): fewer other actions F..B: not offloaded
@@ -707,7 +711,19 @@ class OffloadManager:
         if self.timing:
             self.stats.restores.append(RestoreRecord(g.name, under.name if under else None, start, g.restore_done))
 
-    def _prefetch(self, g: OffloadGroup, *, under: OffloadGroup | None) -> bool:
+    def _prefetch_ahead(self, g: OffloadGroup) -> None:
+        """Look-ahead from `g`'s backward: restore the next `lookahead` offloaded groups in backward order
+        (groups without a slot are passed over), so their copies run under this and the next backwards.
+        Only the first may evict a live group from its bank (resident): a deeper one would take a bank
+        whose bytes an earlier backward may still need."""
+        nxt, depth = g.next_backward, 0
+        while nxt is not None and depth < self.lookahead:
+            if not nxt._inactive():
+                self._prefetch(nxt, under=g, evict=depth == 0)
+                depth += 1
+            nxt = nxt.next_backward
+
+    def _prefetch(self, g: OffloadGroup, *, under: OffloadGroup | None, evict: bool = True) -> bool:
         if g._inactive() or not g.live or g.phase is not None:
             return False
         if g.state is GroupState.RELEASE_D2H_PENDING:  # release it if its D2H is done; else its backward will
@@ -716,7 +732,7 @@ class OffloadManager:
         if g.state not in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
             return False  # already on the device (or being restored)
         owner = g.bank.owner if g.bank is not None else None
-        if owner is not None and owner is not g and owner.phase == "backward":
+        if owner is not None and owner is not g and (owner.phase == "backward" or (owner.live and not evict)):
             self.stats.prefetches_skipped += 1  # an optimization only: never fail a step for it
             return False
         self._maybe_reap(exclude=g)

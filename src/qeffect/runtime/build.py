@@ -115,7 +115,8 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     if native or path == "eager":
         return None, None, direct
     offload = (make_offload_manager(offload_mode, device, cfg.train.offload_banks, cfg.train.offload_reap,
-                                    cfg.train.offload_skip_kept_d2h, cfg.train.offload_min_window)
+                                    cfg.train.offload_skip_kept_d2h, cfg.train.offload_min_window,
+                                    cfg.train.offload_lookahead)
                if offload_mode != "off" else None)
     # stream-ordered: graphs launched on the caller's stream (no cross-stream edge per replay; the same
     # guarantees as the two-way handshake, 1.5% faster at h2048: benchmarks/replay_protocol.py)
@@ -123,16 +124,17 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
 
 
 def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, reap: bool = False,
-                         skip_kept_d2h: bool = True, min_window: int = 0) -> OffloadManager:
+                         skip_kept_d2h: bool = True, min_window: int = 0, lookahead: int = 1) -> OffloadManager:
     """One offload manager per device (`banks`: resident mode's minimum bank count; `reap`: release mode
     also releases consumed slots; `skip_kept_d2h`: resident mode copies no group the schedule's plan
     keeps in its bank; `min_window`: release mode offloads no group with fewer other actions between its
-    forward and its backward); a clear error where VMM offload cannot work."""
+    forward and its backward; `lookahead`: offloaded groups each backward restores ahead); a clear error
+    where VMM offload cannot work."""
     from qeffect.offload.driver import OffloadUnavailable
 
     try:
         return OffloadManager(mode, device=torch.device(device), num_banks=banks, release_consumed=reap,
-                              skip_kept_d2h=skip_kept_d2h, min_window=min_window)
+                              skip_kept_d2h=skip_kept_d2h, min_window=min_window, lookahead=lookahead)
     except OffloadUnavailable as err:
         raise UserError(f"train.offload = {mode}: {err}") from None
 
