@@ -80,17 +80,28 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
     pipe = build_single_process(cfg, native=False, device=dev, path=path)
     torch.cuda.synchronize(dev)
     setup = time.perf_counter() - t0
-    losses, times = [], []
+    losses, times, host_times = [], [], []
+    drv = pipe.offload.driver if pipe.offload is not None else None
+    calls0 = (0, 0)
     for i in range(warmup + steps):
+        if i == warmup and drv is not None:
+            calls0 = (drv.call_counts.copy(), drv.call_seconds.copy())
         batches = synthetic_batches(cfg, i, dev)
         torch.cuda.synchronize(dev)
         t = time.perf_counter()
         loss = pipe.step(batches)
         pipe.manager.mark_step()
+        t_host = time.perf_counter()  # the host has queued the step (what it waited for inside included)
         torch.cuda.synchronize(dev)
         if i >= warmup:
             times.append(time.perf_counter() - t)
+            host_times.append(t_host - t)
         losses.append(loss.detach().float().cpu().reshape(1))
+    driver_calls = None
+    if drv is not None:  # per timed step: how many of each driver call, and the host time they took
+        driver_calls = {c: {"per_step": (n - calls0[0][c]) / steps,
+                            "host_ms_per_step": 1e3 * (drv.call_seconds[c] - calls0[1][c]) / steps}
+                        for c, n in sorted(drv.call_counts.items()) if n > calls0[0][c]}
     peak_alloc = torch.cuda.max_memory_allocated(dev)
     final = _final_state(pipe)
     # One extra, untimed step: driver-level memory after every action; release: around every unmap.
@@ -128,6 +139,8 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
         "offload_skip_kept_d2h": cfg.train.offload_skip_kept_d2h, "offload_min_window": cfg.train.offload_min_window,
         "offload_lookahead": cfg.train.offload_lookahead, "setup_seconds": setup, "step_seconds": times,
         "median_step_seconds": statistics.median(times),
+        "host_step_seconds": host_times, "median_host_step_seconds": statistics.median(host_times),
+        "driver_calls": driver_calls,
         "peak_allocated_bytes": peak_alloc, "baseline_allocated_bytes": baseline,
         "peak_driver_used_bytes": total - min(free_samples),
         "graph_count": pipe.manager.stats.graph_count,
@@ -231,10 +244,14 @@ def main() -> int:
             res["step_ratio_vs_off"] = res["median_step_seconds"] / report["modes"]["off"]["median_step_seconds"]
             ok &= res["bitwise_vs_off"]["losses_equal"] and not diff and res["bitwise_vs_off"]["same_keys"]
         report["modes"][mode] = res
-        line = (f"{mode}: median {res['median_step_seconds'] * 1e3:.2f} ms, peak alloc "
+        line = (f"{mode}: median {res['median_step_seconds'] * 1e3:.2f} ms (host queued it in "
+                f"{res['median_host_step_seconds'] * 1e3:.2f} ms), peak alloc "
                 f"{(res['peak_allocated_bytes'] - res['baseline_allocated_bytes']) / 2**30:.2f} GiB above the "
                 f"{res['baseline_allocated_bytes'] / 2**30:.2f} GiB it started from, peak driver used "
                 f"{res['peak_driver_used_bytes'] / 2**30:.2f} GiB, left allocated {res['leftover_allocated_bytes'] / 2**30:.2f} GiB")
+        if res["driver_calls"]:
+            line += ", driver calls per step (host ms): " + ", ".join(
+                f"{c} {d['per_step']:.1f} ({d['host_ms_per_step']:.2f})" for c, d in res["driver_calls"].items())
         if mode != "off":
             b = res["bitwise_vs_off"]
             line += (f", x{res['step_ratio_vs_off']:.3f} vs off, bitwise: losses {b['losses_equal']}, "

@@ -297,6 +297,19 @@ def test_failed_map_leaks_nothing(failing: str) -> None:
     assert slot.mapped
 
 
+def test_the_driver_counts_its_calls_and_their_host_time() -> None:
+    _, drv = fake()
+    slot = VmmSlot(drv, 1, device="cpu")
+    before = drv.call_counts.copy()
+    slot.unmap()
+    slot.map()
+    got = {c: drv.call_counts[c] - before[c] for c in drv.call_counts if drv.call_counts[c] != before[c]}
+    assert {c: got.get(c) for c in ("cuMemUnmap", "cuMemRelease", "cuMemCreate", "cuMemMap", "cuMemSetAccess")} == \
+        dict.fromkeys(("cuMemUnmap", "cuMemRelease", "cuMemCreate", "cuMemMap", "cuMemSetAccess"), 1)
+    assert all(drv.call_seconds[c] > 0 for c in got)
+    slot.close()
+
+
 def test_slot_misuse_is_rejected() -> None:
     _, drv = fake()
     slot = VmmSlot(drv, 1, device="cpu")

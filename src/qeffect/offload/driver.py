@@ -20,6 +20,8 @@ tests/test_offload_gpu.py, and by the CPU tests through the fake module.
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -85,6 +87,10 @@ class VmmDriver:
         retry = ("CUDA_ERROR_INVALID_CONTEXT", "CUDA_ERROR_CONTEXT_IS_DESTROYED")
         self._no_context = tuple(getattr(self.cu.CUresult, n) for n in retry if hasattr(self.cu.CUresult, n))
         self._closed = False
+        # host time spent in each driver call made through `call` (seconds) and how many: a call that
+        # blocks the host (waits for the device) shows up here, where the step time cannot say which
+        self.call_seconds: Counter[str] = Counter()
+        self.call_counts: Counter[str] = Counter()
         self._raw("cuInit", 0)
         self.device = self._raw("cuDeviceGet", self.ordinal)
         self.context = self._raw("cuDevicePrimaryCtxRetain", self.device)
@@ -137,14 +143,19 @@ class VmmDriver:
         yet (CUDA_ERROR_INVALID_CONTEXT: nothing was done), made again after binding it."""
         if self._closed:
             raise RuntimeError("VmmDriver is closed")
-        if call in CONTEXT_CALLS:
-            self.make_current()
-            return self._raw(call, *args)
-        result, values = self._invoke(call, *args)
-        if result in self._no_context:
-            self.make_current()
+        t0 = time.perf_counter()
+        try:
+            if call in CONTEXT_CALLS:
+                self.make_current()
+                return self._raw(call, *args)
             result, values = self._invoke(call, *args)
-        return self._check(call, result, values)
+            if result in self._no_context:
+                self.make_current()
+                result, values = self._invoke(call, *args)
+            return self._check(call, result, values)
+        finally:
+            self.call_seconds[call] += time.perf_counter() - t0
+            self.call_counts[call] += 1
 
     # --------------------------------------------------------------------------------- descriptors
     def allocation_prop(self) -> Any:
