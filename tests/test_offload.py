@@ -609,14 +609,16 @@ def test_deeper_lookahead_queues_the_next_restores_before_the_current_backward_r
         dev.synchronize()
 
 
-@pytest.mark.parametrize("mode", ["release", "resident"])
+@pytest.mark.parametrize("mode", ["release", "release-keep", "resident"])
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 @pytest.mark.parametrize("depth", [2, 3])
 def test_every_interleaving_restores_the_right_bytes_at_any_lookahead_depth(mode: str, program: str,
                                                                             depth: int) -> None:
     prog, order = PROGRAMS[program]
+    keep = {"release_consumed": False} if mode == "release-keep" else {}
     for seed in range(12):
-        dev, mgr, groups = build(mode, seed, layers=len(order), order=order, lookahead=depth, num_banks=3)
+        dev, mgr, groups = build(mode.removesuffix("-keep"), seed, layers=len(order), order=order, lookahead=depth,
+                                 num_banks=3, **keep)
         assert run_program(dev, groups, prog) == [], (mode, program, seed, depth)
         assert mgr.stats.d2h_copies == 2 * len(order)
 
@@ -656,6 +658,28 @@ def test_lookahead_passes_over_groups_without_a_slot_and_a_deep_one_never_evicts
     dev.synchronize()
     with pytest.raises(ValueError, match="lookahead"):
         OffloadManager("release", device="cpu", driver=fake()[1], streams=fake()[0], lookahead=-1)
+
+
+def test_a_reap_queries_the_d2h_copies_in_their_order_and_stops_at_the_first_not_done(monkeypatch) -> None:
+    """Release (consumed slots kept): the D2Hs run on one stream, so the first one not done means none
+    after it is; a reap asks about it alone, and releases the done ones in front of it."""
+    dev, mgr, groups = build("release", lookahead=0, progress=0, release_consumed=False)
+    asked = []
+    orig = FakeDevice.query
+    monkeypatch.setattr(FakeDevice, "query", lambda self, e: asked.append(e.name) or orig(self, e))
+    for g in groups:
+        g.before_forward()
+        g.after_forward()
+    assert mgr.stats.unmaps == 0 and [g.name for g in mgr._d2h_fifo] == ["G0", "G1", "G2", "G3"]
+    asked.clear()
+    assert mgr.reap() == 0 and asked == ["G0.d2h_done"]  # a lazy device: nothing ran yet
+    dev.synchronize_event(groups[1].d2h_done)  # G0's and G1's copies are done, G2's and G3's not (yet)
+    asked.clear()
+    done = [g.name for g in groups if orig(dev, g.d2h_done)]
+    assert mgr.reap() == len(done) >= 2 and asked[:2] == ["G0.d2h_done", "G1.d2h_done"]
+    assert [g.name for g in mgr._d2h_fifo] == [g.name for g in groups if g.name not in done]
+    dev.synchronize()
+    assert mgr.reap() == 4 - len(done) and mgr._d2h_fifo == [] and mgr.stats.released_live == 4
 
 
 def test_timing_records_which_backward_a_restore_ran_under() -> None:
@@ -1213,11 +1237,12 @@ def test_release_without_reaping_keeps_consumed_slots_for_the_next_forward(progr
         assert mgr.stats.reaped == 0 and mgr.stats.maps == mgr.stats.h2d_copies == 2 * len(order)
 
 
-@pytest.mark.parametrize("mode", ["release", "resident"])
+@pytest.mark.parametrize("mode", ["release", "release-keep", "resident"])
 @pytest.mark.parametrize("fail_in", ["forward", "backward", "live"])
 def test_abandon_after_an_aborted_step_then_every_order_still_restores_the_right_bytes(mode: str, fail_in: str) -> None:
+    keep = {"release_consumed": False} if mode == "release-keep" else {}
     for seed in range(6):
-        dev, mgr, groups = build(mode, seed, layers=4, order=[3, 2, 1, 0])
+        dev, mgr, groups = build(mode.removesuffix("-keep"), seed, layers=4, order=[3, 2, 1, 0], **keep)
         g = groups[0]
         g.before_forward()  # a failed forward replay: after_forward never ran
         if fail_in != "forward":

@@ -378,6 +378,7 @@ class OffloadGroup:
         if m.mode == "release":
             # No host wait: a later hook's `reap` releases the slot once a query finds this copy done.
             self.state = GroupState.RELEASE_D2H_PENDING
+            m._d2h_fifo.append(self)
             m._maybe_reap(exclude=self)
         else:
             self.bank.last_d2h = self.d2h_done
@@ -538,6 +539,10 @@ class OffloadManager:
         self.bank_plan: list[int] = []
         self.kept: list[OffloadGroup] = []  # resident: groups the plan keeps in their bank (no D2H)
         self.not_offloaded: list[OffloadGroup] = []  # release: the plan's short-window groups (no slot)
+        # release: groups whose D2H is queued and whose slot is still mapped, in the order of their D2Hs
+        # (one stream, so they complete in this order): a reap queries from the front and stops at the
+        # first copy not done, instead of every group at every hook
+        self._d2h_fifo: list[OffloadGroup] = []
         self._allocated = False
         self._closed = False
         if device is None:
@@ -763,6 +768,14 @@ class OffloadManager:
         if self.mode != "release" or not self._allocated or self._closed:
             return 0
         n = 0
+        if not block and not self.release_consumed:  # only D2H-pending slots to release: front to back
+            for g in list(self._d2h_fifo):
+                if g is exclude or g.phase is not None:
+                    continue
+                if not self._release(g, block=False):
+                    break  # a later D2H on the same stream is not done either
+                n += 1
+            return n
         for g in self.groups:
             if g is not exclude and g.phase is None and g.slot is not None:
                 n += self._release(g, block=block)
@@ -785,6 +798,7 @@ class OffloadManager:
         g.slot.unmap(wait=lambda: [s.synchronize_event(e) for e in events])
         self.stats.unmaps += 1
         if g.state is GroupState.RELEASE_D2H_PENDING:
+            self._d2h_fifo.remove(g)
             if at_backward:
                 self.stats.released_at_backward += 1
             else:
@@ -816,6 +830,7 @@ class OffloadManager:
         for g in self.groups:
             g.state, g.live, g.phase = GroupState.CLOSED, False, None
             g._views = []
+        self._d2h_fifo.clear()
         self._closed = True
 
     def __enter__(self) -> OffloadManager:
