@@ -31,6 +31,8 @@ even those the plan keeps in their bank (`train.offload_skip_kept_d2h = false`; 
 `release-all` for release offload of every group, short windows included (`train.offload_min_window =
 0`; the A/B of not offloading them). Any mode takes a `/laN` suffix (`release/la2`, `resident@6/la3`):
 `train.offload_lookahead = N`, the offloaded groups each backward restores ahead (0: none; the A/B).
+A `#N` suffix repeats a mode under its own name (`off#2` at the end: did the step time drift while the
+modes ran? `release#2`: how far apart are two runs of one configuration?).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def _final_state(pipe) -> dict[str, torch.Tensor]:
 
 
 def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
-    base, _, depth = label.partition("/la")  # "/laN": train.offload_lookahead = N
+    base, _, depth = label.partition("#")[0].partition("/la")  # "#N": a repeat; "/laN": train.offload_lookahead = N
     mode, _, banks = base.partition("@")
     keep = mode == "release-keep"  # release without releasing consumed slots (train.offload_reap = false)
     reap = mode == "release-reap"  # release that also releases consumed slots (train.offload_reap = true)
@@ -207,7 +209,8 @@ def main() -> int:
     ap.add_argument("--path", default="captured-direct")
     ap.add_argument("--modes", default="off,release,resident",
                     help="comma list of off, release, release-keep, release-reap, release-all (every group offloaded), resident, "
-                         "resident@K (at least K banks), resident-copyall, resident-copyall@K (no D2H skipped)")
+                         "resident@K (at least K banks), resident-copyall, resident-copyall@K (no D2H skipped); "
+                         "any with /laN (train.offload_lookahead = N) and #N (a repeat under its own name)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", required=True)
@@ -256,7 +259,10 @@ def main() -> int:
             b = res["bitwise_vs_off"]
             line += (f", x{res['step_ratio_vs_off']:.3f} vs off, bitwise: losses {b['losses_equal']}, "
                      f"{b['tensors_differing']}/{b['tensors_compared']} tensors differ")
-            o = res["offload"]
+            o = res.get("offload")
+            if o is None:  # a repeat of off (off#2): the drift control
+                print(line, flush=True)
+                continue
             line += f", groups {o['groups']} ({o['group_bytes'] / 2**20:.0f} MiB), banks {o['banks']}"
             if o["banks"]:
                 line += (f", kept {len(o['kept_groups'])}, D2H {o['d2h_copies']} copied / {o['d2h_skipped']} skipped, "
