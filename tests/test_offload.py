@@ -570,14 +570,20 @@ def test_resident_restore_into_a_bank_waits_for_its_consumer() -> None:
                      ("wait", "compute", "G0.restore_done")]
 
 
+def released_stack(**kw):
+    """A release-mode stack whose every forward ran and whose every slot is released, trace cleared."""
+    dev, mgr, groups = build("release", progress=0, **kw)
+    for g in groups:
+        g.before_forward()
+        g.after_forward()
+    mgr.reap(block=True)
+    dev.trace.clear()
+    return dev, mgr, groups
+
+
 def test_lookahead_restores_the_next_group_before_the_current_backward_runs() -> None:
     for lookahead in (True, False):
-        dev, mgr, groups = build("release", lookahead=lookahead, progress=0)
-        for g in groups:
-            g.before_forward()
-            g.after_forward()
-        mgr.reap(block=True)
-        dev.trace.clear()
+        dev, mgr, groups = released_stack(lookahead=lookahead)
         for k in (3, 2):
             groups[k].before_backward()
             dev.launch(dev.compute, lambda: None, f"B{k}")
@@ -594,12 +600,7 @@ def test_lookahead_restores_the_next_group_before_the_current_backward_runs() ->
 def test_deeper_lookahead_queues_the_next_restores_before_the_current_backward_runs() -> None:
     """Depth 2 in a stack: B3 already queues G2's and G1's restores; depth 1 only G2's (G1's comes at B2)."""
     for depth in (1, 2, 3):
-        dev, mgr, groups = build("release", lookahead=depth, progress=0)
-        for g in groups:
-            g.before_forward()
-            g.after_forward()
-        mgr.reap(block=True)
-        dev.trace.clear()
+        dev, mgr, groups = released_stack(lookahead=depth)
         groups[3].before_backward()
         dev.launch(dev.compute, lambda: None, "B3")
         restored = [e[3] for e in dev.trace if e[:2] == ("copy", "h2d")]
