@@ -44,6 +44,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -84,7 +85,7 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
     setup = time.perf_counter() - t0
     losses, times, host_times = [], [], []
     drv = pipe.offload.driver if pipe.offload is not None else None
-    calls0 = (0, 0)
+    calls0: tuple[Counter, Counter] = (Counter(), Counter())  # the driver's counters when the timed steps begin
     for i in range(warmup + steps):
         if i == warmup and drv is not None:
             calls0 = (drv.call_counts.copy(), drv.call_seconds.copy())
