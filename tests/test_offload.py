@@ -1095,6 +1095,77 @@ def test_backward_without_restore_reads_poison() -> None:
     assert not torch.equal(got[0], ref[0])
 
 
+def test_capture_keeps_no_saved_original_alive() -> None:
+    """Once a saved tensor is copied into its slot, the capture holds nothing of the original: its memory
+    goes back to the forward graph's pool during the capture, not only after it."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    w = torch.nn.Parameter(torch.randn(6, 8, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(4, 6)
+    originals: list[StorageWeakRef] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        originals.append(StorageWeakRef(h.untyped_storage()))
+        return torch.nn.functional.gelu(h)  # saves h
+
+    dev, drv = fake()
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    g = mgr.group("F0")
+    with g.discovery_hooks():
+        f(x)
+    mgr.allocate()
+    g.before_forward()
+    with dev.host_compute(), g.capture_hooks():
+        y = f(x)
+        gc.collect()
+        assert originals[-1].expired()  # still inside the capture
+        assert [tuple(v.shape) for v in g.views] == [(4, 6), (4, 8)]  # x (saved by the matmul), h
+    g.after_forward()
+    g.before_backward()
+    with dev.host_compute():
+        got = torch.autograd.grad(y.sum(), w)[0]
+    g.after_backward()
+    ref = torch.autograd.grad(f(x).sum(), w)[0]
+    assert torch.equal(got, ref)
+
+
+def test_an_equal_key_after_its_tensor_died_is_a_new_saved_tensor(monkeypatch) -> None:
+    """Two different tensors under one key (an address freed and reused): while the first is alive the
+    second would be its duplicate, but it is gone by then, so both are stored, in discovery and capture
+    alike, and the backward reads the right bytes."""
+    import qeffect.offload.group as group_mod
+
+    monkeypatch.setattr(group_mod, "_key", lambda t: tuple(t.shape))  # equal shapes collide
+    gen = torch.Generator().manual_seed(0)
+    w1, w2 = torch.nn.Parameter(torch.randn(6, 8, generator=gen)), torch.nn.Parameter(torch.randn(8, 3, generator=gen))
+    x = torch.randn(4, 6, generator=gen, requires_grad=True)  # a leaf requiring grad: not offloaded
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h1 = x @ w1
+        y1 = torch.nn.functional.gelu(h1)  # saves h1 (4, 8)
+        del h1  # gone before the next save under its key
+        return torch.nn.functional.gelu(y1 @ w2)  # the matmul saves y1 (4, 8), gelu its input (4, 3)
+
+    dev, drv = fake()
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    g = mgr.group("F0")
+    with g.discovery_hooks():
+        f(x)
+    assert [s.shape for s in g.specs] == [(4, 8), (4, 8), (4, 3)]
+    mgr.allocate()
+    g.before_forward()
+    with dev.host_compute(), g.capture_hooks():
+        y = f(x)
+    g.after_forward()
+    g.before_backward()
+    with dev.host_compute():
+        got = torch.autograd.grad(y.sum(), (x, w1, w2))
+    g.after_backward()
+    ref = torch.autograd.grad(f(x).sum(), (x, w1, w2))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
 def test_capture_must_match_discovery() -> None:
     dev, drv = fake()
     mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)

@@ -79,6 +79,7 @@ this module against the fake device; `qeffect offload-check` and tests/test_offl
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -251,16 +252,12 @@ class OffloadGroup:
         """Record the tensors autograd saves in this block (an eager warm-up of the forward)."""
         if self.state is not GroupState.DISCOVERING:
             raise OffloadStateError(f"group {self.name!r}: discovery_hooks() after allocate() (state {self.state})")
-        # holds the tensors (no address reuse inside one session), unlinked: autograd keeps this closure
-        # with every tensor it packs, so a tensor with its grad_fn here would be a reference cycle
-        seen: dict[tuple, Tensor] = {}
+        seen = _SavedOnce()  # the same rule as capture_hooks, so both count the same tensors
 
         def pack(t: Tensor) -> Tensor:
-            if self.manager._eligible(t):
-                key = _key(t)
-                if key not in seen:
-                    seen[key] = _unlinked(t)
-                    self.discover(t)
+            if self.manager._eligible(t) and seen.get(t) is None:
+                seen.add(t, True)
+                self.discover(t)
             return _unlinked(t)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -304,21 +301,21 @@ class OffloadGroup:
         if self.manager.mode == "off" or not self.specs or not self.offloaded:
             yield self
             return
-        seen: dict[tuple, tuple[Tensor, Tensor]] = {}
+        seen = _SavedOnce()  # holds no original: once copied, its memory goes back to the graph's pool
         count = 0
 
         def pack(t: Tensor) -> Tensor:
             nonlocal count
             if not self.manager._eligible(t):
                 return _unlinked(t)
-            key = _key(t)
-            if key in seen:
-                return seen[key][0]
+            view = seen.get(t)
+            if view is not None:
+                return view
             if count >= len(self.specs):
                 raise OffloadStateError(f"group {self.name!r}: capture saved more tensors than discovery "
                                         f"({len(self.specs)})")
             view = self.store(count, t)
-            seen[key] = (view, _unlinked(t))  # unlinked: see discovery_hooks
+            seen.add(t, view)
             count += 1
             return view
 
@@ -501,6 +498,28 @@ def _unlinked(t: Tensor) -> Tensor:
 def _key(t: Tensor) -> tuple:
     """Same bytes, same view: a tensor saved twice (x by three projections) is stored once."""
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t._version)
+
+
+class _SavedOnce:
+    """The saved tensors one forward has already handled, by `_key`, without keeping them alive.
+
+    An entry counts only while the tensor it was made for is alive: then its memory cannot have been
+    reused, so an equal key is the same bytes. Once that tensor is gone, an equal key may be a new
+    tensor at the recycled address, and is handled as new. Holding the tensors instead (to rule out
+    reuse) kept every saved original of a captured forward alive until the capture ended, so each
+    forward graph's private pool reserved them next to their slot copies. Weak references also keep
+    no reference cycle through autograd, which keeps the hook closure with every tensor it packs."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[Any, weakref.ref]] = {}
+
+    def get(self, t: Tensor) -> Any:
+        """What `add` stored for a live tensor with `t`'s key (None: not seen, or that tensor is gone)."""
+        entry = self._entries.get(_key(t))
+        return entry[0] if entry is not None and entry[1]() is not None else None
+
+    def add(self, t: Tensor, value: Any) -> None:
+        self._entries[_key(t)] = (value, weakref.ref(t))
 
 
 class OffloadManager:
