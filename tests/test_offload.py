@@ -1075,11 +1075,8 @@ def test_saved_activations_round_trip_through_the_slot_bitwise(mode: str) -> Non
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 
-def test_backward_without_restore_reads_poison() -> None:
-    """The round trip above can fail: reading the slot after the release gives wrong gradients."""
-    f, x, inputs = _model()
-    gy = torch.ones(4, 5)
-    ref = torch.autograd.grad(f(x), inputs, gy)
+def discovered_release_group(f, x: torch.Tensor):
+    """A release-mode group that discovered what `f(x)` saves, allocated, inside its forward's hooks."""
     dev, drv = fake()
     mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
     g = mgr.group("F0")
@@ -1087,6 +1084,15 @@ def test_backward_without_restore_reads_poison() -> None:
         f(x)
     mgr.allocate()
     g.before_forward()
+    return dev, mgr, g
+
+
+def test_backward_without_restore_reads_poison() -> None:
+    """The round trip above can fail: reading the slot after the release gives wrong gradients."""
+    f, x, inputs = _model()
+    gy = torch.ones(4, 5)
+    ref = torch.autograd.grad(f(x), inputs, gy)
+    dev, mgr, g = discovered_release_group(f, x)
     with dev.host_compute(), g.capture_hooks():
         y = f(x)
     g.after_forward()
@@ -1109,13 +1115,7 @@ def test_capture_keeps_no_saved_original_alive() -> None:
         originals.append(StorageWeakRef(h.untyped_storage()))
         return torch.nn.functional.gelu(h)  # saves h
 
-    dev, drv = fake()
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
-    g = mgr.group("F0")
-    with g.discovery_hooks():
-        f(x)
-    mgr.allocate()
-    g.before_forward()
+    dev, _, g = discovered_release_group(f, x)
     with dev.host_compute(), g.capture_hooks():
         y = f(x)
         gc.collect()
@@ -1147,14 +1147,8 @@ def test_an_equal_key_after_its_tensor_died_is_a_new_saved_tensor(monkeypatch) -
         del h1  # gone before the next save under its key
         return torch.nn.functional.gelu(y1 @ w2)  # the matmul saves y1 (4, 8), gelu its input (4, 3)
 
-    dev, drv = fake()
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
-    g = mgr.group("F0")
-    with g.discovery_hooks():
-        f(x)
+    dev, _, g = discovered_release_group(f, x)
     assert [s.shape for s in g.specs] == [(4, 8), (4, 8), (4, 3)]
-    mgr.allocate()
-    g.before_forward()
     with dev.host_compute(), g.capture_hooks():
         y = f(x)
     g.after_forward()
