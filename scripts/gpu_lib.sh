@@ -10,7 +10,7 @@ step() {
     timeout "$t" "$@" > "$LOGS/$name.log" 2>&1
     local rc=$?
     echo "== $name: rc=$rc in $((SECONDS - t0)) s"
-    grep -E "passed|failed|ERROR|Error|mismatch|PASS|FAIL|median|speedup|efficiency|graphs|x native|bitwise|trace:|floor|returned|x[0-9.]+ vs|ratios" \
+    grep -E "passed|failed|ERROR|Error|mismatch|PASS|FAIL|median|speedup|efficiency|graphs|x native|bitwise|trace:|floor|returned|x[0-9.]+ vs|ratios|GIL" \
         "$LOGS/$name.log" | grep -v Warning | tail -40
     return $rc
 }

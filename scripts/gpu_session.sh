@@ -23,6 +23,7 @@
 # resident-skip: no D2H for groups the plan keeps in their bank (merged from next/resident-skip-d2h): the
 #          offload GPU tests, then the offload benchmark over off, resident, resident@6 and the same
 #          two copying every group (resident-copyall, resident-copyall@6: the A/B) for both schedules.
+# gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
 # combined: the teardown test alone, the whole GPU suite and the 8-cell matrix.
 # fused-quantize, fused-quantize-profile (two calls): the fused reference quantization's GPU tests and
 #          the reference bitwise matrix; then the reference profiles at h2048 and h4096.
@@ -193,6 +194,11 @@ release-keep)
             --schedule "$s" --steps 20 --modes off,release,release-reap,resident \
             --out "$out/offload-bench-h2048-$s-release-keep-h200.json"
     done
+    ;;
+gil)
+    # do the VMM driver calls release the GIL (a driver thread for release offload needs them to)?
+    step 30 gil-control python3 scripts/gil_check.py --control
+    step 30 gil python3 scripts/gil_check.py --json "$out/gil-check-h200.json"
     ;;
 profile-h2048)
     step 280 profile-h2048 python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference,h2048:te \
