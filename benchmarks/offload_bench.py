@@ -86,9 +86,11 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
     losses, times, host_times = [], [], []
     drv = pipe.offload.driver if pipe.offload is not None else None
     calls0: tuple[Counter, Counter] = (Counter(), Counter())  # the driver's counters when the timed steps begin
+    wait0 = 0.0  # the offload manager's host wait when the timed steps begin
     for i in range(warmup + steps):
         if i == warmup and drv is not None:
             calls0 = (drv.call_counts.copy(), drv.call_seconds.copy())
+            wait0 = pipe.offload.stats.host_wait_seconds
         batches = synthetic_batches(cfg, i, dev)
         torch.cuda.synchronize(dev)
         t = time.perf_counter()
@@ -144,6 +146,9 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
         "median_step_seconds": statistics.median(times),
         "host_step_seconds": host_times, "median_host_step_seconds": statistics.median(host_times),
         "driver_calls": driver_calls,
+        # the main thread's time blocked on offload per timed step (a release it waited for)
+        "offload_host_wait_ms_per_step": (1e3 * (pipe.offload.stats.host_wait_seconds - wait0) / steps
+                                          if pipe.offload is not None else None),
         "peak_allocated_bytes": peak_alloc, "baseline_allocated_bytes": baseline,
         "peak_driver_used_bytes": total - min(free_samples),
         "graph_count": pipe.manager.stats.graph_count,
@@ -256,6 +261,7 @@ def main() -> int:
         if res["driver_calls"]:
             line += ", driver calls per step (host ms): " + ", ".join(
                 f"{c} {d['per_step']:.1f} ({d['host_ms_per_step']:.2f})" for c, d in res["driver_calls"].items())
+            line += f", host blocked on offload {res['offload_host_wait_ms_per_step']:.2f} ms per step"
         if mode != "off":
             b = res["bitwise_vs_off"]
             line += (f", x{res['step_ratio_vs_off']:.3f} vs off, bitwise: losses {b['losses_equal']}, "

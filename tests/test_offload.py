@@ -483,6 +483,7 @@ def test_release_backward_before_its_d2h_waits_for_that_copy_alone() -> None:
     assert calls[:3] == [("sync", "G0.d2h_done"), "cuMemUnmap", "cuMemRelease"]  # that one copy, then release
     assert calls[3:6] == ["cuMemCreate", "cuMemMap", "cuMemSetAccess"]  # then the restore, as always
     assert (mgr.stats.released_live, mgr.stats.released_at_backward, mgr.stats.h2d_copies) == (0, 1, 1)
+    assert mgr.stats.host_wait_seconds > 0  # that wait is counted as the host's time blocked on offload
     g.after_backward()
     dev.synchronize()
 
@@ -1341,3 +1342,23 @@ def test_begin_step_drops_what_an_aborted_step_left_live() -> None:
                     g.before_forward()
                     g.after_forward()
         dev.synchronize()
+
+
+def test_a_discarded_pending_group_leaves_the_reap_queue_at_its_next_forward() -> None:
+    """Release (consumed slots kept): a group discarded while its D2H was pending keeps its slot mapped and
+    must leave the reap queue at its next forward; a stale entry at the front would stop every later reap
+    (they break at the first entry not releasable)."""
+    dev, mgr, groups = build("release", progress=0, release_consumed=False, lookahead=0)
+    g0 = groups[0]
+    g0.before_forward()
+    g0.after_forward()
+    g0.discard()
+    assert g0.state is GroupState.RELEASE_D2H_PENDING and mgr._d2h_fifo == [g0]
+    g0.before_forward()
+    assert g0.state is GroupState.MAPPED and mgr._d2h_fifo == []
+    g0.after_forward()
+    for g in groups[1:]:
+        g.before_forward()
+        g.after_forward()
+    dev.synchronize()
+    assert mgr.reap() == 4 and mgr._d2h_fifo == []

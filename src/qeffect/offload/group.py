@@ -79,6 +79,7 @@ this module against the fake device; `qeffect offload-check` and tests/test_offl
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -190,6 +191,9 @@ class OffloadStats:
     prefetches_skipped: int = 0  # resident: the target bank was being read by a running backward
     reloads_skipped: int = 0  # resident: the bank still held the group's bytes at its backward
     evictions: int = 0  # resident: a group's bytes left its bank (they are on the host)
+    # release: host time the main thread spent blocked on offload (a backward waiting for its D2H to release
+    # the slot): where the host lost its lead over the device
+    host_wait_seconds: float = 0.0
     restores: list[RestoreRecord] = field(default_factory=list)
 
 
@@ -339,6 +343,9 @@ class OffloadGroup:
         m._maybe_reap(exclude=self)
         cur = m.streams.current_stream()
         if m.mode == "release":
+            if self.state is GroupState.RELEASE_D2H_PENDING:  # a discarded group whose slot was not released:
+                m._d2h_fifo.remove(self)  # it stays mapped and leaves the reap queue, whose front it would block
+                self.state = GroupState.MAPPED
             if self.state is GroupState.UNMAPPED:
                 self.slot.map()  # a fresh mapping: the forward writes every view before anything reads it
                 m.stats.maps += 1
@@ -814,7 +821,10 @@ class OffloadManager:
             return False
         if not block and not all(s.query(e) for e in events):
             return False
+        t0 = time.perf_counter()
         g.slot.unmap(wait=lambda: [s.synchronize_event(e) for e in events])
+        if block:  # the host waited for the events (counted with the unmap itself)
+            self.stats.host_wait_seconds += time.perf_counter() - t0
         self.stats.unmaps += 1
         if g.state is GroupState.RELEASE_D2H_PENDING:
             self._d2h_fifo.remove(g)
