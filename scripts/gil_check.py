@@ -24,6 +24,9 @@ import sys
 import threading
 import time
 
+import torch
+
+from qeffect.graphs.handshake import git_revision
 from qeffect.offload.driver import VmmDriver
 from qeffect.offload.vmm import VmmSlot
 
@@ -51,8 +54,6 @@ def main() -> int:
         dev = FakeDevice(0, granularity=2 << 20, total=4 * a.mib << 20)
         driver, device = dev.driver(), "cpu"
     else:
-        import torch
-
         if not torch.cuda.is_available():
             print("gil_check: no CUDA device (use --fake for the CPU fake)", file=sys.stderr)
             return 2
@@ -91,6 +92,8 @@ def main() -> int:
         "worker_cycles": cycles[0],
         "worker_driver_fraction": in_driver / busy[0] if busy[0] else None,
         "driver_calls_per_cycle": 0 if a.control else 5,
+        "command": " ".join(["python3"] + sys.argv), "git_revision": git_revision() or "unknown",
+        "device": device if device == "cpu" else torch.cuda.get_device_name(), "torch": torch.__version__,
         "verdict": ("the worker leaves the interpreter to the main thread (its calls release the GIL)"
                     if shared / alone > 0.75 else "the worker holds the GIL"),
     }

@@ -12,6 +12,7 @@ and compares its host time with the same call on an idle device (median of `--re
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+from qeffect.graphs.handshake import git_revision
 from qeffect.offload.driver import VmmDriver
 
 CALLS = ("cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease")
@@ -76,7 +78,9 @@ def main() -> int:
     drv.free_address(va, size)
     waits = [c for c in CALLS if result["busy"][c] > 0.5 * a.sleep_ms]
     result.update({"sleep_ms": a.sleep_ms, "slot_bytes": size, "calls_that_wait_for_the_device": waits,
-                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__})
+                   "command": " ".join(["python3"] + sys.argv), "git_revision": git_revision() or "unknown",
+                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                   "cuda_bindings": importlib.metadata.version("cuda-bindings")})
     for c in CALLS:
         print(f"{c:16s} idle {result['idle'][c]:8.3f} ms   with {a.sleep_ms:.0f} ms queued {result['busy'][c]:8.3f} ms")
     print(f"kernel still running after the cycle: {result['busy']['kernel_still_running_after']}; "
