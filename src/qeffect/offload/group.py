@@ -821,10 +821,14 @@ class OffloadManager:
             return False
         if not block and not all(s.query(e) for e in events):
             return False
-        t0 = time.perf_counter()
-        g.slot.unmap(wait=lambda: [s.synchronize_event(e) for e in events])
-        if block:  # the host waited for the events (counted with the unmap itself)
+
+        def wait() -> None:  # with `block`, the host's time blocked on offload
+            t0 = time.perf_counter()
+            for e in events:
+                s.synchronize_event(e)
             self.stats.host_wait_seconds += time.perf_counter() - t0
+
+        g.slot.unmap(wait=wait)
         self.stats.unmaps += 1
         if g.state is GroupState.RELEASE_D2H_PENDING:
             self._d2h_fifo.remove(g)
