@@ -19,14 +19,15 @@ release the GIL: it reads as "releases", correctly for the fake.)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
-from qeffect.graphs.handshake import git_revision
+from qeffect.cli.common import write_json
+from qeffect.graphs.handshake import script_provenance
 from qeffect.offload.driver import VmmDriver
 from qeffect.offload.vmm import VmmSlot
 
@@ -92,7 +93,7 @@ def main() -> int:
         "worker_cycles": cycles[0],
         "worker_driver_fraction": in_driver / busy[0] if busy[0] else None,
         "driver_calls_per_cycle": 0 if a.control else 5,
-        "command": " ".join(["python3"] + sys.argv), "git_revision": git_revision() or "unknown",
+        **script_provenance(),
         "device": device if device == "cpu" else torch.cuda.get_device_name(), "torch": torch.__version__,
         "verdict": ("the worker leaves the interpreter to the main thread (its calls release the GIL)"
                     if shared / alone > 0.75 else "the worker holds the GIL"),
@@ -100,8 +101,7 @@ def main() -> int:
     print(f"{result['driver']}: main thread {result['main_rate_ratio']:.2f} of its rate alone; worker: {cycles[0]} "
           f"cycles, {result['worker_driver_fraction']:.2f} of its time inside driver calls -> {result['verdict']}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(Path(a.json), result)
     return 0
 
 

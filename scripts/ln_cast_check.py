@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from qeffect.graphs.handshake import git_revision
+from qeffect.cli.common import write_json
+from qeffect.graphs.handshake import script_provenance
 
 
 def cast_form(x, w, b):
@@ -71,7 +73,7 @@ def main() -> int:
     w = 1 + 0.1 * torch.randn(a.hidden, device="cuda", generator=g)
     b = 0.1 * torch.randn(a.hidden, device="cuda", generator=g)
     gy = torch.randn(a.rows, a.hidden, device="cuda", generator=g).to(torch.bfloat16)
-    result: dict = {"command": " ".join(["python3"] + sys.argv), "git_revision": git_revision() or "unknown",
+    result: dict = {**script_provenance(),
                     "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "rows": a.rows, "hidden": a.hidden}
     ref = run(cast_form, leaves(x, w, b), gy)
@@ -93,8 +95,7 @@ def main() -> int:
             r = result[form]
             print(f"{form}: {r['kernels_per_call']:.0f} kernels, {r['kernel_us_per_call']:.1f} us per forward+backward")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(Path(a.json), result)
     return 0
 
 

@@ -12,16 +12,17 @@ cudaMemcpyAsync, cudaEventSynchronize, ...), so a call that got slower, or a wai
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from qeffect.cli.common import write_json
 from qeffect.config import load_config
-from qeffect.graphs.handshake import git_revision
+from qeffect.graphs.handshake import script_provenance
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
 
@@ -88,10 +89,8 @@ def main() -> int:
                          if row else f"{'-':>26s}")
         print(f"{n[:32]:32s}" + "".join(f"{c:>26s}" for c in cells))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"command": " ".join(["python3"] + sys.argv), "git_revision": git_revision() or "unknown",
-                       "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-                       "schedule": a.schedule, "results": results}, f, indent=1)
+        write_json(Path(a.json), {**script_provenance(), "device": torch.cuda.get_device_name(dev),
+                                  "torch": torch.__version__, "schedule": a.schedule, "results": results})
     return 0
 
 

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from qeffect.graphs.handshake import git_revision
+from qeffect.cli.common import write_json
+from qeffect.graphs.handshake import script_provenance
 from qeffect.offload.driver import VmmDriver
 
 CALLS = ("cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease")
@@ -78,7 +79,7 @@ def main() -> int:
     drv.free_address(va, size)
     waits = [c for c in CALLS if result["busy"][c] > 0.5 * a.sleep_ms]
     result.update({"sleep_ms": a.sleep_ms, "slot_bytes": size, "calls_that_wait_for_the_device": waits,
-                   "command": " ".join(["python3"] + sys.argv), "git_revision": git_revision() or "unknown",
+                   **script_provenance(),
                    "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                    "cuda_bindings": importlib.metadata.version("cuda-bindings")})
     for c in CALLS:
@@ -86,8 +87,7 @@ def main() -> int:
     print(f"kernel still running after the cycle: {result['busy']['kernel_still_running_after']}; "
           f"calls that wait for the device: {waits or 'none'}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(Path(a.json), result)
     return 0
 
 

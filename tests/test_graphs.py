@@ -312,6 +312,12 @@ def test_suite_sums_fresh_processes_per_protocol(monkeypatch: pytest.MonkeyPatch
     assert hs.HandshakeReport.model_validate_json(report.model_dump_json()) == report
 
 
+def test_script_provenance_names_the_command_and_the_revision(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QEFFECT_GIT_REVISION", "abc123")
+    monkeypatch.setattr("sys.argv", ["scripts/x.py", "--json", "out.json"])
+    assert hs.script_provenance() == {"command": "python3 scripts/x.py --json out.json", "git_revision": "abc123"}
+
+
 @pytest.mark.parametrize("stale", [{"one-way": 200, "two-way": 1, "stream-ordered": 0},
                                    {"one-way": 200, "two-way": 0, "stream-ordered": 1},
                                    {"one-way": 0, "two-way": 0, "stream-ordered": 0}])

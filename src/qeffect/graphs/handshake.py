@@ -151,6 +151,11 @@ def qeffect_environment() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("QEFFECT_") and k != "QEFFECT_GIT_REVISION"}
 
 
+def script_provenance() -> dict[str, str]:
+    """What a benchmark or check script's JSON records first: the command line that ran and the revision."""
+    return {"command": " ".join(["python3", *sys.argv]), "git_revision": git_revision() or "unknown"}
+
+
 def git_revision() -> str | None:
     """QEFFECT_GIT_REVISION if set (machines with a copy of the tree but no .git), else git HEAD."""
     env = os.environ.get("QEFFECT_GIT_REVISION")
