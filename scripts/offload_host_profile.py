@@ -23,19 +23,21 @@ from torch.profiler import ProfilerActivity, profile
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.graphs.handshake import script_provenance
+from qeffect.profile.trace import Event, kineto_events
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
 
 
-def api_times(prof) -> dict[str, dict[str, float]]:
-    """Host time (ms) and count of each CUDA API call (names starting with cuda or cu) in the trace; calls
-    made by a thread other than the one that launches the graphs are marked so."""
+def api_times(events: list[Event]) -> dict[str, dict[str, float]]:
+    """Host time (ms) and count of each CUDA API call (host events named cuda* or cu*) among `events`
+    (`qeffect.profile.trace.kineto_events`); calls made by a thread other than the one that launches the
+    graphs are marked so."""
     out: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "count": 0, "max_ms": 0.0})
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu")]
-    launchers = Counter(e.thread for e in events if e.name == "cudaGraphLaunch")
+    calls = [e for e in events if e.kind == "op" and e.name.startswith("cu")]
+    launchers = Counter(e.thread for e in calls if e.name == "cudaGraphLaunch")
     main_thread = launchers.most_common(1)[0][0] if launchers else None
-    for e in events:
-        ms = e.cpu_time_total / 1e3
+    for e in calls:
+        ms = (e.end - e.start) / 1e6
         row = out[e.name if e.thread == main_thread else f"{e.name} [other thread]"]
         row["ms"] += ms
         row["count"] += 1
@@ -57,7 +59,7 @@ def run(cfg, mode: str, warmup: int, dev: torch.device) -> dict:
         host = time.perf_counter() - t
         torch.cuda.synchronize(dev)
         total = time.perf_counter() - t
-    apis = api_times(prof)
+    apis = api_times(kineto_events(prof))
     if pipe.offload is not None:
         pipe.offload.close()
     del pipe
