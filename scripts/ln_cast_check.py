@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -22,14 +23,18 @@ from torch.profiler import ProfilerActivity, profile
 
 from qeffect.cli.common import write_json
 from qeffect.graphs.handshake import script_provenance
+from qeffect.model.gpt import _layer_norm
+
+EPS = 1e-5  # nn.LayerNorm's default, the model's
 
 
 def cast_form(x, w, b):
-    return F.layer_norm(x.float(), (x.shape[-1],), w, b, 1e-5).to(x.dtype)
+    """The model's own LayerNorm (`model.gpt._layer_norm`) with these parameters."""
+    return _layer_norm(SimpleNamespace(normalized_shape=(x.shape[-1],), weight=w, bias=b, eps=EPS), x)
 
 
 def mixed_form(x, w, b):
-    return F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+    return F.layer_norm(x, (x.shape[-1],), w, b, EPS)
 
 
 def leaves(x0, w0, b0):
