@@ -23,6 +23,7 @@
 # resident-skip: no D2H for groups the plan keeps in their bank (merged from next/resident-skip-d2h): the
 #          offload GPU tests, then the offload benchmark over off, resident, resident@6 and the same
 #          two copying every group (resident-copyall, resident-copyall@6: the A/B) for both schedules.
+# adamw: the Triton AdamW's GPU tests, A/B benchmark and arithmetic check, then the whole GPU suite.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
 # combined: the teardown test alone, the whole GPU suite and the 8-cell matrix.
 # fused-quantize, fused-quantize-profile (two calls): the fused reference quantization's GPU tests and
@@ -195,6 +196,16 @@ release-keep)
             --out "$out/offload-bench-h2048-$s-release-keep-h200.json"
     done
     ;;
+adamw)
+    # the Triton AdamW: its GPU tests (bits against torch's fused kernel), the A/B benchmark on h4096's
+    # parameters, the arithmetic diagnostic, then the whole GPU suite (native eager keeps torch's AdamW,
+    # so every bitwise native-vs-qeffect test covers it)
+    step 120 adamw-tests python3 -m pytest -m gpu -q tests/test_adamw.py
+    step 200 adamw-ab python3 benchmarks/adamw_ab.py --config examples/configs/h4096.toml \
+        --json "$out/adamw-ab-h4096-h200.json"
+    step 60 adamw-bits python3 scripts/adamw_bits.py --json "$out/adamw-bits-h200.json"
+    step 300 pytest-gpu python3 -m pytest -m gpu -q
+    ;;
 gil)
     # do the VMM driver calls release the GIL (a driver thread for release offload needs them to)?
     step 30 gil-control python3 scripts/gil_check.py --control
@@ -211,7 +222,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT adamw|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

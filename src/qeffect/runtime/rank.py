@@ -8,6 +8,7 @@ and the torch.distributed executor (one rank per process).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,6 +18,7 @@ from qeffect.contracts import CommitBarrier, EpochClock, GradientArena, Reductio
 from qeffect.graphs.captured import CapturedStageActions
 from qeffect.graphs.manager import GraphManager
 from qeffect.offload.group import OffloadManager
+from qeffect.runtime.adamw import TritonAdamW
 from qeffect.runtime.transport import Transport
 from qeffect.schedule import Action, ActionKind
 from qeffect.stage.accumulate import fold_staged
@@ -27,18 +29,23 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, targets) of one microba
 Observer = Callable[[Action, "BaseRank"], None]
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    # fused=True: one multi-tensor kernel per step instead of ~10 per parameter (the single-tensor
-    # loop's launches and memory passes were a visible part of a captured step). Every runtime builds
-    # its optimizer here, so native and qeffect runs use the same kernels and stay bitwise comparable.
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        fused=True,
-    )
+def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, *, triton: bool = False) -> torch.optim.Optimizer:
+    """torch's fused AdamW (native eager, the TE anchor), or with `triton` its Triton form (qeffect's
+    runtimes): the same arithmetic and state, so native and qeffect runs stay bitwise comparable.
+
+    fused=True: one multi-tensor kernel per step instead of ~10 per parameter (the single-tensor loop's
+    launches and memory passes were a visible part of a captured step). `TritonAdamW` moves the same
+    bytes faster on large tensors; ``QEFFECT_TRITON_ADAMW=0`` keeps torch's kernel (for A/B runs)."""
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if triton and os.environ.get("QEFFECT_TRITON_ADAMW", "1") != "0":
+        return TritonAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, fused=True, **kwargs)
 
 
 class BaseRank:
     """Shared by both runtimes: chunk ownership, loss seed, data routing, optimizer."""
+
+    triton_optimizer = False  # `make_optimizer(triton=...)`: qeffect's ranks take the Triton AdamW
 
     def __init__(self, rank: int, chunks: dict[int, torch.nn.Module], num_stages: int, microbatches: int,
                  optim: OptimConfig) -> None:
@@ -47,7 +54,7 @@ class BaseRank:
         self.num_stages = num_stages
         self.microbatches = microbatches
         params = [p for c in self.chunks.values() for p in c.parameters()]
-        self.optimizer = make_optimizer(params, optim)
+        self.optimizer = make_optimizer(params, optim, triton=self.triton_optimizer)
         self.step_index = 0
         self.losses: dict[int, torch.Tensor] = {}
         self.last_output: torch.Tensor | None = None
@@ -120,6 +127,8 @@ class NativeRank(BaseRank):
 
 class QEffectRank(BaseRank):
     """Checked split actions for one rank, with its tape pool, epoch clock, gradient arena and barrier."""
+
+    triton_optimizer = True
 
     def __init__(self, rank: int, chunks: dict[int, torch.nn.Module], num_stages: int, microbatches: int,
                  optim: OptimConfig, *, direct: bool = True, tape_capacity: int | None = None,

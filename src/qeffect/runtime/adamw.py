@@ -1,0 +1,115 @@
+"""torch's fused AdamW with the update as one Triton pass per parameter: the same bits, the same state.
+
+Why: at hidden 4,096 the optimizer is a fifth of a captured step, and it is a memory pass: per fp32
+parameter it reads the parameter, gradient and both moments and writes three of them back. torch's
+fused multi-tensor kernel moves those bytes at 3.2 TB/s on the H200 (h4096's parameters), a plain
+elementwise pass per tensor at 3.8 (`benchmarks/adamw_ab.py`).
+
+Bits: the arithmetic is torch's fused kernel's (``ATen/native/cuda/fused_adam_utils.cuh``): fp32 math,
+decoupled weight decay first, ``exp_avg = fma(b1, m, fma(-b1, g, g))``, ``exp_avg_sq = fma(b2, v,
+fma(-b2, g*g, g*g))``, ``step_size = lr / bc1``, ``denom = sqrt(v) / sqrt(bc2) + eps``, ``p -= step_size
+* m / denom``, IEEE-rounded division and square root. The bias corrections ``1 - beta**step`` come from
+torch's own ``pow`` on the device step (`torch._foreach_pow`): Triton's ``pow`` is a few ulp away from
+CUDA's ``powf`` (measured: 0.95**1 gave 0.94999993). `benchmarks/adamw_ab.py` checks the bits against
+torch's kernel on the GPU, and the bitwise verification tests compare whole runs against native eager,
+which keeps torch's optimizer.
+
+State: the optimizer is a `torch.optim.AdamW(fused=True)` and initializes its state through it, so
+checkpoints, `state_dict` and resumes see torch's layout (`step` a device fp32 scalar). Anything the
+Triton pass does not cover (CPU, amsgrad, maximize, a tensor learning rate, a closure, non-fp32 or
+non-contiguous tensors, no Triton) runs torch's own step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from qeffect.triton_lazy import triton_kernel
+
+BLOCK = 4096
+NUM_WARPS = 16  # best of BLOCK 1024-8192 x 4-16 warps on a 50M-element tensor (H200), within 5% of the rest
+
+
+@triton_kernel
+def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
+    @triton.jit
+    def adamw(p_ptr, g_ptr, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, n, lr, beta1, beta2, weight_decay, eps,
+              DECAY: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask)
+        p = tl.load(p_ptr + offs, mask=mask)
+        m = tl.load(m_ptr + offs, mask=mask)
+        v = tl.load(v_ptr + offs, mask=mask)
+        if DECAY:
+            p = p - lr * weight_decay * p
+        m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+        gg = g * g
+        v = tl.fma(beta2, v, tl.fma(-beta2, gg, gg))
+        step_size = tl.div_rn(lr, tl.load(bc1_ptr))
+        denom = tl.div_rn(tl.sqrt_rn(v), tl.load(bc2_sqrt_ptr)) + eps
+        p = p - tl.div_rn(step_size * m, denom)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+
+    return adamw
+
+
+def _fp32_contiguous_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def bias_corrections(steps: list[torch.Tensor], beta1: float, beta2: float) -> tuple[list[torch.Tensor], ...]:
+    """``1 - beta1**step`` and ``sqrt(1 - beta2**step)`` per step tensor, with torch's device ``pow``
+    (four multi-tensor launches per list, whatever its length)."""
+    bc1 = torch._foreach_pow(beta1, steps)
+    torch._foreach_neg_(bc1)
+    torch._foreach_add_(bc1, 1.0)
+    bc2 = torch._foreach_pow(beta2, steps)
+    torch._foreach_neg_(bc2)
+    torch._foreach_add_(bc2, 1.0)
+    torch._foreach_sqrt_(bc2)
+    return bc1, bc2
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW(fused=True)` whose CUDA update runs as Triton passes with the same bits."""
+
+    def __init__(self, params: Iterable, **kwargs) -> None:
+        super().__init__(params, fused=True, **kwargs)
+
+    def _covered(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+        return (_kernel() is not None and not group["amsgrad"] and not group["maximize"]
+                and not group["capturable"] and not group["differentiable"] and not torch.is_tensor(group["lr"])
+                and all(_fp32_contiguous_cuda(t) for t in (*params, *grads)))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        groups = []
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            steps: list[torch.Tensor] = []
+            if closure is not None or not self._covered(group, [p for p in group["params"] if p.grad is not None],
+                                                        [p.grad for p in group["params"] if p.grad is not None]):
+                return super().step(closure)
+            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
+            groups.append((group, params, grads, exp_avgs, exp_avg_sqs, steps))
+        kernel = _kernel()
+        for group, params, grads, exp_avgs, exp_avg_sqs, steps in groups:
+            if not params:
+                continue
+            torch._foreach_add_(steps, 1.0)
+            beta1, beta2 = group["betas"]
+            bc1, bc2_sqrt = bias_corrections(steps, beta1, beta2)
+            lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+            for p, g, m, v, b1, b2 in zip(params, grads, exp_avgs, exp_avg_sqs, bc1, bc2_sqrt, strict=True):
+                n = p.numel()
+                kernel[(-(-n // BLOCK),)](p, g, m, v, b1, b2, n, lr, beta1, beta2, wd, eps,
+                                          DECAY=wd != 0, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        return None

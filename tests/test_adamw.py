@@ -1,0 +1,93 @@
+"""`runtime.adamw.TritonAdamW`: torch's fused AdamW bits and state, with the update as Triton passes.
+
+CPU: everything the Triton pass does not cover falls back to torch's own step (same bits, same state),
+and the runtimes pick the right optimizer. GPU: the Triton pass against torch's fused kernel, bit for
+bit, over several steps, with and without weight decay, on sizes that do and do not fill a block.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qeffect.config import OptimConfig
+from qeffect.runtime import adamw
+from qeffect.runtime.adamw import TritonAdamW
+from qeffect.runtime.rank import make_optimizer
+
+HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _run(opt_cls, shapes, steps, device, wd, seed=0, **kw):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s in shapes]
+    opt = opt_cls(params, weight_decay=wd, **HYPER, **kw)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
+        opt.step()
+    return params, opt
+
+
+def _state(params, opt):
+    return [t for p in params for t in (p.detach(), *(opt.state[p][k] for k in ("exp_avg", "exp_avg_sq", "step")))]
+
+
+def _assert_same_bits(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype and x.device == y.device and x.shape == y.shape
+        assert torch.equal(x, y)
+
+
+def test_cpu_falls_back_to_torch_with_the_same_bits_and_state():
+    shapes = [(7, 5), (33,)]
+    ref = _run(torch.optim.AdamW, shapes, 3, "cpu", 0.1, fused=True)
+    got = _run(TritonAdamW, shapes, 3, "cpu", 0.1)
+    _assert_same_bits(_state(*ref), _state(*got))
+    assert got[1].state_dict()["param_groups"][0]["fused"] is True
+
+
+def test_the_pass_covers_only_what_it_computes(monkeypatch):
+    opt = TritonAdamW([torch.nn.Parameter(torch.zeros(3))], **HYPER)
+    group = opt.param_groups[0]
+    p = torch.zeros(4)
+    monkeypatch.setattr(adamw, "_kernel", lambda: object())
+    monkeypatch.setattr(adamw, "_fp32_contiguous_cuda", lambda t: t.dtype == torch.float32 and t.is_contiguous())
+    assert opt._covered(group, [p], [p])
+    assert not opt._covered(group, [p], [p.to(torch.bfloat16)])
+    assert not opt._covered(group, [torch.zeros(4, 4).t()], [torch.zeros(4, 4)])
+    for key, value in (("amsgrad", True), ("maximize", True), ("capturable", True), ("differentiable", True),
+                       ("lr", torch.tensor(1e-3))):
+        assert not opt._covered({**group, key: value}, [p], [p])
+    monkeypatch.setattr(adamw, "_kernel", lambda: None)
+    assert not opt._covered(group, [p], [p])
+
+
+def test_runtimes_pick_their_optimizer(monkeypatch):
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    cfg = OptimConfig()
+    assert type(make_optimizer(params, cfg)) is torch.optim.AdamW
+    assert type(make_optimizer(params, cfg, triton=True)) is TritonAdamW
+    monkeypatch.setenv("QEFFECT_TRITON_ADAMW", "0")
+    assert type(make_optimizer(params, cfg, triton=True)) is torch.optim.AdamW
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_triton_pass_is_bitwise_torch_fused_on_cuda(wd):
+    if adamw._kernel() is None:
+        pytest.skip("needs Triton")
+    shapes = [(4096, 3), (adamw.BLOCK,), (adamw.BLOCK * 3 + 17,), (1,), (257, 129)]
+    ref = _run(torch.optim.AdamW, shapes, 5, "cuda", wd, fused=True)
+    got = _run(TritonAdamW, shapes, 5, "cuda", wd)
+    _assert_same_bits(_state(*ref), _state(*got))
+    # a resumed optimizer continues with the same bits
+    fresh = TritonAdamW(got[0], weight_decay=wd, **HYPER)
+    fresh.load_state_dict(ref[1].state_dict())
+    for p, q in zip(got[0], ref[0], strict=True):
+        g = torch.full_like(p, 1e-3)
+        p.grad, q.grad = g, g.clone()
+    fresh.step()
+    ref[1].step()
+    _assert_same_bits(_state(got[0], fresh), _state(*ref))
