@@ -7,6 +7,8 @@ bit, over several steps, with and without weight decay, on sizes that do and do 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -63,6 +65,28 @@ def test_the_pass_covers_only_what_it_computes(monkeypatch):
     assert not opt._covered(group, [p], [p])
 
 
+def test_large_tensors_take_the_pass_and_small_ones_torchs_kernel(monkeypatch):
+    launches = []
+
+    class FakeKernel:  # records each launch; the update itself is checked on the GPU
+        def __getitem__(self, grid):
+            return lambda p, g, m, v, b1, b2, n, *hyper, **meta: launches.append((p.data_ptr(), n, b1.item()))
+
+    monkeypatch.setattr(adamw, "_kernel", lambda: FakeKernel())
+    monkeypatch.setattr(TritonAdamW, "_covered", lambda self, group, params, grads: True)
+    shapes = [(adamw.MIN_NUMEL,), (5, 3), (adamw.MIN_NUMEL + 1,), (7,)]
+    params, opt = _run(TritonAdamW, shapes, 1, "cpu", 0.0)
+    ref, _ = _run(torch.optim.AdamW, shapes, 1, "cpu", 0.0, fused=True)
+    assert [(ptr, n) for ptr, n, _ in launches] == [(params[0].data_ptr(), adamw.MIN_NUMEL),
+                                                    (params[2].data_ptr(), adamw.MIN_NUMEL + 1)]
+    assert all(b1 == pytest.approx(0.1) for *_, b1 in launches)  # 1 - beta1**1: the step was counted first
+    assert all(opt.state[p]["step"].item() == 1.0 for p in params)
+    for i in (1, 3):  # torch's fused kernel: the same bits as torch's optimizer alone
+        assert torch.equal(params[i], ref[i])
+    for i in (0, 2):  # the fake pass left them alone
+        assert not torch.equal(params[i], ref[i])
+
+
 def test_runtimes_pick_their_optimizer(monkeypatch):
     params = [torch.nn.Parameter(torch.zeros(2))]
     cfg = OptimConfig()
@@ -78,13 +102,13 @@ def test_runtimes_pick_their_optimizer(monkeypatch):
 def test_triton_pass_is_bitwise_torch_fused_on_cuda(wd):
     if adamw._kernel() is None:
         pytest.skip("needs Triton")
-    shapes = [(4096, 3), (adamw.BLOCK,), (adamw.BLOCK * 3 + 17,), (1,), (257, 129)]
+    shapes = [(4096, 3), (adamw.MIN_NUMEL,), (adamw.MIN_NUMEL + adamw.BLOCK * 3 + 17,), (1,), (257, 129), (1024, 1031)]
     ref = _run(torch.optim.AdamW, shapes, 5, "cuda", wd, fused=True)
     got = _run(TritonAdamW, shapes, 5, "cuda", wd)
     _assert_same_bits(_state(*ref), _state(*got))
     # a resumed optimizer continues with the same bits
     fresh = TritonAdamW(got[0], weight_decay=wd, **HYPER)
-    fresh.load_state_dict(ref[1].state_dict())
+    fresh.load_state_dict(copy.deepcopy(ref[1].state_dict()))  # load shares same-device tensors
     for p, q in zip(got[0], ref[0], strict=True):
         g = torch.full_like(p, 1e-3)
         p.grad, q.grad = g, g.clone()

@@ -14,6 +14,10 @@ CUDA's ``powf`` (measured: 0.95**1 gave 0.94999993). `benchmarks/adamw_ab.py` ch
 torch's kernel on the GPU, and the bitwise verification tests compare whole runs against native eager,
 which keeps torch's optimizer.
 
+Tensors under `MIN_NUMEL` elements (norms, biases) take torch's own fused kernel, in one launch for all
+of them: the Triton pass pays off on large tensors, and one launch per small tensor would cost more host
+time than it saves. The step counts are incremented first, for all, as torch's fused step does.
+
 State: the optimizer is a `torch.optim.AdamW(fused=True)` and initializes its state through it, so
 checkpoints, `state_dict` and resumes see torch's layout (`step` a device fp32 scalar). Anything the
 Triton pass does not cover (CPU, amsgrad, maximize, a tensor learning rate, a closure, non-fp32 or
@@ -30,6 +34,7 @@ from qeffect.triton_lazy import triton_kernel
 
 BLOCK = 4096
 NUM_WARPS = 16  # best of BLOCK 1024-8192 x 4-16 warps on a 50M-element tensor (H200), within 5% of the rest
+MIN_NUMEL = 1 << 20  # smaller tensors (norms, biases) stay in torch's one multi-tensor launch: same bits
 
 
 @triton_kernel
@@ -101,15 +106,23 @@ class TritonAdamW(torch.optim.AdamW):
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
             groups.append((group, params, grads, exp_avgs, exp_avg_sqs, steps))
         kernel = _kernel()
-        for group, params, grads, exp_avgs, exp_avg_sqs, steps in groups:
-            if not params:
+        for group, *lists in groups:
+            if not lists[0]:
                 continue
-            torch._foreach_add_(steps, 1.0)
+            torch._foreach_add_(lists[-1], 1.0)  # every step count, as torch's fused step does first
             beta1, beta2 = group["betas"]
-            bc1, bc2_sqrt = bias_corrections(steps, beta1, beta2)
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-            for p, g, m, v, b1, b2 in zip(params, grads, exp_avgs, exp_avg_sqs, bc1, bc2_sqrt, strict=True):
-                n = p.numel()
-                kernel[(-(-n // BLOCK),)](p, g, m, v, b1, b2, n, lr, beta1, beta2, wd, eps,
-                                          DECAY=wd != 0, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            large = [i for i, p in enumerate(lists[0]) if p.numel() >= MIN_NUMEL]
+            small = [i for i in range(len(lists[0])) if lists[0][i].numel() < MIN_NUMEL]
+            if small:
+                p, g, m, v, s = ([lst[i] for i in small] for lst in lists)
+                torch._fused_adamw_(p, g, m, v, [], s, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
+                                    weight_decay=wd, eps=eps, maximize=False)
+            if large:
+                p, g, m, v, s = ([lst[i] for i in large] for lst in lists)
+                bc1, bc2_sqrt = bias_corrections(s, beta1, beta2)
+                for args in zip(p, g, m, v, bc1, bc2_sqrt, strict=True):
+                    n = args[0].numel()
+                    kernel[(-(-n // BLOCK),)](*args, n, lr, beta1, beta2, wd, eps,
+                                              DECAY=wd != 0, BLOCK=BLOCK, num_warps=NUM_WARPS)
         return None
