@@ -24,6 +24,7 @@
 #          offload GPU tests, then the offload benchmark over off, resident, resident@6 and the same
 #          two copying every group (resident-copyall, resident-copyall@6: the A/B) for both schedules.
 # adamw: the Triton AdamW's GPU tests, A/B benchmark and arithmetic check, then the whole GPU suite.
+# layernorm: the model's Triton LayerNorm's GPU tests; if they pass, the GPU suite and the h4096 profiles.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
 # combined: the teardown test alone, the whole GPU suite and the 8-cell matrix.
 # fused-quantize, fused-quantize-profile (two calls): the fused reference quantization's GPU tests and
@@ -206,6 +207,17 @@ adamw)
     step 60 adamw-bits python3 scripts/adamw_bits.py --json "$out/adamw-bits-h200.json"
     step 300 pytest-gpu python3 -m pytest -m gpu -q
     ;;
+layernorm)
+    # the model's Triton LayerNorm: its GPU tests, then (only if they pass) the whole GPU suite (the
+    # native-vs-qeffect bitwise tests run it on both sides) and the h4096 profiles
+    if step 120 layernorm-tests python3 -m pytest -m gpu -q tests/test_layernorm.py; then
+        step 240 pytest-gpu python3 -m pytest -m gpu -q
+        step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
+            --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+        step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
+            --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    fi
+    ;;
 gil)
     # do the VMM driver calls release the GIL (a driver thread for release offload needs them to)?
     step 30 gil-control python3 scripts/gil_check.py --control
@@ -222,7 +234,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT adamw|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT adamw|layernorm|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

@@ -7,7 +7,8 @@ all other parameters (norms, biases, embeddings) get their gradients in `dI`. Wi
 the head is instead a stateless dynamic-scaling torchao `Float8Linear` (fp8/torchao_head.py): not a
 backend linear, so its weight is a non-matrix parameter whose gradient also comes in `dI`.
 
-Parameters are fp32 masters; activations run in the chunk's `dtype` (norms and the loss in fp32).
+Parameters are fp32 masters; activations run in the chunk's `dtype`; the loss and the norms' statistics
+are fp32 (the torch form upcasts; on CUDA `model/layernorm.py` reads and writes 16-bit activations).
 `build_chunks` initializes every chunk from one CPU generator in stage order, so a seed gives the same
 parameters on any device and for any mapping of stages to ranks.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qeffect.fp8.base import FP8Backend, is_backend_linear
+from qeffect.model.layernorm import available as fused_layer_norm_available
+from qeffect.model.layernorm import triton_layer_norm
 
 if TYPE_CHECKING:
     from qeffect.config import RunConfig
@@ -84,6 +88,19 @@ def _layer_norm(ln: nn.LayerNorm, x: Tensor) -> Tensor:
     return F.layer_norm(x.float(), ln.normalized_shape, ln.weight, ln.bias, ln.eps).to(x.dtype)
 
 
+def layer_norm(ln: nn.LayerNorm, x: Tensor) -> Tensor:
+    """The model's LayerNorm: on 16-bit CUDA activations the Triton kernels of `model/layernorm.py` (fp32
+    statistics and parameters, no dtype copies), else `_layer_norm`. ``QEFFECT_FUSED_LAYERNORM=0`` keeps
+    the torch form (for A/B runs; the numbers differ, so native and qeffect runs must agree on it)."""
+    if _fused_norm_enabled() and fused_layer_norm_available(x, ln.weight):
+        return triton_layer_norm(ln, x)
+    return _layer_norm(ln, x)
+
+
+def _fused_norm_enabled() -> bool:
+    return os.environ.get("QEFFECT_FUSED_LAYERNORM", "1") != "0"
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer layer: x + proj(attn(ln1 x)); x + fc2(gelu(fc1(ln2 x)))."""
 
@@ -100,12 +117,12 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, is_first_microbatch: bool) -> Tensor:
         b, t, h = x.shape
-        qkv = self.qkv(_layer_norm(self.ln1, x), is_first_microbatch)
+        qkv = self.qkv(layer_norm(self.ln1, x), is_first_microbatch)
         q, k, v = qkv.view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         a = a.transpose(1, 2).reshape(b, t, h)
         x = x + self.proj(a, is_first_microbatch)
-        m = F.gelu(self.fc1(_layer_norm(self.ln2, x), is_first_microbatch), approximate="tanh")
+        m = F.gelu(self.fc1(layer_norm(self.ln2, x), is_first_microbatch), approximate="tanh")
         return x + self.fc2(m, is_first_microbatch)
 
 
@@ -180,7 +197,7 @@ class StageChunk(nn.Module):
             x = block(x, is_first_microbatch)
         if not self.is_last:
             return x
-        logits = self.head(_layer_norm(self.ln_f, x), is_first_microbatch)
+        logits = self.head(layer_norm(self.ln_f, x), is_first_microbatch)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
