@@ -92,7 +92,7 @@ def layer_norm(ln: nn.LayerNorm, x: Tensor) -> Tensor:
     """The model's LayerNorm: on 16-bit CUDA activations the Triton kernels of `model/layernorm.py` (fp32
     statistics and parameters, no dtype copies), else `_layer_norm`. ``QEFFECT_FUSED_LAYERNORM=0`` keeps
     the torch form (for A/B runs; the numbers differ, so native and qeffect runs must agree on it)."""
-    if _fused_norm_enabled() and fused_layer_norm_available(x, ln.weight):
+    if ln.bias is not None and _fused_norm_enabled() and fused_layer_norm_available(x, ln.weight):
         return triton_layer_norm(ln, x)
     return _layer_norm(ln, x)
 
