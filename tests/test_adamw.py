@@ -1,13 +1,17 @@
 """`runtime.adamw.TritonAdamW`: torch's fused AdamW bits and state, with the update as Triton passes.
 
 CPU: everything the Triton pass does not cover falls back to torch's own step (same bits, same state),
-and the runtimes pick the right optimizer. GPU: the Triton pass against torch's fused kernel, bit for
+the runtimes pick the right optimizer, and (where Triton is installed) the kernel computes AdamW under
+Triton's interpreter. GPU: the Triton pass against torch's fused kernel, bit for
 bit, over several steps, with and without weight decay, on sizes that do and do not fill a block.
 """
 
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -85,6 +89,43 @@ def test_large_tensors_take_the_pass_and_small_ones_torchs_kernel(monkeypatch):
         assert torch.equal(params[i], ref[i])
     for i in (0, 2):  # the fake pass left them alone
         assert not torch.equal(params[i], ref[i])
+
+
+INTERPRETED = textwrap.dedent("""
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from qeffect.runtime import adamw
+    n = adamw.BLOCK + 17
+    torch.manual_seed(0)
+    p0 = torch.randn(n) * 0.02
+    for wd in (0.0, 0.1):
+        p, m, v, step = p0.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(())
+        ref = p0.clone().requires_grad_(True)
+        opt = torch.optim.AdamW([ref], lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd)
+        for _ in range(3):
+            g = torch.randn(n) * 1e-3
+            ref.grad = g
+            opt.step()
+            step += 1
+            bc1, bc2_sqrt = adamw.bias_corrections([step], 0.9, 0.95)
+            adamw._kernel()[(-(-n // adamw.BLOCK),)](p, g, m, v, bc1[0], bc2_sqrt[0], n, 3e-4, 0.9, 0.95, wd, 1e-8,
+                                                    DECAY=wd != 0, BLOCK=adamw.BLOCK, num_warps=adamw.NUM_WARPS)
+        st = opt.state[ref]
+        torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(m, st["exp_avg"], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(v, st["exp_avg_sq"], rtol=1e-5, atol=1e-12)
+        assert not torch.equal(p, p0)
+    print("ok")
+""")
+
+
+def test_the_pass_computes_adamw_under_the_interpreter():
+    """The kernel's algebra on CPU (Triton's interpreter; CPU AdamW rounds differently, hence the
+    tolerance): the bits against torch's CUDA kernel are the GPU test's."""
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_runtimes_pick_their_optimizer(monkeypatch):
