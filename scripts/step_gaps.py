@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.graphs.handshake import script_provenance
-from qeffect.profile.trace import CATEGORIES, category
+from qeffect.profile.trace import CATEGORIES, _kind, category
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
 
@@ -80,10 +80,8 @@ def analyse(prof, walls: list[float], hosts: list[float], min_gap_us: float) -> 
                 cpu.append((ev.start_ns(), ev.end_ns(), name[len(PHASE):]))
             elif name.startswith("cu"):  # runtime/driver calls: the launches
                 launches[ev.correlation_id()] = (ev.start_ns(), name)
-        else:
-            act = getattr(ev, "activity_type", lambda: None)()
-            if act in ("kernel", "gpu_memcpy", "gpu_memset") or (act is None and not ev.is_user_annotation()):
-                dev.append((ev.start_ns(), ev.end_ns(), name, ev.correlation_id()))
+        elif _kind(ev) in ("kernel", "memcpy", "memset"):  # the profile's own classification of device events
+            dev.append((ev.start_ns(), ev.end_ns(), name, ev.correlation_id()))
     steps = sorted((s, e) for s, e, n in cpu if n == "step")
     phases = sorted(((s, e, n) for s, e, n in cpu if n != "step"), key=lambda p: (p[0], -p[1]))
     starts = [p[0] for p in phases]
