@@ -7,7 +7,10 @@ of the matrix weights, as the captured te path stages them), the same random gra
 - ``fold+torch-fused``: the staged fold (`stage.accumulate.fold_staged`) then torch's AdamW (what a
   captured qeffect step runs today);
 - ``triton``: `runtime.adamw.TritonAdamW` on the fp32 gradients;
-- ``fold+triton``: the fold then `TritonAdamW` (what a captured qeffect step runs with it).
+- ``fold+triton``: the fold then `TritonAdamW` as two passes;
+- ``fold-in-triton``: `TritonAdamW.fold_into_step`, the fold inside the update's pass (what a captured
+  qeffect step runs since the fold moved into the optimizer). ``--fold-sweep`` times it per
+  ``FOLD_BLOCK`` x ``FOLD_WARPS`` too.
 
 Bits: after every step each variant's parameters and both moments are compared with ``torch-fused``'s
 (``torch.equal``), with the config's weight decay and with 0.1. Timings: CUDA events around each variant's whole
@@ -54,9 +57,10 @@ class Variant:
     def __init__(self, name: str, params: list[torch.Tensor], lr: float, betas: tuple[float, float], eps: float,
                  wd: float) -> None:
         self.name = name
-        self.fold = name.startswith("fold+")
+        self.fold = name.startswith("fold")
+        self.fused = name == "fold-in-triton"
         self.params = [p.detach().clone().requires_grad_(True) for p in params]
-        cls = TritonAdamW if name.endswith("triton") else partial(torch.optim.AdamW, fused=True)
+        cls = TritonAdamW if "triton" in name else partial(torch.optim.AdamW, fused=True)
         self.opt = cls(self.params, lr=lr, betas=betas, eps=eps, weight_decay=wd)
 
     def state(self) -> list[torch.Tensor]:
@@ -64,7 +68,10 @@ class Variant:
 
     def step(self, grads: list[torch.Tensor], slots: list[torch.Tensor | None], regions: list[torch.Tensor]) -> None:
         for p, g, s, r in zip(self.params, grads, slots, regions, strict=True):
-            if self.fold and s is not None:
+            if self.fused and s is not None:
+                p.grad = r
+                self.opt.fold_into_step(p, s, s.shape[0], True)
+            elif self.fold and s is not None:
                 fold_staged(r, s, s.shape[0], True)
                 p.grad = r
             else:
@@ -78,6 +85,7 @@ def main() -> int:
     ap.add_argument("--bit-steps", type=int, default=4, help="steps compared bit for bit per weight decay")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--fold-sweep", action="store_true", help="also time fold-in-triton per block x warps")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -87,7 +95,7 @@ def main() -> int:
     staging = cfg.pipeline.microbatches
     gen = torch.Generator(device=dev).manual_seed(0)
     params = [torch.randn(s, device=dev, generator=gen) * 0.02 for s in shapes]
-    names = ("torch-fused", "fold+torch-fused", "triton", "fold+triton")
+    names = ("torch-fused", "fold+torch-fused", "triton", "fold+triton", "fold-in-triton")
     # slots: bf16 staging of each matrix weight; grads: their fold (the gradient every variant sees)
     slots = [torch.randn(staging, p.numel(), device=dev, generator=gen).mul_(1e-3).to(torch.bfloat16) if mx else None
              for p, mx in zip(params, matrix, strict=True)]
@@ -131,12 +139,36 @@ def main() -> int:
     n_staged = sum(p.numel() for p, mx in zip(params, matrix, strict=True) if mx)
     fold_bytes = (2 * staging + 4) * n_staged  # read the bf16 slots, write the fp32 region
     moved = {n: 28 * n_all + (fold_bytes if n.startswith("fold+") else 0) for n in names}
+    moved["fold-in-triton"] = 28 * n_all + (2 * staging - 4) * n_staged  # slots read, the fp32 gradient never
     base = statistics.median(times["fold+torch-fused"])
     for n in names:
         med = statistics.median(times[n])
         timings[n] = {"median_seconds": med, "seconds": times[n], "bytes": moved[n],
                       "tb_per_s": moved[n] / med / 1e12, "ratio_to_fold+torch-fused": med / base}
         print(f"{n:18s} median {med * 1e3:7.3f} ms  {moved[n] / med / 1e12:5.2f} TB/s  x{med / base:.3f}")
+    sweep = []
+    if a.fold_sweep:
+        import qeffect.runtime.adamw as adamw_mod
+
+        v = next(v for v in variants if v.name == "fold-in-triton")
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                adamw_mod.FOLD_BLOCK, adamw_mod.FOLD_WARPS = block, warps
+                for _ in range(2):
+                    v.step(grads, slots, regions)
+                ts = []
+                for _ in range(a.reps):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    v.step(grads, slots, regions)
+                    e.record()
+                    e.synchronize()
+                    ts.append(s.elapsed_time(e) * 1e-3)
+                med = statistics.median(ts)
+                sweep.append({"block": block, "warps": warps, "median_seconds": med, "seconds": ts,
+                              "tb_per_s": moved["fold-in-triton"] / med / 1e12})
+                print(f"sweep fold-in-triton block {block:5d} warps {warps:2d}: {med * 1e3:7.3f} ms "
+                      f"{moved['fold-in-triton'] / med / 1e12:5.2f} TB/s")
     worst = {}
     for b in bits:
         k = (b["variant"], b["weight_decay"])
@@ -148,7 +180,7 @@ def main() -> int:
         write_json(Path(a.json), {**script_provenance(), "device": torch.cuda.get_device_name(dev),
                                   "torch_version": torch.__version__, "te_version": te_version(),
                                   "config": a.config, "parameters": n_all, "staged_parameters": n_staged,
-                                  "staging_slots": staging, "timings": timings, "bits": bits})
+                                  "staging_slots": staging, "timings": timings, "fold_sweep": sweep, "bits": bits})
     return 0
 
 

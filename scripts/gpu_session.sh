@@ -197,6 +197,15 @@ release-keep)
             --out "$out/offload-bench-h2048-$s-release-keep-h200.json"
     done
     ;;
+fold)
+    # the staged fold inside the Triton AdamW's pass: its GPU tests (the pass against fold + torch's AdamW,
+    # and training steps against native eager), then the whole GPU suite and the A/B with the block sweep
+    if step 200 fold-tests python3 -m pytest -m gpu -q tests/test_adamw.py tests/test_accumulate_gpu.py; then
+        step 240 pytest-gpu python3 -m pytest -m gpu -q
+        step 120 adamw-ab python3 benchmarks/adamw_ab.py --config examples/configs/h4096.toml --fold-sweep \
+            --json "$out/adamw-ab-h4096-h200.json"
+    fi
+    ;;
 adamw)
     # the Triton AdamW: its GPU tests (bits against torch's fused kernel), the A/B benchmark on h4096's
     # parameters, the arithmetic diagnostic, then the whole GPU suite (native eager keeps torch's AdamW,
@@ -234,7 +243,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT adamw|layernorm|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT fold|adamw|layernorm|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

@@ -156,3 +156,117 @@ def test_triton_pass_is_bitwise_torch_fused_on_cuda(wd):
     fresh.step()
     ref[1].step()
     _assert_same_bits(_state(got[0], fresh), _state(*ref))
+
+
+def _run_folded(shapes, steps, device, wd, slots_n, *, defer: bool, dtype=torch.bfloat16, init_each=True, seed=0):
+    """AdamW over gradients given as staged slots: folded first (`fold_staged`) then torch's fused AdamW,
+    or handed to `TritonAdamW.fold_into_step` (`defer`). A non-`init_each` fold adds onto a region already
+    holding an earlier group's sum, as a second staging group does."""
+    from qeffect.stage.accumulate import fold_staged
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s in shapes]
+    opt = (TritonAdamW if defer else torch.optim.AdamW)(params, weight_decay=wd, **HYPER,
+                                                       **({} if defer else {"fused": True}))
+    regions = [torch.empty_like(p) for p in params]
+    for _ in range(steps):
+        for p, r in zip(params, regions, strict=True):
+            n = p.numel()
+            block = (torch.randn(slots_n, n + 5, device=device, generator=gen) * 1e-3).to(dtype)
+            if init_each:
+                r.fill_(float("nan"))  # init: the region's old contents must not be read
+            else:
+                r.copy_(torch.randn(p.shape, device=device, generator=gen) * 1e-3)
+            p.grad = r
+            if defer:
+                opt.fold_into_step(p, block, slots_n, init_each)
+            else:
+                fold_staged(r, block, slots_n, init_each)
+        opt.step()
+        assert not defer or opt.pending_folds() == 0
+    return params, opt
+
+
+@pytest.mark.parametrize("init_each", [True, False])
+def test_deferred_folds_run_before_torchs_step_off_the_pass(init_each):
+    """CPU (no Triton pass): the deferred fold runs as its own pass first, so the bits are the fold's then AdamW's."""
+    shapes = [(7, 5), (33,)]
+    ref = _run_folded(shapes, 3, "cpu", 0.1, 3, defer=False, init_each=init_each)
+    got = _run_folded(shapes, 3, "cpu", 0.1, 3, defer=True, init_each=init_each)
+    _assert_same_bits(_state(*ref), _state(*got))
+
+
+def test_fold_into_step_refuses_what_it_cannot_fold():
+    p = torch.nn.Parameter(torch.zeros(6))
+    opt = TritonAdamW([p], **HYPER)
+    with pytest.raises(ValueError, match="no .grad"):
+        opt.fold_into_step(p, torch.zeros(2, 6), 2, True)
+    p.grad = torch.zeros(6)
+    for block, count in ((torch.zeros(2, 6), 3), (torch.zeros(2, 6), 0), (torch.zeros(2, 5), 1), (torch.zeros(12), 1)):
+        with pytest.raises(ValueError, match="fold of"):
+            opt.fold_into_step(p, block, count, True)
+    stranger = torch.nn.Parameter(torch.zeros(6))
+    stranger.grad = torch.zeros(6)
+    opt.fold_into_step(stranger, torch.zeros(2, 6), 2, True)
+    with pytest.raises(ValueError, match="not in this optimizer"):
+        opt.step()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+@pytest.mark.parametrize("init_each", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fold_in_the_pass_is_bitwise_fold_then_torch_fused_on_cuda(wd, init_each, dtype):
+    """The fused fold+update against the fold kernel then torch's fused AdamW: same bits, for large
+    tensors (the fused pass), small ones (folded first) and both slot dtypes."""
+    if adamw._fold_kernel() is None:
+        pytest.skip("needs Triton")
+    shapes = [(adamw.MIN_NUMEL + adamw.FOLD_BLOCK * 3 + 17,), (257, 129), (1024, 1031)]
+    for slots_n in (1, 3, 8):
+        ref = _run_folded(shapes, 4, "cuda", wd, slots_n, defer=False, dtype=dtype, init_each=init_each)
+        got = _run_folded(shapes, 4, "cuda", wd, slots_n, defer=True, dtype=dtype, init_each=init_each)
+        _assert_same_bits(_state(*ref), _state(*got))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["te", "reference"])
+def test_training_steps_with_the_fold_in_the_pass_equal_native_eager(backend, monkeypatch):
+    """Plain `step`s (no verification hook) of the captured h2048 pipeline, where the staged weight
+    gradients of the last group reach AdamW unfolded and the Triton pass folds them: parameters and both
+    moments bitwise equal to native eager's after 3 steps, with weight decay on."""
+    from qeffect.config import load_config
+    from qeffect.runtime.build import build_single_process
+    from qeffect.verify.state import synthetic_batches
+
+    if adamw._fold_kernel() is None:
+        pytest.skip("needs Triton")
+    if backend == "te":
+        pytest.importorskip("transformer_engine")
+    fused, unfused = [], []
+    real_fold_into, real_first = TritonAdamW.fold_into_step, adamw._fold_first
+
+    def spy_fold_into(self, param, block, count, init):
+        (fused if param.numel() >= adamw.MIN_NUMEL and adamw._fusable(block) else unfused).append(count)
+        real_fold_into(self, param, block, count, init)
+
+    monkeypatch.setattr(TritonAdamW, "fold_into_step", spy_fold_into)
+    monkeypatch.setattr(adamw, "_fold_first", lambda folds: (unfused.extend(folds), real_first(folds)))
+    cfg = load_config("examples/configs/h2048.toml").with_overrides(
+        **{"train.device": "cuda", "fp8.backend": backend, "optim.weight_decay": 0.1})
+    dev = torch.device("cuda", torch.cuda.current_device())
+    native = build_single_process(cfg, native=True, device=dev)
+    qeff = build_single_process(cfg, native=False, device=dev, path="captured-direct")
+    for step in range(3):
+        batches = synthetic_batches(cfg, step, dev)
+        assert torch.equal(native.step(batches), qeff.step(batches))
+    matrix = sum(len(c.matrix_params()) for r in qeff.ranks for c in r.chunks.values())
+    assert len(fused) == 3 * matrix and not unfused  # every matrix weight, every step, in the fused pass
+    assert set(fused) == {cfg.pipeline.microbatches}  # one staging group of all microbatches
+    for rn, rq in zip(native.ranks, qeff.ranks, strict=True):
+        for cn, cq in zip(rn.chunks.values(), rq.chunks.values(), strict=True):
+            for (name, pn), (_, pq) in zip(cn.named_parameters(), cq.named_parameters(), strict=True):
+                assert torch.equal(pn, pq), name
+                for k in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(rn.optimizer.state[pn][k], rq.optimizer.state[pq][k]), (name, k)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qeffect.contracts import ALIGN_BYTES, ArenaViolation, GradientArena
+from qeffect.contracts.arena import sequential_reduce
 
 SPECS = {"w1": ((3, 4), torch.float32), "w2": ((5,), torch.bfloat16), "w3": ((2, 2), torch.float32)}
 
@@ -372,7 +373,6 @@ def test_staged_fold_reduce_is_pluggable_and_called_per_group():
 
     def spy(region, block, count, init):
         calls.append((tuple(block.shape), count, init))
-        from qeffect.contracts.arena import sequential_reduce
         sequential_reduce(region, block, count, init)
 
     a = GradientArena({"w": ((10,), torch.float32)}, microbatches=5, accumulate=True, staging=2, reduce=spy)
@@ -397,3 +397,68 @@ def test_staged_out_of_order_and_misbound_writes_are_refused():
     assert e.value.relation in ("aliased write", "wrong binding")
     with pytest.raises(ValueError, match="holds the sum over microbatches"):
         a.prefix_sum("w", 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(M=st.integers(1, 7), G=st.integers(1, 5), seed=st.integers(0, 2**31 - 1), bf16=st.booleans(),
+       take=st.booleans())
+def test_deferred_last_fold_has_the_bits_of_adding_as_it_comes(M, G, seed, bf16, take):
+    """`defer_last_fold`: no dW folds the last group; every prefix, the sum (folded once, however often it
+    is asked for) and a taken pending fold finished by its consumer all keep the in-order bits."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    grads = _grads(M, (64,), seed, dtype)
+    expect = [grads[0].float().clone()]
+    for gm in grads[1:]:
+        expect.append(expect[-1] + gm.float())
+    a = GradientArena({"w": ((64,), torch.float32)}, microbatches=M, accumulate=True, staging=G,
+                      staging_dtypes={"w": dtype}, defer_last_fold=True)
+    assert not a.flushes(M - 1)
+    prefixes = []
+    _stage_all(a, "w", grads, lambda m, prefix: prefixes.append(torch.equal(prefix, expect[m])))
+    assert prefixes == [True] * M
+    a.finalize()
+    if take:
+        region, block, count, init = a.take_pending_fold("w")
+        first = (M - 1) - (M - 1) % min(G, M)
+        assert region.data_ptr() == a.region("w").data_ptr() and (count, init) == (M - first, first == 0)
+        sequential_reduce(region, block, count, init)  # what the consumer (the optimizer's pass) adds
+        assert a.take_pending_fold("w") is None
+    else:
+        assert torch.equal(a.sum_microbatches("w"), expect[-1])
+    assert torch.equal(a.sum_microbatches("w"), expect[-1])  # not folded twice
+    assert torch.equal(a.prefix_sum("w", M - 1), expect[-1])
+    a.advance_epoch()  # deferred again in the next epoch
+    _stage_all(a, "w", grads)
+    a.finalize()
+    assert a.take_pending_fold("w") is not None
+
+
+def test_deferred_fold_is_refused_before_its_writes():
+    a = GradientArena({"w": ((10,), torch.float32)}, microbatches=3, accumulate=True, staging=2,
+                      defer_last_fold=True)
+    assert [a.flushes(m) for m in range(3)] == [False, True, False]
+    grads = _grads(3, (10,), 1)
+    _stage_all(a, "w", grads[:2])
+    with pytest.raises(ArenaViolation) as e:  # the data-parallel reduce reads the storage before finalize
+        a.storage_views("w")
+    assert e.value.relation == "fold before the last write"
+    with pytest.raises(ArenaViolation) as e:
+        a.take_pending_fold("w")
+    assert e.value.relation == "take_pending_fold before finalize"
+    _stage_all_from(a, "w", grads, 2)
+    (region,) = a.storage_views("w")  # folded now, before finalize: what an all-reduce needs
+    expect = grads[0].float() + grads[1].float() + grads[2].float()
+    assert torch.equal(region, expect)
+    a.finalize()
+    assert a.take_pending_fold("w") is None and torch.equal(a.sum_microbatches("w"), expect)
+    assert GradientArena({"w": ((10,), torch.float32)}, 3, accumulate=True, defer_last_fold=True).defer_last_fold is False
+
+
+def _stage_all_from(arena, name, grads, start):
+    for m in range(start, len(grads)):
+        dest = arena.view(name, m)
+        arena.check_write(name, m, dest)
+        dest.copy_(grads[m])
+        if arena.flushes(m):
+            arena.flush(name, m)
+        arena.record_write(name, m, dest)

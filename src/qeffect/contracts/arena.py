@@ -34,6 +34,13 @@ into the region in one pass (:meth:`GradientArena.flush`): ``r = s0; r += s1; ..
 group, ``r += s0; r += s1; ...`` for later ones, element by element in fp32 in microbatch order -- the
 same additions, so the same bits, as adding each microbatch as it comes. ``reduce`` is that pass; the
 default runs it as ``copy_``/``add_``, and the runtime passes a fused kernel on the GPU.
+
+Deferred last fold (``defer_last_fold=True``, staged layout): the group that ``dW(M-1)`` closes is not
+folded by a ``dW`` at all. The optimizer reads the slots anyway, so its update can fold them on the way
+(:meth:`GradientArena.take_pending_fold`: 8 bytes per element less, the fp32 gradient is never written
+and read back). Whoever needs the summed gradient as a tensor gets it folded first
+(:meth:`GradientArena.sum_microbatches`, :meth:`GradientArena.storage_views`): the same additions in the
+same order, so the same bits either way.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ class GradientArena:
         staging: int = 0,
         staging_dtypes: dict[str, torch.dtype] | None = None,
         reduce: Reduce | None = None,
+        defer_last_fold: bool = False,
     ) -> None:
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
@@ -93,6 +101,8 @@ class GradientArena:
         self.name = name
         self.accumulate = accumulate
         self.staging = min(staging, microbatches)
+        self.defer_last_fold = bool(defer_last_fold and self.staging)
+        self._last_folded: set[str] = set()  # names whose deferred last group is folded (or taken) this epoch
         self._reduce: Reduce = reduce or sequential_reduce
         self.device = torch.device(device)
         self.microbatches = microbatches
@@ -207,8 +217,10 @@ class GradientArena:
         return not self.accumulate or self.staging > 0 or m == 0
 
     def flushes(self, m: int) -> bool:
-        """Whether ``dW(m)`` closes a staging group and must :meth:`flush` it (staged layout only)."""
-        return self.staging > 0 and (m % self.staging == self.staging - 1 or m == self.microbatches - 1)
+        """Whether ``dW(m)`` closes a staging group and must :meth:`flush` it (staged layout only; with
+        ``defer_last_fold`` the last group is left to the commit)."""
+        last = m == self.microbatches - 1
+        return self.staging > 0 and (m % self.staging == self.staging - 1 or last) and not (last and self.defer_last_fold)
 
     def region(self, name: str) -> torch.Tensor:
         """The accumulating region of ``name`` (the running sum of its microbatch gradients)."""
@@ -242,7 +254,7 @@ class GradientArena:
             raise ValueError(f"{name}: the accumulating arena holds the sum over microbatches {written}, "
                              f"not 0..{upto}")
         region = self.region(name)
-        if not self.staging or self.flushes(upto):
+        if not self.staging or self.flushes(upto) or (upto == self.microbatches - 1 and name in self._last_folded):
             return region.clone()
         first = upto - upto % self.staging
         acc = region.clone()
@@ -252,6 +264,7 @@ class GradientArena:
     def storage_views(self, name: str) -> list[torch.Tensor]:
         """The distinct tensors holding ``name``'s summed gradients: M views, or the one accumulating region."""
         if self.accumulate:
+            self._fold_last(name)
             return [self.region(name)]
         return [self._lookup(name, m, "storage_views") for m in range(self.microbatches)]
 
@@ -337,9 +350,45 @@ class GradientArena:
                 f"sum before finalize for arena '{self.name}' parameter {name}: expected a finalized epoch "
                 f"{self._epoch}, found {len(self.missing())} missing writes",
                 relation="sum before finalize", key=name, expected="finalized", found="not finalized")
-        if self.accumulate:  # the region already holds the sum, added in the order m = 0..M-1
+        if self.accumulate:  # the region holds the sum, added in the order m = 0..M-1 (once folded)
+            self._fold_last(name)
             return self.region(name)
         return self._ordered_sum(name, self.microbatches - 1, "sum_microbatches")
+
+    def take_pending_fold(self, name: str) -> tuple[torch.Tensor, torch.Tensor, int, bool] | None:
+        """The deferred last group of ``name`` as ``(region, block, count, init)`` for a consumer that folds
+        it itself (`runtime.adamw.TritonAdamW.fold_into_step`): the sum is ``region`` (not read when
+        ``init``) plus slots ``block[0:count]`` in slot order. None when nothing is deferred or it is folded.
+        Taking it marks it folded: the region itself is never completed this epoch."""
+        self._require_finalized("take_pending_fold", name)
+        if not self.defer_last_fold or name in self._last_folded:
+            return None
+        self._last_folded.add(name)
+        first = (self.microbatches - 1) - (self.microbatches - 1) % self.staging
+        return self.region(name), self._blocks[name], self.microbatches - first, first == 0
+
+    def _fold_last(self, name: str) -> None:
+        """Fold the deferred last group into the region (once per epoch; a no-op without deferral)."""
+        if not self.defer_last_fold or name in self._last_folded:
+            return
+        self._require_usable("fold", name, None)
+        last = self.microbatches - 1
+        if (name, last) not in self._written:  # storage_views may come before finalize (data-parallel reduce)
+            raise ArenaViolation(
+                f"fold before the last write for arena '{self.name}' view {_vk(name, last)}: expected dW({last}) "
+                f"written before its deferred group is folded, found writes {sorted(k for n, k in self._written if n == name)}",
+                relation="fold before the last write", key=(name, last), expected="written", found="not written")
+        self._last_folded.add(name)
+        first = (self.microbatches - 1) - (self.microbatches - 1) % self.staging
+        self._reduce(self.region(name), self._blocks[name], self.microbatches - first, first == 0)
+
+    def _require_finalized(self, op: str, name: str) -> None:
+        self._require_usable(op, name, None)
+        if not self._finalized:
+            raise ArenaViolation(
+                f"{op} before finalize for arena '{self.name}' parameter {name}: expected a finalized epoch "
+                f"{self._epoch}, found {len(self.missing())} missing writes",
+                relation=f"{op} before finalize", key=name, expected="finalized", found="not finalized")
 
     # ------------------------------------------------------------- transitions
     def advance_epoch(self, zero: bool = True) -> int:
@@ -359,6 +408,7 @@ class GradientArena:
             for b in self._buffers.values():
                 b.zero_()
         self._written.clear()
+        self._last_folded.clear()
         self._finalized = False
         self._epoch += 1
         return self._epoch
@@ -376,6 +426,7 @@ class GradientArena:
         for b in self._buffers.values():
             b.zero_()
         self._written.clear()
+        self._last_folded.clear()
         self._finalized = False
         self._usable = True
         if epoch is not None:

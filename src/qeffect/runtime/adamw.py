@@ -30,10 +30,13 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from qeffect.stage.accumulate import fold_staged
 from qeffect.triton_lazy import triton_kernel
 
 BLOCK = 4096
 NUM_WARPS = 16  # best of an ad-hoc sweep (BLOCK 1024-8192 x 4-16 warps, one 50M-element tensor, H200): all within 5%
+FOLD_BLOCK = 1024  # the pass that also folds the staged slots (`TritonAdamW.fold_into_step`): best of
+FOLD_WARPS = 16  # `adamw_ab.py --fold-sweep` (block 1024-8192 x 4-16 warps on h4096, H200): 4.04 TB/s
 MIN_NUMEL = 1 << 20  # smaller tensors (norms, biases) stay in torch's one multi-tensor launch: same bits
 
 
@@ -63,6 +66,41 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     return adamw
 
 
+@triton_kernel
+def _fold_kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
+    @triton.jit
+    def adamw_fold(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, n, lr, beta1, beta2,
+                   weight_decay, eps, COUNT: tl.constexpr, INIT: tl.constexpr, DECAY: tl.constexpr,
+                   BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        # the staged fold first, as `stage.accumulate.fold_staged` adds: fp32, slot order
+        if INIT:
+            g = tl.load(s_ptr + offs, mask=mask).to(tl.float32)
+            for j in tl.static_range(1, COUNT):
+                g = g + tl.load(s_ptr + j * slot_stride + offs, mask=mask).to(tl.float32)
+        else:
+            g = tl.load(g_ptr + offs, mask=mask)
+            for j in tl.static_range(0, COUNT):
+                g = g + tl.load(s_ptr + j * slot_stride + offs, mask=mask).to(tl.float32)
+        p = tl.load(p_ptr + offs, mask=mask)
+        m = tl.load(m_ptr + offs, mask=mask)
+        v = tl.load(v_ptr + offs, mask=mask)
+        if DECAY:
+            p = p - lr * weight_decay * p
+        m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+        gg = g * g
+        v = tl.fma(beta2, v, tl.fma(-beta2, gg, gg))
+        step_size = tl.div_rn(lr, tl.load(bc1_ptr))
+        denom = tl.div_rn(tl.sqrt_rn(v), tl.load(bc2_sqrt_ptr)) + eps
+        p = p - tl.div_rn(step_size * m, denom)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+
+    return adamw_fold
+
+
 def _fp32_contiguous_cuda(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype == torch.float32 and t.is_contiguous()
 
@@ -85,6 +123,33 @@ class TritonAdamW(torch.optim.AdamW):
 
     def __init__(self, params: Iterable, **kwargs) -> None:
         super().__init__(params, fused=True, **kwargs)
+        self._folds: dict[torch.Tensor, tuple[torch.Tensor, int, bool]] = {}
+
+    def fold_into_step(self, param: torch.Tensor, block: torch.Tensor, count: int, init: bool) -> None:
+        """Let the next :meth:`step` finish `param`'s staged fold: its gradient is ``param.grad`` (the
+        fp32 region; with `init` not read) plus the slots ``block[0:count]`` added in slot order, as
+        `stage.accumulate.fold_staged` adds them. Where the Triton pass covers `param` the fold is part
+        of its update (the gradient is never written: 8 bytes per element less); otherwise the fold runs
+        first, into ``param.grad``."""
+        if param.grad is None:
+            raise ValueError("fold_into_step: the parameter has no .grad (the region to fold into)")
+        if not 1 <= count <= block.shape[0] or block.dim() != 2 or block.shape[1] < param.numel():
+            raise ValueError(f"fold of {count} slots of {tuple(block.shape)} into {param.numel()} elements")
+        self._folds[param] = (block, count, init)
+
+    def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the next step uses for `param`: ``.grad``, or with a pending fold a new tensor
+        holding it finished (the fold's additions, so the bits the step's pass computes)."""
+        fold = self._folds.get(param)
+        if fold is None:
+            return param.grad
+        g = param.grad.clone()
+        fold_staged(g, *fold)
+        return g
+
+    def pending_folds(self) -> int:
+        """How many parameters' folds the next step will finish."""
+        return len(self._folds)
 
     def _covered(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
         return (_kernel() is not None and not group["amsgrad"] and not group["maximize"]
@@ -93,6 +158,11 @@ class TritonAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        folds, self._folds = self._folds, {}
+        held = {id(p) for group in self.param_groups for p in group["params"]}
+        if any(id(p) not in held for p in folds):
+            raise ValueError(f"fold_into_step for {sum(id(p) not in held for p in folds)} parameter(s) not in "
+                             "this optimizer's groups")
         groups = []
         for group in self.param_groups:
             params: list[torch.Tensor] = []
@@ -102,10 +172,11 @@ class TritonAdamW(torch.optim.AdamW):
             steps: list[torch.Tensor] = []
             if closure is not None or not self._covered(group, [p for p in group["params"] if p.grad is not None],
                                                         [p.grad for p in group["params"] if p.grad is not None]):
+                _fold_first(folds)
                 return super().step(closure)
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
             groups.append((group, params, grads, exp_avgs, exp_avg_sqs, steps))
-        kernel = _kernel()
+        kernel, fused = _kernel(), _fold_kernel()
         for group, *lists in groups:
             if not lists[0]:
                 continue
@@ -116,6 +187,7 @@ class TritonAdamW(torch.optim.AdamW):
             small = [i for i in range(len(lists[0])) if lists[0][i].numel() < MIN_NUMEL]
             if small:
                 p, g, m, v, s = ([lst[i] for i in small] for lst in lists)
+                _fold_first({t: folds.pop(t) for t in p if t in folds})
                 torch._fused_adamw_(p, g, m, v, [], s, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
                                     weight_decay=wd, eps=eps, maximize=False)
             if large:
@@ -123,6 +195,26 @@ class TritonAdamW(torch.optim.AdamW):
                 bc1, bc2_sqrt = bias_corrections(s, beta1, beta2)
                 for args in zip(p, g, m, v, bc1, bc2_sqrt, strict=True):
                     n = args[0].numel()
+                    fold = folds.pop(args[0], None)
+                    if fold is not None and fused is not None and _fusable(fold[0]):
+                        block, count, init = fold
+                        fused[(-(-n // FOLD_BLOCK),)](args[0], args[1], block, block.stride(0), *args[2:], n, lr,
+                                                      beta1, beta2, wd, eps, COUNT=count, INIT=init,
+                                                      DECAY=wd != 0, BLOCK=FOLD_BLOCK, num_warps=FOLD_WARPS)
+                        continue
+                    if fold is not None:
+                        _fold_first({args[0]: fold})
                     kernel[(-(-n // BLOCK),)](*args, n, lr, beta1, beta2, wd, eps,
                                               DECAY=wd != 0, BLOCK=BLOCK, num_warps=NUM_WARPS)
-        return None
+        return None  # a fold left in `folds` is a parameter whose .grad was dropped since: nothing to update
+
+
+def _fusable(block: torch.Tensor) -> bool:
+    """The fused pass reads slots at 32-bit offsets ``j * stride`` from a contiguous-row block."""
+    return block.is_cuda and block.stride(1) == 1 and block.numel() < 2**31
+
+
+def _fold_first(folds: dict[torch.Tensor, tuple[torch.Tensor, int, bool]]) -> None:
+    """Finish deferred folds as their own pass, into each parameter's ``.grad`` (the unfused route)."""
+    for p, (block, count, init) in folds.items():
+        fold_staged(p.grad, block, count, init)

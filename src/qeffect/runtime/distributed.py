@@ -276,8 +276,8 @@ class DistributedPipeline:
                     _all_reduce(t, dist.ReduceOp.MIN, self.dp_group)
 
     def commit(self, before_step: Callable[[], None] | None = None) -> None:
-        """Data-parallel reduction, then the rank's commit (`before_step` runs with the gradients AdamW
-        is about to use in `.grad`: what verification reads)."""
+        """Data-parallel reduction, then the rank's commit (`before_step` runs just before AdamW, and reads
+        the gradients it is about to use through `rank.gradient`: what verification reads)."""
         self.reduce_gradients()
         self.rank.commit(before_step=before_step)
 

@@ -59,6 +59,13 @@ class BaseRank:
         self.losses: dict[int, torch.Tensor] = {}
         self.last_output: torch.Tensor | None = None
 
+    def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the commit's AdamW step uses for `param`, for a `before_step` hook: `.grad`, or,
+        where the Triton AdamW will finish a deferred staged fold, a new tensor with it finished."""
+        if isinstance(self.optimizer, TritonAdamW):
+            return self.optimizer.gradient(param)
+        return param.grad
+
     def loss_seed(self, like: torch.Tensor) -> torch.Tensor:
         """d(step loss)/d(microbatch loss): the step loss is the mean of the microbatch losses."""
         return torch.full((), 1.0 / self.microbatches, dtype=like.dtype, device=like.device)
@@ -117,7 +124,7 @@ class NativeRank(BaseRank):
             raise ValueError(f"the native reference runs F and B only, got {action}")
 
     def commit(self, before_step: Callable[[], None] | None = None) -> None:
-        if before_step is not None:  # the gradients AdamW is about to use are in .grad now
+        if before_step is not None:  # the gradients AdamW is about to use are in .grad now (`gradient`)
             before_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -151,7 +158,8 @@ class QEffectRank(BaseRank):
                 staging_dtypes[name] = lin.wgrad_dtype(act) if direct else p.dtype
         self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena",
                                    accumulate=accumulate, staging=staging if accumulate else 0,
-                                   staging_dtypes=staging_dtypes, reduce=fold_staged)
+                                   staging_dtypes=staging_dtypes, reduce=fold_staged,
+                                   defer_last_fold=True)  # the commit's AdamW folds the last group
         self.reductions = reductions or ReductionTracker()
         self.barrier = CommitBarrier(self.clock, [self.pool], [self.arena], self.reductions)
         if manager is None:
@@ -210,9 +218,12 @@ class QEffectRank(BaseRank):
                 for pname in self.chunks[stage].matrix_params()}
 
     def _load_grads(self) -> None:
+        """`.grad` of every matrix parameter for AdamW. The arena's deferred last staging group goes to the
+        Triton AdamW, which adds it inside its pass: `.grad` then lacks that group (`gradient` has it)."""
         if self.fixed_order_sum:
+            folding = self.optimizer if isinstance(self.optimizer, TritonAdamW) else None
             for act in self.actions.values():
-                act.load_matrix_grads()
+                act.load_matrix_grads(folding)
             return
         # Deliberately wrong (fault injection only): accumulate in the order dW ran, like a single
         # fused accumulation buffer would. Any non-ascending dW order then changes the bits.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -81,6 +81,13 @@ def accumulate_grads(params: dict[str, torch.nn.Parameter], grads: dict[str, tor
                 p.grad = g.detach().clone()
             else:
                 p.grad += g
+
+
+class FoldingOptimizer(Protocol):
+    """An optimizer that can finish a parameter's deferred staged fold in its next step
+    (`runtime.adamw.TritonAdamW`)."""
+
+    def fold_into_step(self, param: torch.Tensor, block: torch.Tensor, count: int, init: bool) -> None: ...
 
 
 @dataclass
@@ -253,8 +260,18 @@ class StageActions:
     def _view(self, linear_name: str, m: int) -> torch.Tensor:
         return self.arena.view(arena_name(self.stage, self._matrix_param[linear_name]), m)
 
-    def load_matrix_grads(self) -> None:
-        """Set each matrix parameter's `.grad` to its microbatch gradients summed in fixed order m = 0..M-1."""
+    def load_matrix_grads(self, fold_into: FoldingOptimizer | None = None) -> None:
+        """Set each matrix parameter's `.grad` to its microbatch gradients summed in fixed order m = 0..M-1.
+
+        `fold_into`: an optimizer that finishes a deferred staged fold inside its update; the parameter's
+        `.grad` is then the region without its last group, which the optimizer's next step adds."""
         params = self.chunk.matrix_params()
         for pname in self._matrix_param.values():
-            params[pname].grad = self.arena.sum_microbatches(arena_name(self.stage, pname))
+            name = arena_name(self.stage, pname)
+            pending = self.arena.take_pending_fold(name) if fold_into is not None else None
+            if pending is None:
+                params[pname].grad = self.arena.sum_microbatches(name)
+                continue
+            region, block, count, init = pending
+            params[pname].grad = region
+            fold_into.fold_into_step(params[pname], block, count, init)

@@ -323,10 +323,11 @@ def _swap_dw(schedule: Schedule) -> Schedule:
 
 
 def grad_capture(rank: BaseRank, into: dict[str, torch.Tensor]) -> Callable[[], None]:
-    """A pre-optimizer hook that clones the gradients the optimizer is about to use."""
+    """A pre-optimizer hook that clones the gradients the optimizer is about to use (`BaseRank.gradient`:
+    with a staged fold the Triton AdamW finishes in its pass, `.grad` alone lacks the last group)."""
 
     def hook() -> None:
-        into.update({f"s{s}.{n}": p.grad.detach().clone() for s, c in rank.chunks.items()
+        into.update({f"s{s}.{n}": rank.gradient(p).detach().clone() for s, c in rank.chunks.items()
                      for n, p in c.named_parameters() if p.grad is not None})
 
     return hook
