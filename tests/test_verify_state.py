@@ -49,18 +49,25 @@ def test_swapped_dw_with_fixed_order_sum_is_equal() -> None:
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_staged_accumulation_with_a_partial_group_is_bitwise_equal(schedule: str, monkeypatch) -> None:
     """M = 6 in groups of 4 (one full group, one of 2): verify compares every dW's prefix (staged slots
-    not yet folded included) and every commit against native, and the staged folds really ran."""
+    not yet folded included) and every commit against native, and the staged folds really ran: the
+    first group's by dW(3), the last group's (2 slots, deferred) by the commit's AdamW."""
     from qeffect.contracts.arena import GradientArena
+    from qeffect.runtime.adamw import TritonAdamW
 
     folds: list[int] = []
-    flush = GradientArena.flush
+    deferred: list[tuple[int, bool]] = []
+    flush, fold_into = GradientArena.flush, TritonAdamW.fold_into_step
     monkeypatch.setattr(GradientArena, "flush", lambda self, name, m: (folds.append(m), flush(self, name, m)))
+    monkeypatch.setattr(TritonAdamW, "fold_into_step",
+                        lambda self, p, block, count, init: (deferred.append((count, init)),
+                                                             fold_into(self, p, block, count, init)))
     cfg = load_config().with_overrides(**{"pipeline.schedule": schedule, "pipeline.microbatches": 6,
                                           "pipeline.wgrad_staging": 4})
     report = run_verify_state(cfg, steps=3)
     assert report.passed, report.first_divergence
     assert all(c.mismatches == 0 and c.compared > 0 for c in report.categories)
-    assert set(folds) == {3, 5}
+    assert set(folds) == {3}
+    assert deferred and set(deferred) == {(2, False)}
 
 
 def test_a_run_that_diverged_on_both_sides_fails() -> None:
