@@ -197,6 +197,15 @@ release-keep)
             --out "$out/offload-bench-h2048-$s-release-keep-h200.json"
     done
     ;;
+bias)
+    # TE's biases in the activation dtype (cast once per step): the TE tests, then the whole GPU suite and
+    # the h4096 te profile
+    if step 200 bias-tests python3 -m pytest -m gpu -q tests/test_te_backend.py tests/test_adamw.py; then
+        step 240 pytest-gpu python3 -m pytest -m gpu -q
+        step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
+            --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    fi
+    ;;
 fold)
     # the staged fold inside the Triton AdamW's pass: its GPU tests (the pass against fold + torch's AdamW,
     # and training steps against native eager), then the whole GPU suite and the A/B with the block sweep
@@ -243,7 +252,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT fold|adamw|layernorm|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT bias|fold|adamw|layernorm|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

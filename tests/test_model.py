@@ -115,6 +115,24 @@ def test_parameter_classification_and_fp8_state():
         assert all(torch.equal(sd[k], v) for k, v in state.items())
 
 
+def test_biases_taken_in_the_activation_dtype_replace_theirs_in_the_grad_inputs():
+    """The reference backend keeps its fp32 biases (no stand-in: its dbias is an fp32 sum); a linear that
+    takes one (TE's, faked here) has it differentiated in place of its bias."""
+    (chunk,) = build_chunks(_shape(num_stages=1), BACKEND, seed=0, dtype=torch.bfloat16)
+    chunk.use_activation_biases()
+    assert chunk.nonmatrix_grad_inputs() == chunk.nonmatrix_params()
+    calls = []
+    lin = chunk.matrix_linears()["blocks.0.fc1"]
+    stand_in = torch.zeros(lin.bias.shape, dtype=torch.bfloat16, requires_grad=True)
+    lin.use_activation_bias = calls.append
+    lin.bias_grad_input = stand_in
+    chunk.use_activation_biases()
+    assert calls == [torch.bfloat16]
+    inputs, params = chunk.nonmatrix_grad_inputs(), chunk.nonmatrix_params()
+    assert list(inputs) == list(params) and inputs["blocks.0.fc1.bias"] is stand_in
+    assert all(inputs[k] is p for k, p in params.items() if k != "blocks.0.fc1.bias")
+
+
 def test_delay_wgrad_and_cache_toggles():
     (chunk,) = build_chunks(_shape(num_stages=1), BACKEND, seed=0)
     ids = torch.randint(0, 64, (2, 8))

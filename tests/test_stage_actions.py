@@ -108,3 +108,20 @@ def test_copied_gradients_into_staged_slots_with_a_partial_group() -> None:
         assert torch.equal(arena.sum_microbatches(arena_name(0, p)), expect)
     n = len(specs)
     assert calls == [(2, True)] * n + [(1, False)] * n
+
+
+def test_a_gradient_in_another_dtype_accumulates_with_the_bits_of_casting_first() -> None:
+    """A bias TE took in bf16 sends bf16 gradients: accumulated into the fp32 `.grad` they give what the
+    reference's engine cast (exact) and AccumulateGrad's fp32 copy and adds give."""
+    from qeffect.stage.actions import accumulate_grads
+
+    torch.manual_seed(0)
+    grads = [torch.randn(257).to(torch.bfloat16) for _ in range(4)]
+    p = torch.nn.Parameter(torch.zeros(257))
+    for g in grads:
+        accumulate_grads({"b": p}, {"b": g})
+    expect = grads[0].float().clone()
+    for g in grads[1:]:
+        expect += g.float()
+    assert p.grad.dtype == torch.float32 and torch.equal(p.grad, expect)
+    assert p.grad.data_ptr() != grads[0].data_ptr()

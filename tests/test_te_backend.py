@@ -222,6 +222,54 @@ def test_split_backward_equals_native(mode: str) -> None:
 
 @pytest.mark.gpu
 @requires_te
+def test_bias_taken_in_the_activation_dtype_has_the_native_bits() -> None:
+    """`use_activation_bias`: TE gets a bf16 stand-in cast on the first microbatch (the fp32 bias is not
+    in the autograd graph), and its bf16 gradients accumulated into fp32 give the native `.grad` bits."""
+    from qeffect.stage.actions import accumulate_grads
+
+    native, split = _pair((False, True))
+    split.use_activation_bias(torch.bfloat16)
+    stand_in = split.bias_grad_input
+    assert stand_in is not None and stand_in.dtype == torch.bfloat16 and stand_in.is_leaf
+    assert _pair((False,), bias=False)[0].bias_grad_input is None
+    for m in range(3):
+        x, dy = _inputs(m)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya, yb = native(xa, is_first_microbatch=(m == 0)), split(xb, is_first_microbatch=(m == 0))
+        assert _same(ya, yb) and _same(stand_in, split.bias.detach().to(torch.bfloat16))
+        ya.backward(dy)
+        gx, gb = torch.autograd.grad(yb, [xb, stand_in], dy)
+        assert split.bias.grad is None and gb.dtype == torch.bfloat16
+        accumulate_grads({"bias": split.bias}, {"bias": gb})
+        for work in split.pop_wgrad_work():
+            split.compute_wgrad(work)
+        assert _same(xa.grad, gx) and _same(native.bias.grad, split.bias.grad)
+    with torch.no_grad():  # an optimizer step: the next first microbatch refreshes the stand-in
+        split.bias.add_(1.0)
+    with torch.no_grad():
+        split(_inputs(0)[0], is_first_microbatch=True)
+    assert _same(stand_in, split.bias.detach().to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@requires_te
+def test_qeffect_ranks_take_te_biases_in_the_activation_dtype_and_native_does_not(monkeypatch) -> None:
+    from qeffect.runtime.build import build_single_process
+
+    cfg = _tiny_te("interleaved")
+    for native, expect in ((True, False), (False, True)):
+        pipe = build_single_process(cfg, native=native, device="cuda")
+        lins = [m for r in pipe.ranks for c in r.chunks.values() for m in c.matrix_linears().values()
+                if m.bias is not None]
+        assert lins and all((m.bias_grad_input is not None) is expect for m in lins)
+    monkeypatch.setenv("QEFFECT_ACTIVATION_BIAS", "0")
+    pipe = build_single_process(cfg, native=False, device="cuda")
+    assert all(m.bias_grad_input is None for r in pipe.ranks for c in r.chunks.values()
+               for m in c.matrix_linears().values())
+
+
+@pytest.mark.gpu
+@requires_te
 def test_fifo_enforced_and_cache_checked() -> None:
     (lin,) = _pair((True,))
     items = []

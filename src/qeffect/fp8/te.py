@@ -261,6 +261,7 @@ def te_linear_class() -> type[nn.Module]:
             self.fp8_meta[buffer_key] = list(_UNREGISTERED)
             self._fifo = WgradFifo(id(self))
             self._cache_valid = False
+            self._bias_act: Tensor | None = None
             self.delay_wgrad = False
 
         def extra_repr(self) -> str:
@@ -360,6 +361,28 @@ def te_linear_class() -> type[nn.Module]:
             """Mark the quantized weight stale (TE's buffer is kept: fixed address for graph capture)."""
             self._cache_valid = False
 
+        # -- bias in the activation dtype ------------------------------------------------------------
+        def use_activation_bias(self, dtype: torch.dtype) -> None:
+            """Hand TE the bias already in `dtype`, cast once per step (with the weight cache, on the first
+            microbatch) into a fixed tensor, instead of TE casting the fp32 bias in every forward and the
+            autograd engine casting its bf16 gradient back to fp32 in every backward (two small kernels
+            per linear and microbatch). Its gradient is then `bias_grad_input`'s, in `dtype`, which the
+            caller accumulates into the fp32 `.grad` (`stage.actions.accumulate_grads`): a cast of a bf16
+            value to fp32 is exact, so the sums have the bits of the engine's cast then AccumulateGrad's add."""
+            if self.bias is None or self.bias.dtype == dtype:
+                return
+            self._bias_act = torch.empty(self.bias.shape, dtype=dtype, device=self.bias.device, requires_grad=True)
+
+        @property
+        def bias_grad_input(self) -> Tensor | None:
+            """The tensor TE takes as the bias, whose gradient is the bias's (None: the bias itself)."""
+            return self._bias_act
+
+        def _get_weight_and_bias_tensors(self) -> tuple[Tensor, Tensor | None]:
+            weight, bias = super()._get_weight_and_bias_tensors()
+            stand_in = getattr(self, "_bias_act", None)  # TE's __init__ may ask before ours has run
+            return weight, (stand_in if stand_in is not None and bias is not None else bias)
+
         # -- compute -------------------------------------------------------------------------------
         def _contexts(self, act_dtype: torch.dtype) -> contextlib.ExitStack:
             stack = contextlib.ExitStack()
@@ -376,6 +399,9 @@ def te_linear_class() -> type[nn.Module]:
             if x.shape[-1] != self.in_features:
                 raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
             delayed = self.delay_wgrad
+            if is_first_microbatch and self._bias_act is not None:  # refreshed when the weight cache is
+                with torch.no_grad():
+                    self._bias_act.copy_(self.bias)
             with self._contexts(x.dtype):
                 y = super().forward(x, is_first_microbatch=bool(is_first_microbatch))
             if is_first_microbatch:

@@ -216,6 +216,22 @@ class StageChunk(nn.Module):
         matrix = {id(p) for p in self.matrix_params().values()}
         return {name: p for name, p in self.named_parameters() if id(p) not in matrix}
 
+    def use_activation_biases(self) -> None:
+        """Backend linears that can take their bias in the activation dtype (Transformer Engine's) get it
+        so, cast once per step instead of per microbatch (`TELinear.use_activation_bias`); their bias
+        gradients then come in that dtype (`nonmatrix_grad_inputs`). qeffect's runtimes only: native
+        eager keeps TE's own per-forward cast, and the bits are the same."""
+        for m in self.matrix_linears().values():
+            if hasattr(m, "use_activation_bias"):
+                m.use_activation_bias(self.dtype)
+
+    def nonmatrix_grad_inputs(self) -> dict[str, Tensor]:
+        """`nonmatrix_params` as the tensors dI differentiates: a bias a linear takes in the activation
+        dtype is replaced by that stand-in (its gradient is the bias's, in that dtype)."""
+        stand_ins = {f"{name}.bias": t for name, m in self.matrix_linears().items()
+                     if (t := getattr(m, "bias_grad_input", None)) is not None}
+        return {n: stand_ins.get(n, p) for n, p in self.nonmatrix_params().items()}
+
     def fp8_state(self) -> dict[str, Tensor]:
         """`{linear}.{state}` -> live FP8 state tensor, for every backend linear."""
         return {

@@ -144,6 +144,10 @@ class QEffectRank(BaseRank):
                  offload: OffloadManager | None = None, accumulate: bool = False, staging: int = 0) -> None:
         super().__init__(rank, chunks, num_stages, microbatches, optim)
         device = next(next(iter(self.chunks.values())).parameters()).device
+        if os.environ.get("QEFFECT_ACTIVATION_BIAS", "1") != "0":  # TE's biases cast once per step
+            for chunk in self.chunks.values():
+                if hasattr(chunk, "use_activation_biases"):
+                    chunk.use_activation_biases()
         self.clock = EpochClock()
         self.pool = TapePool(tape_capacity or len(self.chunks) * microbatches, name=f"rank{rank}.tapes")
         specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}

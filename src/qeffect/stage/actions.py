@@ -47,7 +47,7 @@ def input_grad_body(chunk: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, 
     microbatch's non-matrix gradients as independent tensors. The matrix modules' retained `dW` work
     lands in their stores (delay_wgrad), not in any `.grad`. `extra`: one more tensor of the graph whose
     gradient is wanted (the token lookup's output, `stage/embedding_grad.py`), returned under `EXTRA`."""
-    names, params = zip(*chunk.nonmatrix_params().items(), strict=True)
+    names, params = zip(*chunk.nonmatrix_grad_inputs().items(), strict=True)
     lead = ([x] if x.requires_grad else []) + ([extra] if extra is not None else [])
     grads = torch.autograd.grad(out, lead + list(params), grad_output, retain_graph=retain_graph, allow_unused=True)
     grad_in = grads[0] if x.requires_grad else None
@@ -72,13 +72,15 @@ def take_wgrad_work(matrix: dict[str, torch.nn.Module]) -> dict[str, object]:
 def accumulate_grads(params: dict[str, torch.nn.Parameter], grads: dict[str, torch.Tensor]) -> None:
     """Accumulate a microbatch's non-matrix gradients into `.grad` exactly as autograd's
     AccumulateGrad does for the reference (first: a copy; later: an in-place add), so the bits match.
+    A gradient in another dtype (a bias TE took in the activation dtype) is added in the parameter's:
+    the exact cast the reference's engine makes, then the same fp32 addition.
     `params`: the chunk's `nonmatrix_params()`, looked up once by the caller (walking the module tree
     on every action was a measurable share of a captured step's host time)."""
     with torch.no_grad():
         for name, g in grads.items():
             p = params[name]
             if p.grad is None:
-                p.grad = g.detach().clone()
+                p.grad = g.detach().to(p.dtype, copy=True)
             else:
                 p.grad += g
 
