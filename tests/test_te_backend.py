@@ -239,7 +239,7 @@ def test_bias_taken_in_the_activation_dtype_has_the_native_bits() -> None:
         assert _same(ya, yb) and _same(stand_in, split.bias.detach().to(torch.bfloat16))
         ya.backward(dy)
         gx, gb = torch.autograd.grad(yb, [xb, stand_in], dy)
-        assert split.bias.grad is None and gb.dtype == torch.bfloat16
+        assert gb.dtype == torch.bfloat16 and (m > 0 or split.bias.grad is None)  # only ours writes .grad
         accumulate_grads({"bias": split.bias}, {"bias": gb})
         for work in split.pop_wgrad_work():
             split.compute_wgrad(work)
