@@ -421,12 +421,18 @@ def test_deferred_last_fold_has_the_bits_of_adding_as_it_comes(M, G, seed, bf16,
         region, block, count, init = a.take_pending_fold("w")
         first = (M - 1) - (M - 1) % min(G, M)
         assert region.data_ptr() == a.region("w").data_ptr() and (count, init) == (M - first, first == 0)
-        sequential_reduce(region, block, count, init)  # what the consumer (the optimizer's pass) adds
-        assert a.take_pending_fold("w") is None
+        finished = region.clone()
+        sequential_reduce(finished, block, count, init)  # what the consumer (the optimizer's pass) adds
+        assert torch.equal(finished, expect[-1]) and a.take_pending_fold("w") is None
+        for read in (lambda: a.sum_microbatches("w"), lambda: a.storage_views("w"), lambda: a.prefix_sum("w", M - 1)):
+            with pytest.raises(ArenaViolation) as e:  # the region lacks the group its consumer adds
+                read()
+            assert e.value.relation == "sum after take"
     else:
         assert torch.equal(a.sum_microbatches("w"), expect[-1])
-    assert torch.equal(a.sum_microbatches("w"), expect[-1])  # not folded twice
-    assert torch.equal(a.prefix_sum("w", M - 1), expect[-1])
+        assert torch.equal(a.sum_microbatches("w"), expect[-1])  # not folded twice
+        assert torch.equal(a.prefix_sum("w", M - 1), expect[-1])
+        assert a.take_pending_fold("w") is None  # folded already: nothing left to take
     a.advance_epoch()  # deferred again in the next epoch
     _stage_all(a, "w", grads)
     a.finalize()

@@ -102,7 +102,8 @@ class GradientArena:
         self.accumulate = accumulate
         self.staging = min(staging, microbatches)
         self.defer_last_fold = bool(defer_last_fold and self.staging)
-        self._last_folded: set[str] = set()  # names whose deferred last group is folded (or taken) this epoch
+        self._last_folded: set[str] = set()  # names whose deferred last group is folded into the region
+        self._taken: set[str] = set()  # names whose deferred last group a consumer took (the region lacks it)
         self._reduce: Reduce = reduce or sequential_reduce
         self.device = torch.device(device)
         self.microbatches = microbatches
@@ -254,7 +255,10 @@ class GradientArena:
             raise ValueError(f"{name}: the accumulating arena holds the sum over microbatches {written}, "
                              f"not 0..{upto}")
         region = self.region(name)
-        if not self.staging or self.flushes(upto) or (upto == self.microbatches - 1 and name in self._last_folded):
+        last = upto == self.microbatches - 1
+        if last:
+            self._refuse_taken(name)
+        if not self.staging or self.flushes(upto) or (last and name in self._last_folded):
             return region.clone()
         first = upto - upto % self.staging
         acc = region.clone()
@@ -361,9 +365,9 @@ class GradientArena:
         ``init``) plus slots ``block[0:count]`` in slot order. None when nothing is deferred or it is folded.
         Taking it marks it folded: the region itself is never completed this epoch."""
         self._require_finalized("take_pending_fold", name)
-        if not self.defer_last_fold or name in self._last_folded:
+        if not self.defer_last_fold or name in self._last_folded or name in self._taken:
             return None
-        self._last_folded.add(name)
+        self._taken.add(name)
         first = (self.microbatches - 1) - (self.microbatches - 1) % self.staging
         return self.region(name), self._blocks[name], self.microbatches - first, first == 0
 
@@ -372,6 +376,7 @@ class GradientArena:
         if not self.defer_last_fold or name in self._last_folded:
             return
         self._require_usable("fold", name, None)
+        self._refuse_taken(name)
         last = self.microbatches - 1
         if (name, last) not in self._written:  # storage_views may come before finalize (data-parallel reduce)
             raise ArenaViolation(
@@ -381,6 +386,14 @@ class GradientArena:
         self._last_folded.add(name)
         first = (self.microbatches - 1) - (self.microbatches - 1) % self.staging
         self._reduce(self.region(name), self._blocks[name], self.microbatches - first, first == 0)
+
+    def _refuse_taken(self, name: str) -> None:
+        """A region whose deferred group a consumer took lacks it: no sum may be read from it this epoch."""
+        if name in self._taken:
+            raise ArenaViolation(
+                f"sum after take for arena '{self.name}' parameter {name}: expected the deferred last group in "
+                f"the region, found it taken by take_pending_fold in epoch {self._epoch} (its consumer has "
+                "the finished gradient)", relation="sum after take", key=name, expected="folded", found="taken")
 
     def _require_finalized(self, op: str, name: str) -> None:
         self._require_usable(op, name, None)
@@ -409,6 +422,7 @@ class GradientArena:
                 b.zero_()
         self._written.clear()
         self._last_folded.clear()
+        self._taken.clear()
         self._finalized = False
         self._epoch += 1
         return self._epoch
@@ -427,6 +441,7 @@ class GradientArena:
             b.zero_()
         self._written.clear()
         self._last_folded.clear()
+        self._taken.clear()
         self._finalized = False
         self._usable = True
         if epoch is not None:
