@@ -74,16 +74,18 @@ def test_large_tensors_take_the_pass_and_small_ones_torchs_kernel(monkeypatch):
 
     class FakeKernel:  # records each launch; the update itself is checked on the GPU
         def __getitem__(self, grid):
-            return lambda p, g, m, v, b1, b2, n, *hyper, **meta: launches.append((p.data_ptr(), n, b1.item()))
+            return lambda p, g, s, stride, m, v, b1, b2, n, *hyper, **meta: launches.append(
+                (p.data_ptr(), n, b1.item(), meta["COUNT"]))
 
     monkeypatch.setattr(adamw, "_kernel", lambda: FakeKernel())
     monkeypatch.setattr(TritonAdamW, "_covered", lambda self, group, params, grads: True)
     shapes = [(adamw.MIN_NUMEL,), (5, 3), (adamw.MIN_NUMEL + 1,), (7,)]
     params, opt = _run(TritonAdamW, shapes, 1, "cpu", 0.0)
     ref, _ = _run(torch.optim.AdamW, shapes, 1, "cpu", 0.0, fused=True)
-    assert [(ptr, n) for ptr, n, _ in launches] == [(params[0].data_ptr(), adamw.MIN_NUMEL),
-                                                    (params[2].data_ptr(), adamw.MIN_NUMEL + 1)]
-    assert all(b1 == pytest.approx(0.1) for *_, b1 in launches)  # 1 - beta1**1: the step was counted first
+    assert [(ptr, n) for ptr, n, *_ in launches] == [(params[0].data_ptr(), adamw.MIN_NUMEL),
+                                                     (params[2].data_ptr(), adamw.MIN_NUMEL + 1)]
+    assert all(b1 == pytest.approx(0.1) for _, _, b1, _ in launches)  # 1 - beta1**1: the step was counted first
+    assert all(count == 0 for *_, count in launches)  # no fold handed over: the plain gradient
     assert all(opt.state[p]["step"].item() == 1.0 for p in params)
     for i in (1, 3):  # torch's fused kernel: the same bits as torch's optimizer alone
         assert torch.equal(params[i], ref[i])
@@ -99,18 +101,24 @@ INTERPRETED = textwrap.dedent("""
     n = adamw.BLOCK + 17
     torch.manual_seed(0)
     p0 = torch.randn(n) * 0.02
-    for wd in (0.0, 0.1):
+    for wd, count in ((0.0, 0), (0.1, 0), (0.1, 3)):  # count: staged bf16 slots folded in the pass
         p, m, v, step = p0.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(())
         ref = p0.clone().requires_grad_(True)
         opt = torch.optim.AdamW([ref], lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd)
         for _ in range(3):
             g = torch.randn(n) * 1e-3
+            slots = (torch.randn(max(count, 1), n + 5) * 1e-3).to(torch.bfloat16)
+            if count:  # the fold's additions: fp32, slot order
+                g = slots[0, :n].float() + slots[1, :n].float() + slots[2, :n].float()
             ref.grad = g
             opt.step()
             step += 1
             bc1, bc2_sqrt = adamw.bias_corrections([step], 0.9, 0.95)
-            adamw._kernel()[(-(-n // adamw.BLOCK),)](p, g, m, v, bc1[0], bc2_sqrt[0], n, 3e-4, 0.9, 0.95, wd, 1e-8,
-                                                    DECAY=wd != 0, BLOCK=adamw.BLOCK, num_warps=adamw.NUM_WARPS)
+            block = adamw.FOLD_BLOCK if count else adamw.BLOCK
+            adamw._kernel()[(-(-n // block),)](p, torch.full_like(g, float("nan")) if count else g, slots,
+                                               slots.stride(0), m, v, bc1[0], bc2_sqrt[0], n, 3e-4, 0.9, 0.95, wd,
+                                               1e-8, COUNT=count, INIT=count > 0, DECAY=wd != 0, BLOCK=block,
+                                               num_warps=adamw.NUM_WARPS)
         st = opt.state[ref]
         torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(m, st["exp_avg"], rtol=1e-5, atol=1e-9)
@@ -220,7 +228,7 @@ def test_fold_into_step_refuses_what_it_cannot_fold():
 def test_fold_in_the_pass_is_bitwise_fold_then_torch_fused_on_cuda(wd, init_each, dtype):
     """The fused fold+update against the fold kernel then torch's fused AdamW: same bits, for large
     tensors (the fused pass), small ones (folded first) and both slot dtypes."""
-    if adamw._fold_kernel() is None:
+    if adamw._kernel() is None:
         pytest.skip("needs Triton")
     shapes = [(adamw.MIN_NUMEL + adamw.FOLD_BLOCK * 3 + 17,), (257, 129), (1024, 1031)]
     for slots_n in (1, 3, 8):
@@ -240,7 +248,7 @@ def test_training_steps_with_the_fold_in_the_pass_equal_native_eager(backend, mo
     from qeffect.runtime.build import build_single_process
     from qeffect.verify.state import synthetic_batches
 
-    if adamw._fold_kernel() is None:
+    if adamw._kernel() is None:
         pytest.skip("needs Triton")
     if backend == "te":
         pytest.importorskip("transformer_engine")

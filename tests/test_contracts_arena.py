@@ -301,9 +301,9 @@ def test_accumulating_epochs_overwrite_without_zeroing():
 
 
 # ---------------------------------------------------------------- staged accumulation
-def _stage_all(arena, name, grads, check_prefix=None):
+def _stage_all(arena, name, grads, check_prefix=None, start=0):
     """The staged dW protocol: write slot m (the GEMM's own dtype), fold on a group's last microbatch."""
-    for m, gm in enumerate(grads):
+    for m, gm in enumerate(grads[start:], start):
         dest = arena.view(name, m)
         arena.check_write(name, m, dest)
         assert arena.overwrites(m)
@@ -313,6 +313,15 @@ def _stage_all(arena, name, grads, check_prefix=None):
         arena.record_write(name, m, dest)
         if check_prefix is not None:
             check_prefix(m, arena.prefix_sum(name, m))
+
+
+def _grads_and_prefixes(M, seed, bf16):
+    """M microbatch gradients and the fp32 running sums an in-order accumulation gives after each."""
+    grads = _grads(M, (64,), seed, torch.bfloat16 if bf16 else torch.float32)
+    expect = [grads[0].float().clone()]
+    for gm in grads[1:]:
+        expect.append(expect[-1] + gm.float())
+    return grads, expect
 
 
 def test_staged_layout_slots_in_the_gemm_dtype():
@@ -341,13 +350,9 @@ def test_staged_layout_slots_in_the_gemm_dtype():
 def test_staged_fold_has_the_bits_of_adding_as_it_comes(M, G, seed, bf16):
     """Groups folded in one pass == copy(g0); add(g1); ... in order, at the end and at every prefix
     (what verify-state compares after each dW), for full and partial last groups."""
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    grads = _grads(M, (64,), seed, dtype)
-    expect = [grads[0].float().clone()]
-    for gm in grads[1:]:
-        expect.append(expect[-1] + gm.float())
+    grads, expect = _grads_and_prefixes(M, seed, bf16)
     a = GradientArena({"w": ((64,), torch.float32)}, microbatches=M, accumulate=True, staging=G,
-                      staging_dtypes={"w": dtype})
+                      staging_dtypes={"w": grads[0].dtype})
     seen = []
 
     def check(m, prefix):
@@ -359,7 +364,7 @@ def test_staged_fold_has_the_bits_of_adding_as_it_comes(M, G, seed, bf16):
     a.finalize()
     assert torch.equal(a.sum_microbatches("w"), expect[-1])
     a.advance_epoch()  # the next epoch's first group overwrites the region
-    second = _grads(M, (64,), seed + 1, dtype)
+    second = _grads(M, (64,), seed + 1, grads[0].dtype)
     _stage_all(a, "w", second)
     a.finalize()
     again = second[0].float().clone()
@@ -405,13 +410,9 @@ def test_staged_out_of_order_and_misbound_writes_are_refused():
 def test_deferred_last_fold_has_the_bits_of_adding_as_it_comes(M, G, seed, bf16, take):
     """`defer_last_fold`: no dW folds the last group; every prefix, the sum (folded once, however often it
     is asked for) and a taken pending fold finished by its consumer all keep the in-order bits."""
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    grads = _grads(M, (64,), seed, dtype)
-    expect = [grads[0].float().clone()]
-    for gm in grads[1:]:
-        expect.append(expect[-1] + gm.float())
+    grads, expect = _grads_and_prefixes(M, seed, bf16)
     a = GradientArena({"w": ((64,), torch.float32)}, microbatches=M, accumulate=True, staging=G,
-                      staging_dtypes={"w": dtype}, defer_last_fold=True)
+                      staging_dtypes={"w": grads[0].dtype}, defer_last_fold=True)
     assert not a.flushes(M - 1)
     prefixes = []
     _stage_all(a, "w", grads, lambda m, prefix: prefixes.append(torch.equal(prefix, expect[m])))
@@ -451,7 +452,7 @@ def test_deferred_fold_is_refused_before_its_writes():
     with pytest.raises(ArenaViolation) as e:
         a.take_pending_fold("w")
     assert e.value.relation == "take_pending_fold before finalize"
-    _stage_all_from(a, "w", grads, 2)
+    _stage_all(a, "w", grads, start=2)
     (region,) = a.storage_views("w")  # folded now, before finalize: what an all-reduce needs
     expect = grads[0].float() + grads[1].float() + grads[2].float()
     assert torch.equal(region, expect)
@@ -459,12 +460,3 @@ def test_deferred_fold_is_refused_before_its_writes():
     assert a.take_pending_fold("w") is None and torch.equal(a.sum_microbatches("w"), expect)
     assert GradientArena({"w": ((10,), torch.float32)}, 3, accumulate=True, defer_last_fold=True).defer_last_fold is False
 
-
-def _stage_all_from(arena, name, grads, start):
-    for m in range(start, len(grads)):
-        dest = arena.view(name, m)
-        arena.check_write(name, m, dest)
-        dest.copy_(grads[m])
-        if arena.flushes(m):
-            arena.flush(name, m)
-        arena.record_write(name, m, dest)

@@ -48,38 +48,14 @@ MIN_NUMEL = 1 << 20  # smaller tensors (norms, biases) stay in torch's one multi
 @triton_kernel
 def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     @triton.jit
-    def adamw(p_ptr, g_ptr, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, n, lr, beta1, beta2, weight_decay, eps,
-              DECAY: tl.constexpr, BLOCK: tl.constexpr):
+    def adamw(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, n, lr, beta1, beta2,
+              weight_decay, eps, COUNT: tl.constexpr, INIT: tl.constexpr, DECAY: tl.constexpr,
+              BLOCK: tl.constexpr):
+        """The update of `TritonAdamW`; with ``COUNT`` staged slots (``s_ptr``, rows ``slot_stride`` apart)
+        the gradient is their fold first, as `stage.accumulate.fold_staged` adds: fp32, slot order, onto
+        ``g`` or (``INIT``) onto slot 0. ``COUNT=0``: the gradient is ``g``."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask)
-        p = tl.load(p_ptr + offs, mask=mask)
-        m = tl.load(m_ptr + offs, mask=mask)
-        v = tl.load(v_ptr + offs, mask=mask)
-        if DECAY:
-            p = p - lr * weight_decay * p
-        m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
-        gg = g * g
-        v = tl.fma(beta2, v, tl.fma(-beta2, gg, gg))
-        step_size = tl.div_rn(lr, tl.load(bc1_ptr))
-        denom = tl.div_rn(tl.sqrt_rn(v), tl.load(bc2_sqrt_ptr)) + eps
-        p = p - tl.div_rn(step_size * m, denom)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-
-    return adamw
-
-
-@triton_kernel
-def _fold_kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
-    @triton.jit
-    def adamw_fold(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, n, lr, beta1, beta2,
-                   weight_decay, eps, COUNT: tl.constexpr, INIT: tl.constexpr, DECAY: tl.constexpr,
-                   BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        # the staged fold first, as `stage.accumulate.fold_staged` adds: fp32, slot order
         if INIT:
             g = tl.load(s_ptr + offs, mask=mask).to(tl.float32)
             for j in tl.static_range(1, COUNT):
@@ -103,7 +79,7 @@ def _fold_kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT func
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
 
-    return adamw_fold
+    return adamw
 
 
 def _fp32_contiguous_cuda(t: torch.Tensor) -> bool:
@@ -181,7 +157,7 @@ class TritonAdamW(torch.optim.AdamW):
                 return super().step(closure)
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
             groups.append((group, params, grads, exp_avgs, exp_avg_sqs, steps))
-        kernel, fused = _kernel(), _fold_kernel()
+        kernel = _kernel()
         for group, *lists in groups:
             if not lists[0]:
                 continue
@@ -198,19 +174,17 @@ class TritonAdamW(torch.optim.AdamW):
             if large:
                 p, g, m, v, s = ([lst[i] for i in large] for lst in lists)
                 bc1, bc2_sqrt = bias_corrections(s, beta1, beta2)
-                for args in zip(p, g, m, v, bc1, bc2_sqrt, strict=True):
-                    n = args[0].numel()
-                    fold = folds.pop(args[0], None)
-                    if fold is not None and fused is not None and _fusable(fold[0]):
-                        block, count, init = fold
-                        fused[(-(-n // FOLD_BLOCK),)](args[0], args[1], block, block.stride(0), *args[2:], n, lr,
-                                                      beta1, beta2, wd, eps, COUNT=count, INIT=init,
-                                                      DECAY=wd != 0, BLOCK=FOLD_BLOCK, num_warps=FOLD_WARPS)
-                        continue
-                    if fold is not None:
-                        _fold_first({args[0]: fold})
-                    kernel[(-(-n // BLOCK),)](*args, n, lr, beta1, beta2, wd, eps,
-                                              DECAY=wd != 0, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                for pi, gi, mi, vi, b1, b2 in zip(p, g, m, v, bc1, bc2_sqrt, strict=True):
+                    n = pi.numel()
+                    fold = folds.pop(pi, None)
+                    if fold is not None and not _fusable(fold[0]):
+                        _fold_first({pi: fold})
+                        fold = None
+                    block, count, init = fold if fold is not None else (gi, 0, False)
+                    size, warps = (FOLD_BLOCK, FOLD_WARPS) if count else (BLOCK, NUM_WARPS)
+                    kernel[(-(-n // size),)](pi, gi, block, block.stride(0), mi, vi, b1, b2, n, lr, beta1, beta2,
+                                             wd, eps, COUNT=count, INIT=init, DECAY=wd != 0, BLOCK=size,
+                                             num_warps=warps)
         return None  # a fold left in `folds` is a parameter whose .grad was dropped since: nothing to update
 
 
