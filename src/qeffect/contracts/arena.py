@@ -40,7 +40,8 @@ folded by a ``dW`` at all. The optimizer reads the slots anyway, so its update c
 (:meth:`GradientArena.take_pending_fold`: 8 bytes per element less, the fp32 gradient is never written
 and read back). Whoever needs the summed gradient as a tensor gets it folded first
 (:meth:`GradientArena.sum_microbatches`, :meth:`GradientArena.storage_views`): the same additions in the
-same order, so the same bits either way.
+same order, so the same bits either way. Once a consumer took the group, the region is never completed
+in that epoch, and reading a sum from it is an :class:`ArenaViolation` ("sum after take").
 """
 
 from __future__ import annotations
@@ -362,8 +363,10 @@ class GradientArena:
     def take_pending_fold(self, name: str) -> tuple[torch.Tensor, torch.Tensor, int, bool] | None:
         """The deferred last group of ``name`` as ``(region, block, count, init)`` for a consumer that folds
         it itself (`runtime.adamw.TritonAdamW.fold_into_step`): the sum is ``region`` (not read when
-        ``init``) plus slots ``block[0:count]`` in slot order. None when nothing is deferred or it is folded.
-        Taking it marks it folded: the region itself is never completed this epoch."""
+        ``init``) plus slots ``block[0:count]`` in slot order. None when nothing is deferred, or it is
+        folded or taken already. The region then lacks the group for the rest of the epoch, so every later
+        sum of it (:meth:`sum_microbatches`, :meth:`storage_views`, the last :meth:`prefix_sum`) is refused
+        ("sum after take") rather than read short."""
         self._require_finalized("take_pending_fold", name)
         if not self.defer_last_fold or name in self._last_folded or name in self._taken:
             return None
