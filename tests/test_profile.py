@@ -574,6 +574,24 @@ def test_target_thresholds_by_hand(profiled) -> None:
     assert "vs-te-anchor" not in names and "floor-ratio" not in names
 
 
+def test_ratio_targets_say_how_they_stand_against_the_baselines_fastest_step(profiled) -> None:
+    """Native eager and TE's graphs are host-bound and noisy: each ratio target also gives the spread of
+    its baseline's timed steps and the ratio against the fastest of them."""
+    base = {"native-eager": 120.0, "qeffect-eager": 200.0, "captured-copy": 25.0, "captured-direct": 20.0,
+            "captured-zbv-direct": 15.0, "te-graphed": 30.0}
+    r = _hand_report(profiled, base)
+    r.result("native-eager").step_seconds = [0.110, 0.120, 0.150]
+    r.result("te-graphed").step_seconds = [0.027, 0.030, 0.031]
+    by = {t.name: t for t in r.with_targets().targets}
+    assert by["speedup-vs-native"].note == ("native-eager's 3 timed steps spanned 110.00-150.00 ms (median "
+                                            "120.00); against its fastest step captured-direct is 5.50x")
+    assert by["vs-te-anchor"].note.endswith("against its fastest step captured-direct is 1.35x")
+    assert by["fastest-vs-te-anchor"].note.endswith("against its fastest step captured-zbv-direct is 1.80x")
+    assert by["speedup-vs-native"].met  # the target itself stays on the medians
+    r.result("native-eager").step_seconds = []
+    assert {t.name: t for t in r.with_targets().targets}["speedup-vs-native"].note is None
+
+
 def test_targets_render_in_the_table(capsys, profiled) -> None:
     path, _ = profiled
     rc, out, _ = run(capsys, "profile", "--report", str(path))

@@ -126,8 +126,11 @@ def _render_targets(report, console: Console) -> None:
         else:
             result = "[red]missed[/red]" + (f" by {c.shortfall:.0%}" if c.shortfall is not None else "")
         t.add_row(c.name, "-" if c.value is None else f"{c.value:,.2f}", f"{c.comparison} {c.threshold:g}", result,
-                  c.needed or c.note or "")
+                  c.needed or (c.note if c.value is None else None) or "")
     console.print(t)
+    for c in report.targets:
+        if c.value is not None and c.note:  # measured: how robust the ratio is to a noisy baseline
+            console.print(f"{c.name}: {c.note}", highlight=False, soft_wrap=True)
     for c in report.targets:
         if c.met is False and c.where:
             console.print(f"{c.name}: {c.where}", highlight=False, soft_wrap=True)
