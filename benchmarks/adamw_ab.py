@@ -78,6 +78,16 @@ class Variant:
                 p.grad = g
         self.opt.step()
 
+    def timed_step(self, grads: list[torch.Tensor], slots: list[torch.Tensor | None],
+                   regions: list[torch.Tensor]) -> float:
+        """One `step` between CUDA events: its device seconds."""
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        self.step(grads, slots, regions)
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) * 1e-3
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -129,12 +139,7 @@ def main() -> int:
     times: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(a.reps):  # interleaved, so drift hits every variant alike
         for v in variants:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            v.step(grads, slots, regions)
-            e.record()
-            e.synchronize()
-            times[v.name].append(s.elapsed_time(e) * 1e-3)
+            times[v.name].append(v.timed_step(grads, slots, regions))
     n_all = sum(p.numel() for p in params)
     n_staged = sum(p.numel() for p, mx in zip(params, matrix, strict=True) if mx)
     fold_bytes = (2 * staging + 4) * n_staged  # read the bf16 slots, write the fp32 region
@@ -156,14 +161,7 @@ def main() -> int:
                 adamw_mod.FOLD_BLOCK, adamw_mod.FOLD_WARPS = block, warps
                 for _ in range(2):
                     v.step(grads, slots, regions)
-                ts = []
-                for _ in range(a.reps):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    v.step(grads, slots, regions)
-                    e.record()
-                    e.synchronize()
-                    ts.append(s.elapsed_time(e) * 1e-3)
+                ts = [v.timed_step(grads, slots, regions) for _ in range(a.reps)]
                 med = statistics.median(ts)
                 sweep.append({"block": block, "warps": warps, "median_seconds": med, "seconds": ts,
                               "tb_per_s": moved["fold-in-triton"] / med / 1e12})

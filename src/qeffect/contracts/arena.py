@@ -349,12 +349,7 @@ class GradientArena:
         reference that accumulates microbatch by microbatch, whatever order the schedule ran ``dW``
         in. This fixed order is what makes every schedule bitwise equal to the reference.
         """
-        self._require_usable("sum_microbatches", name, None)
-        if not self._finalized:
-            raise ArenaViolation(
-                f"sum before finalize for arena '{self.name}' parameter {name}: expected a finalized epoch "
-                f"{self._epoch}, found {len(self.missing())} missing writes",
-                relation="sum before finalize", key=name, expected="finalized", found="not finalized")
+        self._require_finalized("sum_microbatches", name, verb="sum")
         if self.accumulate:  # the region holds the sum, added in the order m = 0..M-1 (once folded)
             self._fold_last(name)
             return self.region(name)
@@ -371,8 +366,7 @@ class GradientArena:
         if not self.defer_last_fold or name in self._last_folded or name in self._taken:
             return None
         self._taken.add(name)
-        first = (self.microbatches - 1) - (self.microbatches - 1) % self.staging
-        return self.region(name), self._blocks[name], self.microbatches - first, first == 0
+        return (self.region(name), *self._last_group(name))
 
     def _fold_last(self, name: str) -> None:
         """Fold the deferred last group into the region (once per epoch; a no-op without deferral)."""
@@ -387,8 +381,12 @@ class GradientArena:
                 f"written before its deferred group is folded, found writes {sorted(k for n, k in self._written if n == name)}",
                 relation="fold before the last write", key=(name, last), expected="written", found="not written")
         self._last_folded.add(name)
+        self._reduce(self.region(name), *self._last_group(name))
+
+    def _last_group(self, name: str) -> tuple[torch.Tensor, int, bool]:
+        """``(block, count, init)`` of the group ``dW(M-1)`` closes: the `Reduce` arguments after the region."""
         first = (self.microbatches - 1) - (self.microbatches - 1) % self.staging
-        self._reduce(self.region(name), self._blocks[name], self.microbatches - first, first == 0)
+        return self._blocks[name], self.microbatches - first, first == 0
 
     def _refuse_taken(self, name: str) -> None:
         """A region whose deferred group a consumer took lacks it: no sum may be read from it this epoch."""
@@ -398,13 +396,15 @@ class GradientArena:
                 f"the region, found it taken by take_pending_fold in epoch {self._epoch} (its consumer has "
                 "the finished gradient)", relation="sum after take", key=name, expected="folded", found="taken")
 
-    def _require_finalized(self, op: str, name: str) -> None:
+    def _require_finalized(self, op: str, name: str, verb: str | None = None) -> None:
+        """A usable, finalized epoch for `op` on `name` (the violation is "`verb` before finalize")."""
         self._require_usable(op, name, None)
         if not self._finalized:
+            verb = verb or op
             raise ArenaViolation(
-                f"{op} before finalize for arena '{self.name}' parameter {name}: expected a finalized epoch "
+                f"{verb} before finalize for arena '{self.name}' parameter {name}: expected a finalized epoch "
                 f"{self._epoch}, found {len(self.missing())} missing writes",
-                relation=f"{op} before finalize", key=name, expected="finalized", found="not finalized")
+                relation=f"{verb} before finalize", key=name, expected="finalized", found="not finalized")
 
     # ------------------------------------------------------------- transitions
     def advance_epoch(self, zero: bool = True) -> int:
