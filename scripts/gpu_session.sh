@@ -197,6 +197,18 @@ release-keep)
             --out "$out/offload-bench-h2048-$s-release-keep-h200.json"
     done
     ;;
+split-heads)
+    # branch next/qkv-split: the attention's q, k, v split with a one-copy backward. The GPU suite, then
+    # step gaps (every kernel's time per step) with autograd's route and with the split, then the profile
+    if step 240 pytest-gpu python3 -m pytest -m gpu -q; then
+        step 120 gaps-autograd env QEFFECT_SPLIT_HEADS=autograd python3 scripts/step_gaps.py \
+            --config examples/configs/h4096.toml --json "$out/step-gaps-h4096-te-autograd-heads-h200.json"
+        step 120 gaps-split python3 scripts/step_gaps.py --config examples/configs/h4096.toml \
+            --json "$out/step-gaps-h4096-te-split-heads-h200.json"
+        step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
+            --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    fi
+    ;;
 bias)
     # TE's biases in the activation dtype (cast once per step): the TE tests, then the whole GPU suite and
     # the h4096 te profile
@@ -252,7 +264,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT bias|fold|adamw|layernorm|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT split-heads|bias|fold|adamw|layernorm|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

@@ -201,3 +201,37 @@ def test_shared_init_draws_reuses_the_same_numbers(monkeypatch) -> None:
     assert any(not torch.equal(plain[k], other[k]) for k in plain)
     build_chunks(s, BACKEND, seed=7)
     assert len(draws) == 2 * n  # outside the scope every build draws
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_heads_has_autograds_values_and_gradient_bits(dtype, monkeypatch):
+    """`split_heads` (one copy in its backward) against autograd's view/permute/unbind route: the same
+    views forward and, through attention, the same bits in the fused projection's gradient."""
+    import torch.nn.functional as F
+
+    from qeffect.model.gpt import split_heads
+
+    torch.manual_seed(0)
+    b, t, heads, d = 2, 8, 4, 16
+    qkv = torch.randn(b, t, 3 * heads * d, dtype=dtype)
+    dy = torch.randn(b, heads, t, d, dtype=dtype)
+    grads, outs = [], []
+    for route in ("autograd", "function"):
+        monkeypatch.setenv("QEFFECT_SPLIT_HEADS", route)
+        x = qkv.clone().requires_grad_(True)
+        q, k, v = split_heads(x, heads)
+        assert q.shape == (b, heads, t, d) and q.data_ptr() == x.data_ptr()  # views, no copy forward
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(dy)
+        outs.append(out)
+        grads.append(x.grad)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+    assert grads[1].is_contiguous() and grads[1].shape == qkv.shape
+    # a gradient that reaches only some of q, k, v (materialized as zeros) still lands in its place
+    x = qkv.clone().requires_grad_(True)
+    monkeypatch.setenv("QEFFECT_SPLIT_HEADS", "function")
+    q, k, v = split_heads(x, heads)
+    (k * 2).sum().backward()
+    expect = torch.zeros(b, t, 3, heads, d, dtype=dtype)
+    expect[:, :, 1] = 2
+    assert torch.equal(x.grad, expect.view_as(x))

@@ -101,6 +101,33 @@ def _fused_norm_enabled() -> bool:
     return os.environ.get("QEFFECT_FUSED_LAYERNORM", "1") != "0"
 
 
+class _SplitHeads(torch.autograd.Function):
+    """q, k, v as [b, heads, t, d] views of the fused projection [b, t, 3h], as autograd's own route
+    (view, permute, unbind). Its backward writes the three gradients into one [b, t, 3, heads, d] tensor
+    in one copy. Autograd's route stacks them into [3, b, heads, t, d] (a transposing copy) and then
+    copies that into [b, t, 3h] for the view: two copies of the same values, so the bits are the same."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ANN001 - autograd's ctx
+        b, t, h3 = qkv.shape
+        ctx.shape = (b, t, h3)
+        q, k, v = qkv.view(b, t, 3, heads, h3 // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
+        return torch.stack([g.transpose(1, 2) for g in (dq, dk, dv)], dim=2).view(ctx.shape), None
+
+
+def split_heads(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention's q, k, v from the fused projection; ``QEFFECT_SPLIT_HEADS=autograd`` keeps
+    autograd's route (for A/B runs)."""
+    if os.environ.get("QEFFECT_SPLIT_HEADS") == "autograd":
+        b, t, h3 = qkv.shape
+        return qkv.view(b, t, 3, heads, h3 // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+    return _SplitHeads.apply(qkv, heads)
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer layer: x + proj(attn(ln1 x)); x + fc2(gelu(fc1(ln2 x)))."""
 
@@ -118,7 +145,7 @@ class Block(nn.Module):
     def forward(self, x: Tensor, is_first_microbatch: bool) -> Tensor:
         b, t, h = x.shape
         qkv = self.qkv(layer_norm(self.ln1, x), is_first_microbatch)
-        q, k, v = qkv.view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = split_heads(qkv, self.heads)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         a = a.transpose(1, 2).reshape(b, t, h)
         x = x + self.proj(a, is_first_microbatch)
