@@ -58,10 +58,16 @@ def label_phases(pipe) -> None:
 
         rank.run = labelled_run
         rank.optimizer.step = labelled_step
+        when_ready = getattr(rank.optimizer, "step_when_ready", None)
+        if when_ready is not None:
+            def labelled_when_ready(*a, _s=when_ready, _r=r, **k):
+                with _label(f"adamw.r{_r}"):
+                    return _s(*a, **k)
+            rank.optimizer.step_when_ready = labelled_when_ready
         if load is not None:
             def labelled_load(_load=load, _r=r):
                 with _label(f"fold.r{_r}"):
-                    _load()
+                    return _load()
             rank._load_grads = labelled_load
         commit = rank.commit
 
@@ -69,6 +75,45 @@ def label_phases(pipe) -> None:
             with _label(f"commit.r{_r}"):
                 return _c(*a, **k)
         rank.commit = labelled_commit
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _common_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    """Length of the intersection of two sorted disjoint interval lists."""
+    i = j = total = 0
+    while i < len(a) and j < len(b):
+        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _optimizer_overlap(dev: list, steps: list[tuple[int, int]]) -> dict:
+    """Per step: optimizer kernel time, how much of it ran beside other device work (the side-stream
+    update of `TritonAdamW.step_when_ready`), and when the first update started against the end of the
+    last other kernel (ms from the step's start)."""
+    rows = []
+    for s0, s1 in steps:
+        evs = [d for d in dev if s0 <= d[0] < s1]
+        opt = [(ds, de) for ds, de, name, _ in evs if category(name) == "optimizer"]
+        other = [(ds, de) for ds, de, name, _ in evs if category(name) != "optimizer"]
+        if not opt or not other:
+            continue
+        uo, ux = _union(opt), _union(other)
+        rows.append({"optimizer_ms": sum(e - s for s, e in uo) / 1e6, "beside_other_ms": _common_ns(uo, ux) / 1e6,
+                     "first_optimizer_at_ms": (uo[0][0] - s0) / 1e6, "last_other_end_ms": (ux[-1][1] - s0) / 1e6})
+    return {"per_step": rows}
 
 
 def analyse(prof, walls: list[float], hosts: list[float], min_gap_us: float) -> dict:
@@ -95,6 +140,7 @@ def analyse(prof, walls: list[float], hosts: list[float], min_gap_us: float) -> 
         return "outside phases"
 
     dev.sort()
+    overlap = _optimizer_overlap(dev, steps)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     by_phase: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # gaps, idle us, host-late us
     gaps = []
@@ -133,6 +179,7 @@ def analyse(prof, walls: list[float], hosts: list[float], min_gap_us: float) -> 
         "gpu_busy_ms_per_step": busy_total / 1e3 / n,
         "idle_by_phase_ms_per_step": {k: {"gaps": v[0] / n, "idle_ms": v[1] / 1e3 / n, "host_late_ms": v[2] / 1e3 / n}
                                       for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1][1])},
+        "optimizer_overlap": overlap,
         "largest_gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:40],
         "kernels": [{"name": k, "category": category(k), "calls_per_step": v[0] / n, "ms_per_step": v[1] / 1e3 / n}
                     for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][1])],
@@ -186,6 +233,9 @@ def main() -> int:
     print("unprofiled steps (host returns, wall) ms: " + ", ".join(f"({h:.2f}, {w:.2f})" for h, w in untimed))
     print(f"profiled: walls {', '.join(f'{w:.2f}' for w in out['wall_ms'])} ms; host returns at "
           f"{', '.join(f'{h:.2f}' for h in out['host_ms'])} ms; GPU busy {out['gpu_busy_ms_per_step']:.2f} ms/step")
+    for row in out["optimizer_overlap"]["per_step"]:
+        print(f"optimizer: {row['optimizer_ms']:.3f} ms, {row['beside_other_ms']:.3f} ms beside other work; first at "
+              f"{row['first_optimizer_at_ms']:.3f} ms, other work ends at {row['last_other_end_ms']:.3f} ms")
     print("GPU idle per step by the host phase that launched the kernel ending each gap:")
     for k, v in out["idle_by_phase_ms_per_step"].items():
         print(f"  {k:22s} {v['gaps']:7.1f} gaps {v['idle_ms']:7.3f} ms idle, {v['host_late_ms']:7.3f} ms launched late")
