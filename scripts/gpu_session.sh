@@ -197,6 +197,19 @@ release-keep)
             --out "$out/offload-bench-h2048-$s-release-keep-h200.json"
     done
     ;;
+refresh)
+    # the profiles not yet run at this revision (h4096 te ran in split-heads), and the h4096 te step with a
+    # 256-token vocabulary against the TE anchor: the anchor is layers only (no embedding, head or loss),
+    # so this shows what those cost in qeffect's step and the ratio on a layers-comparable model
+    step 200 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" \
+        --only h4096:reference --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    step 200 profile-h2048 python3 benchmarks/profile_matrix.py --out "$out" --tomls examples/configs/h2048.toml \
+        --steps 20 --warmup 3 --trace 2 --microbatches 2,4,8,16
+    sed 's/^vocab_size = .*/vocab_size = 256/' examples/configs/h4096.toml > "$out/h4096-vocab256.toml"
+    step 200 profile-h4096-vocab256 python3 -m qeffect profile --config "$out/h4096-vocab256.toml" \
+        --configs captured-direct,te-graphed --steps 12 --warmup 3 --trace 1 \
+        --json "$out/profile-h4096-vocab256-te-h200.json"
+    ;;
 split-heads)
     # branch next/qkv-split: the attention's q, k, v split with a one-copy backward. The GPU suite, then
     # step gaps (every kernel's time per step) with autograd's route and with the split, then the profile
@@ -264,7 +277,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT split-heads|bias|fold|adamw|layernorm|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT refresh|split-heads|bias|fold|adamw|layernorm|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac
