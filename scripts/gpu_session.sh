@@ -197,6 +197,20 @@ release-keep)
             --out "$out/offload-bench-h2048-$s-release-keep-h200.json"
     done
     ;;
+accumulate)
+    # the captured dI's non-matrix gradients accumulated several tensors per launch: the whole GPU suite,
+    # step gaps without and with the batching (h4096 te), then the h4096 and h2048 te profiles
+    if step 240 pytest-gpu python3 -m pytest -m gpu -q; then
+        step 120 gaps-one-by-one env QEFFECT_FUSED_ACCUMULATE=0 python3 scripts/step_gaps.py \
+            --config examples/configs/h4096.toml --json "$out/step-gaps-h4096-te-one-by-one-h200.json"
+        step 120 gaps-batched python3 scripts/step_gaps.py --config examples/configs/h4096.toml \
+            --json "$out/step-gaps-h4096-te-batched-h200.json"
+        step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
+            --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+        step 150 profile-h2048-te python3 benchmarks/profile_matrix.py --out "$out" --only h2048:te \
+            --steps 20 --warmup 3 --trace 2 --microbatches 2,4,8,16
+    fi
+    ;;
 refresh)
     # the profiles not yet run at this revision (h4096 te ran in split-heads), and the h4096 te step with a
     # 256-token vocabulary against the TE anchor: the anchor is layers only (no embedding, head or loss),
@@ -277,7 +291,7 @@ profile-h4096)
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
 *)
-    echo "usage: gpu_session.sh OUT refresh|split-heads|bias|fold|adamw|layernorm|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
+    echo "usage: gpu_session.sh OUT accumulate|refresh|split-heads|bias|fold|adamw|layernorm|verify|staged|offload|offload-final|offload-next|resident-skip|release-window|replay-protocol|combined|combined2|combined3|kernel-transpose|fused-update|fused-quantize|fused-quantize-profile|profile-h2048|profile-h4096 ..." >&2
     exit 2
     ;;
 esac

@@ -69,3 +69,37 @@ def test_fused_fold_keeps_special_values_bit_for_bit(dtype: torch.dtype) -> None
         fold_staged(fused, block, 6, init)
         sequential_reduce(seq, block, 6, init)
         assert torch.equal(fused.view(torch.int32), seq.view(torch.int32)), init
+
+
+@requires_cuda
+def test_batched_accumulation_is_copy_and_add_also_replayed_in_a_graph() -> None:
+    """`accumulate_into` on the GPU (fp32 and bf16 sources, more pairs than one launch, an unaligned pair
+    that goes one by one) against copy_/add_, eagerly and as a CUDA graph captured after one eager call."""
+    from qeffect.stage.accumulate import _multi_kernel, accumulate_into
+
+    assert _multi_kernel() is not None, "the batched accumulation needs Triton on the GPU machine"
+    sizes = [4096, 1, 1023, 1025, 3000, 17, 2048, 5, 12288, 7, 100]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    src = [(torch.randn(n, device="cuda", generator=g) * 10.0 ** torch.randint(-4, 5, (n,), device="cuda",
+                                                                                 generator=g)).to(dt)
+           for n in sizes for dt in (torch.float32, torch.bfloat16)]
+    src.append(torch.randn(65, device="cuda", generator=g)[1:])  # 4 bytes past alignment: one by one
+    dst = [torch.zeros(s.numel(), device="cuda") for s in src]
+    ref = [d.clone() for d in dst]
+    for m in range(3):
+        for d, s in zip(ref, src, strict=True):
+            d.copy_(s) if m == 0 else d.add_(s)
+        accumulate_into(dst, src, init=m == 0)
+    assert all(torch.equal(a, b) for a, b in zip(dst, ref, strict=True))
+    graphs = []
+    for init in (True, False):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            accumulate_into(dst, src, init=init)
+        graphs.append(graph)
+    for m in range(3):
+        for d, s in zip(ref, src, strict=True):
+            d.copy_(s) if m == 0 else d.add_(s)
+        graphs[m > 0].replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(dst, ref, strict=True))

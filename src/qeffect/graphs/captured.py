@@ -34,6 +34,7 @@ from qeffect.contracts import Consumer, EffectToken, TapeRef
 from qeffect.fp8.te import batched_scaling_updates
 from qeffect.graphs.manager import CapturedAction, GraphManager
 from qeffect.offload.group import OffloadGroup, OffloadManager
+from qeffect.stage.accumulate import accumulate_into
 from qeffect.stage.actions import (
     EXTRA,
     ForwardOut,
@@ -148,12 +149,8 @@ class CapturedStageActions(StageActions):
                                                      retain_graph=True, extra=self._token_out.get(m))
                 self._work[m] = take_wgrad_work(self._matrix)
                 with torch.no_grad():  # AccumulateGrad's bits, inside the graph: dI(0) copies, later dIs add
-                    token_grad = grads.pop(EXTRA, None)
-                    for n, g in grads.items():
-                        if m == 0:
-                            self._ngrad[n].copy_(g)
-                        else:
-                            self._ngrad[n].add_(g)
+                    token_grad = grads.pop(EXTRA, None)  # (several tensors per launch: stage/accumulate.py)
+                    accumulate_into([self._ngrad[n] for n in grads], list(grads.values()), init=m == 0)
                     if token_grad is not None:  # the same bits from the rows this microbatch touched
                         grads[TOKEN_TABLE] = self._token_grad.accumulate(m, self._x[m], token_grad)
                 return grad_in, grads, self._tok[m] + 1
@@ -214,6 +211,12 @@ class CapturedStageActions(StageActions):
             self._gout[0] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
             _, grads = input_grad_body(self.chunk, self._x[0], out, self._gout[0], retain_graph=False,
                                        extra=self._token_out.get(0))
+            with torch.no_grad():  # the batched accumulation's kernels (compiled now, never inside a capture)
+                rest = {n: g for n, g in grads.items() if n != EXTRA}
+                scratch = [torch.zeros_like(self._nonmatrix[n]) for n in rest]
+                accumulate_into(scratch, list(rest.values()), init=True)
+                accumulate_into(scratch, list(rest.values()), init=False)
+                del scratch, rest
             if self._token_grad is not None:  # its kernels too (the first dI of every step rewrites it)
                 with torch.no_grad():
                     self._token_grad.accumulate(0, self._x[0], grads[EXTRA])

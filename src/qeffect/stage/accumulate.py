@@ -61,3 +61,99 @@ def fold_staged(region: torch.Tensor, block: torch.Tensor, count: int, init: boo
     if not 1 <= count <= block.shape[0] or block.shape[1] < n:
         raise ValueError(f"fold of {count} slots of {tuple(block.shape)} into {n} elements")
     _kernel()[(-(-n // BLOCK),)](region, block, block.stride(0), n, count, INIT=init, BLOCK=BLOCK)
+
+
+# --------------------------------------------------------------------------- non-matrix gradients
+# A captured dI accumulates each microbatch's gradients of the norms, biases and position table into
+# fixed fp32 buffers: dI(0) copies, later dIs add (AccumulateGrad's bits). One copy_/add_ per tensor is a
+# launch of a few microseconds for a few thousand elements, about ten per dI graph; `accumulate_into`
+# does up to `SLOTS` tensors of one source dtype per launch. Bits: ``dst = float(src)`` or
+# ``dst = dst + float(src)``, one IEEE fp32 add, which is what ``copy_`` and ``add_`` compute.
+
+SLOTS = 8
+ACC_BLOCK = 1024
+_ARGS = [f"{k}{i}" for i in range(SLOTS) for k in ("d", "s", "n")]
+_ENDS = [f"e{i}" for i in range(1, SLOTS)]
+
+
+@triton_kernel
+def _multi_kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
+    @triton.jit
+    def _acc_one(dst, src, n, pid, INIT: tl.constexpr, BLOCK: tl.constexpr):
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(src + offs, mask=mask).to(tl.float32)
+        if not INIT:
+            g = tl.load(dst + offs, mask=mask) + g
+        tl.store(dst + offs, g, mask=mask)
+
+    globals()["_acc_one"] = _acc_one  # a module global: every Triton version resolves those (not all closures)
+
+    @triton.jit(do_not_specialize=[a for a in _ARGS if a[0] == "n"] + _ENDS)
+    def accumulate(d0, s0, n0, d1, s1, n1, d2, s2, n2, d3, s3, n3, d4, s4, n4, d5, s5, n5, d6, s6, n6,
+                   d7, s7, n7, e1, e2, e3, e4, e5, e6, e7, INIT: tl.constexpr, BLOCK: tl.constexpr):
+        """Tensor i covers programs [e_i, e_{i+1}) (e_0 = 0); unused slots repeat slot 0 with n = 0."""
+        pid = tl.program_id(0)
+        if pid < e1:
+            _acc_one(d0, s0, n0, pid, INIT, BLOCK)
+        elif pid < e2:
+            _acc_one(d1, s1, n1, pid - e1, INIT, BLOCK)
+        elif pid < e3:
+            _acc_one(d2, s2, n2, pid - e2, INIT, BLOCK)
+        elif pid < e4:
+            _acc_one(d3, s3, n3, pid - e3, INIT, BLOCK)
+        elif pid < e5:
+            _acc_one(d4, s4, n4, pid - e4, INIT, BLOCK)
+        elif pid < e6:
+            _acc_one(d5, s5, n5, pid - e5, INIT, BLOCK)
+        elif pid < e7:
+            _acc_one(d6, s6, n6, pid - e6, INIT, BLOCK)
+        else:
+            _acc_one(d7, s7, n7, pid - e7, INIT, BLOCK)
+
+    return accumulate
+
+
+FUSED_SOURCES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _batchable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Contiguous fp32 destination, a contiguous source of the same size in a float dtype, both 16-byte
+    aligned (the kernel is compiled for aligned pointers only, so a capture never compiles a variant)."""
+    return (dst.is_cuda and src.device == dst.device and dst.dtype == torch.float32 and src.dtype in FUSED_SOURCES
+            and dst.is_contiguous() and src.is_contiguous() and dst.numel() == src.numel()
+            and dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0)
+
+
+def launch_multi(dsts: list[torch.Tensor], srcs: list[torch.Tensor], init: bool) -> None:
+    """The kernel over pairs whose sources share one dtype, `SLOTS` pairs per launch (no checks)."""
+    kernel = _multi_kernel()
+    for at in range(0, len(dsts), SLOTS):
+        pairs = list(zip(dsts[at:at + SLOTS], srcs[at:at + SLOTS], strict=True))
+        args, ends, total = [], [], 0
+        for i in range(SLOTS):
+            d, s = pairs[i] if i < len(pairs) else pairs[0]
+            n = d.numel() if i < len(pairs) else 0
+            if i:
+                ends.append(total)
+            args += [d, s, n]
+            total += -(-n // ACC_BLOCK)
+        kernel[(total,)](*args, *ends, INIT=init, BLOCK=ACC_BLOCK)
+
+
+def accumulate_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, init: bool) -> None:
+    """``dst.copy_(src)`` (`init`) or ``dst.add_(src)`` for each pair, batched where the kernel covers it;
+    the rest (CPU, other dtypes or layouts, no Triton, ``QEFFECT_FUSED_ACCUMULATE=0``) one by one."""
+    fused = os.environ.get("QEFFECT_FUSED_ACCUMULATE", "1") != "0" and _multi_kernel() is not None
+    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dsts, srcs, strict=True):
+        if fused and _batchable(d, s):
+            group = by_dtype.setdefault(s.dtype, ([], []))
+            group[0].append(d)
+            group[1].append(s)
+        elif init:
+            d.copy_(s)
+        else:
+            d.add_(s)
+    for ds, ss in by_dtype.values():
+        launch_multi(ds, ss, init)
