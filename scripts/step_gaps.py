@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
-from qeffect.graphs.handshake import script_provenance
+from qeffect.graphs.handshake import qeffect_environment, script_provenance
 from qeffect.profile.trace import CATEGORIES, _kind, category
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
@@ -247,7 +247,8 @@ def main() -> int:
     for k in out["kernels"][:30]:
         print(f"  {k['ms_per_step']:7.3f} ms {k['calls_per_step']:6.0f}x [{k['category']}] {k['name'][:90]}")
     if a.json:
-        write_json(Path(a.json), {**script_provenance(), "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        write_json(Path(a.json), {**script_provenance(), "environment": qeffect_environment(),
+                                  "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
                                   "torch": torch.__version__, "config": a.config, "path": a.path, **out})
     return 0
 
