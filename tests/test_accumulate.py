@@ -102,7 +102,9 @@ def test_pairs_go_to_one_launch_per_source_dtype_and_eight_pairs(monkeypatch):
     ends = launches[0][3]
     assert ends == [sum(-(-d.numel() // acc.ACC_BLOCK) for d in dst32[:i]) for i in range(1, acc.SLOTS)]
     assert launches[2][2][0] == (dst16[0].data_ptr(), torch.bfloat16, 5000)
-    monkeypatch.setenv("QEFFECT_FUSED_ACCUMULATE", "0")
     launches.clear()
+    acc.accumulate_into([torch.zeros(0)], [torch.zeros(0)], init=True)
+    assert launches == []  # empty tensors: no launch of 0 programs
+    monkeypatch.setenv("QEFFECT_FUSED_ACCUMULATE", "0")
     acc.accumulate_into(dst32, src32, init=True)
     assert launches == [] and all(torch.equal(d, s) for d, s in zip(dst32, src32, strict=True))

@@ -138,7 +138,8 @@ def launch_multi(dsts: list[torch.Tensor], srcs: list[torch.Tensor], init: bool)
                 ends.append(total)
             args += [d, s, n]
             total += -(-n // ACC_BLOCK)
-        kernel[(total,)](*args, *ends, INIT=init, BLOCK=ACC_BLOCK)
+        if total:  # empty tensors only: nothing to launch (a grid of 0 programs is an error)
+            kernel[(total,)](*args, *ends, INIT=init, BLOCK=ACC_BLOCK)
 
 
 def accumulate_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, init: bool) -> None:
