@@ -242,8 +242,7 @@ class GradientArena:
         if not self.flushes(m):
             raise ValueError(f"arena '{self.name}': dW({m}) closes no staging group (staging {self.staging}, "
                              f"{self.microbatches} microbatches)")
-        first = m - m % self.staging
-        self._reduce(self.region(name), self._blocks[name], m - first + 1, first == 0)
+        self._reduce(self.region(name), *self._group_upto(name, m))
 
     def prefix_sum(self, name: str, upto: int) -> torch.Tensor:
         """The gradients of microbatches ``0..upto`` of ``name`` summed in that order (a new tensor): what
@@ -261,9 +260,8 @@ class GradientArena:
             self._refuse_taken(name)
         if not self.staging or self.flushes(upto) or (last and name in self._last_folded):
             return region.clone()
-        first = upto - upto % self.staging
         acc = region.clone()
-        self._reduce(acc, self._blocks[name], upto - first + 1, first == 0)
+        self._reduce(acc, *self._group_upto(name, upto))
         return acc
 
     def storage_views(self, name: str) -> list[torch.Tensor]:
@@ -366,7 +364,7 @@ class GradientArena:
         if not self.defer_last_fold or name in self._last_folded or name in self._taken:
             return None
         self._taken.add(name)
-        return (self.region(name), *self._last_group(name))
+        return (self.region(name), *self._group_upto(name, self.microbatches - 1))
 
     def _fold_last(self, name: str) -> None:
         """Fold the deferred last group into the region (once per epoch; a no-op without deferral)."""
@@ -381,12 +379,13 @@ class GradientArena:
                 f"written before its deferred group is folded, found writes {sorted(k for n, k in self._written if n == name)}",
                 relation="fold before the last write", key=(name, last), expected="written", found="not written")
         self._last_folded.add(name)
-        self._reduce(self.region(name), *self._last_group(name))
+        self._reduce(self.region(name), *self._group_upto(name, last))
 
-    def _last_group(self, name: str) -> tuple[torch.Tensor, int, bool]:
-        """``(block, count, init)`` of the group ``dW(M-1)`` closes: the `Reduce` arguments after the region."""
-        first = (self.microbatches - 1) - (self.microbatches - 1) % self.staging
-        return self._blocks[name], self.microbatches - first, first == 0
+    def _group_upto(self, name: str, m: int) -> tuple[torch.Tensor, int, bool]:
+        """``(block, count, init)`` of ``m``'s staging group up to slot ``m``: the `Reduce` arguments after
+        the region (``init``: the first group, which overwrites the region)."""
+        first = m - m % self.staging
+        return self._blocks[name], m - first + 1, first == 0
 
     def _refuse_taken(self, name: str) -> None:
         """A region whose deferred group a consumer took lacks it: no sum may be read from it this epoch."""

@@ -109,22 +109,25 @@ class _SplitHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ANN001 - autograd's ctx
-        b, t, h3 = qkv.shape
-        ctx.shape = (b, t, h3)
-        q, k, v = qkv.view(b, t, 3, heads, h3 // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
-        return q, k, v
+        ctx.shape = qkv.shape
+        return _head_views(qkv, heads)
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
         return torch.stack([g.transpose(1, 2) for g in (dq, dk, dv)], dim=2).view(ctx.shape), None
 
 
+def _head_views(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as [b, heads, t, d] views of [b, t, 3h] (view, permute, unbind: autograd's route)."""
+    b, t, h3 = qkv.shape
+    return qkv.view(b, t, 3, heads, h3 // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
 def split_heads(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
     """The attention's q, k, v from the fused projection; ``QEFFECT_SPLIT_HEADS=autograd`` keeps
     autograd's route (for A/B runs)."""
     if os.environ.get("QEFFECT_SPLIT_HEADS") == "autograd":
-        b, t, h3 = qkv.shape
-        return qkv.view(b, t, 3, heads, h3 // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+        return _head_views(qkv, heads)
     return _SplitHeads.apply(qkv, heads)
 
 

@@ -141,10 +141,11 @@ class TritonAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         folds, self._folds = self._folds, {}
-        held = {id(p) for group in self.param_groups for p in group["params"]}
-        if any(id(p) not in held for p in folds):
-            raise ValueError(f"fold_into_step for {sum(id(p) not in held for p in folds)} parameter(s) not in "
-                             "this optimizer's groups")
+        if folds:
+            held = {id(p) for group in self.param_groups for p in group["params"]}
+            if any(id(p) not in held for p in folds):
+                raise ValueError(f"fold_into_step for {sum(id(p) not in held for p in folds)} parameter(s) not "
+                                 "in this optimizer's groups")
         groups = []
         for group in self.param_groups:
             params: list[torch.Tensor] = []
@@ -152,8 +153,8 @@ class TritonAdamW(torch.optim.AdamW):
             exp_avgs: list[torch.Tensor] = []
             exp_avg_sqs: list[torch.Tensor] = []
             steps: list[torch.Tensor] = []
-            if closure is not None or not self._covered(group, [p for p in group["params"] if p.grad is not None],
-                                                        [p.grad for p in group["params"] if p.grad is not None]):
+            live = [p for p in group["params"] if p.grad is not None]
+            if closure is not None or not self._covered(group, live, [p.grad for p in live]):
                 _fold_first(folds)
                 return super().step(closure)
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
