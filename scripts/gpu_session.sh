@@ -48,6 +48,16 @@ bitwise_matrix() {  # the verify matrix (reference, te x interleaved, zbv x capt
     step 180 verify python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
         --backends reference,te --paths captured-copy,captured-direct --out "$out/verify"
 }
+gaps_ab() {  # gaps_ab VAR=VALUE off-name on-name: h4096 te step gaps with a switch set (off), then without
+    step 120 "gaps-$2" env "$1" python3 scripts/step_gaps.py --config examples/configs/h4096.toml \
+        --json "$out/step-gaps-h4096-te-$2-h200.json"
+    step 120 "gaps-$3" python3 scripts/step_gaps.py --config examples/configs/h4096.toml \
+        --json "$out/step-gaps-h4096-te-$3-h200.json"
+}
+profile_h4096_te() {  # the h4096 te matrix with traces and the M analysis
+    step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
+        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+}
 keep_merged() {  # only 8 files come back: keep each matrix's merged report, drop the per-cell ones
     for d in "$@"; do
         [ -f "$out/$d/gpu-check.json" ] && mv "$out/$d/gpu-check.json" "$out/$d-gpu-check.json"
@@ -201,12 +211,8 @@ accumulate)
     # the captured dI's non-matrix gradients accumulated several tensors per launch: the whole GPU suite,
     # step gaps without and with the batching (h4096 te), then the h4096 and h2048 te profiles
     if step 240 pytest-gpu python3 -m pytest -m gpu -q; then
-        step 120 gaps-one-by-one env QEFFECT_FUSED_ACCUMULATE=0 python3 scripts/step_gaps.py \
-            --config examples/configs/h4096.toml --json "$out/step-gaps-h4096-te-one-by-one-h200.json"
-        step 120 gaps-batched python3 scripts/step_gaps.py --config examples/configs/h4096.toml \
-            --json "$out/step-gaps-h4096-te-batched-h200.json"
-        step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
-            --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+        gaps_ab QEFFECT_FUSED_ACCUMULATE=0 one-by-one batched
+        profile_h4096_te
         step 150 profile-h2048-te python3 benchmarks/profile_matrix.py --out "$out" --only h2048:te \
             --steps 20 --warmup 3 --trace 2 --microbatches 2,4,8,16
     fi
@@ -225,15 +231,11 @@ refresh)
         --json "$out/profile-h4096-vocab256-te-h200.json"
     ;;
 split-heads)
-    # branch next/qkv-split: the attention's q, k, v split with a one-copy backward. The GPU suite, then
-    # step gaps (every kernel's time per step) with autograd's route and with the split, then the profile
+    # the attention's q, k, v split with a one-copy backward: the GPU suite, then step gaps (every
+    # kernel's time per step) with autograd's route and with the split, then the profile
     if step 240 pytest-gpu python3 -m pytest -m gpu -q; then
-        step 120 gaps-autograd env QEFFECT_SPLIT_HEADS=autograd python3 scripts/step_gaps.py \
-            --config examples/configs/h4096.toml --json "$out/step-gaps-h4096-te-autograd-heads-h200.json"
-        step 120 gaps-split python3 scripts/step_gaps.py --config examples/configs/h4096.toml \
-            --json "$out/step-gaps-h4096-te-split-heads-h200.json"
-        step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
-            --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+        gaps_ab QEFFECT_SPLIT_HEADS=autograd autograd-heads split-heads
+        profile_h4096_te
     fi
     ;;
 bias)
@@ -241,8 +243,7 @@ bias)
     # the h4096 te profile
     if step 200 bias-tests python3 -m pytest -m gpu -q tests/test_te_backend.py tests/test_adamw.py; then
         step 240 pytest-gpu python3 -m pytest -m gpu -q
-        step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
-            --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+        profile_h4096_te
     fi
     ;;
 fold)
@@ -269,8 +270,7 @@ layernorm)
     # native-vs-qeffect bitwise tests run it on both sides) and the h4096 profiles
     if step 120 layernorm-tests python3 -m pytest -m gpu -q tests/test_layernorm.py; then
         step 240 pytest-gpu python3 -m pytest -m gpu -q
-        step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
-            --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+        profile_h4096_te
         step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
             --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     fi

@@ -58,12 +58,6 @@ def label_phases(pipe) -> None:
 
         rank.run = labelled_run
         rank.optimizer.step = labelled_step
-        when_ready = getattr(rank.optimizer, "step_when_ready", None)
-        if when_ready is not None:
-            def labelled_when_ready(*a, _s=when_ready, _r=r, **k):
-                with _label(f"adamw.r{_r}"):
-                    return _s(*a, **k)
-            rank.optimizer.step_when_ready = labelled_when_ready
         if load is not None:
             def labelled_load(_load=load, _r=r):
                 with _label(f"fold.r{_r}"):
@@ -100,9 +94,9 @@ def _common_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
 
 
 def _optimizer_overlap(dev: list, steps: list[tuple[int, int]]) -> dict:
-    """Per step: optimizer kernel time, how much of it ran beside other device work (the side-stream
-    update of `TritonAdamW.step_when_ready`), and when the first update started against the end of the
-    last other kernel (ms from the step's start)."""
+    """Per step: optimizer kernel time, how much of it ran beside other device work (an update on a side
+    stream would), and when the first update started against the end of the last other kernel (ms from
+    the step's start)."""
     rows = []
     for s0, s1 in steps:
         evs = [d for d in dev if s0 <= d[0] < s1]
