@@ -25,6 +25,7 @@
 #          two copying every group (resident-copyall, resident-copyall@6: the A/B) for both schedules.
 # adamw: the Triton AdamW's GPU tests, A/B benchmark and arithmetic check, then the whole GPU suite.
 # layernorm: the model's Triton LayerNorm's GPU tests; if they pass, the GPU suite and the h4096 profiles.
+# copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
 # combined: the teardown test alone, the whole GPU suite and the 8-cell matrix.
 # fused-quantize, fused-quantize-profile (two calls): the fused reference quantization's GPU tests and
@@ -229,6 +230,15 @@ refresh)
     step 200 profile-h4096-vocab256 python3 -m qeffect profile --config "$out/h4096-vocab256.toml" \
         --configs captured-direct,te-graphed --steps 12 --warmup 3 --trace 1 \
         --json "$out/profile-h4096-vocab256-te-h200.json"
+    ;;
+copy-bandwidth)
+    # how fast offload's copies run: pinned <-> VMM / caching memory, idle and beside GEMMs; then one
+    # profiled h2048 step per offload mode with each memcpy's device time and the kernels' busy time
+    step 120 copy-bandwidth python3 scripts/copy_bandwidth.py --json "$out/copy-bandwidth-h200.json"
+    for s in interleaved zbv; do
+        step 150 "offload-device-$s" python3 scripts/offload_host_profile.py --schedule "$s" \
+            --modes off,resident,resident@6,release --json "$out/offload-device-profile-h2048-$s-h200.json"
+    done
     ;;
 split-heads)
     # the attention's q, k, v split with a one-copy backward: the GPU suite, then step gaps (every

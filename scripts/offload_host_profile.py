@@ -45,8 +45,31 @@ def api_times(events: list[Event]) -> dict[str, dict[str, float]]:
     return dict(out)
 
 
+def device_copies(events: list[Event]) -> dict:
+    """The device side of the profiled step: each memcpy kind's count, time and median duration, and the
+    kernels' busy time (union), so slow copies or a compute stream left waiting on them show."""
+    copies: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.kind == "memcpy":
+            copies[e.name].append((e.end - e.start) / 1e6)
+    kernels = sorted((e.start, e.end) for e in events if e.kind == "kernel")
+    busy, cur = 0, None
+    for a, b in kernels:
+        if cur is None or a > cur[1]:
+            busy += 0 if cur is None else cur[1] - cur[0]
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    busy += 0 if cur is None else cur[1] - cur[0]
+    span = (kernels[-1][1] - kernels[0][0]) / 1e6 if kernels else 0.0
+    return {"kernel_busy_ms": busy / 1e6, "kernel_span_ms": span,
+            "memcpy": {n: {"count": len(v), "ms": sum(v), "median_ms": sorted(v)[len(v) // 2], "max_ms": max(v)}
+                       for n, v in copies.items()}}
+
+
 def run(cfg, mode: str, warmup: int, dev: torch.device) -> dict:
-    cfg = cfg.with_overrides(**{"train.offload": mode})
+    base, _, banks = mode.partition("@")  # "resident@6": at least 6 banks (train.offload_banks)
+    cfg = cfg.with_overrides(**{"train.offload": base, "train.offload_banks": int(banks) if banks else None})
     pipe = build_single_process(cfg, native=False, device=dev, path="captured-direct")
     for i in range(warmup):
         pipe.step(synthetic_batches(cfg, i, dev))
@@ -59,11 +82,13 @@ def run(cfg, mode: str, warmup: int, dev: torch.device) -> dict:
         host = time.perf_counter() - t
         torch.cuda.synchronize(dev)
         total = time.perf_counter() - t
-    apis = api_times(kineto_events(prof))
+    events = kineto_events(prof)
+    apis = api_times(events)
+    copies = device_copies(events)
     if pipe.offload is not None:
         pipe.offload.close()
     del pipe
-    return {"mode": mode, "host_ms": host * 1e3, "step_ms": total * 1e3, "apis": apis}
+    return {"mode": mode, "host_ms": host * 1e3, "step_ms": total * 1e3, "apis": apis, **copies}
 
 
 def main() -> int:
@@ -90,6 +115,11 @@ def main() -> int:
             cells.append(f"{row['ms']:8.2f} ms {int(row['count']):5d}x {1e3 * row['ms'] / row['count']:5.0f}us"
                          if row else f"{'-':>26s}")
         print(f"{n[:32]:32s}" + "".join(f"{c:>26s}" for c in cells))
+    for r in results:
+        print(f"{r['mode']}: kernels busy {r['kernel_busy_ms']:.2f} ms of a {r['kernel_span_ms']:.2f} ms span")
+        for n, c in r["memcpy"].items():
+            print(f"  {n[:40]:40s} {c['count']:4d}x {c['ms']:8.2f} ms, median {c['median_ms']:.3f} ms, "
+                  f"max {c['max_ms']:.3f} ms")
     if a.json:
         write_json(Path(a.json), {**script_provenance(), "device": torch.cuda.get_device_name(dev),
                                   "torch": torch.__version__, "schedule": a.schedule, "results": results})
