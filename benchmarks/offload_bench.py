@@ -31,7 +31,9 @@ even those the plan keeps in their bank (`train.offload_skip_kept_d2h = false`; 
 `release-all` for release offload of every group, short windows included (`train.offload_min_window =
 0`; the A/B of not offloading them). Any mode takes a `/laN` suffix (`release/la2`, `resident@6/la3`):
 `train.offload_lookahead = N`, the offloaded groups each backward restores ahead (0: none; the A/B).
-A `#N` suffix repeats a mode under its own name (`off#2` at the end: did the step time drift while the
+A `+VAR=VALUE` suffix (repeatable) sets an environment switch while that mode is built and timed
+(`release+QEFFECT_SAVE_BATCH_BYTES=0`: one copy per saved tensor; `resident+QEFFECT_SKIP_FUTILE_RESTORES=0`:
+look-ahead restores a forward evicts are started anyway). A `#N` suffix repeats a mode under its own name (`off#2` at the end: did the step time drift while the
 modes ran? `release#2`: how far apart are two runs of one configuration?).
 """
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -62,6 +65,24 @@ def _final_state(pipe) -> dict[str, torch.Tensor]:
 
 
 def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
+    """One mode; `+VAR=VALUE` parts of the label set environment switches for it alone."""
+    name, *switches = label.split("+")
+    env = dict(s.split("=", 1) for s in switches)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        res, losses, final = run_one(cfg, name, path, steps, warmup, dev)
+        res.update(mode=label, environment=env)
+        return res, losses, final
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_one(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
     base, _, depth = label.partition("#")[0].partition("/la")  # "#N": a repeat; "/laN": train.offload_lookahead = N
     mode, _, banks = base.partition("@")
     keep = mode == "release-keep"  # release without releasing consumed slots (train.offload_reap = false)
@@ -164,7 +185,7 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
             "not_offloaded_groups": [g.name for g in mgr.not_offloaded],
             "not_offloaded_bytes": not_offloaded,
             **{k: getattr(st, k) for k in ("d2h_copies", "d2h_bytes", "d2h_skipped", "h2d_copies", "h2d_bytes", "maps", "unmaps",
-                                           "released_live", "released_at_backward", "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped",
+                                           "released_live", "released_at_backward", "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped", "prefetches_futile",
                                            "reloads_skipped", "evictions")}}
         if mode == "release":
             slot = sum(g.slot.size for g in mgr.groups if g.slot is not None)  # each group's forward runs once

@@ -25,6 +25,7 @@
 #          two copying every group (resident-copyall, resident-copyall@6: the A/B) for both schedules.
 # adamw: the Triton AdamW's GPU tests, A/B benchmark and arithmetic check, then the whole GPU suite.
 # layernorm: the model's Triton LayerNorm's GPU tests; if they pass, the GPU suite and the h4096 profiles.
+# offload-batch: batched saved-tensor copies and futile-restore skipping: offload GPU tests, A/B benchmark.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
 # combined: the teardown test alone, the whole GPU suite and the 8-cell matrix.
@@ -239,6 +240,19 @@ copy-bandwidth)
         step 150 "offload-device-$s" python3 scripts/offload_host_profile.py --schedule "$s" \
             --modes off,resident,resident@6,release --json "$out/offload-device-profile-h2048-$s-h200.json"
     done
+    ;;
+offload-batch)
+    # saved tensors copied several per launch in captured forwards, and resident look-ahead skipping the
+    # restores a forward evicts: the offload and training GPU tests, then the offload benchmark with both
+    # (release, resident), without both (the A/B, +QEFFECT_... switches) and resident@6, both schedules
+    if step 180 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py \
+        tests/test_train.py; then
+        for s in interleaved zbv; do
+            step 220 "offload-batch-$s" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+                --schedule "$s" --steps 20 --out "$out/offload-bench-h2048-$s-h200.json" --modes \
+                off,release,resident,release+QEFFECT_SAVE_BATCH_BYTES=0,resident+QEFFECT_SAVE_BATCH_BYTES=0+QEFFECT_SKIP_FUTILE_RESTORES=0,resident@6
+        done
+    fi
     ;;
 split-heads)
     # the attention's q, k, v split with a one-copy backward: the GPU suite, then step gaps (every

@@ -8,7 +8,8 @@ microbatch slot) of a captured stage):
 2. allocation (`OffloadManager.allocate`, -> `mapped`): outside any capture, the manager lays the
    tensors out (256-byte aligned), reserves VMM slots, maps them and allocates pinned host buffers.
 3. capture (`capture_hooks()`, `mapped`): while F is captured, each saved tensor is copied into its
-   slot view and autograd keeps the view instead, so the captured backward reads the slot's VA. The
+   slot view and autograd keeps the view instead, so the captured backward reads the slot's VA (small
+   tensors several per launch, `_SaveBatch`: one graph node per saved tensor cost more than the bytes). The
    session checks count, order, shape/stride/dtype/device against discovery and data_ptr() == VA.
 4. forward offload (`after_forward`): the compute stream records `forward_done`; the D2H stream waits
    on that event only and copies the slot to the group's pinned host buffer, then records `d2h_done`.
@@ -26,7 +27,8 @@ microbatch slot) of a captured stage):
    Look-ahead: right after that, the next `lookahead` (1 by default; `train.offload_lookahead`)
    offloaded groups in backward order are restored on the H2D stream, so their copies run while the
    current backward graph (and, deeper, the actions after it) run. Only the first may evict a live
-   group from its bank.
+   group from its bank. With the schedule's events, resident mode starts none that a forward would
+   evict again before its backward (`offload.plan.futile_restores`): a wasted copy the forward waits for.
 6. `after_backward` records `consumed` on the compute stream: the bytes are no longer needed.
 
 Modes. `release`: each group has its own slot; the device memory of a group exists only while its
@@ -79,6 +81,7 @@ this module against the fake device; `qeffect offload-check` and tests/test_offl
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -91,13 +94,14 @@ from torch import Tensor
 
 from qeffect.offload.driver import VmmDriver
 from qeffect.offload.plan import backward_order as plan_backward_order
-from qeffect.offload.plan import check_events, kept_groups, short_window_groups
+from qeffect.offload.plan import check_events, futile_restores, kept_groups, short_window_groups
 from qeffect.offload.streams import StreamOps, TorchCudaStreams
 from qeffect.offload.vmm import VmmSlot, span_bytes
 
 OffloadMode = Literal["off", "release", "resident"]
 MODES: tuple[str, ...] = ("off", "release", "resident")
 ALIGNMENT = 256  # what cudaMalloc guarantees; vectorized kernels may rely on it
+SAVE_BATCH_BYTES = 2 * 2**20  # `_SaveBatch`: saved tensors under 2 MiB are copied several per launch
 
 
 class GroupState(StrEnum):
@@ -189,6 +193,7 @@ class OffloadStats:
     prefetches: int = 0  # restores started by look-ahead
     prefetches_wasted: int = 0  # resident: a prefetched restore evicted before its backward
     prefetches_skipped: int = 0  # resident: the target bank was being read by a running backward
+    prefetches_futile: int = 0  # resident, with the plan's events: a forward would evict it before its backward
     reloads_skipped: int = 0  # resident: the bank still held the group's bytes at its backward
     evictions: int = 0  # resident: a group's bytes left its bank (they are on the host)
     # release: host time the main thread spent blocked on offload (a backward waiting for its D2H to release
@@ -279,13 +284,17 @@ class OffloadGroup:
         """Address of the group's first byte (its slot's or bank's VA); None for an empty or 'off' group."""
         return self.slot.va if self.slot is not None else None
 
-    def store(self, i: int, t: Tensor) -> Tensor:
-        """Copy `t` into slot view `i` (on the current stream: captured when inside a capture)."""
+    def check_saved(self, i: int, t: Tensor) -> Tensor:
+        """Slot view `i`, after checking that `t` matches what discovery recorded for it."""
         self._allocated("store")
         reason = self.specs[i].mismatch(t)
         if reason:
             raise OffloadStateError(f"group {self.name!r}: saved tensor #{i} differs from discovery: {reason}")
-        view = self._views[i]
+        return self._views[i]
+
+    def store(self, i: int, t: Tensor) -> Tensor:
+        """Copy `t` into slot view `i` (on the current stream: captured when inside a capture)."""
+        view = self.check_saved(i, t)
         with torch.no_grad():
             view.copy_(t)
         return view
@@ -305,7 +314,8 @@ class OffloadGroup:
         if self.manager.mode == "off" or not self.specs or not self.offloaded:
             yield self
             return
-        seen = _SavedOnce()  # holds no original: once copied, its memory goes back to the graph's pool
+        seen = _SavedOnce()  # holds no original once copied (see `_SaveBatch` for the few not yet copied)
+        batch = _SaveBatch(self, self.manager.save_batch_bytes)
         count = 0
 
         def pack(t: Tensor) -> Tensor:
@@ -318,13 +328,14 @@ class OffloadGroup:
             if count >= len(self.specs):
                 raise OffloadStateError(f"group {self.name!r}: capture saved more tensors than discovery "
                                         f"({len(self.specs)})")
-            view = self.store(count, t)
+            view = batch.store(count, t)
             seen.add(t, view)
             count += 1
             return view
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield self
+        batch.flush()
         if count != len(self.specs):
             raise OffloadStateError(f"group {self.name!r}: capture saved {count} tensors, discovery {len(self.specs)}")
         for i, v in enumerate(self._views):
@@ -507,6 +518,71 @@ def _key(t: Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t._version)
 
 
+class _SaveBatch:
+    """The copies of one captured forward's saved tensors into their slot views, several per launch.
+
+    One `copy_` per saved tensor is one graph node per tensor (about 30 per layer), each costing about a
+    microsecond on the device whatever its size: the node count, not the bytes, made the copies 0.46 ms of
+    an h2048 offload step (benchmarks/results/offload-device-profile-*). Small tensors wait here and go
+    in one `torch._foreach_copy_` per word size (int64, int32, int16 or uint8 views of the same bytes:
+    a copy, bit for bit). A tensor of at least `limit` bytes is copied at once, and the batch is flushed
+    when its bytes reach `limit`: the originals it holds cannot return to the graph's pool until then, so
+    `limit` bounds what that costs. `limit` 0 copies every tensor at once (the one-node-per-tensor route).
+
+    A waiting original must not change before the flush: its version counter is checked then (an
+    in-place op on a tensor autograd saved would also fail autograd's own check in the backward)."""
+
+    def __init__(self, group: OffloadGroup, limit: int) -> None:
+        self.group, self.limit = group, limit
+        self.pending: list[tuple[int, Tensor, Tensor, int]] = []  # (index, view, original, its version)
+        self.nbytes = 0
+
+    def store(self, i: int, t: Tensor) -> Tensor:
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= self.limit or _words(t, t) is None:
+            return self.group.store(i, t)
+        view = self.group.check_saved(i, t)
+        self.pending.append((i, view, t, t._version))
+        self.nbytes += nbytes
+        if self.nbytes >= self.limit:
+            self.flush()
+        return view
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        by_word: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+        for i, view, t, version in self.pending:
+            if t._version != version:
+                raise OffloadStateError(f"group {self.group.name!r}: saved tensor #{i} was modified in place "
+                                        "after autograd saved it, before its copy into the slot")
+            words = _words(view, t)
+            dsts, srcs = by_word.setdefault(words[0].dtype, ([], []))
+            dsts.append(words[0])
+            srcs.append(words[1])
+        with torch.no_grad():
+            for dsts, srcs in by_word.values():
+                torch._foreach_copy_(dsts, srcs)
+        self.pending.clear()
+        self.nbytes = 0
+
+
+def _words(dst: Tensor, src: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Flat views of the bytes of `dst` and `src` (contiguous, same size) in the widest integer word both
+    addresses and the size allow; None where either is not contiguous."""
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        return None
+    nbytes = src.numel() * src.element_size()
+    for word in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        w = word.itemsize
+        if nbytes % w == 0 and dst.data_ptr() % w == 0 and src.data_ptr() % w == 0:
+            try:
+                return dst.detach().reshape(-1).view(word), src.detach().reshape(-1).view(word)
+            except RuntimeError:  # a storage offset the dtype view cannot express: try a narrower word
+                continue
+    return None
+
+
 class _SavedOnce:
     """The saved tensors one forward has already handled, by `_key`, without keeping them alive.
 
@@ -540,7 +616,8 @@ class OffloadManager:
                  driver: VmmDriver | None = None, streams: StreamOps | None = None, num_banks: int = 2,
                  lookahead: bool | int = True, release_consumed: bool = True, timing: bool = False,
                  alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
-                 skip_kept_d2h: bool = True, min_window: int = 0) -> None:
+                 skip_kept_d2h: bool = True, min_window: int = 0,
+                 save_batch_bytes: int | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {MODES}, got {mode!r}")
         if num_banks < 2:
@@ -558,6 +635,12 @@ class OffloadManager:
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
         self.min_window = min_window  # release, with allocate(events=): fewer other actions F..B: not offloaded
         self._eligible_fn = eligible or default_eligible
+        # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
+        # (QEFFECT_SKIP_FUTILE_RESTORES=0 starts them anyway: the A/B)
+        self.skip_futile_restores = os.environ.get("QEFFECT_SKIP_FUTILE_RESTORES", "1") != "0"
+        # captured forwards copy saved tensors below this size several per launch (`_SaveBatch`)
+        self.save_batch_bytes = (save_batch_bytes if save_batch_bytes is not None
+                                 else int(os.environ.get("QEFFECT_SAVE_BATCH_BYTES", SAVE_BATCH_BYTES)))
         self.groups: list[OffloadGroup] = []
         self.banks: list[Bank] = []
         self.stats = OffloadStats()
@@ -565,6 +648,9 @@ class OffloadManager:
         self.bank_plan: list[int] = []
         self.kept: list[OffloadGroup] = []  # resident: groups the plan keeps in their bank (no D2H)
         self.not_offloaded: list[OffloadGroup] = []  # release: the plan's short-window groups (no slot)
+        # resident, with allocate(events=): (x, g) look-ahead restores of g at x's backward that a forward
+        # would evict before g's backward (`offload.plan.futile_restores`): not started
+        self.futile: set[tuple[int, int]] = set()
         # release: groups whose D2H is queued and whose slot is still mapped, in the order of their D2Hs
         # (one stream, so they complete in this order): a reap queries from the front and stops at the
         # first copy not done, instead of every group at every hook
@@ -659,6 +745,9 @@ class OffloadManager:
             self.kept = [g for g in order if g in keep]
             for g in self.kept:
                 g.kept = True
+        if self.mode == "resident" and events is not None and self.skip_futile_restores:
+            in_banks = {g: g.bank.index for g in order if g.bank is not None}
+            self.futile = {(id(x), id(g)) for x, g in futile_restores(events, in_banks)}
         for g in self.groups:
             g.state = GroupState.MAPPED
         self._allocated = True
@@ -765,6 +854,9 @@ class OffloadManager:
         owner = g.bank.owner if g.bank is not None else None
         if owner is not None and owner is not g and (owner.phase == "backward" or (owner.live and not evict)):
             self.stats.prefetches_skipped += 1  # an optimization only: never fail a step for it
+            return False
+        if under is not None and (id(under), id(g)) in self.futile:
+            self.stats.prefetches_futile += 1  # the plan: a forward evicts it before its backward
             return False
         self._maybe_reap(exclude=g)
         self._restore(g, under=under)

@@ -15,6 +15,10 @@ owner is more often consumed already: fewer evictions and reloads, for more devi
 `kept_groups` says which groups no other group evicts between their forward and their backward: their
 bytes are still in the bank when the backward comes, so resident mode need not copy them to the host.
 
+`futile_restores` says which look-ahead restores resident mode should not start: between the backward that
+would start one and the backward that reads it, another group of the same bank runs its forward and evicts
+the restored bytes again. Such a restore is a wasted copy, and the forward that evicts it waits for it.
+
 `short_window_groups` says which groups release mode should not offload at all: their backward comes
 within fewer than `min_window` other actions of their forward (the last virtual stage's groups: their
 input gradient follows their forward at once), so their D2H cannot finish, and their memory cannot come
@@ -123,6 +127,26 @@ def kept_groups(events: Sequence[Event], banks: Mapping[Hashable, int]) -> set[H
     claims = [(i, g) for i, (kind, g) in enumerate(events) if kind in ("F", "B") and g in banks]
     return {g for g, b in banks.items()
             if not any(h != g and banks[h] == b and first[g] < i < start[g] for i, h in claims)}
+
+
+def futile_restores(events: Sequence[Event], banks: Mapping[Hashable, int]) -> set[tuple[Hashable, Hashable]]:
+    """Pairs (x, g), B(x) before B(g): a look-ahead restore of g started at B(x) would be evicted before B(g).
+
+    Another group h of g's bank claims it between them: F(h) always does (`before_forward`), B(h) does when
+    h's bytes had left the bank (its restore). B(h) is counted as a claim either way, so a listed pair may
+    occasionally be a restore that would have survived: skipping it costs a later copy, never bytes. For
+    the look-ahead of depth 1 (g right after x in backward order) no other B lies in between, and the
+    list is exact."""
+    check_events(events)
+    start = {g: i for i, (kind, g) in enumerate(events) if kind == "B"}
+    claims = [(i, h) for i, (kind, h) in enumerate(events) if kind in ("F", "B") and h in banks]
+    order = [g for g in backward_order(events) if g in banks]
+    out = set()
+    for a, x in enumerate(order):
+        for g in order[a + 1:]:
+            if any(start[x] < i < start[g] and h != g and banks[h] == banks[g] for i, h in claims):
+                out.add((x, g))
+    return out
 
 
 def short_window_groups(events: Sequence[Event], min_window: int) -> set[Hashable]:
