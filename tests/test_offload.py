@@ -1257,6 +1257,32 @@ def test_batched_saved_copies_hold_a_bounded_few_originals_and_free_them_at_the_
     assert all(o.expired() for o in originals)
 
 
+def test_a_batch_saved_under_a_capture_must_be_flushed_inside_it(monkeypatch) -> None:
+    """Hooks that enclose the capture end after it: copies still waiting then would not be in the graph
+    (they would run once, at capture). `flush_saves()` inside the captured region is required."""
+    import qeffect.offload.group as group_mod
+
+    capturing = {"now": False}
+    monkeypatch.setattr(group_mod, "_capturing", lambda t: capturing["now"])
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.tanh(x))
+
+    x = torch.randn(3, 4, requires_grad=True) * 1.0
+    dev, mgr, g = discovered_release_group(f, x, save_batch_bytes=2**20)
+    with pytest.raises(OffloadStateError, match="not copied into the slot before the capture ended"):
+        with dev.host_compute(), g.capture_hooks():
+            capturing["now"] = True
+            f(x)
+            capturing["now"] = False  # the capture ends inside the hooks
+    with dev.host_compute(), g.capture_hooks():
+        capturing["now"] = True
+        y = f(x)
+        g.flush_saves()
+        capturing["now"] = False
+    assert torch.equal(g.views[1], y.detach())  # the second tanh's saved output is in its view
+
+
 def test_a_batched_original_modified_in_place_before_its_copy_is_refused() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(x)  # saves h

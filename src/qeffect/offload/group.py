@@ -239,6 +239,7 @@ class OffloadGroup:
         self._consumed_recorded = False
         self._d2h_recorded = False  # a D2H out of the slot was enqueued (writers of the slot wait on d2h_done)
         self._restore_pending = False  # restore enqueued; the compute stream has not waited on it yet
+        self._batch: _SaveBatch | None = None  # inside capture_hooks: the saved tensors not copied yet
 
     # ----------------------------------------------------------------------------------- discovery
     def discover(self, t: Tensor) -> int | None:
@@ -299,12 +300,22 @@ class OffloadGroup:
             view.copy_(t)
         return view
 
+    def flush_saves(self) -> None:
+        """Copy the saved tensors still waiting in this capture's batch (`_SaveBatch`) into their views.
+
+        Call it at the end of the captured region when `capture_hooks()` encloses the capture: the hooks
+        end after the capture, and copies issued then would not be part of the graph."""
+        if self._batch is not None:
+            self._batch.flush()
+
     @contextlib.contextmanager
     def capture_hooks(self) -> Iterator[OffloadGroup]:
         """While F is captured: each eligible saved tensor goes into its slot view; autograd keeps the view.
 
         The captured backward then reads the slot's VA. Must see exactly the discovered tensors, in
-        order. In `off` mode (and for an empty or not offloaded group) autograd is left alone.
+        order. In `off` mode (and for an empty or not offloaded group) autograd is left alone. Small
+        tensors are copied in batches: call `flush_saves()` before the captured region ends (a batch
+        saved under a capture and still waiting when the hooks end is refused).
         """
         self._allocated("capture_hooks")
         if self.live or self.phase == "backward":
@@ -315,7 +326,7 @@ class OffloadGroup:
             yield self
             return
         seen = _SavedOnce()  # holds no original once copied (see `_SaveBatch` for the few not yet copied)
-        batch = _SaveBatch(self, self.manager.save_batch_bytes)
+        batch = self._batch = _SaveBatch(self, self.manager.save_batch_bytes)
         count = 0
 
         def pack(t: Tensor) -> Tensor:
@@ -333,9 +344,12 @@ class OffloadGroup:
             count += 1
             return view
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield self
-        batch.flush()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield self
+        finally:
+            self._batch = None
+        batch.flush(closing=True)
         if count != len(self.specs):
             raise OffloadStateError(f"group {self.name!r}: capture saved {count} tensors, discovery {len(self.specs)}")
         for i, v in enumerate(self._views):
@@ -536,6 +550,7 @@ class _SaveBatch:
         self.group, self.limit = group, limit
         self.pending: list[tuple[int, Tensor, Tensor, int]] = []  # (index, view, original, its version)
         self.nbytes = 0
+        self.captured = False  # a waiting tensor was saved while its stream was capturing a graph
 
     def store(self, i: int, t: Tensor) -> Tensor:
         nbytes = t.numel() * t.element_size()
@@ -544,13 +559,20 @@ class _SaveBatch:
         view = self.group.check_saved(i, t)
         self.pending.append((i, view, t, t._version))
         self.nbytes += nbytes
+        self.captured |= _capturing(t)
         if self.nbytes >= self.limit:
             self.flush()
         return view
 
-    def flush(self) -> None:
+    def flush(self, *, closing: bool = False) -> None:
+        """Copy what waits. `closing` (the hooks end): refused if those tensors were saved under a capture
+        that has ended since: their copies would run once now instead of at every replay."""
         if not self.pending:
             return
+        if closing and self.captured and not _capturing(self.pending[0][2]):
+            raise OffloadStateError(f"group {self.group.name!r}: {len(self.pending)} saved tensors were not copied "
+                                    "into the slot before the capture ended: call flush_saves() at the end of the "
+                                    "captured region")
         by_word: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
         for i, view, t, version in self.pending:
             if t._version != version:
@@ -565,6 +587,12 @@ class _SaveBatch:
                 torch._foreach_copy_(dsts, srcs)
         self.pending.clear()
         self.nbytes = 0
+        self.captured = False
+
+
+def _capturing(t: Tensor) -> bool:
+    """Whether the current stream of `t`'s device is capturing a CUDA graph (never, for a CPU tensor)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _words(dst: Tensor, src: Tensor) -> tuple[Tensor, Tensor] | None:
