@@ -26,6 +26,7 @@
 # adamw: the Triton AdamW's GPU tests, A/B benchmark and arithmetic check, then the whole GPU suite.
 # layernorm: the model's Triton LayerNorm's GPU tests; if they pass, the GPU suite and the h4096 profiles.
 # offload-batch: batched saved-tensor copies and futile-restore skipping: offload GPU tests, A/B benchmark.
+# offload-batch-ab: the batched slot copies A/B, repeated in alternation, then the whole GPU suite.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
 # combined: the teardown test alone, the whole GPU suite and the 8-cell matrix.
@@ -253,6 +254,16 @@ offload-batch)
                 off,release,resident,release+QEFFECT_SAVE_BATCH_BYTES=0,resident+QEFFECT_SAVE_BATCH_BYTES=0+QEFFECT_SKIP_FUTILE_RESTORES=0,resident@6
         done
     fi
+    ;;
+offload-batch-ab)
+    # the batched slot copies A/B, each configuration twice in alternation (the host's noise moves release
+    # mode's step), both schedules; then the whole GPU suite
+    for s in zbv interleaved; do
+        step 200 "offload-batch-ab-$s" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            --schedule "$s" --steps 20 --out "$out/offload-bench-h2048-$s-batch-ab-h200.json" --modes \
+            off,resident,resident+QEFFECT_SAVE_BATCH_BYTES=0,release,release+QEFFECT_SAVE_BATCH_BYTES=0,resident#2,resident#2+QEFFECT_SAVE_BATCH_BYTES=0,release#2,release#2+QEFFECT_SAVE_BATCH_BYTES=0,off#2
+    done
+    step 260 pytest-gpu python3 -m pytest -m gpu -q
     ;;
 split-heads)
     # the attention's q, k, v split with a one-copy backward: the GPU suite, then step gaps (every
