@@ -32,8 +32,8 @@ even those the plan keeps in their bank (`train.offload_skip_kept_d2h = false`; 
 0`; the A/B of not offloading them). Any mode takes a `/laN` suffix (`release/la2`, `resident@6/la3`):
 `train.offload_lookahead = N`, the offloaded groups each backward restores ahead (0: none; the A/B).
 A `+VAR=VALUE` suffix (repeatable) sets an environment switch while that mode is built and timed
-(`release+QEFFECT_SAVE_BATCH_BYTES=0`: one copy per saved tensor; `resident+QEFFECT_SKIP_FUTILE_RESTORES=0`:
-look-ahead restores a forward evicts are started anyway). A `#N` suffix repeats a mode under its own name (`off#2` at the end: did the step time drift while the
+(`resident+QEFFECT_SKIP_FUTILE_RESTORES=0`: look-ahead restores a forward evicts before their backward are
+started anyway). A `#N` suffix repeats a mode under its own name (`off#2` at the end: did the step time drift while the
 modes ran? `release#2`: how far apart are two runs of one configuration?).
 """
 

@@ -25,8 +25,7 @@
 #          two copying every group (resident-copyall, resident-copyall@6: the A/B) for both schedules.
 # adamw: the Triton AdamW's GPU tests, A/B benchmark and arithmetic check, then the whole GPU suite.
 # layernorm: the model's Triton LayerNorm's GPU tests; if they pass, the GPU suite and the h4096 profiles.
-# offload-batch: batched saved-tensor copies and futile-restore skipping: offload GPU tests, A/B benchmark.
-# offload-batch-ab: the batched slot copies A/B, repeated in alternation, then the whole GPU suite.
+# offload-futile: resident look-ahead without the restores a forward evicts: offload GPU tests, A/B benchmark.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
 # combined: the teardown test alone, the whole GPU suite and the 8-cell matrix.
@@ -242,28 +241,18 @@ copy-bandwidth)
             --modes off,resident,resident@6,release --json "$out/offload-device-profile-h2048-$s-h200.json"
     done
     ;;
-offload-batch)
-    # saved tensors copied several per launch in captured forwards, and resident look-ahead skipping the
-    # restores a forward evicts: the offload and training GPU tests, then the offload benchmark with both
-    # (release, resident), without both (the A/B, +QEFFECT_... switches) and resident@6, both schedules
+offload-futile)
+    # resident look-ahead skipping the restores a forward evicts before their backward: the offload and
+    # training GPU tests, then the offload benchmark with and without (+QEFFECT_SKIP_FUTILE_RESTORES=0, the
+    # A/B, each twice in alternation), both schedules
     if step 180 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py \
         tests/test_train.py; then
         for s in interleaved zbv; do
-            step 220 "offload-batch-$s" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            step 200 "offload-futile-$s" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
                 --schedule "$s" --steps 20 --out "$out/offload-bench-h2048-$s-h200.json" --modes \
-                off,release,resident,release+QEFFECT_SAVE_BATCH_BYTES=0,resident+QEFFECT_SAVE_BATCH_BYTES=0+QEFFECT_SKIP_FUTILE_RESTORES=0,resident@6
+                off,release,resident,resident+QEFFECT_SKIP_FUTILE_RESTORES=0,resident#2,resident#2+QEFFECT_SKIP_FUTILE_RESTORES=0
         done
     fi
-    ;;
-offload-batch-ab)
-    # the batched slot copies A/B, each configuration twice in alternation (the host's noise moves release
-    # mode's step), both schedules; then the whole GPU suite
-    for s in zbv interleaved; do
-        step 200 "offload-batch-ab-$s" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-            --schedule "$s" --steps 20 --out "$out/offload-bench-h2048-$s-batch-ab-h200.json" --modes \
-            off,resident,resident+QEFFECT_SAVE_BATCH_BYTES=0,release,release+QEFFECT_SAVE_BATCH_BYTES=0,resident#2,resident#2+QEFFECT_SAVE_BATCH_BYTES=0,release#2,release#2+QEFFECT_SAVE_BATCH_BYTES=0,off#2
-    done
-    step 260 pytest-gpu python3 -m pytest -m gpu -q
     ;;
 split-heads)
     # the attention's q, k, v split with a one-copy backward: the GPU suite, then step gaps (every

@@ -19,7 +19,6 @@ from qeffect.cli.app import main
 from qeffect.offload import (
     CudaDriverError,
     GroupState,
-    OffloadGroup,
     OffloadManager,
     OffloadStateError,
     VmmDriver,
@@ -1103,10 +1102,10 @@ def test_saved_activations_round_trip_through_the_slot_bitwise(mode: str) -> Non
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 
-def discovered_release_group(f, x: torch.Tensor, **kw):
+def discovered_release_group(f, x: torch.Tensor):
     """A release-mode group that discovered what `f(x)` saves, allocated, inside its forward's hooks."""
     dev, drv = fake()
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev, **kw)
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
     g = mgr.group("F0")
     with g.discovery_hooks():
         f(x)
@@ -1131,8 +1130,7 @@ def test_backward_without_restore_reads_poison() -> None:
 
 def test_capture_keeps_no_saved_original_alive() -> None:
     """Once a saved tensor is copied into its slot, the capture holds nothing of the original: its memory
-    goes back to the forward graph's pool during the capture, not only after it. (One copy per tensor,
-    `save_batch_bytes=0`; the batched copies hold a bounded few until their flush: tested below.)"""
+    goes back to the forward graph's pool during the capture, not only after it."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     w = torch.nn.Parameter(torch.randn(6, 8, generator=torch.Generator().manual_seed(0)))
@@ -1144,7 +1142,7 @@ def test_capture_keeps_no_saved_original_alive() -> None:
         originals.append(StorageWeakRef(h.untyped_storage()))
         return torch.nn.functional.gelu(h)  # saves h
 
-    dev, _, g = discovered_release_group(f, x, save_batch_bytes=0)
+    dev, _, g = discovered_release_group(f, x)
     with dev.host_compute(), g.capture_hooks():
         y = f(x)
         gc.collect()
@@ -1162,8 +1160,7 @@ def test_capture_keeps_no_saved_original_alive() -> None:
 def test_an_equal_key_after_its_tensor_died_is_a_new_saved_tensor(monkeypatch) -> None:
     """Two different tensors under one key (an address freed and reused): while the first is alive the
     second would be its duplicate, but it is gone by then, so both are stored, in discovery and capture
-    alike, and the backward reads the right bytes. (One copy per tensor: a batched copy holds its
-    original until the flush, so it cannot be gone.)"""
+    alike, and the backward reads the right bytes."""
     import qeffect.offload.group as group_mod
 
     monkeypatch.setattr(group_mod, "_key", lambda t: tuple(t.shape))  # equal shapes collide
@@ -1177,7 +1174,7 @@ def test_an_equal_key_after_its_tensor_died_is_a_new_saved_tensor(monkeypatch) -
         del h1  # gone before the next save under its key
         return torch.nn.functional.gelu(y1 @ w2)  # the matmul saves y1 (4, 8), gelu its input (4, 3)
 
-    dev, _, g = discovered_release_group(f, x, save_batch_bytes=0)
+    dev, _, g = discovered_release_group(f, x)
     assert [s.shape for s in g.specs] == [(4, 8), (4, 8), (4, 3)]
     with dev.host_compute(), g.capture_hooks():
         y = f(x)
@@ -1188,113 +1185,6 @@ def test_an_equal_key_after_its_tensor_died_is_a_new_saved_tensor(monkeypatch) -
     g.after_backward()
     ref = torch.autograd.grad(f(x).sum(), (x, w1, w2))
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
-
-
-def _mixed_saves(x: torch.Tensor) -> torch.Tensor:
-    """Saves tensors of several dtypes and sizes (int64, int32, int16 and uint8 words of their bytes)."""
-    h = torch.tanh(x)  # saves its fp32 output (4 x 6)
-    b = torch.tanh(x[:, :3].to(torch.bfloat16))  # bf16 (4 x 3: 24 bytes, int64 words)
-    c = torch.tanh(x[:1, :3].to(torch.bfloat16))  # bf16 (1 x 3: 6 bytes, int16 words)
-    return h.sum() + b.float().sum() + c.float().sum()
-
-
-@pytest.mark.parametrize("limit", [0, 64, 2**20])
-def test_batched_saved_copies_round_trip_bitwise(monkeypatch, limit: int) -> None:
-    """Copies batched per word size give the same bits as one copy_ per tensor, at any batch limit; the
-    number of copy launches drops with the limit."""
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    ref = torch.autograd.grad(_mixed_saves(x), x)[0]
-    x2 = x.detach().clone().requires_grad_(False) * 1.0  # not a leaf requiring grad: offloaded
-    x2.requires_grad_(True)
-    calls = {"foreach": 0, "copy": 0}
-    orig_foreach, orig_store = torch._foreach_copy_, OffloadGroup.store
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (calls.__setitem__("foreach", calls["foreach"] + 1),
-                                                               orig_foreach(d, s)))
-    monkeypatch.setattr(OffloadGroup, "store", lambda self, i, t: (calls.__setitem__("copy", calls["copy"] + 1),
-                                                                    orig_store(self, i, t))[1])
-    dev, mgr, g = discovered_release_group(_mixed_saves, x2, save_batch_bytes=limit)
-    with dev.host_compute(), g.capture_hooks():
-        y = _mixed_saves(x2)
-    g.after_forward()
-    assert mgr.reap(block=True) == 1  # the slot's bytes now exist only on the host
-    g.before_backward()
-    with dev.host_compute():
-        got = torch.autograd.grad(y, x2)[0]
-    g.after_backward()
-    assert torch.equal(got, ref)
-    n = len(g.specs)
-    if limit == 0:
-        assert calls == {"foreach": 0, "copy": n}
-    elif limit == 2**20:
-        assert calls["copy"] == 0 and 1 <= calls["foreach"] <= 3  # one flush: a launch per word size
-    else:
-        assert calls["copy"] + calls["foreach"] < n + 2
-
-
-def test_batched_saved_copies_hold_a_bounded_few_originals_and_free_them_at_the_flush() -> None:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    originals: list[StorageWeakRef] = []
-
-    def f(x: torch.Tensor) -> torch.Tensor:
-        for _ in range(4):
-            x = torch.tanh(x)  # saves its output (4 x 6 fp32: 96 bytes); the next tanh drops the name
-            originals.append(StorageWeakRef(x.untyped_storage()))
-        return x
-
-    x = torch.randn(4, 6, requires_grad=True) * 1.0  # not a leaf: its tanh outputs are offloaded
-    dev, _, g = discovered_release_group(f, x, save_batch_bytes=200)
-    assert len(g.specs) == 4  # flushes at the third save (288 bytes)
-    with dev.host_compute(), g.capture_hooks():
-        originals.clear()
-        del originals[:]
-        y = f(x)
-        del y
-        gc.collect()
-        alive = [not o.expired() for o in originals]
-    assert alive[:3] == [False, False, False] and alive[3]  # the fourth waits for the flush at the end
-    gc.collect()
-    assert all(o.expired() for o in originals)
-
-
-def test_a_batch_saved_under_a_capture_must_be_flushed_inside_it(monkeypatch) -> None:
-    """Hooks that enclose the capture end after it: copies still waiting then would not be in the graph
-    (they would run once, at capture). `flush_saves()` inside the captured region is required."""
-    import qeffect.offload.group as group_mod
-
-    capturing = {"now": False}
-    monkeypatch.setattr(group_mod, "_capturing", lambda t: capturing["now"])
-
-    def f(x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(torch.tanh(x))
-
-    x = torch.randn(3, 4, requires_grad=True) * 1.0
-    dev, mgr, g = discovered_release_group(f, x, save_batch_bytes=2**20)
-    with pytest.raises(OffloadStateError, match="not copied into the slot before the capture ended"):
-        with dev.host_compute(), g.capture_hooks():
-            capturing["now"] = True
-            f(x)
-            capturing["now"] = False  # the capture ends inside the hooks
-    with dev.host_compute(), g.capture_hooks():
-        capturing["now"] = True
-        y = f(x)
-        g.flush_saves()
-        capturing["now"] = False
-    assert torch.equal(g.views[1], y.detach())  # the second tanh's saved output is in its view
-
-
-def test_a_batched_original_modified_in_place_before_its_copy_is_refused() -> None:
-    def f(x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(x)  # saves h
-        with torch.no_grad():
-            h.add_(1.0)  # changes what autograd saved (autograd itself would refuse the backward)
-        return h
-
-    x = torch.randn(3, 4, requires_grad=True) * 1.0
-    dev, _, g = discovered_release_group(f, x, save_batch_bytes=2**20)
-    with pytest.raises(OffloadStateError, match="saved tensor #0 was modified in place"):
-        with dev.host_compute(), g.capture_hooks():
-            f(x)
 
 
 def test_capture_must_match_discovery() -> None:

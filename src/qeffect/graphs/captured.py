@@ -128,17 +128,10 @@ class CapturedStageActions(StageActions):
             inputs = {"x": self._x[m], "token": self._tok[m]}
             if m in self._tgt:
                 inputs["targets"] = self._tgt[m]
-            group = self.groups.get(m)
-            hooks = group.capture_hooks() if group is not None else contextlib.nullcontext()
-
-            def f_body(m: int = m, group: OffloadGroup | None = group) -> tuple:
-                out = self._f_body(m)
-                if group is not None:
-                    group.flush_saves()  # the batched slot copies are part of the captured forward
-                return out
-
+            hooks = self.groups[m].capture_hooks() if m in self.groups else contextlib.nullcontext()
             with hooks:  # offload: the tensors F saves for backward are copied into the group's fixed slot
-                f = self.manager.capture(f"{tag}.F{m}", f_body, static_inputs=inputs, warmup=0, private_pool=True)
+                f = self.manager.capture(f"{tag}.F{m}", lambda m=m: self._f_body(m), static_inputs=inputs,
+                                         warmup=0, private_pool=True)
             self.slots[m] = SlotGraphs(F=f)
         # The non-matrix gradients accumulate into fixed buffers inside the dI graphs (no eager kernel
         # launches per dI); `.grad` is bound to them after each replay. Valid because a stage runs dI in

@@ -8,8 +8,7 @@ microbatch slot) of a captured stage):
 2. allocation (`OffloadManager.allocate`, -> `mapped`): outside any capture, the manager lays the
    tensors out (256-byte aligned), reserves VMM slots, maps them and allocates pinned host buffers.
 3. capture (`capture_hooks()`, `mapped`): while F is captured, each saved tensor is copied into its
-   slot view and autograd keeps the view instead, so the captured backward reads the slot's VA (small
-   tensors several per launch, `_SaveBatch`: one graph node per saved tensor cost more than the bytes). The
+   slot view and autograd keeps the view instead, so the captured backward reads the slot's VA. The
    session checks count, order, shape/stride/dtype/device against discovery and data_ptr() == VA.
 4. forward offload (`after_forward`): the compute stream records `forward_done`; the D2H stream waits
    on that event only and copies the slot to the group's pinned host buffer, then records `d2h_done`.
@@ -101,7 +100,6 @@ from qeffect.offload.vmm import VmmSlot, span_bytes
 OffloadMode = Literal["off", "release", "resident"]
 MODES: tuple[str, ...] = ("off", "release", "resident")
 ALIGNMENT = 256  # what cudaMalloc guarantees; vectorized kernels may rely on it
-SAVE_BATCH_BYTES = 2 * 2**20  # `_SaveBatch`: saved tensors under 2 MiB are copied several per launch
 
 
 class GroupState(StrEnum):
@@ -239,7 +237,6 @@ class OffloadGroup:
         self._consumed_recorded = False
         self._d2h_recorded = False  # a D2H out of the slot was enqueued (writers of the slot wait on d2h_done)
         self._restore_pending = False  # restore enqueued; the compute stream has not waited on it yet
-        self._batch: _SaveBatch | None = None  # inside capture_hooks: the saved tensors not copied yet
 
     # ----------------------------------------------------------------------------------- discovery
     def discover(self, t: Tensor) -> int | None:
@@ -285,37 +282,23 @@ class OffloadGroup:
         """Address of the group's first byte (its slot's or bank's VA); None for an empty or 'off' group."""
         return self.slot.va if self.slot is not None else None
 
-    def check_saved(self, i: int, t: Tensor) -> Tensor:
-        """Slot view `i`, after checking that `t` matches what discovery recorded for it."""
+    def store(self, i: int, t: Tensor) -> Tensor:
+        """Copy `t` into slot view `i` (on the current stream: captured when inside a capture)."""
         self._allocated("store")
         reason = self.specs[i].mismatch(t)
         if reason:
             raise OffloadStateError(f"group {self.name!r}: saved tensor #{i} differs from discovery: {reason}")
-        return self._views[i]
-
-    def store(self, i: int, t: Tensor) -> Tensor:
-        """Copy `t` into slot view `i` (on the current stream: captured when inside a capture)."""
-        view = self.check_saved(i, t)
+        view = self._views[i]
         with torch.no_grad():
             view.copy_(t)
         return view
-
-    def flush_saves(self) -> None:
-        """Copy the saved tensors still waiting in this capture's batch (`_SaveBatch`) into their views.
-
-        Call it at the end of the captured region when `capture_hooks()` encloses the capture: the hooks
-        end after the capture, and copies issued then would not be part of the graph."""
-        if self._batch is not None:
-            self._batch.flush()
 
     @contextlib.contextmanager
     def capture_hooks(self) -> Iterator[OffloadGroup]:
         """While F is captured: each eligible saved tensor goes into its slot view; autograd keeps the view.
 
         The captured backward then reads the slot's VA. Must see exactly the discovered tensors, in
-        order. In `off` mode (and for an empty or not offloaded group) autograd is left alone. Small
-        tensors are copied in batches: call `flush_saves()` before the captured region ends (a batch
-        saved under a capture and still waiting when the hooks end is refused).
+        order. In `off` mode (and for an empty or not offloaded group) autograd is left alone.
         """
         self._allocated("capture_hooks")
         if self.live or self.phase == "backward":
@@ -325,8 +308,7 @@ class OffloadGroup:
         if self.manager.mode == "off" or not self.specs or not self.offloaded:
             yield self
             return
-        seen = _SavedOnce()  # holds no original once copied (see `_SaveBatch` for the few not yet copied)
-        batch = self._batch = _SaveBatch(self, self.manager.save_batch_bytes)
+        seen = _SavedOnce()  # holds no original: once copied, its memory goes back to the graph's pool
         count = 0
 
         def pack(t: Tensor) -> Tensor:
@@ -339,17 +321,13 @@ class OffloadGroup:
             if count >= len(self.specs):
                 raise OffloadStateError(f"group {self.name!r}: capture saved more tensors than discovery "
                                         f"({len(self.specs)})")
-            view = batch.store(count, t)
+            view = self.store(count, t)
             seen.add(t, view)
             count += 1
             return view
 
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                yield self
-        finally:
-            self._batch = None
-        batch.flush(closing=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield self
         if count != len(self.specs):
             raise OffloadStateError(f"group {self.name!r}: capture saved {count} tensors, discovery {len(self.specs)}")
         for i, v in enumerate(self._views):
@@ -532,85 +510,6 @@ def _key(t: Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t._version)
 
 
-class _SaveBatch:
-    """The copies of one captured forward's saved tensors into their slot views, several per launch.
-
-    One `copy_` per saved tensor is one graph node per tensor (about 30 per layer), each costing about a
-    microsecond on the device whatever its size: the node count, not the bytes, made the copies 0.46 ms of
-    an h2048 offload step (benchmarks/results/offload-device-profile-*). Small tensors wait here and go
-    in one `torch._foreach_copy_` per word size (int64, int32, int16 or uint8 views of the same bytes:
-    a copy, bit for bit). A tensor of at least `limit` bytes is copied at once, and the batch is flushed
-    when its bytes reach `limit`: the originals it holds cannot return to the graph's pool until then, so
-    `limit` bounds what that costs. `limit` 0 copies every tensor at once (the one-node-per-tensor route).
-
-    A waiting original must not change before the flush: its version counter is checked then (an
-    in-place op on a tensor autograd saved would also fail autograd's own check in the backward)."""
-
-    def __init__(self, group: OffloadGroup, limit: int) -> None:
-        self.group, self.limit = group, limit
-        self.pending: list[tuple[int, Tensor, Tensor, int]] = []  # (index, view, original, its version)
-        self.nbytes = 0
-        self.captured = False  # a waiting tensor was saved while its stream was capturing a graph
-
-    def store(self, i: int, t: Tensor) -> Tensor:
-        nbytes = t.numel() * t.element_size()
-        if nbytes >= self.limit or _words(t, t) is None:
-            return self.group.store(i, t)
-        view = self.group.check_saved(i, t)
-        self.pending.append((i, view, t, t._version))
-        self.nbytes += nbytes
-        self.captured |= _capturing(t)
-        if self.nbytes >= self.limit:
-            self.flush()
-        return view
-
-    def flush(self, *, closing: bool = False) -> None:
-        """Copy what waits. `closing` (the hooks end): refused if those tensors were saved under a capture
-        that has ended since: their copies would run once now instead of at every replay."""
-        if not self.pending:
-            return
-        if closing and self.captured and not _capturing(self.pending[0][2]):
-            raise OffloadStateError(f"group {self.group.name!r}: {len(self.pending)} saved tensors were not copied "
-                                    "into the slot before the capture ended: call flush_saves() at the end of the "
-                                    "captured region")
-        by_word: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
-        for i, view, t, version in self.pending:
-            if t._version != version:
-                raise OffloadStateError(f"group {self.group.name!r}: saved tensor #{i} was modified in place "
-                                        "after autograd saved it, before its copy into the slot")
-            words = _words(view, t)
-            dsts, srcs = by_word.setdefault(words[0].dtype, ([], []))
-            dsts.append(words[0])
-            srcs.append(words[1])
-        with torch.no_grad():
-            for dsts, srcs in by_word.values():
-                torch._foreach_copy_(dsts, srcs)
-        self.pending.clear()
-        self.nbytes = 0
-        self.captured = False
-
-
-def _capturing(t: Tensor) -> bool:
-    """Whether the current stream of `t`'s device is capturing a CUDA graph (never, for a CPU tensor)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _words(dst: Tensor, src: Tensor) -> tuple[Tensor, Tensor] | None:
-    """Flat views of the bytes of `dst` and `src` (contiguous, same size) in the widest integer word both
-    addresses and the size allow; None where either is not contiguous."""
-    if not (dst.is_contiguous() and src.is_contiguous()):
-        return None
-    nbytes = src.numel() * src.element_size()
-    for word in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        w = word.itemsize
-        if nbytes % w == 0 and dst.data_ptr() % w == 0 and src.data_ptr() % w == 0:
-            try:
-                return dst.detach().reshape(-1).view(word), src.detach().reshape(-1).view(word)
-            except RuntimeError:  # a storage offset the dtype view cannot express: try a narrower word
-                continue
-    return None
-
-
 class _SavedOnce:
     """The saved tensors one forward has already handled, by `_key`, without keeping them alive.
 
@@ -644,8 +543,7 @@ class OffloadManager:
                  driver: VmmDriver | None = None, streams: StreamOps | None = None, num_banks: int = 2,
                  lookahead: bool | int = True, release_consumed: bool = True, timing: bool = False,
                  alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
-                 skip_kept_d2h: bool = True, min_window: int = 0,
-                 save_batch_bytes: int | None = None) -> None:
+                 skip_kept_d2h: bool = True, min_window: int = 0) -> None:
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {MODES}, got {mode!r}")
         if num_banks < 2:
@@ -666,9 +564,6 @@ class OffloadManager:
         # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
         # (QEFFECT_SKIP_FUTILE_RESTORES=0 starts them anyway: the A/B)
         self.skip_futile_restores = os.environ.get("QEFFECT_SKIP_FUTILE_RESTORES", "1") != "0"
-        # captured forwards copy saved tensors below this size several per launch (`_SaveBatch`)
-        self.save_batch_bytes = (save_batch_bytes if save_batch_bytes is not None
-                                 else int(os.environ.get("QEFFECT_SAVE_BATCH_BYTES", SAVE_BATCH_BYTES)))
         self.groups: list[OffloadGroup] = []
         self.banks: list[Bank] = []
         self.stats = OffloadStats()
