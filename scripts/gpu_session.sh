@@ -26,6 +26,7 @@
 # adamw: the Triton AdamW's GPU tests, A/B benchmark and arithmetic check, then the whole GPU suite.
 # layernorm: the model's Triton LayerNorm's GPU tests; if they pass, the GPU suite and the h4096 profiles.
 # offload-futile: resident look-ahead without the restores a forward evicts: offload GPU tests, A/B benchmark.
+# offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
 # combined: the teardown test alone, the whole GPU suite and the 8-cell matrix.
@@ -253,6 +254,11 @@ offload-futile)
                 off,release,resident,resident+QEFFECT_SKIP_FUTILE_RESTORES=0,resident#2,resident#2+QEFFECT_SKIP_FUTILE_RESTORES=0
         done
     fi
+    ;;
+offload-waits)
+    # how long the compute stream stalls at each resident-offload wait, per category, 2 to 6 banks
+    step 240 offload-waits python3 scripts/offload_waits.py --modes off,resident,resident@3,resident@4,resident@6 \
+        --json "$out/offload-waits-h2048-h200.json"
     ;;
 split-heads)
     # the attention's q, k, v split with a one-copy backward: the GPU suite, then step gaps (every
