@@ -26,6 +26,7 @@
 # adamw: the Triton AdamW's GPU tests, A/B benchmark and arithmetic check, then the whole GPU suite.
 # layernorm: the model's Triton LayerNorm's GPU tests; if they pass, the GPU suite and the h4096 profiles.
 # offload-futile: resident look-ahead without the restores a forward evicts: offload GPU tests, A/B benchmark.
+# h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
@@ -254,6 +255,10 @@ offload-futile)
                 off,release,resident,resident+QEFFECT_SKIP_FUTILE_RESTORES=0,resident#2,resident#2+QEFFECT_SKIP_FUTILE_RESTORES=0
         done
     fi
+    ;;
+h4096-te)
+    # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)
+    profile_h4096_te
     ;;
 offload-waits)
     # how long the compute stream stalls at each resident-offload wait, per category, 2 to 6 banks
