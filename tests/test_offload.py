@@ -718,6 +718,37 @@ def test_futile_restores_are_those_a_forward_of_the_same_bank_evicts() -> None:
     assert futile_restores(events, {"a": 0, "b": 1, "c": 0, "d": 1}) == {("c", "b"), ("c", "d")}
 
 
+@pytest.mark.parametrize("program", ["1f1b", "odd-warmup"])
+@pytest.mark.parametrize("early", ["1", "0"])
+def test_a_futile_lookahead_restore_starts_after_the_last_evicting_forward(monkeypatch, program: str,
+                                                                          early: str) -> None:
+    """With the plan, the restore the look-ahead does not start is started right after the forward that
+    evicts the group for the last time (`offload.plan.early_restores`), not at its backward; every
+    interleaving still reads the right bytes, and no restore is wasted."""
+    from qeffect.offload.plan import early_restores
+
+    monkeypatch.setenv("QEFFECT_EARLY_RESTORE", early)
+    prog, order = PROGRAMS[program]
+    for seed in range(8):
+        dev, mgr, groups = build("resident", seed, layers=len(order), order=order, program=prog)
+        assert run_program(dev, groups, prog) == [], (program, seed)
+        assert mgr.stats.prefetches_wasted == 0
+        assert (mgr.stats.early_restores > 0) == (early == "1")
+    events = program_events(prog)
+    plan = early_restores(events, {k: groups[k].bank.index for k in range(len(order))})
+    assert plan == ({3: [1]} if program == "1f1b" else {3: [1], 4: [2]})
+
+
+def test_early_restores_leave_kept_groups_and_backward_claims_alone() -> None:
+    from qeffect.offload.plan import early_restores
+
+    events = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("E", 0), ("F", 3), ("B", 1), ("E", 1), ("B", 2), ("E", 2),
+              ("B", 3), ("E", 3)]
+    banks = {0: 0, 1: 1, 2: 0, 3: 1}
+    assert early_restores(events, banks) == {3: [1]}  # F(3) evicts 1 just before B(1)
+    assert early_restores(events, banks, kept={3}) == {}  # ... but a kept 3 cannot be evicted by the restore
+
+
 # ------------------------------------------------------------------------------ kept groups (no D2H)
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 @pytest.mark.parametrize("lookahead", [True, False])

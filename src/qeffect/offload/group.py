@@ -28,6 +28,10 @@ microbatch slot) of a captured stage):
    current backward graph (and, deeper, the actions after it) run. Only the first may evict a live
    group from its bank. With the schedule's events, resident mode starts none that a forward would
    evict again before its backward (`offload.plan.futile_restores`): a wasted copy the forward waits for.
+   It starts those right after the forward that evicts the group for the last time before its backward
+   (`offload.plan.early_restores`, in `after_forward`; the H2D waits for that forward's D2H), so the
+   copy overlaps the actions in between instead of stalling the backward (QEFFECT_EARLY_RESTORE=0: at the
+   backward).
 6. `after_backward` records `consumed` on the compute stream: the bytes are no longer needed.
 
 Modes. `release`: each group has its own slot; the device memory of a group exists only while its
@@ -93,7 +97,13 @@ from torch import Tensor
 
 from qeffect.offload.driver import VmmDriver
 from qeffect.offload.plan import backward_order as plan_backward_order
-from qeffect.offload.plan import check_events, futile_restores, kept_groups, short_window_groups
+from qeffect.offload.plan import (
+    check_events,
+    early_restores,
+    futile_restores,
+    kept_groups,
+    short_window_groups,
+)
 from qeffect.offload.streams import StreamOps, TorchCudaStreams
 from qeffect.offload.vmm import VmmSlot, span_bytes
 
@@ -192,6 +202,7 @@ class OffloadStats:
     prefetches_wasted: int = 0  # resident: a prefetched restore evicted before its backward
     prefetches_skipped: int = 0  # resident: the target bank was being read by a running backward
     prefetches_futile: int = 0  # resident, with the plan's events: a forward would evict it before its backward
+    early_restores: int = 0  # resident, with the plan's events: restores started right after the evicting forward
     reloads_skipped: int = 0  # resident: the bank still held the group's bytes at its backward
     evictions: int = 0  # resident: a group's bytes left its bank (they are on the host)
     # release: host time the main thread spent blocked on offload (a backward waiting for its D2H to release
@@ -390,6 +401,9 @@ class OffloadGroup:
         else:
             self.bank.last_d2h = self.d2h_done
             self.state = GroupState.RESIDENT_D2H_PENDING
+            for g in m.early.get(id(self), ()):  # the plan: nothing claims the bank again before B(g)
+                if g.live and g.phase is None and m._prefetch(g, under=None):
+                    m.stats.early_restores += 1
 
     def prefetch(self) -> bool:
         """Start this group's restore on the H2D stream now, if it needs one. True if one was started."""
@@ -564,6 +578,9 @@ class OffloadManager:
         # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
         # (QEFFECT_SKIP_FUTILE_RESTORES=0 starts them anyway: the A/B)
         self.skip_futile_restores = os.environ.get("QEFFECT_SKIP_FUTILE_RESTORES", "1") != "0"
+        # ... and start those restores right after the forward that evicts them last (QEFFECT_EARLY_RESTORE=0: at
+        # the backward)
+        self.early_restore = os.environ.get("QEFFECT_EARLY_RESTORE", "1") != "0"
         self.groups: list[OffloadGroup] = []
         self.banks: list[Bank] = []
         self.stats = OffloadStats()
@@ -574,6 +591,8 @@ class OffloadManager:
         # resident, with allocate(events=): (x, g) look-ahead restores of g at x's backward that a forward
         # would evict before g's backward (`offload.plan.futile_restores`): not started
         self.futile: set[tuple[int, int]] = set()
+        # resident, with allocate(events=): after forward h, restore these groups (`offload.plan.early_restores`)
+        self.early: dict[int, list[OffloadGroup]] = {}
         # release: groups whose D2H is queued and whose slot is still mapped, in the order of their D2Hs
         # (one stream, so they complete in this order): a reap queries from the front and stops at the
         # first copy not done, instead of every group at every hook
@@ -671,6 +690,9 @@ class OffloadManager:
         if self.mode == "resident" and events is not None and self.skip_futile_restores:
             in_banks = {g: g.bank.index for g in order if g.bank is not None}
             self.futile = {(id(x), id(g)) for x, g in futile_restores(events, in_banks)}
+            if self.early_restore:
+                plan = early_restores(events, in_banks, set(self.kept))
+                self.early = {id(h): gs for h, gs in plan.items()}
         for g in self.groups:
             g.state = GroupState.MAPPED
         self._allocated = True
