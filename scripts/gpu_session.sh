@@ -26,7 +26,7 @@
 # adamw: the Triton AdamW's GPU tests, A/B benchmark and arithmetic check, then the whole GPU suite.
 # layernorm: the model's Triton LayerNorm's GPU tests; if they pass, the GPU suite and the h4096 profiles.
 # offload-futile: resident look-ahead without the restores a forward evicts: offload GPU tests, A/B benchmark.
-# early-restore: (branch next/early-restore) offload GPU tests, stalls and the A/B of the early restores.
+# early-restore: QEFFECT_EARLY_RESTORE=1: offload GPU tests, stalls and the A/B of the early restores.
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -258,16 +258,16 @@ offload-futile)
     fi
     ;;
 early-restore)
-    # branch next/early-restore: resident restores started right after the last evicting forward: the offload
-    # and training GPU tests, the compute stream's stalls, then the A/B twice in alternation (interleaved: ZB-V's
-    # plan has no such restore)
-    if step 180 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py \
-        tests/test_train.py; then
-        step 120 offload-waits python3 scripts/offload_waits.py --schedules interleaved --modes off,resident \
-            --json "$out/offload-waits-h2048-early-h200.json"
+    # resident restores started right after the last evicting forward (QEFFECT_EARLY_RESTORE=1, off by default):
+    # the offload and training GPU tests with it on, the compute stream's stalls, then the A/B twice in
+    # alternation (interleaved: ZB-V's plan has no such restore)
+    if QEFFECT_EARLY_RESTORE=1 step 180 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_offload_gpu.py tests/test_train.py; then
+        QEFFECT_EARLY_RESTORE=1 step 120 offload-waits python3 scripts/offload_waits.py --schedules interleaved \
+            --modes off,resident --json "$out/offload-waits-h2048-early-h200.json"
         step 200 offload-early-interleaved python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
             --schedule interleaved --steps 20 --out "$out/offload-bench-h2048-interleaved-early-h200.json" --modes \
-            off,resident,resident+QEFFECT_EARLY_RESTORE=0,resident#2,resident#2+QEFFECT_EARLY_RESTORE=0,release
+            off,resident+QEFFECT_EARLY_RESTORE=1,resident,resident#2+QEFFECT_EARLY_RESTORE=1,resident#2,release
     fi
     ;;
 h4096-te)

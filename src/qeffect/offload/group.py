@@ -28,10 +28,10 @@ microbatch slot) of a captured stage):
    current backward graph (and, deeper, the actions after it) run. Only the first may evict a live
    group from its bank. With the schedule's events, resident mode starts none that a forward would
    evict again before its backward (`offload.plan.futile_restores`): a wasted copy the forward waits for.
-   It starts those right after the forward that evicts the group for the last time before its backward
+   With QEFFECT_EARLY_RESTORE=1 (off by default: not yet measured on the GPU) it starts those right
+   after the forward that evicts the group for the last time before its backward
    (`offload.plan.early_restores`, in `after_forward`; the H2D waits for that forward's D2H), so the
-   copy overlaps the actions in between instead of stalling the backward (QEFFECT_EARLY_RESTORE=0: at the
-   backward).
+   copy overlaps the actions in between instead of stalling the backward.
 6. `after_backward` records `consumed` on the compute stream: the bytes are no longer needed.
 
 Modes. `release`: each group has its own slot; the device memory of a group exists only while its
@@ -578,9 +578,9 @@ class OffloadManager:
         # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
         # (QEFFECT_SKIP_FUTILE_RESTORES=0 starts them anyway: the A/B)
         self.skip_futile_restores = os.environ.get("QEFFECT_SKIP_FUTILE_RESTORES", "1") != "0"
-        # ... and start those restores right after the forward that evicts them last (QEFFECT_EARLY_RESTORE=0: at
-        # the backward)
-        self.early_restore = os.environ.get("QEFFECT_EARLY_RESTORE", "1") != "0"
+        # ... and, with QEFFECT_EARLY_RESTORE=1, start those restores right after the forward that evicts them
+        # last instead of at the backward (off by default until an H2D A/B on the GPU says it helps)
+        self.early_restore = os.environ.get("QEFFECT_EARLY_RESTORE", "0") == "1"
         self.groups: list[OffloadGroup] = []
         self.banks: list[Bank] = []
         self.stats = OffloadStats()
