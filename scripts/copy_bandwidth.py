@@ -57,8 +57,8 @@ def timed_copies(pairs: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream
     return out
 
 
-def gemm_load(ms: float, dev: torch.device) -> tuple[torch.cuda.Stream, int, float]:
-    """A bf16 GEMM loop long enough to cover `ms` of copies: (stream, iterations, ms per GEMM)."""
+def gemm_load(dev: torch.device) -> tuple[torch.cuda.Stream, tuple[torch.Tensor, torch.Tensor], float]:
+    """A stream, the operands of an 8192^3 bf16 GEMM, and the GEMM's time in ms (warmed up)."""
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     s = torch.cuda.Stream(dev)
@@ -71,13 +71,11 @@ def gemm_load(ms: float, dev: torch.device) -> tuple[torch.cuda.Stream, int, flo
             a @ b
         e1.record(s)
     torch.cuda.synchronize()
-    per = e0.elapsed_time(e1) / 10
-    gemm_load.operands = (a, b)  # kept alive for `start_gemms`
-    return s, max(1, int(ms / per) + 2), per
+    return s, (a, b), e0.elapsed_time(e1) / 10
 
 
-def start_gemms(stream: torch.cuda.Stream, iterations: int) -> None:
-    a, b = gemm_load.operands
+def start_gemms(stream: torch.cuda.Stream, operands: tuple[torch.Tensor, torch.Tensor], iterations: int) -> None:
+    a, b = operands
     with torch.cuda.stream(stream):
         for _ in range(iterations):
             a @ b
@@ -93,7 +91,7 @@ def main() -> int:
     driver = VmmDriver(dev.index)
     sizes = [int(x) for x in a.sizes_mib.split(",")]
     d2h_stream, h2d_stream = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-    gemm_stream, _, gemm_ms = gemm_load(1.0, dev)
+    gemm_stream, operands, gemm_ms = gemm_load(dev)
     cells = []
     for mib in sizes:
         nbytes = mib * MiB
@@ -112,7 +110,7 @@ def main() -> int:
                     timed_copies(pairs, 2)  # warm-up
                     if load == "gemm":
                         # the GEMMs must outlast the copies: estimate at 10 GB/s, the slow case
-                        start_gemms(gemm_stream, int(nbytes * a.repeats / 10e9 * 1e3 / gemm_ms) + 4)
+                        start_gemms(gemm_stream, operands, int(nbytes * a.repeats / 10e9 * 1e3 / gemm_ms) + 4)
                     res = timed_copies(pairs, a.repeats)
                     torch.cuda.synchronize()
                     for (dst, _s, _st), r in zip(pairs, res, strict=True):

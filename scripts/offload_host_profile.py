@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.graphs.handshake import script_provenance
-from qeffect.profile.trace import Event, kineto_events
+from qeffect.profile.trace import Event, kineto_events, union_length
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
 
@@ -52,28 +52,28 @@ def device_copies(events: list[Event]) -> dict:
     for e in events:
         if e.kind == "memcpy":
             copies[e.name].append((e.end - e.start) / 1e6)
-    kernels = sorted((e.start, e.end) for e in events if e.kind == "kernel")
-    busy, cur = 0, None
-    for a, b in kernels:
-        if cur is None or a > cur[1]:
-            busy += 0 if cur is None else cur[1] - cur[0]
-            cur = [a, b]
-        else:
-            cur[1] = max(cur[1], b)
-    busy += 0 if cur is None else cur[1] - cur[0]
-    span = (kernels[-1][1] - kernels[0][0]) / 1e6 if kernels else 0.0
+    kernels = [(e.start, e.end) for e in events if e.kind == "kernel"]
+    busy = union_length(kernels)
+    span = (max(b for _, b in kernels) - min(a for a, _ in kernels)) / 1e6 if kernels else 0.0
     return {"kernel_busy_ms": busy / 1e6, "kernel_span_ms": span,
             "memcpy": {n: {"count": len(v), "ms": sum(v), "median_ms": sorted(v)[len(v) // 2], "max_ms": max(v)}
                        for n, v in copies.items()}}
 
 
-def run(cfg, mode: str, warmup: int, dev: torch.device) -> dict:
-    base, _, banks = mode.partition("@")  # "resident@6": at least 6 banks (train.offload_banks)
+def warm_pipeline(cfg, mode: str, warmup: int, dev: torch.device):
+    """The captured-direct pipeline of `cfg` with offload `mode` ("resident@6": at least 6 banks,
+    `train.offload_banks`), after `warmup` steps. Returns (its config, the pipeline)."""
+    base, _, banks = mode.partition("@")
     cfg = cfg.with_overrides(**{"train.offload": base, "train.offload_banks": int(banks) if banks else None})
     pipe = build_single_process(cfg, native=False, device=dev, path="captured-direct")
     for i in range(warmup):
         pipe.step(synthetic_batches(cfg, i, dev))
         pipe.manager.mark_step()
+    return cfg, pipe
+
+
+def run(cfg, mode: str, warmup: int, dev: torch.device) -> dict:
+    cfg, pipe = warm_pipeline(cfg, mode, warmup, dev)
     batches = synthetic_batches(cfg, warmup, dev)
     torch.cuda.synchronize(dev)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

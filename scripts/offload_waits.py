@@ -20,13 +20,13 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from offload_host_profile import warm_pipeline  # scripts/ is sys.path[0] when run as a script
 
 import qeffect.offload.group as group_mod
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.graphs.handshake import script_provenance
 from qeffect.offload.streams import TorchCudaStreams
-from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
 
 
@@ -53,12 +53,7 @@ class TimedWaits(TorchCudaStreams):
 
 
 def run(cfg, mode: str, warmup: int, steps: int, dev: torch.device) -> dict:
-    base, _, banks = mode.partition("@")
-    cfg = cfg.with_overrides(**{"train.offload": base, "train.offload_banks": int(banks) if banks else None})
-    pipe = build_single_process(cfg, native=False, device=dev, path="captured-direct")
-    for i in range(warmup):
-        pipe.step(synthetic_batches(cfg, i, dev))
-        pipe.manager.mark_step()
+    cfg, pipe = warm_pipeline(cfg, mode, warmup, dev)
     torch.cuda.synchronize(dev)
     TimedWaits.records = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -689,9 +689,10 @@ class OffloadManager:
                 g.kept = True
         if self.mode == "resident" and events is not None and self.skip_futile_restores:
             in_banks = {g: g.bank.index for g in order if g.bank is not None}
-            self.futile = {(id(x), id(g)) for x, g in futile_restores(events, in_banks)}
+            futile = futile_restores(events, in_banks)
+            self.futile = {(id(x), id(g)) for x, g in futile}
             if self.early_restore:
-                plan = early_restores(events, in_banks, set(self.kept))
+                plan = early_restores(events, in_banks, set(self.kept), futile)
                 self.early = {id(h): gs for h, gs in plan.items()}
         for g in self.groups:
             g.state = GroupState.MAPPED

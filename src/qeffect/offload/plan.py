@@ -155,7 +155,8 @@ def futile_restores(events: Sequence[Event], banks: Mapping[Hashable, int]) -> s
 
 
 def early_restores(events: Sequence[Event], banks: Mapping[Hashable, int],
-                   kept: set[Hashable] | frozenset = frozenset()) -> dict[Hashable, list[Hashable]]:
+                   kept: set[Hashable] | frozenset = frozenset(),
+                   futile: set[tuple[Hashable, Hashable]] | None = None) -> dict[Hashable, list[Hashable]]:
     """For each forward h, the groups g whose restore resident mode should start right after F(h).
 
     g qualifies when the look-ahead at the backward before B(g) (in backward order, over `banks`) would
@@ -163,11 +164,13 @@ def early_restores(events: Sequence[Event], banks: Mapping[Hashable, int],
     forward F(h) of a group h that is not kept (a kept group's bytes exist only in the bank: evicting it is
     refused). Nothing else claims the bank between F(h) and B(g), so the restored bytes survive; the
     restore evicts h, whose own backward would have needed a restore anyway (B(g) claims the bank first).
-    A last claim that is a backward, or a first group in backward order, leaves the restore at B(g)."""
+    A last claim that is a backward, or a first group in backward order, leaves the restore at B(g).
+    `futile`: `futile_restores(events, banks)` where the caller has it already."""
     check_events(events)
     start = {g: i for i, (kind, g) in enumerate(events) if kind == "B"}
     order = [g for g in backward_order(events) if g in banks]
-    futile = futile_restores(events, banks)
+    if futile is None:
+        futile = futile_restores(events, banks)
     out: dict[Hashable, list[Hashable]] = {}
     for x, g in zip(order, order[1:], strict=False):
         if (x, g) not in futile:
