@@ -27,6 +27,7 @@
 # layernorm: the model's Triton LayerNorm's GPU tests; if they pass, the GPU suite and the h4096 profiles.
 # offload-futile: resident look-ahead without the restores a forward evicts: offload GPU tests, A/B benchmark.
 # early-restore: QEFFECT_EARLY_RESTORE=1: offload GPU tests, stalls and the A/B of the early restores.
+# offload-chunks: QEFFECT_OFFLOAD_CHUNK_MIB=2: offload GPU tests, stalls and the A/B of chunked resident copies.
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -268,6 +269,20 @@ early-restore)
         step 200 offload-early-interleaved python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
             --schedule interleaved --steps 20 --out "$out/offload-bench-h2048-interleaved-early-h200.json" --modes \
             off,resident+QEFFECT_EARLY_RESTORE=1,resident,resident#2+QEFFECT_EARLY_RESTORE=1,resident#2,release
+    fi
+    ;;
+offload-chunks)
+    # resident copies in chunks (QEFFECT_OFFLOAD_CHUNK_MIB, off by default): the offload and training GPU tests
+    # with 2 MiB chunks, the compute stream's stalls, then the A/B per schedule, repeated in alternation
+    if QEFFECT_OFFLOAD_CHUNK_MIB=2 step 180 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_offload_gpu.py tests/test_train.py; then
+        QEFFECT_OFFLOAD_CHUNK_MIB=2 step 120 offload-waits python3 scripts/offload_waits.py --modes off,resident \
+            --json "$out/offload-waits-h2048-chunks-h200.json"
+        for sched in interleaved zbv; do
+            step 200 "offload-chunks-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+                --schedule "$sched" --steps 20 --out "$out/offload-bench-h2048-$sched-chunks-h200.json" --modes \
+                off,resident,resident+QEFFECT_OFFLOAD_CHUNK_MIB=2,resident+QEFFECT_OFFLOAD_CHUNK_MIB=4,resident#2,resident#2+QEFFECT_OFFLOAD_CHUNK_MIB=2,resident#2+QEFFECT_OFFLOAD_CHUNK_MIB=4
+        done
     fi
     ;;
 h4096-te)

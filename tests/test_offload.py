@@ -776,6 +776,73 @@ def test_kept_groups_skip_the_d2h_and_every_interleaving_still_reads_the_right_b
         assert [g.name for g in mgr.kept] == ["G3", "G2"]
 
 
+CHUNKED = {"alignment": 16, "copy_chunk_bytes": 48}  # groups of 120-200 bytes: 3 to 5 chunks each
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("planned", [False, True])
+def test_chunked_resident_copies_read_the_right_bytes_in_every_interleaving(program: str, planned: bool) -> None:
+    """`copy_chunk_bytes`: each restore chunk waits only for the previous owner's D2H chunk that covers it
+    (groups of one bank differ in size, so chunk ends differ); the bytes and the counted copies stay those of
+    one copy per group."""
+    prog, order = PROGRAMS[program]
+    n = len(order)
+    for seed in range(12):
+        kw = {"layers": n, "order": order, "program": prog if planned else None}
+        ref = build("resident", seed, alignment=16, **kw)
+        dev, mgr, groups = build("resident", seed, **kw, **CHUNKED)
+        assert all(len(g.chunks) >= 3 for g in groups) and all(len(ref_g.chunks) == 1 for ref_g in ref[2])
+        assert run_program(ref[0], ref[2], prog) == [] and run_program(dev, groups, prog) == [], (program, seed)
+        for f in ("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes", "evictions", "reloads_skipped"):
+            assert getattr(mgr.stats, f) == getattr(ref[1].stats, f), f
+        assert mgr.stats.h2d_copies > 0
+
+
+def test_a_chunked_restore_waits_per_chunk_for_the_d2h_chunk_covering_it() -> None:
+    dev, mgr, (g0, g1, g2) = build("resident", layers=3, order=[2, 1, 0], progress=0, **CHUNKED)
+    assert [g.chunks for g in (g0, g2)] == [[(0, 48), (48, 96), (96, 120)], [(0, 48), (48, 96), (96, 144), (144, 168)]]
+    for g in (g0, g1, g2):
+        g.before_forward()
+        g.after_forward()  # g2 evicts g0 from their bank: its D2H is four chunks, each with its event
+    assert [e[2] for e in dev.trace if e[:2] == ("record", "d2h")][-4:] == [
+        "G2.d2h_chunk0", "G2.d2h_chunk1", "G2.d2h_chunk2", "G2.d2h_done"]
+    g2.before_backward()
+    g2.after_backward()
+    dev.trace.clear()
+    g1.before_backward()  # look-ahead restores g0 into the bank: chunk k after G2's D2H chunk k, not after all of it
+    h2d = [e[0] if e[0] == "copy" else e[2] for e in dev.trace if e[1] == "h2d"]
+    assert h2d == ["G2.consumed", "G0.d2h_done", "G2.d2h_chunk0", "copy", "G2.d2h_chunk1", "copy",
+                   "G2.d2h_chunk2", "copy", "G0.restore_done"]
+    dev.synchronize()
+    g1.after_backward()
+
+
+def test_each_chunk_fence_is_needed(monkeypatch) -> None:
+    """Without the per-chunk waits (only the first and the last are kept by other rules), a restore chunk
+    overwrites bytes the previous owner's D2H has not read yet, for some interleaving."""
+    orig = FakeDevice.wait
+    monkeypatch.setattr(FakeDevice, "wait",
+                        lambda self, stream, event: None if ".d2h_chunk" in event.name else orig(self, stream, event))
+    detected = 0
+    for prog, order in (STACK, ONE_F_ONE_B):
+        for seed in range(20):
+            dev, _, groups = build("resident", seed, layers=len(order), order=order, progress=1, **CHUNKED)
+            detected += bool(run_program(dev, groups, prog))
+    assert detected > 0
+
+
+def test_chunk_size_comes_from_the_environment_and_bad_values_are_refused(monkeypatch) -> None:
+    monkeypatch.setenv("QEFFECT_OFFLOAD_CHUNK_MIB", "0.5")
+    assert OffloadManager("off").copy_chunk_bytes == 1 << 19
+    monkeypatch.setenv("QEFFECT_OFFLOAD_CHUNK_MIB", "four")
+    with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_CHUNK_MIB='four'"):
+        OffloadManager("off")
+    monkeypatch.delenv("QEFFECT_OFFLOAD_CHUNK_MIB")
+    assert OffloadManager("off").copy_chunk_bytes == 0
+    with pytest.raises(ValueError, match="copy_chunk_bytes must be >= 0"):
+        OffloadManager("off", copy_chunk_bytes=-1)
+
+
 def test_a_kept_group_leaves_no_d2h_and_its_bank_next_writer_waits_for_its_backward() -> None:
     dev, mgr, groups = build("resident", order=[3, 2, 1, 0], program=STACK[0], progress=0)
     g0, g1, g2, g3 = groups

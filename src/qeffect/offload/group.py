@@ -219,6 +219,9 @@ class Bank:
     slot: VmmSlot
     owner: OffloadGroup | None = None  # the group whose bytes (or forward) the bank holds now
     last_d2h: Any = None  # event: the last D2H out of this bank (a writer must wait on it)
+    # that D2H's chunks: (end byte, event recorded after the chunk [.., end)), in stream order; the last is
+    # `last_d2h`. A restore into the bank waits, per chunk of its own, only for the chunks it overwrites
+    last_d2h_chunks: list[tuple[int, Any]] = field(default_factory=list)
     last_consumed: Any = None  # event: the last backward that read this bank (a writer must wait on it)
 
 
@@ -243,6 +246,8 @@ class OffloadGroup:
         self._views: list[Tensor] = []
         self.forward_done: Any = None
         self.d2h_done: Any = None
+        self.chunks: list[tuple[int, int]] = []  # resident: [start, end) byte ranges of its copies (`copy_chunk_bytes`)
+        self.d2h_chunk_done: list[Any] = []  # resident: one event per D2H chunk; the last one is `d2h_done`
         self.restore_done: Any = None
         self.consumed: Any = None
         self._consumed_recorded = False
@@ -388,8 +393,13 @@ class OffloadGroup:
             m.stats.d2h_skipped += 1
             return
         s.wait(m.d2h_stream, self.forward_done)
-        s.copy(self.host, self.slot_bytes, m.d2h_stream)
-        s.record(self.d2h_done, m.d2h_stream)
+        if m.mode == "resident" and len(self.chunks) > 1:  # a later restore into the bank may follow chunk by chunk
+            for (a, b), done in zip(self.chunks, self.d2h_chunk_done, strict=True):
+                s.copy(self.host[a:b], self.slot_bytes[a:b], m.d2h_stream)
+                s.record(done, m.d2h_stream)
+        else:
+            s.copy(self.host, self.slot_bytes, m.d2h_stream)
+            s.record(self.d2h_done, m.d2h_stream)
         self._d2h_recorded = True
         m.stats.d2h_copies += 1
         m.stats.d2h_bytes += self.nbytes
@@ -400,6 +410,7 @@ class OffloadGroup:
             m._maybe_reap(exclude=self)
         else:
             self.bank.last_d2h = self.d2h_done
+            self.bank.last_d2h_chunks = [(b, e) for (_, b), e in zip(self.chunks, self.d2h_chunk_done, strict=True)]
             self.state = GroupState.RESIDENT_D2H_PENDING
             for g in m.early.get(id(self), ()):  # the plan: nothing claims the bank again before B(g)
                 if g.live and g.phase is None and m._prefetch(g, under=None):
@@ -508,6 +519,18 @@ class OffloadGroup:
         return f"OffloadGroup({self.name!r}, {self.state}, live={self.live}, phase={self.phase}, nbytes={self.nbytes})"
 
 
+def _chunk_bytes_from_env() -> int:
+    """QEFFECT_OFFLOAD_CHUNK_MIB: resident copies in chunks of this many MiB (unset or 0: one copy per group)."""
+    raw = os.environ.get("QEFFECT_OFFLOAD_CHUNK_MIB", "0")
+    try:
+        mib = float(raw)
+    except ValueError:
+        raise ValueError(f"QEFFECT_OFFLOAD_CHUNK_MIB={raw!r}: expected a number of MiB (0: one copy)") from None
+    if mib < 0:
+        raise ValueError(f"QEFFECT_OFFLOAD_CHUNK_MIB={raw!r}: expected a number of MiB >= 0")
+    return int(mib * (1 << 20))
+
+
 def _unlinked(t: Tensor) -> Tensor:
     """What a pack hook keeps of a tensor it does not move: the same bytes without the autograd link.
 
@@ -557,7 +580,11 @@ class OffloadManager:
                  driver: VmmDriver | None = None, streams: StreamOps | None = None, num_banks: int = 2,
                  lookahead: bool | int = True, release_consumed: bool = True, timing: bool = False,
                  alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
-                 skip_kept_d2h: bool = True, min_window: int = 0) -> None:
+                 skip_kept_d2h: bool = True, min_window: int = 0, copy_chunk_bytes: int | None = None) -> None:
+        if copy_chunk_bytes is None:
+            copy_chunk_bytes = _chunk_bytes_from_env()
+        if copy_chunk_bytes < 0:
+            raise ValueError(f"copy_chunk_bytes must be >= 0 (0: one copy per group), got {copy_chunk_bytes}")
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {MODES}, got {mode!r}")
         if num_banks < 2:
@@ -573,6 +600,9 @@ class OffloadManager:
         self.num_banks, self.lookahead, self.release_consumed = num_banks, int(lookahead), release_consumed
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
+        # resident: copy each group in chunks of this many bytes (0: one copy), so that a restore into a bank
+        # whose previous owner's D2H is still running follows it chunk by chunk instead of waiting for all of it
+        self.copy_chunk_bytes = -(-copy_chunk_bytes // alignment) * alignment
         self.min_window = min_window  # release, with allocate(events=): fewer other actions F..B: not offloaded
         self._eligible_fn = eligible or default_eligible
         # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
@@ -725,14 +755,19 @@ class OffloadManager:
             g.host = s.host_buffer(g.nbytes)
             g.forward_done = s.new_event(f"{g.name}.forward_done")
             g.d2h_done = s.new_event(f"{g.name}.d2h_done")
+            size = self.copy_chunk_bytes if self.mode == "resident" and self.copy_chunk_bytes else g.nbytes
+            g.chunks = [(a, min(a + size, g.nbytes)) for a in range(0, g.nbytes, size)]
+            g.d2h_chunk_done = [s.new_event(f"{g.name}.d2h_chunk{i}") for i in range(len(g.chunks) - 1)] + [g.d2h_done]
             g.restore_done = s.new_event(f"{g.name}.restore_done", self.timing)
             g.consumed = s.new_event(f"{g.name}.consumed")
 
     # ------------------------------------------------------------------------------------- internals
-    def _claim(self, bank: Bank, g: OffloadGroup, writer: Any) -> None:
+    def _claim(self, bank: Bank, g: OffloadGroup, writer: Any, chunked: bool = False) -> list[Any]:
         """Resident: `writer` (a stream) is about to write `g`'s bytes into `bank`. Evict its owner (whose
         bytes are safe on the host once its D2H is done) and order the write after the bank's last D2H
-        and last backward consumer."""
+        and last backward consumer. `chunked` (a restore copying `g.chunks` one by one): the last D2H is
+        not waited for here; returns, per chunk of `g`, the D2H chunk event to wait for before copying it
+        (None: an earlier wait covers it), the first that covers its last byte (D2H chunks run in order)."""
         owner = bank.owner
         if owner is not None and owner is not g and owner.live:
             if owner.phase == "backward":
@@ -749,26 +784,42 @@ class OffloadManager:
                 self.stats.prefetches_wasted += 1
             owner.state = GroupState.RESIDENT_RELOAD_PENDING
             self.stats.evictions += 1
-        if bank.last_d2h is not None:
+        waits: list[Any] = []
+        if bank.last_d2h is not None and not chunked:
             self.streams.wait(writer, bank.last_d2h)
+        elif bank.last_d2h is not None:
+            done = -1
+            for _, end in g.chunks:
+                i = next((i for i, (e, _) in enumerate(bank.last_d2h_chunks) if e >= end),
+                         len(bank.last_d2h_chunks) - 1)
+                waits.append(bank.last_d2h_chunks[i][1] if i > done else None)
+                done = max(done, i)
         if bank.last_consumed is not None:
             self.streams.wait(writer, bank.last_consumed)
         bank.owner = g
+        return waits
 
     def _restore(self, g: OffloadGroup, *, under: OffloadGroup | None) -> None:
         s, h2d = self.streams, self.h2d_stream
+        chunk_waits: list[Any] = []
         if self.mode == "release":
             g.slot.map()  # same VA, new pages
             self.stats.maps += 1
         else:
-            self._claim(g.bank, g, h2d)
+            chunk_waits = self._claim(g.bank, g, h2d, chunked=len(g.chunks) > 1)
         s.wait(h2d, g.d2h_done)  # the host buffer must be complete (release: already waited by the host)
         start = None
         if self.timing:
             start = s.new_event(f"{g.name}.restore_start", True)
             g.restore_done = s.new_event(f"{g.name}.restore_done", True)
             s.record(start, h2d)
-        s.copy(g.slot_bytes, g.host, h2d)
+        if len(g.chunks) > 1:  # each chunk after the previous owner's D2H has read those bytes out
+            for (a, b), ev in zip(g.chunks, chunk_waits or [None] * len(g.chunks), strict=True):
+                if ev is not None:
+                    s.wait(h2d, ev)
+                s.copy(g.slot_bytes[a:b], g.host[a:b], h2d)
+        else:
+            s.copy(g.slot_bytes, g.host, h2d)
         s.record(g.restore_done, h2d)
         g._restore_pending = True
         g.state = GroupState.MAPPED
