@@ -28,6 +28,7 @@
 # offload-futile: resident look-ahead without the restores a forward evicts: offload GPU tests, A/B benchmark.
 # early-restore: QEFFECT_EARLY_RESTORE=1: offload GPU tests, stalls and the A/B of the early restores.
 # offload-chunks: QEFFECT_OFFLOAD_CHUNK_MIB=2: offload GPU tests, stalls and the A/B of chunked resident copies.
+# offload-driver-ops: scripts/offload_host_ops.py, then the A/B of chunked copies x driver stream operations.
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -282,6 +283,22 @@ offload-chunks)
             step 200 "offload-chunks-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
                 --schedule "$sched" --steps 20 --out "$out/offload-bench-h2048-$sched-chunks-h200.json" --modes \
                 off,resident,resident+QEFFECT_OFFLOAD_CHUNK_MIB=2,resident+QEFFECT_OFFLOAD_CHUNK_MIB=4,resident#2,resident#2+QEFFECT_OFFLOAD_CHUNK_MIB=2,resident#2+QEFFECT_OFFLOAD_CHUNK_MIB=4
+        done
+    fi
+    ;;
+offload-driver-ops)
+    # the host cost of torch's copies/records/waits against the driver's, then the GPU tests with chunked copies
+    # issued through the driver, then the A/B (chunks x driver ops) per schedule, repeated in alternation
+    step 60 offload-host-ops python3 scripts/offload_host_ops.py --json "$out/offload-host-ops-h200.json"
+    if QEFFECT_OFFLOAD_CHUNK_MIB=2 QEFFECT_OFFLOAD_DRIVER_STREAMS=1 step 180 pytest-offload python3 -m pytest -m gpu -q \
+        -p no:cacheprovider tests/test_offload_gpu.py tests/test_train.py; then
+        C=+QEFFECT_OFFLOAD_CHUNK_MIB
+        D=+QEFFECT_OFFLOAD_DRIVER_STREAMS=1
+        for sched in interleaved zbv; do
+            modes="off,resident,resident${C}=4,resident${C}=4$D,resident${C}=2$D,resident$D,release,release$D"
+            modes="$modes,resident#2,resident#2${C}=4,resident#2${C}=4$D,resident#2${C}=2$D,resident#2$D"
+            step 280 "offload-driver-ops-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+                --schedule "$sched" --steps 20 --out "$out/offload-bench-h2048-$sched-driver-ops-h200.json" --modes "$modes"
         done
     fi
     ;;

@@ -104,7 +104,7 @@ from qeffect.offload.plan import (
     kept_groups,
     short_window_groups,
 )
-from qeffect.offload.streams import StreamOps, TorchCudaStreams
+from qeffect.offload.streams import DriverCudaStreams, StreamOps, TorchCudaStreams
 from qeffect.offload.vmm import VmmSlot, span_bytes
 
 OffloadMode = Literal["off", "release", "resident"]
@@ -639,7 +639,8 @@ class OffloadManager:
             if self.device.type == "cuda" and self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             if self.streams is None:
-                self.streams = TorchCudaStreams(self.device)
+                driver_ops = os.environ.get("QEFFECT_OFFLOAD_DRIVER_STREAMS", "0") == "1"  # the A/B
+                self.streams = (DriverCudaStreams if driver_ops else TorchCudaStreams)(self.device)
             if self.driver is None:
                 self.driver = VmmDriver(self.device.index or 0)
                 self._own_driver = True

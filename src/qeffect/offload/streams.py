@@ -74,3 +74,60 @@ class TorchCudaStreams:
     def host_buffer(self, nbytes: int) -> Tensor:
         """Pinned: a pageable destination would make the copy synchronous (and stage through a bounce buffer)."""
         return torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=True)
+
+
+class DriverCudaStreams(TorchCudaStreams):
+    """`TorchCudaStreams` whose copies, event records and stream waits are driver calls on raw handles
+    (`cuMemcpyAsync`, `cuEventRecord`, `cuStreamWaitEvent`), each result checked.
+
+    Why: chunked resident copies issue several copies and events per group, and the host then queues a
+    step almost as slowly as the device runs it; a driver call skips torch's dispatcher and stream
+    guard (`scripts/offload_host_ops.py` measures both). Events are torch's (their `query`,
+    `synchronize` and `elapsed_time` stay torch's), created at once by a first record: torch creates
+    the CUDA event lazily at its first record, and a raw handle must exist before a driver call uses it.
+    Selected by QEFFECT_OFFLOAD_DRIVER_STREAMS=1 (the A/B). Copies need contiguous tensors of equal size:
+    offload copies whole byte views of slots and pinned host buffers."""
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        super().__init__(device)
+        from qeffect.offload.driver import load_bindings
+
+        self.cu = load_bindings()
+        self._ok = self.cu.CUresult.CUDA_SUCCESS
+        self._streams: dict[int, Any] = {}
+        self._events: dict[int, Any] = {}
+
+    def _check(self, call: str, ret: tuple) -> None:
+        if ret[0] != self._ok:
+            raise RuntimeError(f"{call} failed: {ret[0]}")
+
+    def _stream(self, stream: torch.cuda.Stream) -> Any:
+        h = stream.cuda_stream
+        raw = self._streams.get(h)
+        if raw is None:
+            raw = self._streams[h] = self.cu.CUstream(h)
+        return raw
+
+    def _event(self, event: torch.cuda.Event) -> Any:
+        raw = self._events.get(id(event))
+        if raw is None:
+            raw = self._events[id(event)] = (self.cu.CUevent(event.cuda_event), event)  # keeps the id valid
+        return raw[0]
+
+    def new_event(self, name: str, timing: bool = False) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(self.current_stream())  # creates the CUDA event now; a wait on it returns at once
+        return event
+
+    def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        self._check("cuEventRecord", self.cu.cuEventRecord(self._event(event), self._stream(stream)))
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        self._check("cuStreamWaitEvent", self.cu.cuStreamWaitEvent(self._stream(stream), self._event(event), 0))
+
+    def copy(self, dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
+        n = dst.numel() * dst.element_size()
+        if not (dst.is_contiguous() and src.is_contiguous()) or n != src.numel() * src.element_size():
+            raise ValueError(f"driver copy needs contiguous tensors of equal size, got {tuple(dst.shape)} "
+                             f"{dst.dtype} <- {tuple(src.shape)} {src.dtype}")
+        self._check("cuMemcpyAsync", self.cu.cuMemcpyAsync(dst.data_ptr(), src.data_ptr(), n, self._stream(stream)))
