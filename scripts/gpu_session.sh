@@ -26,9 +26,8 @@
 # adamw: the Triton AdamW's GPU tests, A/B benchmark and arithmetic check, then the whole GPU suite.
 # layernorm: the model's Triton LayerNorm's GPU tests; if they pass, the GPU suite and the h4096 profiles.
 # offload-futile: resident look-ahead without the restores a forward evicts: offload GPU tests, A/B benchmark.
-# early-restore: QEFFECT_EARLY_RESTORE=1: offload GPU tests, stalls and the A/B of the early restores.
-# offload-chunks: QEFFECT_OFFLOAD_CHUNK_MIB=2: offload GPU tests, stalls and the A/B of chunked resident copies.
-# offload-driver-ops: scripts/offload_host_ops.py, then the A/B of chunked copies x driver stream operations.
+# offload-chunks: host cost of stream operations, offload GPU tests, stalls, and the A/B of chunked copies and
+#          driver stream operations (both on by default) against one copy per group and torch's operations.
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -259,46 +258,22 @@ offload-futile)
         done
     fi
     ;;
-early-restore)
-    # resident restores started right after the last evicting forward (QEFFECT_EARLY_RESTORE=1, off by default):
-    # the offload and training GPU tests with it on, the compute stream's stalls, then the A/B twice in
-    # alternation (interleaved: ZB-V's plan has no such restore)
-    if QEFFECT_EARLY_RESTORE=1 step 180 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/test_offload_gpu.py tests/test_train.py; then
-        QEFFECT_EARLY_RESTORE=1 step 120 offload-waits python3 scripts/offload_waits.py --schedules interleaved \
-            --modes off,resident --json "$out/offload-waits-h2048-early-h200.json"
-        step 200 offload-early-interleaved python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-            --schedule interleaved --steps 20 --out "$out/offload-bench-h2048-interleaved-early-h200.json" --modes \
-            off,resident+QEFFECT_EARLY_RESTORE=1,resident,resident#2+QEFFECT_EARLY_RESTORE=1,resident#2,release
-    fi
-    ;;
 offload-chunks)
-    # resident copies in chunks (QEFFECT_OFFLOAD_CHUNK_MIB, off by default): the offload and training GPU tests
-    # with 2 MiB chunks, the compute stream's stalls, then the A/B per schedule, repeated in alternation
-    if QEFFECT_OFFLOAD_CHUNK_MIB=2 step 180 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/test_offload_gpu.py tests/test_train.py; then
-        QEFFECT_OFFLOAD_CHUNK_MIB=2 step 120 offload-waits python3 scripts/offload_waits.py --modes off,resident \
-            --json "$out/offload-waits-h2048-chunks-h200.json"
-        for sched in interleaved zbv; do
-            step 200 "offload-chunks-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-                --schedule "$sched" --steps 20 --out "$out/offload-bench-h2048-$sched-chunks-h200.json" --modes \
-                off,resident,resident+QEFFECT_OFFLOAD_CHUNK_MIB=2,resident+QEFFECT_OFFLOAD_CHUNK_MIB=4,resident#2,resident#2+QEFFECT_OFFLOAD_CHUNK_MIB=2,resident#2+QEFFECT_OFFLOAD_CHUNK_MIB=4
-        done
-    fi
-    ;;
-offload-driver-ops)
-    # the host cost of torch's copies/records/waits against the driver's, then the GPU tests with chunked copies
-    # issued through the driver, then the A/B (chunks x driver ops) per schedule, repeated in alternation
+    # resident copies in 2 MiB chunks and offload's stream operations through the driver (both the default since
+    # 2026-11-30): the host cost of each kind of stream operation, the offload and training GPU tests, the
+    # compute stream's stalls, then the A/B per schedule (QEFFECT_OFFLOAD_CHUNK_MIB=0: one copy per group;
+    # QEFFECT_OFFLOAD_DRIVER_STREAMS=0: torch's operations), repeated in alternation
     step 60 offload-host-ops python3 scripts/offload_host_ops.py --json "$out/offload-host-ops-h200.json"
-    if QEFFECT_OFFLOAD_CHUNK_MIB=2 QEFFECT_OFFLOAD_DRIVER_STREAMS=1 step 180 pytest-offload python3 -m pytest -m gpu -q \
-        -p no:cacheprovider tests/test_offload_gpu.py tests/test_train.py; then
-        C=+QEFFECT_OFFLOAD_CHUNK_MIB
-        D=+QEFFECT_OFFLOAD_DRIVER_STREAMS=1
+    if step 180 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py \
+        tests/test_train.py; then
+        step 120 offload-waits python3 scripts/offload_waits.py --modes off,resident \
+            --json "$out/offload-waits-h2048-chunks-h200.json"
+        C=+QEFFECT_OFFLOAD_CHUNK_MIB=0
+        D=+QEFFECT_OFFLOAD_DRIVER_STREAMS=0
         for sched in interleaved zbv; do
-            modes="off,resident,resident${C}=4,resident${C}=4$D,resident${C}=2$D,resident$D,release,release$D"
-            modes="$modes,resident#2,resident#2${C}=4,resident#2${C}=4$D,resident#2${C}=2$D,resident#2$D"
-            step 280 "offload-driver-ops-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-                --schedule "$sched" --steps 20 --out "$out/offload-bench-h2048-$sched-driver-ops-h200.json" --modes "$modes"
+            modes="off,resident,resident$C,resident$D,release,release$D,resident#2,resident#2$C,resident#2$D,off#2"
+            step 240 "offload-chunks-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+                --schedule "$sched" --steps 20 --out "$out/offload-bench-h2048-$sched-chunks-h200.json" --modes "$modes"
         done
     fi
     ;;

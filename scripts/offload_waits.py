@@ -15,6 +15,7 @@ per step: the stall in ms and how many waits stalled (> 5 us).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -26,36 +27,39 @@ import qeffect.offload.group as group_mod
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.graphs.handshake import script_provenance
-from qeffect.offload.streams import TorchCudaStreams
+from qeffect.offload.streams import DriverCudaStreams, TorchCudaStreams
 from qeffect.verify.state import synthetic_batches
 
+RECORDS: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # (wait category, event before, event after)
+NAMES: dict[int, str] = {}  # id(event) -> its category ("restore_done", "d2h_chunk", ...)
 
-class TimedWaits(TorchCudaStreams):
-    """TorchCudaStreams whose waits on the compute (current) stream are bracketed by timing events."""
 
-    records: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-    names: dict[int, str] = {}
+def timed_waits(base: type[TorchCudaStreams]) -> type[TorchCudaStreams]:
+    """`base` whose waits on the compute (current) stream are bracketed by timing events (in RECORDS)."""
 
-    def new_event(self, name: str, timing: bool = False) -> torch.cuda.Event:
-        ev = super().new_event(name, timing)
-        TimedWaits.names[id(ev)] = name.rsplit(".", 1)[-1]
-        return ev
+    class TimedWaits(base):
+        def new_event(self, name: str, timing: bool = False) -> torch.cuda.Event:
+            ev = super().new_event(name, timing)
+            NAMES[id(ev)] = re.sub(r"\d+$", "", name.rsplit(".", 1)[-1])  # d2h_chunk3 -> d2h_chunk
+            return ev
 
-    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
-        if stream != torch.cuda.current_stream(self.device):
+        def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+            if stream != torch.cuda.current_stream(self.device):
+                super().wait(stream, event)
+                return
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
             super().wait(stream, event)
-            return
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        super().wait(stream, event)
-        b.record(stream)
-        TimedWaits.records.append((TimedWaits.names.get(id(event), "?"), a, b))
+            b.record(stream)
+            RECORDS.append((NAMES.get(id(event), "?"), a, b))
+
+    return TimedWaits
 
 
 def run(cfg, mode: str, warmup: int, steps: int, dev: torch.device) -> dict:
     cfg, pipe = warm_pipeline(cfg, mode, warmup, dev)
     torch.cuda.synchronize(dev)
-    TimedWaits.records = []
+    RECORDS.clear()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for i in range(steps):
@@ -64,7 +68,7 @@ def run(cfg, mode: str, warmup: int, steps: int, dev: torch.device) -> dict:
     end.record()
     torch.cuda.synchronize(dev)
     total = defaultdict(lambda: [0.0, 0, 0])  # category -> [ms, waits, waits that stalled]
-    for name, a, b in TimedWaits.records:
+    for name, a, b in RECORDS:
         ms = a.elapsed_time(b)
         row = total[name]
         row[0] += ms
@@ -87,7 +91,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    group_mod.TorchCudaStreams = TimedWaits  # the managers built below time their compute-stream waits
+    # the managers built below time their compute-stream waits (either kind of stream operations)
+    group_mod.TorchCudaStreams = timed_waits(TorchCudaStreams)
+    group_mod.DriverCudaStreams = timed_waits(DriverCudaStreams)
     dev = torch.device("cuda", torch.cuda.current_device())
     results = []
     for schedule in a.schedules.split(","):

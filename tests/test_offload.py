@@ -28,6 +28,7 @@ from qeffect.offload import (
     wrap_pointer,
 )
 from qeffect.offload.fake import MIB, POISON, CUcontext, CUresult, FakeDevice, FakeDeviceFault
+from qeffect.offload.group import DEFAULT_CHUNK_MIB
 
 KIB = 1 << 10
 GRAN = 64 * KIB  # a small fake granularity keeps the simulated memory cheap
@@ -718,64 +719,7 @@ def test_futile_restores_are_those_a_forward_of_the_same_bank_evicts() -> None:
     assert futile_restores(events, {"a": 0, "b": 1, "c": 0, "d": 1}) == {("c", "b"), ("c", "d")}
 
 
-@pytest.mark.parametrize("program", ["1f1b", "odd-warmup"])
-@pytest.mark.parametrize("early", ["1", "0"])
-def test_a_futile_lookahead_restore_starts_after_the_last_evicting_forward(monkeypatch, program: str,
-                                                                          early: str) -> None:
-    """With the plan, the restore the look-ahead does not start is started right after the forward that
-    evicts the group for the last time (`offload.plan.early_restores`), not at its backward; every
-    interleaving still reads the right bytes, and no restore is wasted."""
-    from qeffect.offload.plan import early_restores
-
-    monkeypatch.setenv("QEFFECT_EARLY_RESTORE", early)
-    prog, order = PROGRAMS[program]
-    for seed in range(8):
-        dev, mgr, groups = build("resident", seed, layers=len(order), order=order, program=prog)
-        assert run_program(dev, groups, prog) == [], (program, seed)
-        assert mgr.stats.prefetches_wasted == 0
-        assert (mgr.stats.early_restores > 0) == (early == "1")
-    events = program_events(prog)
-    plan = early_restores(events, {k: groups[k].bank.index for k in range(len(order))})
-    assert plan == ({3: [1]} if program == "1f1b" else {3: [1], 4: [2]})
-
-
-def test_early_restores_leave_kept_groups_and_backward_claims_alone() -> None:
-    from qeffect.offload.plan import early_restores
-
-    events = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("E", 0), ("F", 3), ("B", 1), ("E", 1), ("B", 2), ("E", 2),
-              ("B", 3), ("E", 3)]
-    banks = {0: 0, 1: 1, 2: 0, 3: 1}
-    assert early_restores(events, banks) == {3: [1]}  # F(3) evicts 1 just before B(1)
-    assert early_restores(events, banks, kept={3}) == {}  # ... but a kept 3 cannot be evicted by the restore
-
-
-# ------------------------------------------------------------------------------ kept groups (no D2H)
-@pytest.mark.parametrize("program", sorted(PROGRAMS))
-@pytest.mark.parametrize("lookahead", [True, False])
-@pytest.mark.parametrize("num_banks", [2, 3])
-def test_kept_groups_skip_the_d2h_and_every_interleaving_still_reads_the_right_bytes(
-        program: str, lookahead: bool, num_banks: int) -> None:
-    prog, order = PROGRAMS[program]
-    n = len(order)
-    for seed in range(8):
-        ref = build("resident", seed, layers=n, order=order, program=prog, lookahead=lookahead, num_banks=num_banks,
-                    skip_kept_d2h=False)
-        assert run_program(ref[0], ref[2], prog) == [] and ref[1].kept == [] and ref[1].stats.d2h_copies == 2 * n
-        dev, mgr, groups = build("resident", seed, layers=n, order=order, program=prog, lookahead=lookahead,
-                                 num_banks=num_banks)
-        assert run_program(dev, groups, prog) == [], (program, seed)
-        k = len(mgr.kept)
-        assert all(g.kept == (g in mgr.kept) for g in groups)
-        assert (mgr.stats.d2h_copies, mgr.stats.d2h_skipped) == (2 * (n - k), 2 * k)
-        assert mgr.stats.d2h_bytes == 2 * sum(g.nbytes for g in groups if not g.kept)
-        for f in ("h2d_copies", "evictions", "reloads_skipped", "prefetches", "prefetches_wasted"):
-            assert getattr(mgr.stats, f) == getattr(ref[1].stats, f), f  # only the D2H copies change
-    if program == "stack" or num_banks == 3:
-        assert mgr.kept, program  # the stack on 2 banks keeps its last two forwards; 3 banks keep more
-    if program == "stack" and num_banks == 2:
-        assert [g.name for g in mgr.kept] == ["G3", "G2"]
-
-
+# ------------------------------------------------------------------------- chunked resident copies
 CHUNKED = {"alignment": 16, "copy_chunk_bytes": 48}  # groups of 120-200 bytes: 3 to 5 chunks each
 
 
@@ -837,10 +781,39 @@ def test_chunk_size_comes_from_the_environment_and_bad_values_are_refused(monkey
     monkeypatch.setenv("QEFFECT_OFFLOAD_CHUNK_MIB", "four")
     with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_CHUNK_MIB='four'"):
         OffloadManager("off")
-    monkeypatch.delenv("QEFFECT_OFFLOAD_CHUNK_MIB")
+    monkeypatch.setenv("QEFFECT_OFFLOAD_CHUNK_MIB", "0")
     assert OffloadManager("off").copy_chunk_bytes == 0
+    monkeypatch.delenv("QEFFECT_OFFLOAD_CHUNK_MIB")
+    assert OffloadManager("off").copy_chunk_bytes == DEFAULT_CHUNK_MIB << 20
     with pytest.raises(ValueError, match="copy_chunk_bytes must be >= 0"):
         OffloadManager("off", copy_chunk_bytes=-1)
+
+
+# ------------------------------------------------------------------------------ kept groups (no D2H)
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("lookahead", [True, False])
+@pytest.mark.parametrize("num_banks", [2, 3])
+def test_kept_groups_skip_the_d2h_and_every_interleaving_still_reads_the_right_bytes(
+        program: str, lookahead: bool, num_banks: int) -> None:
+    prog, order = PROGRAMS[program]
+    n = len(order)
+    for seed in range(8):
+        ref = build("resident", seed, layers=n, order=order, program=prog, lookahead=lookahead, num_banks=num_banks,
+                    skip_kept_d2h=False)
+        assert run_program(ref[0], ref[2], prog) == [] and ref[1].kept == [] and ref[1].stats.d2h_copies == 2 * n
+        dev, mgr, groups = build("resident", seed, layers=n, order=order, program=prog, lookahead=lookahead,
+                                 num_banks=num_banks)
+        assert run_program(dev, groups, prog) == [], (program, seed)
+        k = len(mgr.kept)
+        assert all(g.kept == (g in mgr.kept) for g in groups)
+        assert (mgr.stats.d2h_copies, mgr.stats.d2h_skipped) == (2 * (n - k), 2 * k)
+        assert mgr.stats.d2h_bytes == 2 * sum(g.nbytes for g in groups if not g.kept)
+        for f in ("h2d_copies", "evictions", "reloads_skipped", "prefetches", "prefetches_wasted"):
+            assert getattr(mgr.stats, f) == getattr(ref[1].stats, f), f  # only the D2H copies change
+    if program == "stack" or num_banks == 3:
+        assert mgr.kept, program  # the stack on 2 banks keeps its last two forwards; 3 banks keep more
+    if program == "stack" and num_banks == 2:
+        assert [g.name for g in mgr.kept] == ["G3", "G2"]
 
 
 def test_a_kept_group_leaves_no_d2h_and_its_bank_next_writer_waits_for_its_backward() -> None:

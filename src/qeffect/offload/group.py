@@ -28,10 +28,6 @@ microbatch slot) of a captured stage):
    current backward graph (and, deeper, the actions after it) run. Only the first may evict a live
    group from its bank. With the schedule's events, resident mode starts none that a forward would
    evict again before its backward (`offload.plan.futile_restores`): a wasted copy the forward waits for.
-   With QEFFECT_EARLY_RESTORE=1 (off by default: not yet measured on the GPU) it starts those right
-   after the forward that evicts the group for the last time before its backward
-   (`offload.plan.early_restores`, in `after_forward`; the H2D waits for that forward's D2H), so the
-   copy overlaps the actions in between instead of stalling the backward.
 6. `after_backward` records `consumed` on the compute stream: the bytes are no longer needed.
 
 Modes. `release`: each group has its own slot; the device memory of a group exists only while its
@@ -53,6 +49,11 @@ D2H finished and its previous backward consumer finished (stream waits on `bank.
 copied to the host at all (`resident_kept`); a claim that would evict such a group raises
 `OffloadStateError` (the run deviates from the plan: its bytes exist nowhere else). Its bank's next
 writer still waits on its `consumed` (`bank.last_consumed`); it leaves no D2H to wait for.
+Resident copies go in chunks of `copy_chunk_bytes` (`DEFAULT_CHUNK_MIB`; QEFFECT_OFFLOAD_CHUNK_MIB, 0:
+one copy per group), each D2H chunk recording its own event: a restore into a bank whose previous owner's
+D2H is still running waits, chunk by chunk, only for the D2H chunk covering the bytes it overwrites, so
+the two copies overlap instead of running one after the other (the forward that evicts a group often
+runs one or two actions before that group's backward). A forward still waits for the whole D2H.
 With the schedule's events and `min_window` > 0 (`train.offload_min_window`), release mode does not
 offload a group whose backward comes within fewer than `min_window` other actions of its forward
 (`offload.plan.short_window_groups`: the last virtual stage's groups): its D2H could not finish before
@@ -99,7 +100,6 @@ from qeffect.offload.driver import VmmDriver
 from qeffect.offload.plan import backward_order as plan_backward_order
 from qeffect.offload.plan import (
     check_events,
-    early_restores,
     futile_restores,
     kept_groups,
     short_window_groups,
@@ -110,6 +110,10 @@ from qeffect.offload.vmm import VmmSlot, span_bytes
 OffloadMode = Literal["off", "release", "resident"]
 MODES: tuple[str, ...] = ("off", "release", "resident")
 ALIGNMENT = 256  # what cudaMalloc guarantees; vectorized kernels may rely on it
+# resident copies in chunks of 2 MiB: h2048's 18 MiB groups as 9 copies. On the H200 (1e40573, one process,
+# driver stream operations) interleaved resident ran 11.95 ms against 12.60 ms with one copy per group,
+# ZB-V 11.19 against 11.45; 4 MiB chunks 12.06 and 11.21
+DEFAULT_CHUNK_MIB = 2
 
 
 class GroupState(StrEnum):
@@ -202,7 +206,6 @@ class OffloadStats:
     prefetches_wasted: int = 0  # resident: a prefetched restore evicted before its backward
     prefetches_skipped: int = 0  # resident: the target bank was being read by a running backward
     prefetches_futile: int = 0  # resident, with the plan's events: a forward would evict it before its backward
-    early_restores: int = 0  # resident, with the plan's events: restores started right after the evicting forward
     reloads_skipped: int = 0  # resident: the bank still held the group's bytes at its backward
     evictions: int = 0  # resident: a group's bytes left its bank (they are on the host)
     # release: host time the main thread spent blocked on offload (a backward waiting for its D2H to release
@@ -412,9 +415,6 @@ class OffloadGroup:
             self.bank.last_d2h = self.d2h_done
             self.bank.last_d2h_chunks = [(b, e) for (_, b), e in zip(self.chunks, self.d2h_chunk_done, strict=True)]
             self.state = GroupState.RESIDENT_D2H_PENDING
-            for g in m.early.get(id(self), ()):  # the plan: nothing claims the bank again before B(g)
-                if g.live and g.phase is None and m._prefetch(g, under=None):
-                    m.stats.early_restores += 1
 
     def prefetch(self) -> bool:
         """Start this group's restore on the H2D stream now, if it needs one. True if one was started."""
@@ -520,8 +520,9 @@ class OffloadGroup:
 
 
 def _chunk_bytes_from_env() -> int:
-    """QEFFECT_OFFLOAD_CHUNK_MIB: resident copies in chunks of this many MiB (unset or 0: one copy per group)."""
-    raw = os.environ.get("QEFFECT_OFFLOAD_CHUNK_MIB", "0")
+    """QEFFECT_OFFLOAD_CHUNK_MIB: resident copies in chunks of this many MiB (0: one copy per group; unset:
+    `DEFAULT_CHUNK_MIB`)."""
+    raw = os.environ.get("QEFFECT_OFFLOAD_CHUNK_MIB", str(DEFAULT_CHUNK_MIB))
     try:
         mib = float(raw)
     except ValueError:
@@ -600,7 +601,8 @@ class OffloadManager:
         self.num_banks, self.lookahead, self.release_consumed = num_banks, int(lookahead), release_consumed
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
-        # resident: copy each group in chunks of this many bytes (0: one copy), so that a restore into a bank
+        # resident: copy each group in chunks of this many bytes (0: one copy; None: QEFFECT_OFFLOAD_CHUNK_MIB,
+        # else DEFAULT_CHUNK_MIB), so that a restore into a bank
         # whose previous owner's D2H is still running follows it chunk by chunk instead of waiting for all of it
         self.copy_chunk_bytes = -(-copy_chunk_bytes // alignment) * alignment
         self.min_window = min_window  # release, with allocate(events=): fewer other actions F..B: not offloaded
@@ -608,9 +610,6 @@ class OffloadManager:
         # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
         # (QEFFECT_SKIP_FUTILE_RESTORES=0 starts them anyway: the A/B)
         self.skip_futile_restores = os.environ.get("QEFFECT_SKIP_FUTILE_RESTORES", "1") != "0"
-        # ... and, with QEFFECT_EARLY_RESTORE=1, start those restores right after the forward that evicts them
-        # last instead of at the backward (off by default until an H2D A/B on the GPU says it helps)
-        self.early_restore = os.environ.get("QEFFECT_EARLY_RESTORE", "0") == "1"
         self.groups: list[OffloadGroup] = []
         self.banks: list[Bank] = []
         self.stats = OffloadStats()
@@ -621,8 +620,6 @@ class OffloadManager:
         # resident, with allocate(events=): (x, g) look-ahead restores of g at x's backward that a forward
         # would evict before g's backward (`offload.plan.futile_restores`): not started
         self.futile: set[tuple[int, int]] = set()
-        # resident, with allocate(events=): after forward h, restore these groups (`offload.plan.early_restores`)
-        self.early: dict[int, list[OffloadGroup]] = {}
         # release: groups whose D2H is queued and whose slot is still mapped, in the order of their D2Hs
         # (one stream, so they complete in this order): a reap queries from the front and stops at the
         # first copy not done, instead of every group at every hook
@@ -639,7 +636,9 @@ class OffloadManager:
             if self.device.type == "cuda" and self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             if self.streams is None:
-                driver_ops = os.environ.get("QEFFECT_OFFLOAD_DRIVER_STREAMS", "0") == "1"  # the A/B
+                # QEFFECT_OFFLOAD_DRIVER_STREAMS=0: torch's stream operations (the A/B; 14 us per copy and
+                # event record on the H200's host, against 2 us through the driver)
+                driver_ops = os.environ.get("QEFFECT_OFFLOAD_DRIVER_STREAMS", "1") != "0"
                 self.streams = (DriverCudaStreams if driver_ops else TorchCudaStreams)(self.device)
             if self.driver is None:
                 self.driver = VmmDriver(self.device.index or 0)
@@ -722,9 +721,6 @@ class OffloadManager:
             in_banks = {g: g.bank.index for g in order if g.bank is not None}
             futile = futile_restores(events, in_banks)
             self.futile = {(id(x), id(g)) for x, g in futile}
-            if self.early_restore:
-                plan = early_restores(events, in_banks, set(self.kept), futile)
-                self.early = {id(h): gs for h, gs in plan.items()}
         for g in self.groups:
             g.state = GroupState.MAPPED
         self._allocated = True

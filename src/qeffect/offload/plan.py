@@ -19,11 +19,6 @@ bytes are still in the bank when the backward comes, so resident mode need not c
 would start one and the backward that reads it, another group of the same bank runs its forward and evicts
 the restored bytes again. Such a restore is a wasted copy, and the forward that evicts it waits for it.
 
-`early_restores` says where resident mode should start the restores it does not start at the look-ahead
-(a futile one): right after the forward that evicts the group for the last time before its backward, as
-soon as that forward's D2H is done, instead of at the backward itself, so the copy overlaps the actions
-in between.
-
 `short_window_groups` says which groups release mode should not offload at all: their backward comes
 within fewer than `min_window` other actions of their forward (the last virtual stage's groups: their
 input gradient follows their forward at once), so their D2H cannot finish, and their memory cannot come
@@ -151,37 +146,6 @@ def futile_restores(events: Sequence[Event], banks: Mapping[Hashable, int]) -> s
         for g in order[a + 1:]:
             if any(start[x] < i < start[g] and h != g and banks[h] == banks[g] for i, h in claims):
                 out.add((x, g))
-    return out
-
-
-def early_restores(events: Sequence[Event], banks: Mapping[Hashable, int],
-                   kept: set[Hashable] | frozenset = frozenset(),
-                   futile: set[tuple[Hashable, Hashable]] | None = None) -> dict[Hashable, list[Hashable]]:
-    """For each forward h, the groups g whose restore resident mode should start right after F(h).
-
-    g qualifies when the look-ahead at the backward before B(g) (in backward order, over `banks`) would
-    be futile (`futile_restores`) and the last claim of g's bank by another group before B(g) is the
-    forward F(h) of a group h that is not kept (a kept group's bytes exist only in the bank: evicting it is
-    refused). Nothing else claims the bank between F(h) and B(g), so the restored bytes survive; the
-    restore evicts h, whose own backward would have needed a restore anyway (B(g) claims the bank first).
-    A last claim that is a backward, or a first group in backward order, leaves the restore at B(g).
-    `futile`: `futile_restores(events, banks)` where the caller has it already."""
-    check_events(events)
-    start = {g: i for i, (kind, g) in enumerate(events) if kind == "B"}
-    order = [g for g in backward_order(events) if g in banks]
-    if futile is None:
-        futile = futile_restores(events, banks)
-    out: dict[Hashable, list[Hashable]] = {}
-    for x, g in zip(order, order[1:], strict=False):
-        if (x, g) not in futile:
-            continue
-        last = max((i for i, (kind, h) in enumerate(events[:start[g]])
-                    if kind in ("F", "B") and h != g and h in banks and banks[h] == banks[g]), default=None)
-        if last is None:
-            continue
-        kind, h = events[last]
-        if kind == "F" and h not in kept:
-            out.setdefault(h, []).append(g)
     return out
 
 

@@ -85,8 +85,8 @@ class DriverCudaStreams(TorchCudaStreams):
     guard (`scripts/offload_host_ops.py` measures both). Events are torch's (their `query`,
     `synchronize` and `elapsed_time` stay torch's), created at once by a first record: torch creates
     the CUDA event lazily at its first record, and a raw handle must exist before a driver call uses it.
-    Selected by QEFFECT_OFFLOAD_DRIVER_STREAMS=1 (the A/B). Copies need contiguous tensors of equal size:
-    offload copies whole byte views of slots and pinned host buffers."""
+    The default of `OffloadManager` on a GPU; QEFFECT_OFFLOAD_DRIVER_STREAMS=0 selects torch's (the A/B).
+    Copies need contiguous tensors of equal size: offload copies whole byte views of slots and pinned host buffers."""
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
         super().__init__(device)
