@@ -251,6 +251,7 @@ class OffloadGroup:
         self.d2h_done: Any = None
         self.chunks: list[tuple[int, int]] = []  # resident: [start, end) byte ranges of its copies (`copy_chunk_bytes`)
         self.d2h_chunk_done: list[Any] = []  # resident: one event per D2H chunk; the last one is `d2h_done`
+        self.chunk_views: list[tuple[Tensor, Tensor]] = []  # (slot bytes, host bytes) per chunk, sliced once
         self.restore_done: Any = None
         self.consumed: Any = None
         self._consumed_recorded = False
@@ -397,8 +398,8 @@ class OffloadGroup:
             return
         s.wait(m.d2h_stream, self.forward_done)
         if m.mode == "resident" and len(self.chunks) > 1:  # a later restore into the bank may follow chunk by chunk
-            for (a, b), done in zip(self.chunks, self.d2h_chunk_done, strict=True):
-                s.copy(self.host[a:b], self.slot_bytes[a:b], m.d2h_stream)
+            for (slot, host), done in zip(self.chunk_views, self.d2h_chunk_done, strict=True):
+                s.copy(host, slot, m.d2h_stream)
                 s.record(done, m.d2h_stream)
         else:
             s.copy(self.host, self.slot_bytes, m.d2h_stream)
@@ -755,6 +756,7 @@ class OffloadManager:
             size = self.copy_chunk_bytes if self.mode == "resident" and self.copy_chunk_bytes else g.nbytes
             g.chunks = [(a, min(a + size, g.nbytes)) for a in range(0, g.nbytes, size)]
             g.d2h_chunk_done = [s.new_event(f"{g.name}.d2h_chunk{i}") for i in range(len(g.chunks) - 1)] + [g.d2h_done]
+            g.chunk_views = [(g.slot_bytes[a:b], g.host[a:b]) for a, b in g.chunks]  # no slicing on the hot path
             g.restore_done = s.new_event(f"{g.name}.restore_done", self.timing)
             g.consumed = s.new_event(f"{g.name}.consumed")
 
@@ -785,12 +787,12 @@ class OffloadManager:
         if bank.last_d2h is not None and not chunked:
             self.streams.wait(writer, bank.last_d2h)
         elif bank.last_d2h is not None:
-            done = -1
-            for _, end in g.chunks:
-                i = next((i for i, (e, _) in enumerate(bank.last_d2h_chunks) if e >= end),
-                         len(bank.last_d2h_chunks) - 1)
-                waits.append(bank.last_d2h_chunks[i][1] if i > done else None)
-                done = max(done, i)
+            prev, i, done = bank.last_d2h_chunks, 0, -1
+            for _, end in g.chunks:  # both in increasing order: the first D2H chunk reaching `end`, else the last
+                while i < len(prev) - 1 and prev[i][0] < end:
+                    i += 1
+                waits.append(prev[i][1] if i > done else None)
+                done = i
         if bank.last_consumed is not None:
             self.streams.wait(writer, bank.last_consumed)
         bank.owner = g
@@ -811,10 +813,10 @@ class OffloadManager:
             g.restore_done = s.new_event(f"{g.name}.restore_done", True)
             s.record(start, h2d)
         if len(g.chunks) > 1:  # each chunk after the previous owner's D2H has read those bytes out
-            for (a, b), ev in zip(g.chunks, chunk_waits or [None] * len(g.chunks), strict=True):
+            for (slot, host), ev in zip(g.chunk_views, chunk_waits or [None] * len(g.chunks), strict=True):
                 if ev is not None:
                     s.wait(h2d, ev)
-                s.copy(g.slot_bytes[a:b], g.host[a:b], h2d)
+                s.copy(slot, host, h2d)
         else:
             s.copy(g.slot_bytes, g.host, h2d)
         s.record(g.restore_done, h2d)
@@ -948,7 +950,7 @@ class OffloadManager:
             self.driver.close()
         for g in self.groups:
             g.state, g.live, g.phase = GroupState.CLOSED, False, None
-            g._views = []
+            g._views, g.chunk_views = [], []
         self._d2h_fifo.clear()
         self._closed = True
 
