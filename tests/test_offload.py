@@ -1459,3 +1459,73 @@ def test_a_discarded_pending_group_leaves_the_reap_queue_at_its_next_forward() -
         g.after_forward()
     dev.synchronize()
     assert mgr.reap() == 4 and mgr._d2h_fifo == []
+
+
+# ------------------------------------------------------------------ driver stream operations (no GPU)
+class _RawHandle:
+    def __init__(self, h: int) -> None:
+        self.h = h
+
+
+class _FakeCu:
+    """The four `cuda.bindings.driver` names `DriverCudaStreams` uses, recording each call."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    CUstream = CUevent = _RawHandle
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.fail: str | None = None
+
+    def _ret(self, name: str, *args: object) -> tuple:
+        self.calls.append((name, *args))
+        return (700 if self.fail == name else 0,)
+
+    def cuEventRecord(self, e, s):  # noqa: N802
+        return self._ret("cuEventRecord", e.h, s.h)
+
+    def cuStreamWaitEvent(self, s, e, flags):  # noqa: N802
+        return self._ret("cuStreamWaitEvent", s.h, e.h)
+
+    def cuMemcpyAsync(self, dst, src, n, s):  # noqa: N802
+        return self._ret("cuMemcpyAsync", dst, src, n, s.h)
+
+
+class _FakeEvent:
+    def __init__(self, h: int) -> None:
+        self.cuda_event, self.torch_records = h, 0
+
+    def record(self, stream=None) -> None:
+        self.torch_records += 1
+        self.cuda_event = self.cuda_event or 99
+
+
+def test_driver_stream_operations_pass_the_raw_handles_and_check_each_result() -> None:
+    from types import SimpleNamespace
+
+    from qeffect.offload.driver import CudaDriverError
+    from qeffect.offload.streams import DriverCudaStreams
+
+    ops = object.__new__(DriverCudaStreams)  # no CUDA device here: the attributes __init__ would set
+    ops.cu, ops._ok, ops._streams, ops._events = _FakeCu(), 0, {}, {}
+    s, e = SimpleNamespace(cuda_stream=7), _FakeEvent(5)
+    ops.record(e, s)
+    ops.wait(s, e)
+    a, b = torch.zeros(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8)
+    ops.copy(a, b, s)
+    assert ops.cu.calls == [("cuEventRecord", 5, 7), ("cuStreamWaitEvent", 7, 5),
+                            ("cuMemcpyAsync", a.data_ptr(), b.data_ptr(), 16, 7)]
+    assert len(ops._events) == len(ops._streams) == 1  # wrappers by handle value, made once
+    fresh = _FakeEvent(0)  # never recorded: a wait is a no-op (as in CUDA), a record is torch's (it creates it)
+    ops.wait(s, fresh)
+    ops.record(fresh, s)
+    assert fresh.torch_records == 1 and len(ops.cu.calls) == 3
+    with pytest.raises(ValueError, match="contiguous tensors of equal size"):
+        ops.copy(a[:8], b, s)
+    with pytest.raises(ValueError, match="contiguous tensors of equal size"):
+        ops.copy(torch.zeros(4, 4, dtype=torch.uint8).t(), b, s)
+    ops.cu.fail = "cuStreamWaitEvent"
+    with pytest.raises(CudaDriverError, match="cuStreamWaitEvent failed"):
+        ops.wait(s, e)

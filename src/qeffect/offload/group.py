@@ -603,8 +603,8 @@ class OffloadManager:
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
         # resident: copy each group in chunks of this many bytes (0: one copy; None: QEFFECT_OFFLOAD_CHUNK_MIB,
-        # else DEFAULT_CHUNK_MIB), so that a restore into a bank
-        # whose previous owner's D2H is still running follows it chunk by chunk instead of waiting for all of it
+        # else DEFAULT_CHUNK_MIB), so that a restore into a bank whose previous owner's D2H is still running
+        # follows it chunk by chunk instead of waiting for all of it
         self.copy_chunk_bytes = -(-copy_chunk_bytes // alignment) * alignment
         self.min_window = min_window  # release, with allocate(events=): fewer other actions F..B: not offloaded
         self._eligible_fn = eligible or default_eligible

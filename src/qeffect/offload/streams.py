@@ -94,12 +94,16 @@ class DriverCudaStreams(TorchCudaStreams):
 
         self.cu = load_bindings()
         self._ok = self.cu.CUresult.CUDA_SUCCESS
+        # raw handle wrappers by handle value (a wrapper holds only the integer: a handle reused after its
+        # event or stream was destroyed wraps the same way, so nothing here keeps an object alive or grows)
         self._streams: dict[int, Any] = {}
         self._events: dict[int, Any] = {}
 
     def _check(self, call: str, ret: tuple) -> None:
         if ret[0] != self._ok:
-            raise RuntimeError(f"{call} failed: {ret[0]}")
+            from qeffect.offload.driver import CudaDriverError, _code
+
+            raise CudaDriverError(call, _code(ret[0]), str(ret[0]), "stream operation on raw handles")
 
     def _stream(self, stream: torch.cuda.Stream) -> Any:
         h = stream.cuda_stream
@@ -108,11 +112,11 @@ class DriverCudaStreams(TorchCudaStreams):
             raw = self._streams[h] = self.cu.CUstream(h)
         return raw
 
-    def _event(self, event: torch.cuda.Event) -> Any:
-        raw = self._events.get(id(event))
+    def _event(self, h: int) -> Any:
+        raw = self._events.get(h)
         if raw is None:
-            raw = self._events[id(event)] = (self.cu.CUevent(event.cuda_event), event)  # keeps the id valid
-        return raw[0]
+            raw = self._events[h] = self.cu.CUevent(h)
+        return raw
 
     def new_event(self, name: str, timing: bool = False) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=timing)
@@ -120,10 +124,16 @@ class DriverCudaStreams(TorchCudaStreams):
         return event
 
     def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
-        self._check("cuEventRecord", self.cu.cuEventRecord(self._event(event), self._stream(stream)))
+        if not event.cuda_event:  # not created yet (made elsewhere): torch's record creates it
+            event.record(stream)
+            return
+        self._check("cuEventRecord", self.cu.cuEventRecord(self._event(event.cuda_event), self._stream(stream)))
 
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
-        self._check("cuStreamWaitEvent", self.cu.cuStreamWaitEvent(self._stream(stream), self._event(event), 0))
+        if not event.cuda_event:  # never recorded: a no-op, as in CUDA
+            return
+        self._check("cuStreamWaitEvent",
+                    self.cu.cuStreamWaitEvent(self._stream(stream), self._event(event.cuda_event), 0))
 
     def copy(self, dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
         n = dst.numel() * dst.element_size()
