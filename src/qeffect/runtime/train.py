@@ -132,7 +132,27 @@ def train(cfg: RunConfig, *, out: Path | None = None,
 
     `resume`: a checkpoint folder (or a checkpoint root with a `latest` file) to continue from; the run
     must have the checkpoint's pipeline shape, schedule, recipe and model (`UserError` otherwise).
+    Under torchrun, the process group this call creates is destroyed before it returns (after a barrier
+    when training ended normally): a gloo or NCCL group left to the interpreter's exit is torn down with
+    its threads still running, which can abort the process after a successful run.
     """
+    from qeffect.runtime import distributed as D
+
+    owns_group = D.launched_by_torchrun() and not torch.distributed.is_initialized()
+    try:
+        summary = _train(cfg, out=out, on_step=on_step, resume=resume)
+    except BaseException:
+        if owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # no barrier: another rank may never reach it
+        raise
+    if owns_group and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return summary
+
+
+def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics], None] | None,
+           resume: str | Path | None) -> TrainSummary:
     from qeffect.runtime import distributed as D
 
     t_start = time.perf_counter()
