@@ -768,16 +768,21 @@ def test_a_chunked_restore_waits_per_chunk_for_the_d2h_chunk_covering_it() -> No
     g1.after_backward()
 
 
-def test_each_chunk_fence_is_needed(monkeypatch) -> None:
-    """Without the per-chunk waits (only the first and the last are kept by other rules), a restore chunk
-    overwrites bytes the previous owner's D2H has not read yet, for some interleaving."""
+@pytest.mark.parametrize("fence, streamed", [(".d2h_chunk", "0"), (".written", "1")])
+def test_each_chunk_fence_is_needed(monkeypatch, fence: str, streamed: str) -> None:
+    """Without the per-chunk waits of a restore on the D2H chunks (the first and the last are kept by other
+    rules), a restore chunk overwrites bytes the previous owner's D2H has not read yet; with streamed D2H,
+    without the waits on the chunks' `written` events, a D2H reads a chunk its forward has not written yet:
+    for some interleaving, either way."""
+    monkeypatch.setenv("QEFFECT_OFFLOAD_STREAM_D2H", streamed)
     orig = FakeDevice.wait
     monkeypatch.setattr(FakeDevice, "wait",
-                        lambda self, stream, event: None if ".d2h_chunk" in event.name else orig(self, stream, event))
+                        lambda self, stream, event: None if fence in event.name else orig(self, stream, event))
     detected = 0
     for prog, order in (STACK, ONE_F_ONE_B):
         for seed in range(20):
             dev, _, groups = build("resident", seed, layers=len(order), order=order, progress=1, **CHUNKED)
+            assert all(bool(g.written) == (streamed == "1") for g in groups)
             detected += bool(run_program(dev, groups, prog))
     assert detected > 0
 
@@ -824,21 +829,6 @@ def test_streamed_d2h_reads_the_right_bytes_in_every_interleaving(monkeypatch, p
             assert getattr(mgr.stats, f) == getattr(ref[1].stats, f), f
         d2h_waits = {e[2].split(".")[1] for e in dev.trace if e[:2] == ("wait", "d2h")}
         assert d2h_waits == {"written0", "written1"}  # never the whole forward's `forward_done`
-
-
-def test_each_streamed_d2h_fence_is_needed(monkeypatch) -> None:
-    """Without the waits on the chunks' `written` events, a D2H reads a chunk the forward has not written yet
-    (for some interleaving): the events recorded inside the forward are what order it."""
-    monkeypatch.setenv("QEFFECT_OFFLOAD_STREAM_D2H", "1")
-    orig = FakeDevice.wait
-    monkeypatch.setattr(FakeDevice, "wait",
-                        lambda self, stream, event: None if ".written" in event.name else orig(self, stream, event))
-    detected = 0
-    for prog, order in (STACK, ONE_F_ONE_B):
-        for seed in range(20):
-            dev, _, groups = build("resident", seed, layers=len(order), order=order, progress=1, **CHUNKED)
-            detected += bool(run_program(dev, groups, prog))
-    assert detected > 0
 
 
 # ------------------------------------------------------------------------------ kept groups (no D2H)
