@@ -43,7 +43,7 @@ backward that comes before that waits for the copy (its own group's, queued a wi
 backward order uses bank i % num_banks (or the bank `offload.plan.assign_banks` gives it), so the
 bank a backward reads and the bank the look-ahead restores into always differ. No driver calls and
 no host waits on the hot path. A bank is written (by a forward or a restore) only after its previous
-D2H finished and its previous backward consumer finished (stream waits on `bank.last_d2h` and
+D2H finished and its previous backward consumer finished (stream waits on `bank.last_d2h_by`'s D2H and
 `bank.last_consumed`). Host buffers stay per group. With the schedule's events (`allocate(events=)`,
 `skip_kept_d2h`), a group whose bank the plan leaves alone from its forward to its backward is not
 copied to the host at all (`resident_kept`); a claim that would evict such a group raises
@@ -226,10 +226,9 @@ class Bank:
     index: int
     slot: VmmSlot
     owner: OffloadGroup | None = None  # the group whose bytes (or forward) the bank holds now
-    last_d2h: Any = None  # event: the last D2H out of this bank (a writer must wait on it)
-    # that D2H's chunks: (end byte, event recorded after the chunk [.., end)), in stream order; the last is
-    # `last_d2h`. A restore into the bank waits, per chunk of its own, only for the chunks it overwrites
-    last_d2h_chunks: list[tuple[int, Any]] = field(default_factory=list)
+    # the group whose D2H out of this bank was the last (a writer must wait on its `d2h_done`; a chunked
+    # restore, per chunk of its own, only on the D2H chunk events covering the bytes it overwrites)
+    last_d2h_by: OffloadGroup | None = None
     last_consumed: Any = None  # event: the last backward that read this bank (a writer must wait on it)
 
 
@@ -416,20 +415,13 @@ class OffloadGroup:
             self.state = GroupState.RESIDENT_KEPT
             m.stats.d2h_skipped += 1
             return
-        if self.written:  # streamed: each chunk as soon as the forward graph has copied it into the slot
-            for (slot, host), written, done in zip(self.chunk_views, self.written, self.d2h_chunk_done, strict=True):
-                s.wait(m.d2h_stream, written)
-                s.copy(host, slot, m.d2h_stream)
-                s.record(done, m.d2h_stream)
-        elif m.mode == "resident" and len(self.chunks) > 1:  # a later restore into the bank may follow chunk by chunk
+        if not self.written:  # streamed: each chunk waits for its own event from the forward graph instead
             s.wait(m.d2h_stream, self.forward_done)
-            for (slot, host), done in zip(self.chunk_views, self.d2h_chunk_done, strict=True):
-                s.copy(host, slot, m.d2h_stream)
-                s.record(done, m.d2h_stream)
-        else:
-            s.wait(m.d2h_stream, self.forward_done)
-            s.copy(self.host, self.slot_bytes, m.d2h_stream)
-            s.record(self.d2h_done, m.d2h_stream)
+        for k, ((slot, host), done) in enumerate(zip(self.chunk_views, self.d2h_chunk_done, strict=True)):
+            if self.written:
+                s.wait(m.d2h_stream, self.written[k])
+            s.copy(host, slot, m.d2h_stream)  # one chunk (the last event: `d2h_done`) unless resident chunks
+            s.record(done, m.d2h_stream)
         self._d2h_recorded = True
         m.stats.d2h_copies += 1
         m.stats.d2h_bytes += self.nbytes
@@ -439,8 +431,7 @@ class OffloadGroup:
             m._d2h_fifo.append(self)
             m._maybe_reap(exclude=self)
         else:
-            self.bank.last_d2h = self.d2h_done
-            self.bank.last_d2h_chunks = [(b, e) for (_, b), e in zip(self.chunks, self.d2h_chunk_done, strict=True)]
+            self.bank.last_d2h_by = self
             self.state = GroupState.RESIDENT_D2H_PENDING
 
     def prefetch(self) -> bool:
@@ -834,14 +825,15 @@ class OffloadManager:
             owner.state = GroupState.RESIDENT_RELOAD_PENDING
             self.stats.evictions += 1
         waits: list[Any] = []
-        if bank.last_d2h is not None and not chunked:
-            self.streams.wait(writer, bank.last_d2h)
-        elif bank.last_d2h is not None:
-            prev, i, done = bank.last_d2h_chunks, 0, -1
+        prev = bank.last_d2h_by
+        if prev is not None and not chunked:
+            self.streams.wait(writer, prev.d2h_done)
+        elif prev is not None:
+            i, done = 0, -1
             for _, end in g.chunks:  # both in increasing order: the first D2H chunk reaching `end`, else the last
-                while i < len(prev) - 1 and prev[i][0] < end:
+                while i < len(prev.chunks) - 1 and prev.chunks[i][1] < end:
                     i += 1
-                waits.append(prev[i][1] if i > done else None)
+                waits.append(prev.d2h_chunk_done[i] if i > done else None)
                 done = i
         if bank.last_consumed is not None:
             self.streams.wait(writer, bank.last_consumed)
@@ -862,13 +854,11 @@ class OffloadManager:
             start = s.new_event(f"{g.name}.restore_start", True)
             g.restore_done = s.new_event(f"{g.name}.restore_done", True)
             s.record(start, h2d)
-        if len(g.chunks) > 1:  # each chunk after the previous owner's D2H has read those bytes out
-            for (slot, host), ev in zip(g.chunk_views, chunk_waits or [None] * len(g.chunks), strict=True):
-                if ev is not None:
-                    s.wait(h2d, ev)
-                s.copy(slot, host, h2d)
-        else:
-            s.copy(g.slot_bytes, g.host, h2d)
+        # each chunk after the previous owner's D2H has read those bytes out (chunked), else one copy
+        for (slot, host), ev in zip(g.chunk_views, chunk_waits or [None] * len(g.chunks), strict=True):
+            if ev is not None:
+                s.wait(h2d, ev)
+            s.copy(slot, host, h2d)
         s.record(g.restore_done, h2d)
         g._restore_pending = True
         g.state = GroupState.MAPPED

@@ -139,16 +139,16 @@ def train(cfg: RunConfig, *, out: Path | None = None,
     from qeffect.runtime import distributed as D
 
     owns_group = D.launched_by_torchrun() and not torch.distributed.is_initialized()
+    ended = False
     try:
         summary = _train(cfg, out=out, on_step=on_step, resume=resume)
-    except BaseException:
+        ended = True
+        return summary
+    finally:
         if owns_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()  # no barrier: another rank may never reach it
-        raise
-    if owns_group and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    return summary
+            if ended:  # after a failure, no barrier: another rank may never reach it
+                torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
 
 
 def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics], None] | None,
