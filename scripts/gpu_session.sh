@@ -28,8 +28,6 @@
 # offload-futile: resident look-ahead without the restores a forward evicts: offload GPU tests, A/B benchmark.
 # offload-chunks: host cost of stream operations, offload GPU tests, stalls, and the A/B of chunked copies and
 #          driver stream operations (both on by default) against one copy per group and torch's operations.
-# offload-stream-d2h: QEFFECT_OFFLOAD_STREAM_D2H=1: offload GPU tests, stalls and the A/B of D2H chunks that
-#          wait for the forward graph's event after their last tensor (about 4 minutes).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -276,22 +274,6 @@ offload-chunks)
             modes="off,resident,resident$C,resident$D,release,release$D,resident#2,resident#2$C,resident#2$D,off#2"
             step 240 "offload-chunks-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
                 --schedule "$sched" --steps 20 --out "$out/offload-bench-h2048-$sched-chunks-h200.json" --modes "$modes"
-        done
-    fi
-    ;;
-offload-stream-d2h)
-    # resident D2H chunks that wait for the forward graph's own event after their last tensor, not for the whole
-    # forward (QEFFECT_OFFLOAD_STREAM_D2H=1, off by default): the offload and training GPU tests with it on (real
-    # captures record the external events), the stalls, then the A/B per schedule, repeated in alternation
-    if QEFFECT_OFFLOAD_STREAM_D2H=1 step 180 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/test_offload_gpu.py tests/test_train.py; then
-        QEFFECT_OFFLOAD_STREAM_D2H=1 step 120 offload-waits python3 scripts/offload_waits.py --modes off,resident \
-            --json "$out/offload-waits-h2048-stream-d2h-h200.json"
-        S=+QEFFECT_OFFLOAD_STREAM_D2H=1
-        for sched in interleaved zbv; do
-            step 200 "offload-stream-d2h-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-                --schedule "$sched" --steps 20 --out "$out/offload-bench-h2048-$sched-stream-d2h-h200.json" \
-                --modes "off,resident,resident$S,resident#2,resident#2$S,off#2"
         done
     fi
     ;;

@@ -38,8 +38,8 @@ def timed_waits(base: type[TorchCudaStreams]) -> type[TorchCudaStreams]:
     """`base` whose waits on the compute (current) stream are bracketed by timing events (in RECORDS)."""
 
     class TimedWaits(base):
-        def new_event(self, name: str, timing: bool = False, external: bool = False) -> torch.cuda.Event:
-            ev = super().new_event(name, timing, external)
+        def new_event(self, name: str, timing: bool = False) -> torch.cuda.Event:
+            ev = super().new_event(name, timing)
             NAMES[id(ev)] = re.sub(r"\d+$", "", name.rsplit(".", 1)[-1])  # d2h_chunk3 -> d2h_chunk
             return ev
 

@@ -371,15 +371,9 @@ def run_program(dev: FakeDevice, groups, program, steps: int = 2) -> list:
             vs = g.views
             if op == "F":
                 g.before_forward()
-                if g.written:  # streamed D2H: the forward graph records a chunk's event after copying its last tensor
-                    for i, v in enumerate(vs):
-                        dev.launch(dev.compute, lambda v=v, i=i, k=k, step=step: v.copy_(pattern(step, k, i, v)),
-                                   f"F{k}.{i}", touches=[v])
-                        g.tensor_stored(i)
-                else:
-                    dev.launch(dev.compute, lambda vs=vs, k=k, step=step: [v.copy_(pattern(step, k, i, v))
-                                                                           for i, v in enumerate(vs)], f"F{k}",
-                               touches=vs)
+                dev.launch(dev.compute, lambda vs=vs, k=k, step=step: [v.copy_(pattern(step, k, i, v))
+                                                                       for i, v in enumerate(vs)], f"F{k}",
+                           touches=vs)
                 g.after_forward()
             else:
                 g.before_backward()
@@ -768,21 +762,16 @@ def test_a_chunked_restore_waits_per_chunk_for_the_d2h_chunk_covering_it() -> No
     g1.after_backward()
 
 
-@pytest.mark.parametrize("fence, streamed", [(".d2h_chunk", "0"), (".written", "1")])
-def test_each_chunk_fence_is_needed(monkeypatch, fence: str, streamed: str) -> None:
+def test_each_chunk_fence_is_needed(monkeypatch) -> None:
     """Without the per-chunk waits of a restore on the D2H chunks (the first and the last are kept by other
-    rules), a restore chunk overwrites bytes the previous owner's D2H has not read yet; with streamed D2H,
-    without the waits on the chunks' `written` events, a D2H reads a chunk its forward has not written yet:
-    for some interleaving, either way."""
-    monkeypatch.setenv("QEFFECT_OFFLOAD_STREAM_D2H", streamed)
+    rules), a restore chunk overwrites bytes the previous owner's D2H has not read yet, for some interleaving."""
     orig = FakeDevice.wait
     monkeypatch.setattr(FakeDevice, "wait",
-                        lambda self, stream, event: None if fence in event.name else orig(self, stream, event))
+                        lambda self, stream, event: None if ".d2h_chunk" in event.name else orig(self, stream, event))
     detected = 0
     for prog, order in (STACK, ONE_F_ONE_B):
         for seed in range(20):
             dev, _, groups = build("resident", seed, layers=len(order), order=order, progress=1, **CHUNKED)
-            assert all(bool(g.written) == (streamed == "1") for g in groups)
             detected += bool(run_program(dev, groups, prog))
     assert detected > 0
 
@@ -799,36 +788,6 @@ def test_chunk_size_comes_from_the_environment_and_bad_values_are_refused(monkey
     assert OffloadManager("off").copy_chunk_bytes == DEFAULT_CHUNK_MIB << 20
     with pytest.raises(ValueError, match="copy_chunk_bytes must be >= 0"):
         OffloadManager("off", copy_chunk_bytes=-1)
-
-
-def test_tensor_chunks_end_where_tensors_end() -> None:
-    from qeffect.offload.group import tensor_chunks
-
-    assert tensor_chunks([0, 256, 512], 600, 300) == ([(0, 512), (512, 600)], {1: 0, 2: 1})
-    assert tensor_chunks([0, 256, 512], 600, 600) == ([(0, 600)], {2: 0})
-    assert tensor_chunks([0, 256, 512], 600, 1) == ([(0, 256), (256, 512), (512, 600)], {0: 0, 1: 1, 2: 2})
-    assert tensor_chunks([], 0, 8) == ([], {})
-
-
-@pytest.mark.parametrize("program", sorted(PROGRAMS))
-@pytest.mark.parametrize("planned", [False, True])
-def test_streamed_d2h_reads_the_right_bytes_in_every_interleaving(monkeypatch, program: str, planned: bool) -> None:
-    """QEFFECT_OFFLOAD_STREAM_D2H=1: each D2H chunk waits for the forward's event after its last tensor, not
-    for the whole forward; the bytes and the counted copies stay those of the unstreamed copies."""
-    prog, order = PROGRAMS[program]
-    n = len(order)
-    for seed in range(12):
-        kw = {"layers": n, "order": order, "program": prog if planned else None}
-        monkeypatch.delenv("QEFFECT_OFFLOAD_STREAM_D2H", raising=False)
-        ref = build("resident", seed, **kw, **CHUNKED)
-        monkeypatch.setenv("QEFFECT_OFFLOAD_STREAM_D2H", "1")
-        dev, mgr, groups = build("resident", seed, **kw, **CHUNKED)
-        assert all(len(g.written) == len(g.chunks) == 2 for g in groups) and not ref[2][0].written
-        assert run_program(ref[0], ref[2], prog) == [] and run_program(dev, groups, prog) == [], (program, seed)
-        for f in ("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes", "evictions", "reloads_skipped"):
-            assert getattr(mgr.stats, f) == getattr(ref[1].stats, f), f
-        d2h_waits = {e[2].split(".")[1] for e in dev.trace if e[:2] == ("wait", "d2h")}
-        assert d2h_waits == {"written0", "written1"}  # never the whole forward's `forward_done`
 
 
 # ------------------------------------------------------------------------------ kept groups (no D2H)
@@ -1179,12 +1138,8 @@ def _model(seed: int = 0):
     return f, x, (x, w1, w2)
 
 
-@pytest.mark.parametrize("mode", ["release", "resident", "resident-streamed"])
-def test_saved_activations_round_trip_through_the_slot_bitwise(monkeypatch, mode: str) -> None:
-    if mode == "resident-streamed":  # the capture hooks record each chunk's `written` event after its last tensor
-        monkeypatch.setenv("QEFFECT_OFFLOAD_STREAM_D2H", "1")
-        monkeypatch.setenv("QEFFECT_OFFLOAD_CHUNK_MIB", str(300 / (1 << 20)))  # chunks [0, 512), [512, end)
-        mode = "resident"
+@pytest.mark.parametrize("mode", ["release", "resident"])
+def test_saved_activations_round_trip_through_the_slot_bitwise(mode: str) -> None:
     f, x, inputs = _model()
     gy = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
     ref = torch.autograd.grad(f(x), inputs, gy)
@@ -1201,10 +1156,6 @@ def test_saved_activations_round_trip_through_the_slot_bitwise(monkeypatch, mode
     with dev.host_compute(), g.capture_hooks():
         y = f(x)
     assert [v.data_ptr() - g.va for v in g.views] == g.offsets == [0, 256, 512]
-    if mgr.stream_d2h:  # recorded by the hooks right after the copies of t and of the last tensor
-        assert g.chunks == [(0, 512), (512, g.nbytes)]
-        assert [e for e in dev.trace if e[0] == "record" and ".written" in e[2]] == [
-            ("record", "compute", "F0.written0"), ("record", "compute", "F0.written1")]
     g.after_forward()
     if mode == "release":
         assert mgr.reap(block=True) == 1

@@ -451,12 +451,8 @@ class FakeDevice:
         self.streams.append(s)
         return s
 
-    def new_event(self, name: str, timing: bool = False, external: bool = False) -> FakeEvent:
+    def new_event(self, name: str, timing: bool = False) -> FakeEvent:
         return FakeEvent(name, timing)
-
-    def record_in_graph(self, event: FakeEvent, stream: FakeStream) -> None:
-        """No graphs here: the record a captured forward's event-record node would make at replay."""
-        self.record(event, stream)
 
     def record(self, event: FakeEvent, stream: FakeStream) -> None:
         tok = _Token(event)

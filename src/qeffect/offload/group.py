@@ -54,11 +54,6 @@ one copy per group), each D2H chunk recording its own event: a restore into a ba
 D2H is still running waits, chunk by chunk, only for the D2H chunk covering the bytes it overwrites, so
 the two copies overlap instead of running one after the other (the forward that evicts a group often
 runs one or two actions before that group's backward). A forward still waits for the whole D2H.
-With QEFFECT_OFFLOAD_STREAM_D2H=1 (off by default: not yet measured on the GPU) the chunks end at tensor
-ends (`tensor_chunks`) and the capture hooks record an external event per chunk inside the forward graph,
-right after the copy of its last tensor into the slot (`tensor_stored`); each D2H chunk waits for that event
-instead of the whole forward (`forward_done`), so a group's copy-out runs alongside its own forward and the
-restore that follows it can finish sooner.
 With the schedule's events and `min_window` > 0 (`train.offload_min_window`), release mode does not
 offload a group whose backward comes within fewer than `min_window` other actions of its forward
 (`offload.plan.short_window_groups`: the last virtual stage's groups): its D2H could not finish before
@@ -256,11 +251,6 @@ class OffloadGroup:
         self.chunks: list[tuple[int, int]] = []  # resident: [start, end) byte ranges of its copies (`copy_chunk_bytes`)
         self.d2h_chunk_done: list[Any] = []  # resident: one event per D2H chunk; the last one is `d2h_done`
         self.chunk_views: list[tuple[Tensor, Tensor]] = []  # (slot bytes, host bytes) per chunk, sliced once
-        # resident, streamed D2H (QEFFECT_OFFLOAD_STREAM_D2H=1): chunks end at tensor ends; one external event
-        # per chunk, recorded inside the forward graph right after the copy of the chunk's last tensor into
-        # the slot (`tensor_stored`), which that chunk's D2H waits for instead of the whole forward
-        self.written: list[Any] = []
-        self._chunk_ending_at: dict[int, int] = {}  # tensor index -> the chunk it ends
         self.restore_done: Any = None
         self.consumed: Any = None
         self._consumed_recorded = False
@@ -322,15 +312,6 @@ class OffloadGroup:
             view.copy_(t)
         return view
 
-    def tensor_stored(self, i: int) -> None:
-        """Saved tensor `i` was just copied into its slot view on the current stream (in a capture: by the
-        forward graph). With streamed D2H, the chunk it ends records its `written` event there (an
-        event-record node of the graph), so that chunk's D2H can start while the forward still runs."""
-        k = self._chunk_ending_at.get(i)
-        if k is not None:
-            s = self.manager.streams
-            s.record_in_graph(self.written[k], s.current_stream())
-
     @contextlib.contextmanager
     def capture_hooks(self) -> Iterator[OffloadGroup]:
         """While F is captured: each eligible saved tensor goes into its slot view; autograd keeps the view.
@@ -360,7 +341,6 @@ class OffloadGroup:
                 raise OffloadStateError(f"group {self.name!r}: capture saved more tensors than discovery "
                                         f"({len(self.specs)})")
             view = self.store(count, t)
-            self.tensor_stored(count)
             seen.add(t, view)
             count += 1
             return view
@@ -415,11 +395,8 @@ class OffloadGroup:
             self.state = GroupState.RESIDENT_KEPT
             m.stats.d2h_skipped += 1
             return
-        if not self.written:  # streamed: each chunk waits for its own event from the forward graph instead
-            s.wait(m.d2h_stream, self.forward_done)
-        for k, ((slot, host), done) in enumerate(zip(self.chunk_views, self.d2h_chunk_done, strict=True)):
-            if self.written:
-                s.wait(m.d2h_stream, self.written[k])
+        s.wait(m.d2h_stream, self.forward_done)
+        for (slot, host), done in zip(self.chunk_views, self.d2h_chunk_done, strict=True):
             s.copy(host, slot, m.d2h_stream)  # one chunk (the last event: `d2h_done`) unless resident chunks
             s.record(done, m.d2h_stream)
         self._d2h_recorded = True
@@ -537,22 +514,6 @@ class OffloadGroup:
         return f"OffloadGroup({self.name!r}, {self.state}, live={self.live}, phase={self.phase}, nbytes={self.nbytes})"
 
 
-def tensor_chunks(offsets: Sequence[int], nbytes: int, size: int) -> tuple[list[tuple[int, int]], dict[int, int]]:
-    """Chunks of a group's bytes that end where a tensor ends (the next one's offset, or `nbytes`): each
-    closes at the first tensor end at least `size` bytes past its start. Returns the [start, end) ranges and,
-    per tensor that ends a chunk, that chunk's index (streamed D2H: its `written` event follows that tensor)."""
-    chunks: list[tuple[int, int]] = []
-    ending_at: dict[int, int] = {}
-    start = 0
-    for i in range(len(offsets)):
-        end = offsets[i + 1] if i + 1 < len(offsets) else nbytes
-        if end - start >= size or i == len(offsets) - 1:
-            ending_at[i] = len(chunks)
-            chunks.append((start, end))
-            start = end
-    return chunks, ending_at
-
-
 def _chunk_bytes_from_env() -> int:
     """QEFFECT_OFFLOAD_CHUNK_MIB: resident copies in chunks of this many MiB (0: one copy per group; unset:
     `DEFAULT_CHUNK_MIB`)."""
@@ -644,10 +605,6 @@ class OffloadManager:
         # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
         # (QEFFECT_SKIP_FUTILE_RESTORES=0 starts them anyway: the A/B)
         self.skip_futile_restores = os.environ.get("QEFFECT_SKIP_FUTILE_RESTORES", "1") != "0"
-        # resident, QEFFECT_OFFLOAD_STREAM_D2H=1 (off by default: not yet measured on the GPU): each D2H chunk
-        # waits for the forward graph's copy of its tensors into the slot (an event recorded in the graph),
-        # not for the whole forward, so a group's copy-out runs alongside its forward
-        self.stream_d2h = mode == "resident" and os.environ.get("QEFFECT_OFFLOAD_STREAM_D2H", "0") == "1"
         self.groups: list[OffloadGroup] = []
         self.banks: list[Bank] = []
         self.stats = OffloadStats()
@@ -791,11 +748,7 @@ class OffloadManager:
             g.forward_done = s.new_event(f"{g.name}.forward_done")
             g.d2h_done = s.new_event(f"{g.name}.d2h_done")
             size = self.copy_chunk_bytes if self.mode == "resident" and self.copy_chunk_bytes else g.nbytes
-            if self.stream_d2h:
-                g.chunks, g._chunk_ending_at = tensor_chunks(g.offsets, g.nbytes, size)
-                g.written = [s.new_event(f"{g.name}.written{k}", external=True) for k in range(len(g.chunks))]
-            else:
-                g.chunks = [(a, min(a + size, g.nbytes)) for a in range(0, g.nbytes, size)]
+            g.chunks = [(a, min(a + size, g.nbytes)) for a in range(0, g.nbytes, size)]
             g.d2h_chunk_done = [s.new_event(f"{g.name}.d2h_chunk{i}") for i in range(len(g.chunks) - 1)] + [g.d2h_done]
             g.chunk_views = [(g.slot_bytes[a:b], g.host[a:b]) for a, b in g.chunks]  # no slicing on the hot path
             g.restore_done = s.new_event(f"{g.name}.restore_done", self.timing)

@@ -21,9 +21,8 @@ class StreamOps(Protocol):
 
     def current_stream(self) -> Any: ...
     def new_stream(self, name: str) -> Any: ...
-    def new_event(self, name: str, timing: bool = False, external: bool = False) -> Any: ...
+    def new_event(self, name: str, timing: bool = False) -> Any: ...
     def record(self, event: Any, stream: Any) -> None: ...
-    def record_in_graph(self, event: Any, stream: Any) -> None: ...
     def wait(self, stream: Any, event: Any) -> None: ...
     def copy(self, dst: Tensor, src: Tensor, stream: Any) -> None: ...
     def synchronize_event(self, event: Any) -> None: ...
@@ -51,16 +50,10 @@ class TorchCudaStreams:
     def new_stream(self, name: str) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)
 
-    def new_event(self, name: str, timing: bool = False, external: bool = False) -> torch.cuda.Event:
-        """`external`: recorded inside a captured graph as an event-record node that streams outside the
-        graph can wait on (`record_in_graph`), not as the capture's internal cross-stream dependency."""
-        return torch.cuda.Event(enable_timing=timing, external=external)
+    def new_event(self, name: str, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)
 
     def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
-        event.record(stream)
-
-    def record_in_graph(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
-        """Record an `external` event on the stream being captured (or, outside a capture, just record it)."""
         event.record(stream)
 
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
@@ -125,10 +118,9 @@ class DriverCudaStreams(TorchCudaStreams):
             raw = self._events[h] = self.cu.CUevent(h)
         return raw
 
-    def new_event(self, name: str, timing: bool = False, external: bool = False) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=timing, external=external)
-        if not external:  # an external one is created by its first record, in a capture (torch's record)
-            event.record(self.current_stream())  # creates the CUDA event now; a wait on it returns at once
+    def new_event(self, name: str, timing: bool = False) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(self.current_stream())  # creates the CUDA event now; a wait on it returns at once
         return event
 
     def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
