@@ -28,7 +28,7 @@ from qeffect.offload import (
     wrap_pointer,
 )
 from qeffect.offload.fake import MIB, POISON, CUcontext, CUresult, FakeDevice, FakeDeviceFault
-from qeffect.offload.group import DEFAULT_CHUNK_MIB
+from qeffect.offload.group import DEFAULT_CHUNK_MIB, DEFAULT_STORE_BATCH_MIB, OffloadGroup
 
 KIB = 1 << 10
 GRAN = 64 * KIB  # a small fake granularity keeps the simulated memory cheap
@@ -1139,12 +1139,20 @@ def _model(seed: int = 0):
 
 
 @pytest.mark.parametrize("mode", ["release", "resident"])
-def test_saved_activations_round_trip_through_the_slot_bitwise(mode: str) -> None:
+@pytest.mark.parametrize("batch, batches", [(None, [3]), (0, []), (1, [1, 1, 1]), (256, [2, 1])])
+def test_saved_activations_round_trip_through_the_slot_bitwise(monkeypatch, mode: str, batch: int | None,
+                                                               batches: list[int]) -> None:
+    """Stored at once (`store_batch_bytes=0`) or in batches: of at least `batch` bytes (h and t are 128 bytes
+    each), the rest going with the group's last tensor (the default, 4 MiB: all three at once)."""
+    sizes = []
+    orig = OffloadGroup.store_batch
+    monkeypatch.setattr(OffloadGroup, "store_batch", staticmethod(lambda copies: (sizes.append(len(copies)),
+                                                                                   orig(copies))[1]))
     f, x, inputs = _model()
     gy = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
     ref = torch.autograd.grad(f(x), inputs, gy)
     dev, drv = fake(3)
-    mgr = OffloadManager(mode, device="cpu", driver=drv, streams=dev)
+    mgr = OffloadManager(mode, device="cpu", driver=drv, streams=dev, store_batch_bytes=batch)
     g, mid, other = mgr.group("F0"), mgr.group("F1"), mgr.group("F2")
     with g.discovery_hooks():
         f(x)
@@ -1156,6 +1164,7 @@ def test_saved_activations_round_trip_through_the_slot_bitwise(mode: str) -> Non
     with dev.host_compute(), g.capture_hooks():
         y = f(x)
     assert [v.data_ptr() - g.va for v in g.views] == g.offsets == [0, 256, 512]
+    assert sizes == batches
     g.after_forward()
     if mode == "release":
         assert mgr.reap(block=True) == 1
@@ -1172,6 +1181,43 @@ def test_saved_activations_round_trip_through_the_slot_bitwise(mode: str) -> Non
     g.after_backward()
     assert mgr.stats.h2d_copies >= 1
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def test_byte_copies_use_the_widest_word_that_addresses_and_length_allow() -> None:
+    """Each saved tensor goes into its view as words of 8, 4, 2 or 1 bytes (whatever divides both addresses
+    and its length), one multi-tensor copy per word size, and the view then holds the tensor's bits."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(4, 6, generator=gen),  # 96 bytes, aligned: int64
+               torch.randn(7, generator=gen)[1:4],  # 12 bytes at a 4-byte offset: int32
+               torch.randn(3, generator=gen).to(torch.bfloat16),  # 6 bytes: int16
+               torch.randint(0, 255, (5,), generator=gen, dtype=torch.uint8),  # 5 bytes: uint8
+               torch.randn(3, 4, generator=gen).t()]  # dense, not contiguous: the same strides in the slot
+    dev, drv = fake()
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    g = mgr.group("G0")
+    for t in tensors:
+        assert g.discover(t) is not None
+    mgr.allocate()
+    copies = [g.byte_copy(i, t) for i, t in enumerate(tensors)]
+    assert [d.dtype for d, _ in copies] == [torch.int64, torch.int32, torch.int16, torch.uint8, torch.int64]
+    assert all(s.data_ptr() == t.data_ptr() and d.data_ptr() == v.data_ptr()
+               for (d, s), t, v in zip(copies, tensors, g.views, strict=True))
+    with dev.host_compute():
+        g.store_batch(copies)
+    assert all(torch.equal(v.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)) and v.stride() == t.stride()
+               for v, t in zip(g.views, tensors, strict=True))
+
+
+def test_store_batch_size_comes_from_the_environment_and_bad_values_are_refused(monkeypatch) -> None:
+    monkeypatch.setenv("QEFFECT_OFFLOAD_STORE_BATCH_MIB", "0")
+    assert OffloadManager("off").store_batch_bytes == 0
+    monkeypatch.setenv("QEFFECT_OFFLOAD_STORE_BATCH_MIB", "-1")
+    with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_STORE_BATCH_MIB='-1': expected a number of MiB >= 0"):
+        OffloadManager("off")
+    monkeypatch.delenv("QEFFECT_OFFLOAD_STORE_BATCH_MIB")
+    assert OffloadManager("off").store_batch_bytes == DEFAULT_STORE_BATCH_MIB << 20
+    with pytest.raises(ValueError, match="store_batch_bytes must be >= 0"):
+        OffloadManager("off", store_batch_bytes=-1)
 
 
 def discovered_release_group(f, x: torch.Tensor):

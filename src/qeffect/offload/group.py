@@ -114,6 +114,12 @@ ALIGNMENT = 256  # what cudaMalloc guarantees; vectorized kernels may rely on it
 # driver stream operations) interleaved resident ran 11.95 ms against 12.60 ms with one copy per group,
 # ZB-V 11.19 against 11.45; 4 MiB chunks 12.06 and 11.21
 DEFAULT_CHUNK_MIB = 2
+# a captured forward copies its saved tensors into the slot in batches of at least this many MiB (or the
+# rest of the group): one multi-tensor kernel per batch instead of one copy node per tensor (h2048: about
+# 22 tensors per group, many of a few KiB, each a device-to-device copy node of ~1 us). The originals of a
+# batch stay alive until it is copied, so each forward graph's private pool may hold up to this much more.
+DEFAULT_STORE_BATCH_MIB = 4
+_WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
 class GroupState(StrEnum):
@@ -303,21 +309,53 @@ class OffloadGroup:
 
     def store(self, i: int, t: Tensor) -> Tensor:
         """Copy `t` into slot view `i` (on the current stream: captured when inside a capture)."""
+        view = self._checked_view(i, t)
+        with torch.no_grad():
+            view.copy_(t)
+        return view
+
+    def byte_copy(self, i: int, t: Tensor) -> tuple[Tensor, Tensor]:
+        """(slot bytes of view `i`, `t`'s bytes) as words of the widest size both addresses and the length
+        allow. Saved tensors are dense (`default_eligible`) and their views have the same strides, so the
+        span from `t.data_ptr()` holds exactly the view's bytes. The source is a new tensor over `t`'s
+        storage: it keeps the memory, not `t` itself, alive (`_SavedOnce` keys on `t`'s life)."""
+        self._checked_view(i, t)
+        n = self.specs[i].nbytes
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,))
+        dst = self.slot_bytes[self.offsets[i]:self.offsets[i] + n]
+        w, dtype = next((w, d) for w, d in _WORD_DTYPES
+                        if n % w == 0 and src.data_ptr() % w == 0 and dst.data_ptr() % w == 0)
+        return (dst.view(dtype), src.view(dtype)) if w > 1 else (dst, src)
+
+    @staticmethod
+    def store_batch(copies: Sequence[tuple[Tensor, Tensor]]) -> None:
+        """Run `byte_copy` pairs with one multi-tensor copy per word size, not one copy per tensor."""
+        by_word: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+        for dst, src in copies:
+            dsts, srcs = by_word.setdefault(dst.dtype, ([], []))
+            dsts.append(dst)
+            srcs.append(src)
+        with torch.no_grad():
+            for dsts, srcs in by_word.values():
+                torch._foreach_copy_(dsts, srcs)
+
+    def _checked_view(self, i: int, t: Tensor) -> Tensor:
         self._allocated("store")
         reason = self.specs[i].mismatch(t)
         if reason:
             raise OffloadStateError(f"group {self.name!r}: saved tensor #{i} differs from discovery: {reason}")
-        view = self._views[i]
-        with torch.no_grad():
-            view.copy_(t)
-        return view
+        return self._views[i]
 
     @contextlib.contextmanager
     def capture_hooks(self) -> Iterator[OffloadGroup]:
         """While F is captured: each eligible saved tensor goes into its slot view; autograd keeps the view.
 
         The captured backward then reads the slot's VA. Must see exactly the discovered tensors, in
-        order. In `off` mode (and for an empty or not offloaded group) autograd is left alone.
+        order. In `off` mode (and for an empty or not offloaded group) autograd is left alone. The copies go
+        in batches (`OffloadManager.store_batch_bytes`; 0: each tensor at once): a batch is copied when its
+        tensors reach that many bytes or the group's last tensor is saved, so all are in before the forward
+        ends. (A saved tensor is not modified afterwards: autograd would refuse the backward.)
         """
         self._allocated("capture_hooks")
         if self.live or self.phase == "backward":
@@ -329,9 +367,12 @@ class OffloadGroup:
             return
         seen = _SavedOnce()  # holds no original: once copied, its memory goes back to the graph's pool
         count = 0
+        batch = self.manager.store_batch_bytes
+        pending: list[tuple[Tensor, Tensor]] = []  # `byte_copy`s of saved tensors not copied yet
+        pending_bytes = 0
 
         def pack(t: Tensor) -> Tensor:
-            nonlocal count
+            nonlocal count, pending_bytes
             if not self.manager._eligible(t):
                 return _unlinked(t)
             view = seen.get(t)
@@ -340,7 +381,16 @@ class OffloadGroup:
             if count >= len(self.specs):
                 raise OffloadStateError(f"group {self.name!r}: capture saved more tensors than discovery "
                                         f"({len(self.specs)})")
-            view = self.store(count, t)
+            if batch and _dense(t.shape, t.stride()):  # (a custom `eligible` may pass others: copied at once)
+                view = self._views[count]
+                pending.append(self.byte_copy(count, t))
+                pending_bytes += self.specs[count].nbytes
+                if pending_bytes >= batch or count + 1 == len(self.specs):
+                    self.store_batch(pending)
+                    pending.clear()
+                    pending_bytes = 0
+            else:
+                view = self.store(count, t)
             seen.add(t, view)
             count += 1
             return view
@@ -514,16 +564,15 @@ class OffloadGroup:
         return f"OffloadGroup({self.name!r}, {self.state}, live={self.live}, phase={self.phase}, nbytes={self.nbytes})"
 
 
-def _chunk_bytes_from_env() -> int:
-    """QEFFECT_OFFLOAD_CHUNK_MIB: resident copies in chunks of this many MiB (0: one copy per group; unset:
-    `DEFAULT_CHUNK_MIB`)."""
-    raw = os.environ.get("QEFFECT_OFFLOAD_CHUNK_MIB", str(DEFAULT_CHUNK_MIB))
+def _bytes_from_env(var: str, default_mib: float, zero: str) -> int:
+    """A size in MiB from environment variable `var` (unset: `default_mib`; 0 means `zero`), in bytes."""
+    raw = os.environ.get(var, str(default_mib))
     try:
         mib = float(raw)
     except ValueError:
-        raise ValueError(f"QEFFECT_OFFLOAD_CHUNK_MIB={raw!r}: expected a number of MiB (0: one copy)") from None
+        raise ValueError(f"{var}={raw!r}: expected a number of MiB (0: {zero})") from None
     if mib < 0:
-        raise ValueError(f"QEFFECT_OFFLOAD_CHUNK_MIB={raw!r}: expected a number of MiB >= 0")
+        raise ValueError(f"{var}={raw!r}: expected a number of MiB >= 0")
     return int(mib * (1 << 20))
 
 
@@ -576,11 +625,17 @@ class OffloadManager:
                  driver: VmmDriver | None = None, streams: StreamOps | None = None, num_banks: int = 2,
                  lookahead: bool | int = True, release_consumed: bool = True, timing: bool = False,
                  alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
-                 skip_kept_d2h: bool = True, min_window: int = 0, copy_chunk_bytes: int | None = None) -> None:
+                 skip_kept_d2h: bool = True, min_window: int = 0, copy_chunk_bytes: int | None = None,
+                 store_batch_bytes: int | None = None) -> None:
         if copy_chunk_bytes is None:
-            copy_chunk_bytes = _chunk_bytes_from_env()
+            copy_chunk_bytes = _bytes_from_env("QEFFECT_OFFLOAD_CHUNK_MIB", DEFAULT_CHUNK_MIB, "one copy")
         if copy_chunk_bytes < 0:
             raise ValueError(f"copy_chunk_bytes must be >= 0 (0: one copy per group), got {copy_chunk_bytes}")
+        if store_batch_bytes is None:
+            store_batch_bytes = _bytes_from_env("QEFFECT_OFFLOAD_STORE_BATCH_MIB", DEFAULT_STORE_BATCH_MIB,
+                                                "each tensor copied at once")
+        if store_batch_bytes < 0:
+            raise ValueError(f"store_batch_bytes must be >= 0 (0: each tensor copied at once), got {store_batch_bytes}")
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {MODES}, got {mode!r}")
         if num_banks < 2:
@@ -600,6 +655,8 @@ class OffloadManager:
         # else DEFAULT_CHUNK_MIB), so that a restore into a bank whose previous owner's D2H is still running
         # follows it chunk by chunk instead of waiting for all of it
         self.copy_chunk_bytes = -(-copy_chunk_bytes // alignment) * alignment
+        # capture: the saved tensors go into the slot in batches of at least this many bytes (0: one copy each)
+        self.store_batch_bytes = store_batch_bytes
         self.min_window = min_window  # release, with allocate(events=): fewer other actions F..B: not offloaded
         self._eligible_fn = eligible or default_eligible
         # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
