@@ -28,9 +28,10 @@
 # offload-futile: resident look-ahead without the restores a forward evicts: offload GPU tests, A/B benchmark.
 # offload-chunks: host cost of stream operations, offload GPU tests, stalls, and the A/B of chunked copies and
 #          driver stream operations (both on by default) against one copy per group and torch's operations.
-# offload-store-batch: the forward graphs copy saved tensors into the slots in batches (one multi-tensor copy
-#          each, the default) or one copy node per tensor (QEFFECT_OFFLOAD_STORE_BATCH_MIB=0): offload and
-#          training GPU tests, then the A/B per schedule for resident and release (about 4 minutes).
+# offload-store-batch: the forward graphs copy small saved tensors into the slots together (one multi-tensor
+#          copy, the default) or each with its own copy node (QEFFECT_OFFLOAD_STORE_BATCH_MIB=0), large ones by
+#          copy node or elementwise kernel (QEFFECT_OFFLOAD_STORE_KERNEL=1): offload and training GPU tests,
+#          then the resident A/B per schedule (about 4 minutes).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -281,23 +282,15 @@ offload-chunks)
     fi
     ;;
 offload-store-batch)
-    # the saved tensors go into the slots in 4 MiB batches of one multi-tensor copy each (the default) against
-    # one device-to-device copy node per tensor (+QEFFECT_OFFLOAD_STORE_BATCH_MIB=0), repeated in alternation
+    # saved tensors under 256 KiB go into the slots together, one multi-tensor copy per group (the default),
+    # against one device-to-device copy node per tensor (+QEFFECT_OFFLOAD_STORE_BATCH_MIB=0), and the others
+    # through an elementwise kernel instead of a copy node (+QEFFECT_OFFLOAD_STORE_KERNEL=1), in alternation
     if step 180 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py \
         tests/test_train.py; then
-        step 60 foreach-copy-kernels python3 -c "
-import torch
-from torch.profiler import profile, ProfilerActivity
-d = [torch.empty(n, dtype=torch.int64, device='cuda') for n in (131072, 128, 524288)]
-s = [torch.ones_like(t) for t in d]
-torch._foreach_copy_(d, s); torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CUDA]) as p:
-    torch._foreach_copy_(d, s); torch.cuda.synchronize()
-print('foreach copy of 3 int64 tensors runs:', sorted({e.name[:80] for e in p.events() if e.device_type.name == 'CUDA'}))
-"
         B=+QEFFECT_OFFLOAD_STORE_BATCH_MIB=0
+        K=+QEFFECT_OFFLOAD_STORE_KERNEL=1
         for sched in interleaved zbv; do
-            modes="off,resident,resident$B,release,release$B,resident#2,resident#2$B,release#2,release#2$B,off#2"
+            modes="off,resident,resident$B,resident$K,resident$B$K,resident#2,resident#2$B,resident#2$K,resident#2$B$K,off#2"
             step 240 "offload-store-batch-$sched" python3 benchmarks/offload_bench.py \
                 --config examples/configs/h2048.toml --schedule "$sched" --steps 20 --modes "$modes" \
                 --out "$out/offload-bench-h2048-$sched-store-batch-h200.json"

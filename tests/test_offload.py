@@ -1139,11 +1139,11 @@ def _model(seed: int = 0):
 
 
 @pytest.mark.parametrize("mode", ["release", "resident"])
-@pytest.mark.parametrize("batch, batches", [(None, [3]), (0, []), (1, [1, 1, 1]), (256, [2, 1])])
+@pytest.mark.parametrize("batch, batches", [(None, [3]), (0, []), (80, []), (128, [1]), (129, [3])])
 def test_saved_activations_round_trip_through_the_slot_bitwise(monkeypatch, mode: str, batch: int | None,
                                                                batches: list[int]) -> None:
-    """Stored at once (`store_batch_bytes=0`) or in batches: of at least `batch` bytes (h and t are 128 bytes
-    each), the rest going with the group's last tensor (the default, 4 MiB: all three at once)."""
+    """Each tensor copied at once, or those under `batch` bytes (h and t are 128 bytes, t @ w2 80) together
+    at the group's last saved tensor (the default threshold, 256 KiB: all three in one batch)."""
     sizes = []
     orig = OffloadGroup.store_batch
     monkeypatch.setattr(OffloadGroup, "store_batch", staticmethod(lambda copies: (sizes.append(len(copies)),
@@ -1208,6 +1208,40 @@ def test_byte_copies_use_the_widest_word_that_addresses_and_length_allow() -> No
                for v, t in zip(g.views, tensors, strict=True))
 
 
+def test_a_batch_is_copied_once_it_holds_store_batch_flush_times_the_threshold(monkeypatch) -> None:
+    """Ten saved tensors of 64 bytes under a 65-byte threshold: the first batch goes at 9 x 64 >= 8 x 65
+    bytes (the originals are not all kept alive until the group's end), the last tensor alone."""
+    from qeffect.offload.group import STORE_BATCH_FLUSH
+
+    sizes = []
+    orig = OffloadGroup.store_batch
+    monkeypatch.setattr(OffloadGroup, "store_batch", staticmethod(lambda copies: (sizes.append(len(copies)),
+                                                                                   orig(copies))[1]))
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(10):
+            x = torch.tanh(x)  # saves its output
+        return x
+
+    dev, drv = fake()
+    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev, store_batch_bytes=65)
+    g = mgr.group("F0")
+    with g.discovery_hooks():
+        f(x)
+    mgr.allocate()
+    g.before_forward()
+    with dev.host_compute(), g.capture_hooks():
+        y = f(x)
+    assert STORE_BATCH_FLUSH == 8 and sizes == [9, 1]
+    g.after_forward()
+    g.before_backward()
+    with dev.host_compute():
+        got = torch.autograd.grad(y.sum(), x)
+    g.after_backward()
+    assert torch.equal(got[0], torch.autograd.grad(f(x).sum(), x)[0])
+
+
 def test_store_batch_size_comes_from_the_environment_and_bad_values_are_refused(monkeypatch) -> None:
     monkeypatch.setenv("QEFFECT_OFFLOAD_STORE_BATCH_MIB", "0")
     assert OffloadManager("off").store_batch_bytes == 0
@@ -1215,7 +1249,7 @@ def test_store_batch_size_comes_from_the_environment_and_bad_values_are_refused(
     with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_STORE_BATCH_MIB='-1': expected a number of MiB >= 0"):
         OffloadManager("off")
     monkeypatch.delenv("QEFFECT_OFFLOAD_STORE_BATCH_MIB")
-    assert OffloadManager("off").store_batch_bytes == DEFAULT_STORE_BATCH_MIB << 20
+    assert OffloadManager("off").store_batch_bytes == int(DEFAULT_STORE_BATCH_MIB * (1 << 20))
     with pytest.raises(ValueError, match="store_batch_bytes must be >= 0"):
         OffloadManager("off", store_batch_bytes=-1)
 

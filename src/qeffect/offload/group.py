@@ -114,11 +114,14 @@ ALIGNMENT = 256  # what cudaMalloc guarantees; vectorized kernels may rely on it
 # driver stream operations) interleaved resident ran 11.95 ms against 12.60 ms with one copy per group,
 # ZB-V 11.19 against 11.45; 4 MiB chunks 12.06 and 11.21
 DEFAULT_CHUNK_MIB = 2
-# a captured forward copies its saved tensors into the slot in batches of at least this many MiB (or the
-# rest of the group): one multi-tensor kernel per batch instead of one copy node per tensor (h2048: about
-# 22 tensors per group, many of a few KiB, each a device-to-device copy node of ~1 us). The originals of a
-# batch stay alive until it is copied, so each forward graph's private pool may hold up to this much more.
-DEFAULT_STORE_BATCH_MIB = 4
+# a captured forward copies its saved tensors smaller than this many MiB into the slot together, with one
+# multi-tensor kernel per batch instead of one copy node each (h2048: about 22 tensors per group, many of a
+# few KiB, each a device-to-device copy node of ~1 us); larger ones are copied at once (a multi-tensor
+# kernel gives one block to each 64 Ki elements: too few for MiB-sized tensors). A batch is copied at the
+# group's last saved tensor, or once it holds STORE_BATCH_FLUSH times the threshold: the originals stay
+# alive until then, so each forward graph's private pool may hold that much more.
+DEFAULT_STORE_BATCH_MIB = 0.25
+STORE_BATCH_FLUSH = 8
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -311,7 +314,11 @@ class OffloadGroup:
         """Copy `t` into slot view `i` (on the current stream: captured when inside a capture)."""
         view = self._checked_view(i, t)
         with torch.no_grad():
-            view.copy_(t)
+            if self.manager.store_kernel and _dense(t.shape, t.stride()):  # an elementwise kernel, not a copy node
+                dst, src = self.byte_copy(i, t)
+                torch.bitwise_or(src, 0, out=dst)  # the identity on the bits
+            else:
+                view.copy_(t)
         return view
 
     def byte_copy(self, i: int, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -353,9 +360,8 @@ class OffloadGroup:
 
         The captured backward then reads the slot's VA. Must see exactly the discovered tensors, in
         order. In `off` mode (and for an empty or not offloaded group) autograd is left alone. The copies go
-        in batches (`OffloadManager.store_batch_bytes`; 0: each tensor at once): a batch is copied when its
-        tensors reach that many bytes or the group's last tensor is saved, so all are in before the forward
-        ends. (A saved tensor is not modified afterwards: autograd would refuse the backward.)
+        tensors smaller than `OffloadManager.store_batch_bytes` are copied together (`DEFAULT_STORE_BATCH_MIB`),
+        at the group's last saved tensor at the latest, so all are in before the forward ends. (A saved tensor is not modified afterwards: autograd would refuse the backward.)
         """
         self._allocated("capture_hooks")
         if self.live or self.phase == "backward":
@@ -381,16 +387,17 @@ class OffloadGroup:
             if count >= len(self.specs):
                 raise OffloadStateError(f"group {self.name!r}: capture saved more tensors than discovery "
                                         f"({len(self.specs)})")
-            if batch and _dense(t.shape, t.stride()):  # (a custom `eligible` may pass others: copied at once)
+            n = self.specs[count].nbytes
+            if n < batch and _dense(t.shape, t.stride()):  # (a custom `eligible` may pass others: copied at once)
                 view = self._views[count]
                 pending.append(self.byte_copy(count, t))
-                pending_bytes += self.specs[count].nbytes
-                if pending_bytes >= batch or count + 1 == len(self.specs):
-                    self.store_batch(pending)
-                    pending.clear()
-                    pending_bytes = 0
+                pending_bytes += n
             else:
                 view = self.store(count, t)
+            if pending and (pending_bytes >= STORE_BATCH_FLUSH * batch or count + 1 == len(self.specs)):
+                self.store_batch(pending)
+                pending.clear()
+                pending_bytes = 0
             seen.add(t, view)
             count += 1
             return view
@@ -655,8 +662,10 @@ class OffloadManager:
         # else DEFAULT_CHUNK_MIB), so that a restore into a bank whose previous owner's D2H is still running
         # follows it chunk by chunk instead of waiting for all of it
         self.copy_chunk_bytes = -(-copy_chunk_bytes // alignment) * alignment
-        # capture: the saved tensors go into the slot in batches of at least this many bytes (0: one copy each)
+        # capture: saved tensors smaller than this many bytes go into the slot in batches (0: one copy each)
         self.store_batch_bytes = store_batch_bytes
+        # QEFFECT_OFFLOAD_STORE_KERNEL=1 (an experiment): the others through an elementwise kernel, not a copy node
+        self.store_kernel = os.environ.get("QEFFECT_OFFLOAD_STORE_KERNEL", "0") == "1"
         self.min_window = min_window  # release, with allocate(events=): fewer other actions F..B: not offloaded
         self._eligible_fn = eligible or default_eligible
         # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
