@@ -29,9 +29,8 @@
 # offload-chunks: host cost of stream operations, offload GPU tests, stalls, and the A/B of chunked copies and
 #          driver stream operations (both on by default) against one copy per group and torch's operations.
 # offload-store-batch: the forward graphs copy small saved tensors into the slots together (one multi-tensor
-#          copy, the default) or each with its own copy node (QEFFECT_OFFLOAD_STORE_BATCH_MIB=0), large ones by
-#          copy node or elementwise kernel (QEFFECT_OFFLOAD_STORE_KERNEL=1): offload and training GPU tests,
-#          then the resident A/B per schedule (about 4 minutes).
+#          copy, the default) or each with its own copy node (QEFFECT_OFFLOAD_STORE_BATCH_MIB=0): offload and
+#          training GPU tests, then the resident and release A/B per schedule (about 4 minutes).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -282,15 +281,15 @@ offload-chunks)
     fi
     ;;
 offload-store-batch)
-    # saved tensors under 256 KiB go into the slots together, one multi-tensor copy per group (the default),
-    # against one device-to-device copy node per tensor (+QEFFECT_OFFLOAD_STORE_BATCH_MIB=0), and the others
-    # through an elementwise kernel instead of a copy node (+QEFFECT_OFFLOAD_STORE_KERNEL=1), in alternation
+    # saved tensors under 256 KiB go into the slots together, one multi-tensor copy per group (the default since
+    # 2026-11-30), against one device-to-device copy node per tensor (+QEFFECT_OFFLOAD_STORE_BATCH_MIB=0), in
+    # alternation. (The run of that day also tried QEFFECT_OFFLOAD_STORE_KERNEL=1, the larger ones through an
+    # elementwise kernel instead of a copy node: no gain, removed.)
     if step 180 pytest-offload python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py \
         tests/test_train.py; then
         B=+QEFFECT_OFFLOAD_STORE_BATCH_MIB=0
-        K=+QEFFECT_OFFLOAD_STORE_KERNEL=1
         for sched in interleaved zbv; do
-            modes="off,resident,resident$B,resident$K,resident$B$K,resident#2,resident#2$B,resident#2$K,resident#2$B$K,off#2"
+            modes="off,resident,resident$B,release,release$B,resident#2,resident#2$B,release#2,release#2$B,off#2"
             step 240 "offload-store-batch-$sched" python3 benchmarks/offload_bench.py \
                 --config examples/configs/h2048.toml --schedule "$sched" --steps 20 --modes "$modes" \
                 --out "$out/offload-bench-h2048-$sched-store-batch-h200.json"

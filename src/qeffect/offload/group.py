@@ -8,7 +8,8 @@ microbatch slot) of a captured stage):
 2. allocation (`OffloadManager.allocate`, -> `mapped`): outside any capture, the manager lays the
    tensors out (256-byte aligned), reserves VMM slots, maps them and allocates pinned host buffers.
 3. capture (`capture_hooks()`, `mapped`): while F is captured, each saved tensor is copied into its
-   slot view and autograd keeps the view instead, so the captured backward reads the slot's VA. The
+   slot view (those under `store_batch_bytes` together, by one multi-tensor copy; QEFFECT_OFFLOAD_STORE_BATCH_MIB,
+   0: each at once) and autograd keeps the view instead, so the captured backward reads the slot's VA. The
    session checks count, order, shape/stride/dtype/device against discovery and data_ptr() == VA.
 4. forward offload (`after_forward`): the compute stream records `forward_done`; the D2H stream waits
    on that event only and copies the slot to the group's pinned host buffer, then records `d2h_done`.
@@ -117,9 +118,12 @@ DEFAULT_CHUNK_MIB = 2
 # a captured forward copies its saved tensors smaller than this many MiB into the slot together, with one
 # multi-tensor kernel per batch instead of one copy node each (h2048: about 22 tensors per group, many of a
 # few KiB, each a device-to-device copy node of ~1 us); larger ones are copied at once (a multi-tensor
-# kernel gives one block to each 64 Ki elements: too few for MiB-sized tensors). A batch is copied at the
+# kernel gives one block to each 64 Ki elements: too few for MiB-sized tensors, and batching every tensor
+# was slower on the H200: Interleaved 12.34 / 12.30 ms against 12.00 / 12.02 ms). A batch is copied at the
 # group's last saved tensor, or once it holds STORE_BATCH_FLUSH times the threshold: the originals stay
-# alive until then, so each forward graph's private pool may hold that much more.
+# alive until then, so each forward graph's private pool may hold that much more (h2048: no change in peak
+# allocated memory). On the H200 (h2048, each twice in alternation) resident took Interleaved 11.90 / 11.83
+# ms against 12.33 / 11.99 ms copying each tensor at once, ZB-V 11.08 / 11.15 against 11.25 / 11.25.
 DEFAULT_STORE_BATCH_MIB = 0.25
 STORE_BATCH_FLUSH = 8
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
@@ -314,11 +318,7 @@ class OffloadGroup:
         """Copy `t` into slot view `i` (on the current stream: captured when inside a capture)."""
         view = self._checked_view(i, t)
         with torch.no_grad():
-            if self.manager.store_kernel and _dense(t.shape, t.stride()):  # an elementwise kernel, not a copy node
-                dst, src = self.byte_copy(i, t)
-                torch.bitwise_or(src, 0, out=dst)  # the identity on the bits
-            else:
-                view.copy_(t)
+            view.copy_(t)
         return view
 
     def byte_copy(self, i: int, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -664,8 +664,6 @@ class OffloadManager:
         self.copy_chunk_bytes = -(-copy_chunk_bytes // alignment) * alignment
         # capture: saved tensors smaller than this many bytes go into the slot in batches (0: one copy each)
         self.store_batch_bytes = store_batch_bytes
-        # QEFFECT_OFFLOAD_STORE_KERNEL=1 (an experiment): the others through an elementwise kernel, not a copy node
-        self.store_kernel = os.environ.get("QEFFECT_OFFLOAD_STORE_KERNEL", "0") == "1"
         self.min_window = min_window  # release, with allocate(events=): fewer other actions F..B: not offloaded
         self._eligible_fn = eligible or default_eligible
         # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
