@@ -31,6 +31,9 @@
 # offload-store-batch: the forward graphs copy small saved tensors into the slots together (one multi-tensor
 #          copy, the default) or each with its own copy node (QEFFECT_OFFLOAD_STORE_BATCH_MIB=0): offload and
 #          training GPU tests, then the resident and release A/B per schedule (about 4 minutes).
+# offload-bank-search: resident with the banks scripts/offload_sim.py --search found (QEFFECT_OFFLOAD_BANKS, 4
+#          banks) against the default plan (2 banks asked) and assign_banks' 4: h2048 both schedules, h4096
+#          Interleaved (about 6 minutes).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -295,6 +298,23 @@ offload-store-batch)
                 --out "$out/offload-bench-h2048-$sched-store-batch-h200.json"
         done
     fi
+    ;;
+offload-bank-search)
+    # the simulation (CPU, host of zero cost) puts resident with these 4-bank plans at x1.00-1.05 of no offload,
+    # with less bank memory than assign_banks' 4 banks, against x1.11 for the default plan: does the GPU agree?
+    I=0:3:0:1:0:3:2:1:0:1:0:3:2:1:0:3  # h2048 Interleaved, 74 MiB of banks (sim x1.000; default 54 MiB x1.115)
+    Z=0:1:0:3:0:2:0:2:0:1:3:1:2:0:3:0  # h2048 ZB-V, 108 MiB (sim x1.053; default 74 MiB x1.111)
+    H=0:1:0:2:1:2:3:2:0:3:0:1:0:3:0:1:0:1:0:2:0:1:2:3:0:3:0:1:3:2:0:3  # h4096 Interleaved, 98 MiB (x1.011)
+    B=+QEFFECT_OFFLOAD_BANKS
+    step 200 "bank-search-interleaved" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+        --schedule interleaved --steps 20 --out "$out/offload-bench-h2048-interleaved-bank-search-h200.json" \
+        --modes "off,resident,resident$B=$I,resident@4,resident#2,resident#2$B=$I,resident@4#2,off#2"
+    step 150 "bank-search-zbv" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+        --schedule zbv --steps 20 --out "$out/offload-bench-h2048-zbv-bank-search-h200.json" \
+        --modes "off,resident,resident$B=$Z,resident#2,resident#2$B=$Z,off#2"
+    step 200 "bank-search-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule interleaved --steps 20 --out "$out/offload-bench-h4096-interleaved-bank-search-h200.json" \
+        --modes "off,resident,resident$B=$H,resident#2,resident#2$B=$H,off#2"
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)

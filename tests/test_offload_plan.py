@@ -18,6 +18,7 @@ from qeffect.offload.plan import (
     backward_order,
     check_events,
     conflicts,
+    explicit_banks,
     kept_groups,
     short_window_groups,
 )
@@ -226,11 +227,51 @@ def test_config_switch_reaches_the_manager_and_capture_passes_the_events(monkeyp
     """`train.offload_skip_kept_d2h` goes through `make_offload_manager` (as `offload_banks` and
     `offload_reap` do) and `capture_ranks` gives the resident manager the step's events: it keeps
     exactly `kept_groups` of the planned banks, or nothing with the switch off."""
-    from qeffect.runtime import build as build_mod
-
     cfg = load_config().with_overrides(**{"pipeline.schedule": schedule, "train.offload_skip_kept_d2h": skip,
                                           "train.offload_banks": 3})
     assert load_config().train.offload_skip_kept_d2h is True
+    mgr, made, acts, order = _captured(monkeypatch, cfg)
+    assert made["skip_kept_d2h"] is skip and mgr.skip_kept_d2h is skip and made["num_banks"] == 3
+    events = [(KINDS[a.kind], (a.stage, a.microbatch)) for _, a in order]
+    plan = assign_banks(events, min_banks=3)
+    names = {g.name for g in mgr.kept}
+    want = {f"s{s}.m{m}" for s, m in kept_groups(events, plan)} if skip else set()
+    assert names == want and (want or not skip)
+    assert all(a.captured == 1 for a in acts.values())
+    mgr.close()
+
+
+# h2048's Interleaved order (4 microbatches): `scripts/offload_sim.py --banks 4 --search 200` found these banks
+SEARCHED = "0:3:0:1:0:3:2:1:0:2:0:3:2:1:0:2"
+
+
+def test_banks_given_by_hand_reach_the_manager_and_run_the_schedule(monkeypatch) -> None:
+    monkeypatch.setenv("QEFFECT_OFFLOAD_BANKS", SEARCHED)
+    mgr, _, _, order = _captured(monkeypatch, load_config())
+    given = [int(b) for b in SEARCHED.split(":")]
+    assert mgr.bank_plan == given and mgr.num_banks == 4
+    mgr.close()
+    events = schedule_events("interleaved", 4)
+    for seed in range(3):
+        _run(events, given, seed=seed, plan=True)  # every backward reads its own forward's bytes
+
+
+def test_banks_given_by_hand_are_checked() -> None:
+    events = schedule_events("interleaved", 4)
+    assert explicit_banks(events, SEARCHED) == [int(b) for b in SEARCHED.split(":")]
+    with pytest.raises(ValueError, match="expected bank indices separated by"):
+        explicit_banks(events, "0,one")
+    with pytest.raises(ValueError, match="expected 16 bank indices >= 0"):
+        explicit_banks(events, "0,1")
+    with pytest.raises(ValueError, match=r"conflict .* but share bank 0"):
+        explicit_banks(events, ",".join(["0"] * 16))
+
+
+def _captured(monkeypatch, cfg):
+    """`make_offload_manager` and `capture_ranks` for `cfg` over stand-in actions on the fake device:
+    (the resident manager, the arguments it was made with, the actions, the schedule's order)."""
+    from qeffect.runtime import build as build_mod
+
     dev = FakeDevice(0, granularity=64 * 1024)
     made = {}
 
@@ -242,7 +283,6 @@ def test_config_switch_reaches_the_manager_and_capture_passes_the_events(monkeyp
     monkeypatch.setattr(build_mod, "OffloadManager", fake_manager)
     mgr = build_mod.make_offload_manager("resident", "cpu", cfg.train.offload_banks, cfg.train.offload_reap,
                                          cfg.train.offload_skip_kept_d2h)
-    assert made["skip_kept_d2h"] is skip and mgr.skip_kept_d2h is skip and mgr.num_banks == 3
     sched = schedule_of(cfg)
     order = global_order(sched)
     acts = {s: _Act(s, {m: mgr.group(f"s{s}.m{m}") for m in range(sched.microbatches)})
@@ -257,13 +297,7 @@ def test_config_switch_reaches_the_manager_and_capture_passes_the_events(monkeyp
 
     ranks = [_Rank(r) for r in range(sched.pp)]
     build_mod.capture_ranks(ranks, order, mgr, 1, 8)
-    events = [(KINDS[a.kind], (a.stage, a.microbatch)) for _, a in order]
-    plan = assign_banks(events, min_banks=3)
-    names = {g.name for g in mgr.kept}
-    want = {f"s{s}.m{m}" for s, m in kept_groups(events, plan)} if skip else set()
-    assert names == want and (want or not skip)
-    assert all(a.captured == 1 for a in acts.values())
-    mgr.close()
+    return mgr, made, acts, order
 
 
 # ------------------------------------------------------------------- release: short windows

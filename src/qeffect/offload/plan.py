@@ -95,6 +95,28 @@ def assign_banks(events: Sequence[Event], min_banks: int = 2) -> dict[Hashable, 
     return banks
 
 
+def explicit_banks(events: Sequence[Event], text: str, source: str = "QEFFECT_OFFLOAD_BANKS") -> list[int]:
+    """Banks given by hand (`scripts/offload_sim.py --search` prints them): "b0:b1:..." (or commas) in backward
+    order. Checked against `conflicts`: two groups that conflict never share a bank."""
+    try:
+        banks = [int(b) for b in text.replace(":", ",").split(",")]
+    except ValueError:
+        raise ValueError(f"{source}={text!r}: expected bank indices separated by ':' or ',' (one per group, in "
+                         "backward order)") from None
+    order = backward_order(events)
+    if len(banks) != len(order) or min(banks) < 0:
+        raise ValueError(f"{source}={text!r}: expected {len(order)} bank indices >= 0 (one per group, in backward "
+                         f"order), got {len(banks)}")
+    bank = dict(zip(order, banks, strict=True))
+    edges = conflicts(events)
+    for g in order:
+        clash = [h for h in edges[g] if bank[h] == bank[g]]
+        if clash:
+            raise ValueError(f"{source}: groups {g!r} and {clash[0]!r} conflict (one claims memory while the "
+                             f"other's backward runs, or their backwards are consecutive) but share bank {bank[g]}")
+    return banks
+
+
 def kept_groups(events: Sequence[Event], banks: Mapping[Hashable, int]) -> set[Hashable]:
     """Groups whose bank no other group claims between their F and their B: resident mode can skip their D2H.
 

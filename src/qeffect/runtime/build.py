@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -13,7 +14,7 @@ from qeffect.fp8 import DelayedScalingRecipe, get_backend
 from qeffect.graphs.manager import GraphManager
 from qeffect.model import GPTShape, build_chunks
 from qeffect.offload.group import OffloadManager
-from qeffect.offload.plan import assign_banks, backward_order
+from qeffect.offload.plan import assign_banks, backward_order, explicit_banks
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.schedule import Action, ActionKind, Schedule, build_native_schedule, build_schedule, dw_in_order
@@ -170,8 +171,12 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
     backward = backward_order(events)
     banks = None
     if offload.mode == "resident":
-        plan = assign_banks(events, min_banks=offload.num_banks)
-        banks = [plan[g] for g in backward]
+        given = os.environ.get("QEFFECT_OFFLOAD_BANKS")  # an experiment: banks by hand (offload_sim.py --search)
+        if given:
+            banks = explicit_banks(events, given)
+        else:
+            plan = assign_banks(events, min_banks=offload.num_banks)
+            banks = [plan[g] for g in backward]
     offload.allocate(backward, banks=banks, events=events)
     for r in ranks:
         for act in r.actions.values():
