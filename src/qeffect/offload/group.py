@@ -79,7 +79,8 @@ state machine and its ordering run on CPU against `qeffect.offload.fake.FakeDevi
 In a captured pipeline (`graphs/captured.py`, `runtime/build.capture_ranks`) there is one group per
 (chunk, microbatch slot): discovery is an eager F of the slot, the backward window runs from `dI`
 (`before_backward`) to `dW` (`after_backward`: the retained dW work references saved tensors), and
-resident banks come from `offload.plan.assign_banks` over the schedule's order. The CPU tests run
+resident banks come from `offload.plan.assign_banks` over the schedule's order (or, for experiments, from
+QEFFECT_OFFLOAD_BANKS: `offload.plan.explicit_banks`). The CPU tests run
 this module against the fake device; `qeffect offload-check` and tests/test_offload_gpu.py on a GPU.
 """
 
@@ -359,9 +360,10 @@ class OffloadGroup:
         """While F is captured: each eligible saved tensor goes into its slot view; autograd keeps the view.
 
         The captured backward then reads the slot's VA. Must see exactly the discovered tensors, in
-        order. In `off` mode (and for an empty or not offloaded group) autograd is left alone. The copies go
-        tensors smaller than `OffloadManager.store_batch_bytes` are copied together (`DEFAULT_STORE_BATCH_MIB`),
-        at the group's last saved tensor at the latest, so all are in before the forward ends. (A saved tensor is not modified afterwards: autograd would refuse the backward.)
+        order. In `off` mode (and for an empty or not offloaded group) autograd is left alone. Saved tensors
+        smaller than `OffloadManager.store_batch_bytes` are copied together (`store_batch`), at the group's
+        last saved tensor at the latest, so all are in before the forward ends; a saved tensor is not modified
+        after it is saved (autograd would refuse the backward), so the later copy reads the same bytes.
         """
         self._allocated("capture_hooks")
         if self.live or self.phase == "backward":
