@@ -176,7 +176,7 @@ def simulate(schedule: str, *, pp: int = 2, chunks: int = 2, microbatches: int =
             else:
                 streams.launch(ms[a.kind] * stage_weight[a.stage], "W")
                 g.after_backward()
-        streams.launch(tail_ms, f"mark:{step}")  # optimizer, embedding, head: no offload work
+        streams.launch(tail_ms, f"mark:{step}")  # the optimizer and the rest of the step: no offload work
     res = streams.simulate()
     ends = [t for _, t in res["marks"]]
     off = sum(ms[a.kind] * stage_weight[a.stage] for _, a in order) + tail_ms
@@ -250,7 +250,7 @@ def main() -> int:
     ap.add_argument("--f-ms", type=float, default=0.118)
     ap.add_argument("--i-ms", type=float, default=0.118)
     ap.add_argument("--w-ms", type=float, default=0.118)
-    ap.add_argument("--tail-ms", type=float, default=2.65, help="per step: optimizer, embedding, head")
+    ap.add_argument("--tail-ms", type=float, default=2.65, help="per step, outside the actions: the optimizer and the rest")
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="also search N tries for a better assignment with at most each --banks banks")
     ap.add_argument("--json", type=Path)
