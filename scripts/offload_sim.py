@@ -3,6 +3,7 @@
     python3 scripts/offload_sim.py --schedule interleaved --json $OUT/offload-sim-h2048.json
     python3 scripts/offload_sim.py --schedule zbv --banks 2,3,4,6 --lookahead 1,2
     python3 scripts/offload_sim.py --banks 3,4 --search 300   # also look for better bank assignments
+    python3 scripts/offload_sim.py --plan interleaved=0:3:0:1:0:3:2:1:0:1:0:3:2:1:0:3  # time these banks
 
 The real `OffloadManager` (bank plan, kept groups, chunked copies, look-ahead, every wait) drives
 `TimedStreams`: each operation goes into its stream's queue, and a discrete-event pass then gives each
@@ -29,7 +30,7 @@ import torch
 from qeffect.graphs.handshake import script_provenance
 from qeffect.offload import OffloadManager
 from qeffect.offload.fake import FakeDevice
-from qeffect.offload.plan import assign_banks, backward_order, conflicts
+from qeffect.offload.plan import assign_banks, backward_order, conflicts, explicit_banks
 from qeffect.schedule.adapter import build_schedule
 from qeffect.schedule.ir import ActionKind
 from qeffect.schedule.order import global_order
@@ -202,9 +203,7 @@ def search_banks(schedule: str, max_banks: int, iters: int, seed: int = 0, **kw:
     `assign_banks`' plan (so it finds nothing worse), half from first fit; each try moves one or two groups
     to another allowed bank."""
     rng = random.Random(seed)
-    order = global_order(build_schedule(schedule, kw.get("pp", 2), kw.get("chunks", 2), kw.get("microbatches", 4)))
-    kinds = {ActionKind.F: "F", ActionKind.DI: "B", ActionKind.DW: "E"}
-    events = [(kinds[a.kind], (a.stage, a.microbatch)) for _, a in order]
+    events = _events(schedule, kw.get("microbatches", 4), kw.get("pp", 2), kw.get("chunks", 2))
     groups = backward_order(events)
     edges = conflicts(events)
     near = [[groups.index(h) for h in edges[g]] for g in groups]
@@ -245,6 +244,13 @@ def search_banks(schedule: str, max_banks: int, iters: int, seed: int = 0, **kw:
     return best | {"searched": len(seen), "max_banks": max_banks}
 
 
+def _events(schedule: str, microbatches: int, pp: int = 2, chunks: int = 2) -> list[tuple[str, tuple[int, int]]]:
+    """One step's offload events, the groups named (stage, microbatch)."""
+    kinds = {ActionKind.F: "F", ActionKind.DI: "B", ActionKind.DW: "E"}
+    order = global_order(build_schedule(schedule, pp, chunks, microbatches))
+    return [(kinds[a.kind], (a.stage, a.microbatch)) for _, a in order]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedule", default="interleaved,zbv", help="comma-separated: interleaved, zbv")
@@ -262,13 +268,28 @@ def main() -> int:
     ap.add_argument("--tail-ms", type=float, default=2.65, help="per step, outside the actions: the optimizer and the rest")
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="also search N tries for a better assignment with at most each --banks banks")
+    ap.add_argument("--plan", action="append", default=[], metavar="SCHEDULE=B0:B1:...",
+                    help="time these banks (one per group in backward order, as QEFFECT_OFFLOAD_BANKS) instead of "
+                         "--banks; repeatable")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     rows = []
     kw = {"microbatches": a.microbatches, "chunk_mib": a.chunk_mib, "gbps": a.gbps, "f_ms": a.f_ms, "i_ms": a.i_ms,
           "w_ms": a.w_ms, "tail_ms": a.tail_ms, "group_mib": tuple(float(x) for x in a.group_mib.split(",")),
           "stage_weight": tuple(float(x) for x in a.stage_weight.split(","))}
-    for sched in a.schedule.split(","):
+    for spec in a.plan:
+        sched, _, text = spec.rpartition("=")
+        try:
+            banks = explicit_banks(_events(sched, a.microbatches), text, f"--plan {sched}")
+        except ValueError as err:  # an unknown schedule, or banks that do not fit it
+            ap.error(str(err))
+
+        def given(ev: Any, min_banks: int, banks: list[int] = banks) -> dict[Any, int]:
+            return dict(zip(backward_order(ev), banks, strict=True))
+
+        rows.append(simulate(sched, assign=given, **kw) | {"plan": banks})
+        _print(rows[-1], f"{sched:11s} banks {text}")
+    for sched in ([] if a.plan else a.schedule.split(",")):
         for banks in (int(b) for b in a.banks.split(",")):
             for la in (int(x) for x in a.lookahead.split(",")):
                 r = simulate(sched, banks=banks, lookahead=la, **kw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -58,3 +59,19 @@ def test_instant_copies_cost_nothing_and_the_plan_copies_only_the_groups_it_does
     group = int(9.8 * (1 << 20))  # each of the other 12 goes out once per step
     assert slow["d2h_mib_per_step"] == pytest.approx(12 * group / (1 << 20))
     assert set(slow["compute_stall_ms_per_step"]) <= {"d2h_done", "restore_done", "consumed", "d2h_chunk"}
+
+
+def test_given_banks_are_timed_and_bad_ones_are_refused(sim, tmp_path, monkeypatch, capsys) -> None:
+    """`--plan` times banks given by hand (here the 4-bank plan of gpu_session's offload-bank-search) and
+    writes them to the JSON; banks that do not fit the schedule end the script with a usage error."""
+    plan = "0:3:0:1:0:3:2:1:0:1:0:3:2:1:0:3"
+    out = tmp_path / "sim.json"
+    monkeypatch.setattr("sys.argv", ["offload_sim.py", "--plan", f"interleaved={plan}", "--json", str(out)])
+    assert sim.main() == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["plan"] == [int(b) for b in plan.split(":")] and row["kept"] == 6 and row["banks"] == 4
+    assert row["ratio"] < sim.simulate("interleaved")["ratio"]  # the default plan: 2 banks
+    monkeypatch.setattr("sys.argv", ["offload_sim.py", "--plan", "interleaved=0:1"])
+    with pytest.raises(SystemExit) as err:
+        sim.main()
+    assert err.value.code == 2 and "expected 16 bank indices" in capsys.readouterr().err
