@@ -145,44 +145,43 @@ def simulate(schedule: str, *, pp: int = 2, chunks: int = 2, microbatches: int =
     """One configuration: the last step's time with `mode` and without offload (the sum of the durations).
     An action of stage s takes its kind's duration times `stage_weight[s]`; its group saves `group_mib[s]`.
     `assign(events, min_banks)` gives the banks (default: `offload.plan.assign_banks`)."""
-    order = global_order(build_schedule(schedule, pp, chunks, microbatches))
+    step_events = _events(schedule, microbatches, pp, chunks)  # named (stage, microbatch)
     streams = TimedStreams(gbps, gbps)
     fake = FakeDevice(0, total=1 << 40)
     chunk_bytes = int(chunk_mib * MIB)
     mgr = OffloadManager(mode, device="cpu", driver=fake.driver(), streams=streams, num_banks=banks,
                          lookahead=lookahead, copy_chunk_bytes=chunk_bytes)
     groups = {}
-    for _, a in order:
-        key = (a.stage, a.microbatch)
-        if key not in groups:
-            groups[key] = g = mgr.group(f"s{a.stage}.m{a.microbatch}")
-            g.discover(torch.empty(int(group_mib[a.stage] * MIB), dtype=torch.uint8))
-    kinds = {ActionKind.F: "F", ActionKind.DI: "B", ActionKind.DW: "E"}
-    events = [(kinds[a.kind], groups[(a.stage, a.microbatch)]) for _, a in order]
+    for _, (stage, m) in step_events:
+        if (stage, m) not in groups:
+            groups[stage, m] = g = mgr.group(f"s{stage}.m{m}")
+            g.discover(torch.empty(int(group_mib[stage] * MIB), dtype=torch.uint8))
+    events = [(kind, groups[key]) for kind, key in step_events]
     backward = backward_order(events)
     plan = assign(events, min_banks=banks) if mode == "resident" else None
     mgr.allocate(backward, banks=[plan[g] for g in backward] if plan else None, events=events)
-    ms = {ActionKind.F: f_ms, ActionKind.DI: i_ms, ActionKind.DW: w_ms}
+    # F: the forward; B: dI (the backward starts); E: dW (its last reader), as the captured stage runs them
+    ms = {"F": f_ms, "B": i_ms, "E": w_ms}
     for step in range(steps):
         mgr.begin_step()
-        for _, a in order:
-            g = groups[(a.stage, a.microbatch)]
-            if a.kind is ActionKind.F:
+        for kind, (stage, m) in step_events:
+            g, duration = groups[stage, m], ms[kind] * stage_weight[stage]
+            if kind == "F":
                 g.before_forward()
-                streams.launch(ms[a.kind] * stage_weight[a.stage], "F")
+                streams.launch(duration, "F")
                 g.after_forward()
-            elif a.kind is ActionKind.DI:
+            elif kind == "B":
                 g.before_backward()
-                streams.launch(ms[a.kind] * stage_weight[a.stage], "I")
+                streams.launch(duration, "I")
             else:
-                streams.launch(ms[a.kind] * stage_weight[a.stage], "W")
+                streams.launch(duration, "W")
                 g.after_backward()
         streams.launch(tail_ms, f"mark:{step}")  # the optimizer and the rest of the step: no offload work
     res = streams.simulate()
     mapped = mgr.mapped_bytes()
     mgr.close()  # the fake device's memory goes now, not at a later garbage collection (a search runs hundreds)
     ends = [t for _, t in res["marks"]]
-    off = sum(ms[a.kind] * stage_weight[a.stage] for _, a in order) + tail_ms
+    off = sum(ms[kind] * stage_weight[stage] for kind, (stage, _) in step_events) + tail_ms
     step_ms = ends[-1] - ends[-2]
     stalls = {k: v / steps for k, v in sorted(res["stalls"].items())}  # the average per step
     live, peak = 0, 0  # without offload: the saved bytes alive at once (F to the last reader)
