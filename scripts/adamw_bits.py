@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from qeffect.cli.common import write_json
-from qeffect.graphs.handshake import script_provenance
+from qeffect.graphs.handshake import gpu_provenance
 from qeffect.triton_lazy import triton_kernel
 
 
@@ -101,8 +101,7 @@ def main() -> int:
         rows.append({"pow_base": 0.95, "step": step, "triton_pow": tri, "torch_pow": ref})
         print(f"0.95**{step}: Triton pow {tri!r}, torch pow {ref!r}{'' if tri == ref else '  (differ)'}")
     if a.json:
-        write_json(Path(a.json), {**script_provenance(), "device": torch.cuda.get_device_name(dev),
-                                  "torch": torch.__version__, "rows": rows})
+        write_json(Path(a.json), {**gpu_provenance(dev), "rows": rows})
     return 0
 
 

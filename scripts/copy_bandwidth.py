@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from qeffect.cli.common import write_json
-from qeffect.graphs.handshake import script_provenance
+from qeffect.graphs.handshake import gpu_provenance
 from qeffect.offload.driver import VmmDriver
 from qeffect.offload.vmm import VmmSlot
 
@@ -124,8 +124,7 @@ def main() -> int:
             s.close()
     driver.close()
     if a.json:
-        write_json(Path(a.json), {**script_provenance(), "device": torch.cuda.get_device_name(dev),
-                                  "torch": torch.__version__, "gemm_ms": gemm_ms, "repeats": a.repeats,
+        write_json(Path(a.json), {**gpu_provenance(dev), "gemm_ms": gemm_ms, "repeats": a.repeats,
                                   "cells": cells})
     return 0
 

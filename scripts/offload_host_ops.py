@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from qeffect.cli.common import write_json
-from qeffect.graphs.handshake import script_provenance
+from qeffect.graphs.handshake import gpu_provenance
 
 
 def main() -> None:
@@ -93,7 +93,7 @@ def main() -> None:
             fn()
             samples[name].append((time.perf_counter() - t0) / a.batch * 1e6)
             torch.cuda.synchronize()
-    result = {**script_provenance(), "device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": a.batch, "repeats": a.repeats, "copy_bytes": n,
+    result = {**gpu_provenance(), "batch": a.batch, "repeats": a.repeats, "copy_bytes": n,
               "median_us_per_op": {k: statistics.median(v) for k, v in samples.items()},
               "samples_us_per_op": samples}
     for k, v in result["median_us_per_op"].items():

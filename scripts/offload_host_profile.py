@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
-from qeffect.graphs.handshake import script_provenance
+from qeffect.graphs.handshake import gpu_provenance
 from qeffect.profile.trace import Event, kineto_events, union_length
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
@@ -121,8 +121,7 @@ def main() -> int:
             print(f"  {n[:40]:40s} {c['count']:4d}x {c['ms']:8.2f} ms, median {c['median_ms']:.3f} ms, "
                   f"max {c['max_ms']:.3f} ms")
     if a.json:
-        write_json(Path(a.json), {**script_provenance(), "device": torch.cuda.get_device_name(dev),
-                                  "torch": torch.__version__, "schedule": a.schedule, "results": results})
+        write_json(Path(a.json), {**gpu_provenance(dev), "schedule": a.schedule, "results": results})
     return 0
 
 

@@ -26,7 +26,7 @@ from offload_host_profile import warm_pipeline  # scripts/ is sys.path[0] when r
 import qeffect.offload.group as group_mod
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
-from qeffect.graphs.handshake import script_provenance
+from qeffect.graphs.handshake import gpu_provenance
 from qeffect.offload.streams import DriverCudaStreams, TorchCudaStreams
 from qeffect.verify.state import synthetic_batches
 
@@ -106,8 +106,7 @@ def main() -> int:
             print(f"{schedule} {mode}: step {r['step_ms']:.2f} ms; compute stalls per step: {stalls or 'none'}",
                   flush=True)
     if a.json:
-        write_json(Path(a.json), {**script_provenance(), "device": torch.cuda.get_device_name(dev),
-                                  "torch": torch.__version__, "config": a.config, "results": results})
+        write_json(Path(a.json), {**gpu_provenance(dev), "config": a.config, "results": results})
     return 0
 
 

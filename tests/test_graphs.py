@@ -316,6 +316,9 @@ def test_script_provenance_names_the_command_and_the_revision(monkeypatch: pytes
     monkeypatch.setenv("QEFFECT_GIT_REVISION", "abc123")
     monkeypatch.setattr("sys.argv", ["scripts/x.py", "--json", "out.json"])
     assert hs.script_provenance() == {"command": "python3 scripts/x.py --json out.json", "git_revision": "abc123"}
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda device=None: f"Fake GPU {device}")
+    assert hs.gpu_provenance(3) == {"command": "python3 scripts/x.py --json out.json", "git_revision": "abc123",
+                                    "device": "Fake GPU 3", "torch": torch.__version__}
 
 
 @pytest.mark.parametrize("stale", [{"one-way": 200, "two-way": 1, "stream-ordered": 0},

@@ -156,6 +156,13 @@ def script_provenance() -> dict[str, str]:
     return {"command": " ".join(["python3", *sys.argv]), "git_revision": git_revision() or "unknown"}
 
 
+def gpu_provenance(device: object = None) -> dict[str, str]:
+    """`script_provenance` plus the GPU's name and torch's version: what a GPU script's JSON records first."""
+    import torch
+
+    return {**script_provenance(), "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+
+
 def git_revision() -> str | None:
     """QEFFECT_GIT_REVISION if set (machines with a copy of the tree but no .git), else git HEAD."""
     env = os.environ.get("QEFFECT_GIT_REVISION")
