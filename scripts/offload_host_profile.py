@@ -91,14 +91,20 @@ def run(cfg, mode: str, warmup: int, dev: torch.device) -> dict:
     return {"mode": mode, "host_ms": host * 1e3, "step_ms": total * 1e3, "apis": apis, **copies}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def pipeline_args(doc: str, modes: str) -> argparse.ArgumentParser:
+    """The options every offload script over `warm_pipeline` takes: --config, --modes, --warmup, --json."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--config", default="examples/configs/h2048.toml")
-    ap.add_argument("--schedule", default="zbv")
-    ap.add_argument("--modes", default="off,resident,release")
+    ap.add_argument("--modes", default=modes, help="comma-separated: off, release, resident, resident@K")
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--json", default=None)
+    return ap
+
+
+def main() -> int:
+    ap = pipeline_args(__doc__, "off,resident,release")
+    ap.add_argument("--schedule", default="zbv")
+    ap.add_argument("--top", type=int, default=14)
     a = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg = load_config(a.config).with_overrides(**{"train.device": "cuda", "pipeline.schedule": a.schedule})

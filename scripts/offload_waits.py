@@ -14,14 +14,13 @@ per step: the stall in ms and how many waits stalled (> 5 us).
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from offload_host_profile import warm_pipeline  # scripts/ is sys.path[0] when run as a script
+from offload_host_profile import pipeline_args, warm_pipeline  # scripts/ is sys.path[0] when run as a script
 
 import qeffect.offload.group as group_mod
 from qeffect.cli.common import write_json
@@ -83,13 +82,9 @@ def run(cfg, mode: str, warmup: int, steps: int, dev: torch.device) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="examples/configs/h2048.toml")
+    ap = pipeline_args(__doc__, "off,resident,resident@6")
     ap.add_argument("--schedules", default="interleaved,zbv")
-    ap.add_argument("--modes", default="off,resident,resident@6")
-    ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     # the managers built below time their compute-stream waits (either kind of stream operations)
     group_mod.TorchCudaStreams = timed_waits(TorchCudaStreams)
