@@ -22,7 +22,10 @@ every parameter, optimizer state and FP8 state tensor. Then:
   included) say how often each happened: `released_live`, `released_at_backward`. The measured step
   samples memory after every action, which slows the host, so it may find more copies done in time.
 
-`--modes` takes `resident@K` for resident offload with at least K banks (`train.offload_banks`),
+`--modes` takes `resident` for resident offload with the searched bank plan (the default,
+`train.offload_bank_plan = "search"`; `resident@K`: within the colouring's memory with K banks,
+`train.offload_search_banks`), `resident-colour` (also `resident-colour@K`) for the greedy colouring with at
+least K banks (`train.offload_bank_plan = "colour"`, `train.offload_banks`; the A/B),
 `release-keep` for release offload that keeps consumed slots mapped (`train.offload_reap = false`, the
 default), `release-reap` for release offload that also releases them after their backward
 (`train.offload_reap = true`; the A/B) and
@@ -89,8 +92,13 @@ def run_one(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.devi
     reap = mode == "release-reap"  # release that also releases consumed slots (train.offload_reap = true)
     every = mode == "release-all"  # release offloading every group (train.offload_min_window = 0)
     copyall = mode == "resident-copyall"  # resident, every group copied out (train.offload_skip_kept_d2h = false)
-    mode = "release" if keep or reap or every else "resident" if copyall else mode
-    cfg = cfg.with_overrides(**{"train.offload": mode, "train.offload_banks": int(banks) if banks else None,
+    colour = mode == "resident-colour"  # resident with the greedy colouring (train.offload_bank_plan = "colour")
+    search = mode in ("resident", "resident-copyall")  # @K: the search's memory budget, else the colouring's banks
+    mode = "release" if keep or reap or every else "resident" if copyall or colour else mode
+    cfg = cfg.with_overrides(**{"train.offload": mode,
+                                "train.offload_banks": int(banks) if banks and not search else None,
+                                "train.offload_search_banks": int(banks) if banks and search else None,
+                                "train.offload_bank_plan": "colour" if colour else None,
                                 "train.offload_reap": False if keep else True if reap else None,
                                 "train.offload_min_window": 0 if every else None,
                                 "train.offload_skip_kept_d2h": False if copyall else None,
@@ -181,6 +189,10 @@ def run_one(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.devi
         res["offload"] = {
             "groups": len(mgr.groups), "group_bytes": sum(g.nbytes for g in mgr.groups),
             "banks": len(mgr.banks), "bank_plan": mgr.bank_plan, "mapped_bytes_now": mgr.mapped_bytes(),
+            "bank_plan_kind": mgr.bank_plan_kind, "bank_search": None if mgr.bank_search is None else {
+                "seconds": mgr.bank_search_seconds, "plans_tried": mgr.bank_search.tried,
+                "budget_bytes": mgr.bank_search.budget_bytes, "simulated_ratio": mgr.bank_search.best.ratio,
+                "colour_simulated_ratio": mgr.bank_search.colour.ratio, "colour_plan": list(mgr.bank_search.colour.plan)},
             "host_bytes": mgr.host_bytes(), "kept_groups": [g.name for g in mgr.kept],
             "not_offloaded_groups": [g.name for g in mgr.not_offloaded],
             "not_offloaded_bytes": not_offloaded,
@@ -236,7 +248,9 @@ def main() -> int:
     ap.add_argument("--path", default="captured-direct")
     ap.add_argument("--modes", default="off,release,resident",
                     help="comma list of off, release, release-keep, release-reap, release-all (every group offloaded), resident, "
-                         "resident@K (at least K banks), resident-copyall, resident-copyall@K (no D2H skipped); "
+                         "resident@K (the searched plan within the colouring's memory with K banks), resident-colour, "
+                         "resident-colour@K (the colouring, at least K banks), resident-copyall, resident-copyall@K "
+                         "(no D2H skipped); "
                          "any with /laN (train.offload_lookahead = N) and #N (a repeat under its own name)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -292,6 +306,10 @@ def main() -> int:
                 print(line, flush=True)
                 continue
             line += f", groups {o['groups']} ({o['group_bytes'] / 2**20:.0f} MiB), banks {o['banks']}"
+            if o.get("bank_search"):
+                b = o["bank_search"]
+                line += (f" (searched {b['plans_tried']} plans in {b['seconds']:.2f} s: simulated x{b['simulated_ratio']:.3f}"
+                         f", the colouring's x{b['colour_simulated_ratio']:.3f})")
             if o["banks"]:
                 line += (f", kept {len(o['kept_groups'])}, D2H {o['d2h_copies']} copied / {o['d2h_skipped']} skipped, "
                          f"H2D {o['h2d_copies']}, reloads skipped {o['reloads_skipped']}")

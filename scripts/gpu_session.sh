@@ -34,6 +34,10 @@
 # offload-bank-search: resident with the banks scripts/offload_sim.py --search found (QEFFECT_OFFLOAD_BANKS, 4
 #          banks) against the default plan (2 banks asked) and assign_banks' 4: h2048 both schedules, h4096
 #          Interleaved (about 6 minutes).
+# bank-plan: resident with the searched bank plan (the default, train.offload_bank_plan = "search") against
+#          the colouring (resident-colour, the previous default), three times each in alternation: h2048
+#          Interleaved (bank-plan-interleaved), then h2048 ZB-V and h4096 Interleaved (bank-plan-zbv-h4096)
+#          (two parts: about 2 and 5 minutes).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -315,6 +319,19 @@ offload-bank-search)
     step 200 "bank-search-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
         --schedule interleaved --steps 20 --out "$out/offload-bench-h4096-interleaved-bank-search-h200.json" \
         --modes "off,resident,resident$B=$H,resident#2,resident#2$B=$H,off#2"
+    ;;
+bank-plan-interleaved)
+    step 200 "bank-plan-interleaved" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+        --schedule interleaved --steps 20 --out "$out/offload-bench-h2048-interleaved-bank-plan-h200.json" \
+        --modes "off,resident,resident-colour,resident#2,resident-colour#2,resident#3,resident-colour#3,off#2"
+    ;;
+bank-plan-zbv-h4096)
+    step 200 "bank-plan-zbv" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+        --schedule zbv --steps 20 --out "$out/offload-bench-h2048-zbv-bank-plan-h200.json" \
+        --modes "off,resident,resident-colour,resident#2,resident-colour#2,resident#3,resident-colour#3,off#2"
+    step 240 "bank-plan-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule interleaved --steps 20 --out "$out/offload-bench-h4096-interleaved-bank-plan-h200.json" \
+        --modes "off,resident,resident-colour,resident#2,resident-colour#2,off#2"
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)

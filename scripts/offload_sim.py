@@ -1,134 +1,40 @@
-"""Issue 7 on the CPU: the step time that resident offload's stream dependencies allow, with a host of zero cost.
+"""Issue 7 on the CPU: resident offload's step time (`qeffect.offload.timing`) for given durations and banks.
 
     python3 scripts/offload_sim.py --schedule interleaved --json $OUT/offload-sim-h2048.json
     python3 scripts/offload_sim.py --schedule zbv --banks 2,3,4,6 --lookahead 1,2
-    python3 scripts/offload_sim.py --banks 3,4 --search 300   # also look for better bank assignments
+    python3 scripts/offload_sim.py --banks 4 --search 300   # also search bank plans within the colouring's memory
     python3 scripts/offload_sim.py --plan interleaved=0:3:0:1:0:3:2:1:0:1:0:3:2:1:0:3  # time these banks
+    python3 scripts/offload_sim.py --robustness examples/configs/h2048.toml  # the capture-time search's estimate
 
-The real `OffloadManager` (bank plan, kept groups, chunked copies, look-ahead, every wait) drives
-`TimedStreams`: each operation goes into its stream's queue, and a discrete-event pass then gives each
-one its start: an action takes its given duration on the compute stream, a copy its bytes over the
-bandwidth of its own stream (one copy engine per direction), a wait starts no earlier than the record it
-waits for. The host costs nothing, the copies take no memory bandwidth from the compute, and the slot
-copies inside the forward graphs are part of F's duration: what it reports is the floor that the
-dependencies and the copy bandwidth set, not the GPU's step. Its durations are inputs (`--f-ms` etc.;
-the defaults split h2048's measured 9.75 ms step without offload), and so are its answers.
+The simulation (see `qeffect.offload.timing`) runs the real `OffloadManager` with a host of zero cost;
+what it reports is the floor that the stream dependencies and the copy bandwidth set, not the GPU's
+step. Its durations are inputs (`--f-ms` etc.; the defaults split h2048's measured 9.75 ms step without
+offload: 7.1 ms of actions, the rest optimizer and embedding), and so are its answers.
+
+`--robustness CONFIG`: plans searched as `qeffect train` searches them at capture (durations estimated from
+the config's matrix FLOPs, `runtime.build.estimate_costs`'s constants), then timed with the durations given
+here, and with them scaled (x0.6, x1.6, the last stage's weight 1.3): how far the estimate's plan is from a
+plan searched with those durations, and from the colouring's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
-from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qeffect.config import load_config
 from qeffect.graphs.handshake import script_provenance
-from qeffect.offload import OffloadManager
-from qeffect.offload.fake import FakeDevice
-from qeffect.offload.plan import assign_banks, backward_order, conflicts, explicit_banks
+from qeffect.offload.plan import Event, explicit_banks
+from qeffect.offload.timing import DEFAULT_TRIES, MIB, SimResult, StepCosts, search_banks, simulate
+from qeffect.profile.flops import HEAD, linear_shapes
+from qeffect.runtime.build import ESTIMATE_ACTION_MS, ESTIMATE_FLOPS, ESTIMATE_TAIL
 from qeffect.schedule.adapter import build_schedule
 from qeffect.schedule.ir import ActionKind
 from qeffect.schedule.order import global_order
-
-MIB = 1 << 20
-
-
-@dataclass(eq=False)
-class SimEvent:
-    name: str
-    last: dict | None = None  # the latest record: {"time": ...} once the simulation reaches it
-
-
-@dataclass(eq=False)
-class SimStream:
-    name: str
-    gbps: float = 0.0  # copies on this stream move this many GB/s (0: not a copy stream)
-    queue: list = field(default_factory=list)
-
-
-class TimedStreams:
-    """`StreamOps` that only queue; `simulate()` then times every queued operation."""
-
-    def __init__(self, d2h_gbps: float, h2d_gbps: float) -> None:
-        self.compute = SimStream("compute")
-        self.streams = [self.compute]
-        self.gbps = {"d2h": d2h_gbps, "h2d": h2d_gbps}
-
-    def current_stream(self) -> SimStream:
-        return self.compute
-
-    def new_stream(self, name: str) -> SimStream:
-        s = SimStream(name, gbps=self.gbps.get(name, 0.0))
-        self.streams.append(s)
-        return s
-
-    def new_event(self, name: str, timing: bool = False) -> SimEvent:
-        return SimEvent(name)
-
-    def record(self, event: SimEvent, stream: SimStream) -> None:
-        event.last = {"time": None}
-        stream.queue.append(("record", event.last, event.name))
-
-    def wait(self, stream: SimStream, event: SimEvent) -> None:
-        if event.last is not None:  # never recorded: a no-op, as in CUDA
-            stream.queue.append(("wait", event.last, event.name))
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimStream) -> None:
-        nbytes = dst.numel() * dst.element_size()
-        stream.queue.append(("run", nbytes / (stream.gbps * 1e9) * 1e3, "copy"))
-
-    def launch(self, ms: float, label: str) -> None:
-        self.compute.queue.append(("run", ms, label))
-
-    def synchronize_event(self, event: SimEvent) -> None:
-        raise RuntimeError("a host wait on the hot path: the simulation assumes resident mode makes none")
-
-    def query(self, event: SimEvent) -> bool:
-        raise RuntimeError("an event query on the hot path: the simulation assumes resident mode makes none")
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(int(nbytes), dtype=torch.uint8)
-
-    def simulate(self) -> dict[str, Any]:
-        """Time every queued operation; returns each stream's end and the compute stream's stalls by wait."""
-        now = {s.name: 0.0 for s in self.streams}
-        pos = {s.name: 0 for s in self.streams}
-        stalls: dict[str, float] = defaultdict(float)
-        marks: list[tuple[str, float]] = []
-        while any(pos[s.name] < len(s.queue) for s in self.streams):
-            progressed = False
-            for s in self.streams:
-                while pos[s.name] < len(s.queue):
-                    kind, arg, label = s.queue[pos[s.name]]
-                    if kind == "wait":
-                        if arg["time"] is None:
-                            break  # its record is not reached yet
-                        if s is self.compute and arg["time"] > now[s.name]:
-                            stalls[_category(label)] += arg["time"] - now[s.name]
-                        now[s.name] = max(now[s.name], arg["time"])
-                    elif kind == "record":
-                        arg["time"] = now[s.name]
-                    else:
-                        now[s.name] += arg
-                        if label.startswith("mark:"):
-                            marks.append((label[5:], now[s.name]))
-                    pos[s.name] += 1
-                    progressed = True
-            if not progressed:
-                heads = {s.name: s.queue[pos[s.name]][2] for s in self.streams if pos[s.name] < len(s.queue)}
-                raise RuntimeError(f"simulated deadlock: no stream can progress: {heads}")
-        return {"end": now, "stalls": dict(stalls), "marks": marks}
-
-
-def _category(event_name: str) -> str:
-    """`s1.m2.d2h_chunk3` -> `d2h_chunk`: stalls summed per kind of wait."""
-    return event_name.rsplit(".", 1)[-1].rstrip("0123456789")
-
 
 # h2048 (offload_bench at 3b60f78): stages 0-2 save 9.8 MiB per microbatch, the last stage (head and loss:
 # the logits) 43 MiB; the last stage's actions take about twice a layer's (its head GEMM is as large as the
@@ -137,117 +43,73 @@ H2048_GROUP_MIB = (9.8, 9.8, 9.8, 43.0)
 H2048_STAGE_WEIGHT = (1.0, 1.0, 1.0, 2.0)
 
 
-def simulate(schedule: str, *, pp: int = 2, chunks: int = 2, microbatches: int = 4,
-             group_mib: tuple[float, ...] = H2048_GROUP_MIB, stage_weight: tuple[float, ...] = H2048_STAGE_WEIGHT,
-             banks: int = 2, lookahead: int = 1, chunk_mib: float = 2.0, gbps: float = 52.0, f_ms: float = 0.118,
-             i_ms: float = 0.118, w_ms: float = 0.118, tail_ms: float = 2.65, steps: int = 4,
-             mode: str = "resident", assign: Any = assign_banks) -> dict[str, Any]:
-    """One configuration: the last step's time with `mode` and without offload (the sum of the durations).
-    An action of stage s takes its kind's duration times `stage_weight[s]`; its group saves `group_mib[s]`.
-    `assign(events, min_banks)` gives the banks (default: `offload.plan.assign_banks`)."""
-    step_events = _events(schedule, microbatches, pp, chunks)  # named (stage, microbatch)
-    streams = TimedStreams(gbps, gbps)
-    fake = FakeDevice(0, total=1 << 40)
-    chunk_bytes = int(chunk_mib * MIB)
-    mgr = OffloadManager(mode, device="cpu", driver=fake.driver(), streams=streams, num_banks=banks,
-                         lookahead=lookahead, copy_chunk_bytes=chunk_bytes)
-    groups = {}
-    for _, (stage, m) in step_events:
-        if (stage, m) not in groups:
-            groups[stage, m] = g = mgr.group(f"s{stage}.m{m}")
-            g.discover(torch.empty(int(group_mib[stage] * MIB), dtype=torch.uint8))
-    events = [(kind, groups[key]) for kind, key in step_events]
-    backward = backward_order(events)
-    plan = assign(events, min_banks=banks) if mode == "resident" else None
-    mgr.allocate(backward, banks=[plan[g] for g in backward] if plan else None, events=events)
-    # F: the forward; B: dI (the backward starts); E: dW (its last reader), as the captured stage runs them
-    ms = {"F": f_ms, "B": i_ms, "E": w_ms}
-    for step in range(steps):
-        mgr.begin_step()
-        for kind, (stage, m) in step_events:
-            g, duration = groups[stage, m], ms[kind] * stage_weight[stage]
-            if kind == "F":
-                g.before_forward()
-                streams.launch(duration, "F")
-                g.after_forward()
-            elif kind == "B":
-                g.before_backward()
-                streams.launch(duration, "I")
-            else:
-                streams.launch(duration, "W")
-                g.after_backward()
-        streams.launch(tail_ms, f"mark:{step}")  # the optimizer and the rest of the step: no offload work
-    res = streams.simulate()
-    mapped = mgr.mapped_bytes()
-    mgr.close()  # the fake device's memory goes now, not at a later garbage collection (a search runs hundreds)
-    ends = [t for _, t in res["marks"]]
-    off = sum(ms[kind] * stage_weight[stage] for kind, (stage, _) in step_events) + tail_ms
-    step_ms = ends[-1] - ends[-2]
-    stalls = {k: v / steps for k, v in sorted(res["stalls"].items())}  # the average per step
-    live, peak = 0, 0  # without offload: the saved bytes alive at once (F to the last reader)
-    for kind, g in events:
-        live += g.nbytes if kind == "F" else -g.nbytes if kind == "E" else 0
-        peak = max(peak, live)
-    return {"schedule": schedule, "mode": mode, "banks": mgr.num_banks, "lookahead": lookahead,
-            "mapped_mib": mapped / MIB, "off_peak_saved_mib": peak / MIB,
-            "chunk_mib": chunk_mib, "step_ms": step_ms, "off_ms": off, "ratio": step_ms / off,
-            "kept": len(mgr.kept), "d2h_mib_per_step": mgr.stats.d2h_bytes / MIB / steps,
-            "h2d_mib_per_step": mgr.stats.h2d_bytes / MIB / steps, "compute_stall_ms_per_step": stalls}
-
-
-def search_banks(schedule: str, max_banks: int, iters: int, seed: int = 0, **kw: Any) -> dict[str, Any]:
-    """A local search over bank assignments with at most `max_banks` banks (each valid: no two conflicting
-    groups share a bank, `offload.plan.conflicts`) and no more bank memory than `assign_banks` maps for
-    `max_banks`, for the shortest simulated step (the smaller banks on a tie). Half the tries start from
-    `assign_banks`' plan (so it finds nothing worse), half from first fit; each try moves one or two groups
-    to another allowed bank."""
-    rng = random.Random(seed)
-    events = _events(schedule, kw.get("microbatches", 4), kw.get("pp", 2), kw.get("chunks", 2))
-    groups = backward_order(events)
-    edges = conflicts(events)
-    near = [[groups.index(h) for h in edges[g]] for g in groups]
-    default = assign_banks(events, min_banks=max_banks)
-    first_fit: list[int] = []
-    for i in range(len(groups)):
-        used = {first_fit[j] for j in near[i] if j < i}
-        first_fit.append(min(b for b in range(len(groups)) if b not in used))
-    budget = simulate(schedule, banks=max_banks, **kw)["mapped_mib"]  # what assign_banks maps when asked for these
-    max_banks = max(max_banks, max(default.values()) + 1, max(first_fit) + 1)
-    seen: dict[tuple[int, ...], dict[str, Any]] = {}
-
-    def run(plan: list[int]) -> dict[str, Any]:
-        key = tuple(plan)
-        if key not in seen:
-            def fixed(ev: Any, min_banks: int) -> dict[Any, int]:  # ev: the same order, over the manager's groups
-                return dict(zip(backward_order(ev), plan, strict=True))
-
-            seen[key] = simulate(schedule, banks=2, assign=fixed, **kw) | {"plan": plan}
-        return seen[key]
-
-    def better(r: dict[str, Any], than: dict[str, Any]) -> bool:
-        return r["mapped_mib"] <= budget and (r["step_ms"], r["mapped_mib"]) <= (than["step_ms"], than["mapped_mib"])
-
-    results = []
-    for start in ([default[g] for g in groups], first_fit):  # two starts: a local search stops at local optima
-        best = run(start)
-        for _ in range(iters // 2):
-            plan = list(best["plan"])
-            for _ in range(rng.randint(1, 2)):
-                i = rng.randrange(len(groups))
-                plan[i] = rng.choice([b for b in range(max_banks) if all(plan[j] != b for j in near[i])])
-            r = run(plan)
-            if better(r, best):
-                best = r
-        results.append(best)
-    best = results[0] if better(results[0], results[1]) or results[1]["mapped_mib"] > budget else results[1]
-    return best | {"searched": len(seen), "max_banks": max_banks}
-
-
-def _events(schedule: str, microbatches: int, pp: int = 2, chunks: int = 2) -> list[tuple[str, tuple[int, int]]]:
+def step_events(schedule: str, microbatches: int, pp: int = 2, chunks: int = 2) -> list[Event]:
     """One step's offload events, the groups named (stage, microbatch)."""
     kinds = {ActionKind.F: "F", ActionKind.DI: "B", ActionKind.DW: "E"}
     order = global_order(build_schedule(schedule, pp, chunks, microbatches))
     return [(kinds[a.kind], (a.stage, a.microbatch)) for _, a in order]
+
+
+def given_costs(events: list[Event], group_mib: tuple[float, ...], stage_weight: tuple[float, ...],
+                f_ms: float, i_ms: float, w_ms: float, tail_ms: float, gbps: float) -> StepCosts:
+    """Costs from the arguments: a group of stage s saves `group_mib[s]`; its actions take f/i/w times
+    `stage_weight[s]`."""
+    groups = {g for _, g in events}
+    return StepCosts({g: int(group_mib[g[0]] * MIB) for g in groups},
+                     {g: (f_ms * stage_weight[g[0]], i_ms * stage_weight[g[0]], w_ms * stage_weight[g[0]])
+                      for g in groups}, tail_ms, gbps)
+
+
+def estimated_costs(events: list[Event], cfg: Any, group_mib: tuple[float, ...], gbps: float) -> StepCosts:
+    """Durations as `runtime.build.estimate_costs` estimates them at capture, from the config's linears."""
+    per_layer = sum(i * o for name, i, o, _ in linear_shapes(cfg) if name != HEAD) * cfg.model.layers_per_chunk
+    head = cfg.model.hidden * cfg.model.vocab_size
+    tokens = cfg.model.microbatch_size * cfg.model.seq_len
+    last = cfg.pipeline.num_stages - 1
+    ms = {s: ESTIMATE_ACTION_MS + 2 * tokens * (per_layer + (head if s == last else 0)) / ESTIMATE_FLOPS * 1e3
+          for s in range(cfg.pipeline.num_stages)}
+    groups = {g for _, g in events}
+    action_ms = {g: (ms[g[0]],) * 3 for g in groups}
+    return StepCosts({g: int(group_mib[g[0]] * MIB) for g in groups}, action_ms,
+                     ESTIMATE_TAIL * sum(sum(t) for t in action_ms.values()), gbps)
+
+
+def row(r: SimResult, schedule: str, lookahead: int, events: list[Event], costs: StepCosts) -> dict[str, Any]:
+    live, peak = 0, 0  # without offload: the saved bytes alive at once (F to the last reader)
+    for kind, g in events:
+        live += costs.nbytes[g] if kind == "F" else -costs.nbytes[g] if kind == "E" else 0
+        peak = max(peak, live)
+    return {"schedule": schedule, "mode": "resident", "banks": r.banks, "lookahead": lookahead,
+            "mapped_mib": r.mapped_bytes / MIB, "off_peak_saved_mib": peak / MIB, "step_ms": r.step_ms,
+            "off_ms": r.off_ms, "ratio": r.ratio, "kept": r.kept, "d2h_mib_per_step": r.d2h_bytes / MIB,
+            "h2d_mib_per_step": r.h2d_bytes / MIB, "compute_stall_ms_per_step": r.stall_ms, "plan": list(r.plan)}
+
+
+def robustness(cfg_path: Path, schedule: str, given: dict[str, Any], tries: int) -> list[dict[str, Any]]:
+    """The estimate's plan against plans searched with the given durations, scaled (see the docstring)."""
+    cfg = load_config(cfg_path)
+    events = step_events(schedule, cfg.pipeline.microbatches, cfg.pipeline.pp, cfg.pipeline.chunks_per_rank)
+    banks = cfg.train.offload_search_banks
+    estimate = search_banks(events, estimated_costs(events, cfg, given["group_mib"], given["gbps"]),
+                            max_banks=banks, tries=tries)
+    w = given["stage_weight"]
+    variants = {"given": given, "x0.6": given | {k: given[k] * 0.6 for k in ("f_ms", "i_ms", "w_ms", "tail_ms")},
+                "x1.6": given | {k: given[k] * 1.6 for k in ("f_ms", "i_ms", "w_ms", "tail_ms")},
+                "last stage x1.3": given | {"stage_weight": (*w[:-1], 1.3)}}
+    out = []
+    for name, kw in variants.items():
+        costs = given_costs(events, **kw)
+        searched = search_banks(events, costs, max_banks=banks, tries=tries)
+        out.append({"config": str(cfg_path), "schedule": schedule, "durations": name,
+                    "estimate_plan": list(estimate.best.plan), "estimate_plan_ratio": simulate(events, costs,
+                                                                                               estimate.best.plan).ratio,
+                    "searched_plan_ratio": searched.best.ratio, "colour_2_ratio": simulate(events, costs).ratio,
+                    f"colour_{banks}_ratio": searched.colour.ratio})
+        r = out[-1]
+        print(f"{cfg_path.name} {schedule:11s} durations {name:16s}: estimate's plan x{r['estimate_plan_ratio']:.3f}, "
+              f"searched with these x{r['searched_plan_ratio']:.3f}, colouring x{r['colour_2_ratio']:.3f} "
+              f"(2 banks) x{r[f'colour_{banks}_ratio']:.3f} ({banks})")
+    return out
 
 
 def main() -> int:
@@ -266,44 +128,54 @@ def main() -> int:
     ap.add_argument("--w-ms", type=float, default=0.118)
     ap.add_argument("--tail-ms", type=float, default=2.65, help="per step, outside the actions: the optimizer and the rest")
     ap.add_argument("--search", type=int, default=0, metavar="N",
-                    help="also search N tries for a better assignment with at most each --banks banks")
+                    help="also search N tries for a better plan within the colouring's memory with each --banks")
     ap.add_argument("--plan", action="append", default=[], metavar="SCHEDULE=B0:B1:...",
                     help="time these banks (one per group in backward order, as QEFFECT_OFFLOAD_BANKS) instead of "
                          "--banks; repeatable")
+    ap.add_argument("--robustness", type=Path, metavar="CONFIG",
+                    help="the capture-time search's estimated durations for CONFIG against these durations")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     rows = []
-    kw = {"microbatches": a.microbatches, "chunk_mib": a.chunk_mib, "gbps": a.gbps, "f_ms": a.f_ms, "i_ms": a.i_ms,
-          "w_ms": a.w_ms, "tail_ms": a.tail_ms, "group_mib": tuple(float(x) for x in a.group_mib.split(",")),
-          "stage_weight": tuple(float(x) for x in a.stage_weight.split(","))}
+    given = {"group_mib": tuple(float(x) for x in a.group_mib.split(",")),
+             "stage_weight": tuple(float(x) for x in a.stage_weight.split(",")), "f_ms": a.f_ms, "i_ms": a.i_ms,
+             "w_ms": a.w_ms, "tail_ms": a.tail_ms, "gbps": a.gbps}
+    chunk = int(a.chunk_mib * MIB)
+    if a.robustness:
+        for sched in a.schedule.split(","):
+            rows += robustness(a.robustness, sched, given, a.search or DEFAULT_TRIES)
     for spec in a.plan:
         sched, _, text = spec.rpartition("=")
         try:
-            banks = explicit_banks(_events(sched, a.microbatches), text, f"--plan {sched}")
+            events = step_events(sched, a.microbatches)
+            banks = explicit_banks(events, text, f"--plan {sched}")
         except ValueError as err:  # an unknown schedule, or banks that do not fit it
             ap.error(str(err))
-
-        def given(ev: Any, min_banks: int, banks: list[int] = banks) -> dict[Any, int]:
-            return dict(zip(backward_order(ev), banks, strict=True))
-
-        rows.append(simulate(sched, assign=given, **kw) | {"plan": banks})
+        costs = given_costs(events, **given)
+        rows.append(row(simulate(events, costs, banks, chunk_bytes=chunk), sched, 1, events, costs))
         _print(rows[-1], f"{sched:11s} banks {text}")
-    for sched in ([] if a.plan else a.schedule.split(",")):
+    for sched in ([] if a.plan or a.robustness else a.schedule.split(",")):
+        events = step_events(sched, a.microbatches)
+        costs = given_costs(events, **given)
         for banks in (int(b) for b in a.banks.split(",")):
             for la in (int(x) for x in a.lookahead.split(",")):
-                r = simulate(sched, banks=banks, lookahead=la, **kw)
-                rows.append(r)
-                _print(r, f"{sched:11s} banks {r['banks']} (asked {banks}) look-ahead {la}")
+                r = simulate(events, costs, min_banks=banks, lookahead=la, chunk_bytes=chunk)
+                rows.append(row(r, sched, la, events, costs))
+                _print(rows[-1], f"{sched:11s} banks {r.banks} (asked {banks}) look-ahead {la}")
                 if a.search:
-                    best = search_banks(sched, banks, a.search, **kw, lookahead=la)
-                    rows.append(best)
-                    _print(best, f"{sched:11s} searched, at most {best['max_banks']} banks, look-ahead {la}")
-                    print(f"    QEFFECT_OFFLOAD_BANKS={':'.join(map(str, best['plan']))}")
+                    found = search_banks(events, costs, max_banks=banks, tries=a.search, lookahead=la,
+                                         chunk_bytes=chunk)
+                    rows.append(row(found.best, sched, la, events, costs) | {"searched": found.tried,
+                                                                             "max_banks": banks})
+                    _print(rows[-1], f"{sched:11s} searched, within the colouring's memory with {banks} banks, "
+                                     f"look-ahead {la}")
+                    print(f"    QEFFECT_OFFLOAD_BANKS={':'.join(map(str, found.best.plan))}")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(script_provenance() | {
             "kind": "simulation on the CPU: a host of zero cost, the durations and bandwidth given", "device": "none",
-            "torch": torch.__version__, "args": vars(a) | {"json": str(a.json)}, "results": rows}, indent=1))
+            "torch": torch.__version__, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+            "results": rows}, indent=1))
     return 0
 
 

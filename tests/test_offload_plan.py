@@ -210,6 +210,7 @@ def test_a_claim_off_the_plan_raises_instead_of_evicting_a_kept_group() -> None:
 class _Act:
     def __init__(self, stage: int, groups: dict) -> None:
         self.stage, self.groups, self.offload, self.captured = stage, groups, None, 0
+        self.chunk = torch.nn.Linear(8, 8 * (1 + stage))  # the bank search's duration estimate reads its weights
 
     def prepare(self, microbatches: int, microbatch_size: int, seq_len: int) -> None:
         for g in self.groups.values():
@@ -228,7 +229,7 @@ def test_config_switch_reaches_the_manager_and_capture_passes_the_events(monkeyp
     `offload_reap` do) and `capture_ranks` gives the resident manager the step's events: it keeps
     exactly `kept_groups` of the planned banks, or nothing with the switch off."""
     cfg = load_config().with_overrides(**{"pipeline.schedule": schedule, "train.offload_skip_kept_d2h": skip,
-                                          "train.offload_banks": 3})
+                                          "train.offload_banks": 3, "train.offload_bank_plan": "colour"})
     assert load_config().train.offload_skip_kept_d2h is True
     mgr, made, acts, order = _captured(monkeypatch, cfg)
     assert made["skip_kept_d2h"] is skip and mgr.skip_kept_d2h is skip and made["num_banks"] == 3
@@ -256,6 +257,32 @@ def test_banks_given_by_hand_reach_the_manager_and_run_the_schedule(monkeypatch)
         _run(events, given, seed=seed, plan=True)  # every backward reads its own forward's bytes
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_the_default_plan_is_the_search_and_runs_the_schedule(monkeypatch, schedule: str) -> None:
+    """`train.offload_bank_plan = "search"` (the default): `capture_ranks` allocates the plan that
+    `offload.timing.search_banks` finds over the step's events and the estimated costs, no slower in the
+    simulation and no larger than the colouring with `offload_search_banks` banks, and with it every
+    backward reads its own forward's bytes on the fake device."""
+    from qeffect.offload.timing import simulate
+    from qeffect.runtime.build import estimate_costs, offload_events
+
+    cfg = load_config().with_overrides(**{"pipeline.schedule": schedule})
+    assert cfg.train.offload_bank_plan == "search" and cfg.train.offload_search_banks == 4
+    mgr, _, acts, order = _captured(monkeypatch, cfg)
+    found = mgr.bank_search
+    assert found is not None and mgr.bank_plan == list(found.best.plan) and mgr.bank_search_seconds > 0
+    assert found.best.step_ms <= found.colour.step_ms and found.best.mapped_bytes <= found.budget_bytes
+    ranks = [type("R", (), {"actions": acts})()]
+    events = offload_events([(0, a) for _, a in order], ranks)
+    costs = estimate_costs(ranks, mgr, events, 8)
+    assert simulate(events, costs, found.best.plan).step_ms == found.best.step_ms  # what it says it found
+    assert found.colour.plan == tuple(assign_banks(events, min_banks=4)[g] for g in backward_order(events))
+    mgr.close()
+    named = schedule_events(schedule, 4)
+    for seed in range(3):
+        _run(named, list(found.best.plan), seed=seed, plan=True)  # every backward reads its own forward's bytes
+
+
 def test_banks_given_by_hand_are_checked() -> None:
     events = schedule_events("interleaved", 4)
     assert explicit_banks(events, SEARCHED) == [int(b) for b in SEARCHED.split(":")]
@@ -281,8 +308,9 @@ def _captured(monkeypatch, cfg):
                           release_consumed=kw["release_consumed"], skip_kept_d2h=kw["skip_kept_d2h"])
 
     monkeypatch.setattr(build_mod, "OffloadManager", fake_manager)
-    mgr = build_mod.make_offload_manager("resident", "cpu", cfg.train.offload_banks, cfg.train.offload_reap,
-                                         cfg.train.offload_skip_kept_d2h)
+    t = cfg.train
+    mgr = build_mod.make_offload_manager("resident", "cpu", t.offload_banks, t.offload_reap, t.offload_skip_kept_d2h,
+                                         bank_plan=t.offload_bank_plan, search_banks=t.offload_search_banks)
     sched = schedule_of(cfg)
     order = global_order(sched)
     acts = {s: _Act(s, {m: mgr.group(f"s{s}.m{m}") for m in range(sched.microbatches)})

@@ -1,4 +1,5 @@
-"""scripts/offload_sim.py: the discrete-event timing of resident offload's streams (CPU)."""
+"""`qeffect.offload.timing` (the discrete-event timing of resident offload's streams and the bank search)
+and scripts/offload_sim.py, its command line (CPU)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from qeffect.offload.plan import assign_banks, backward_order, conflicts
+from qeffect.offload.timing import MIB, SCALE, StepCosts, TimedStreams, search_banks, simulate
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "offload_sim.py"
 
@@ -23,8 +27,8 @@ def sim():
     del sys.modules["offload_sim"]
 
 
-def test_a_wait_holds_its_stream_until_the_record_and_the_stall_is_counted(sim) -> None:
-    ts = sim.TimedStreams(d2h_gbps=1.0, h2d_gbps=1.0)
+def test_a_wait_holds_its_stream_until_the_record_and_the_stall_is_counted() -> None:
+    ts = TimedStreams(d2h_gbps=1.0, h2d_gbps=1.0)
     d2h = ts.new_stream("d2h")
     fwd, copied = ts.new_event("g.forward_done"), ts.new_event("g.d2h_done")
     ts.launch(1.0, "F")
@@ -35,30 +39,79 @@ def test_a_wait_holds_its_stream_until_the_record_and_the_stall_is_counted(sim) 
     ts.wait(ts.compute, copied)
     ts.wait(ts.compute, ts.new_event("never.recorded"))  # a no-op, as in CUDA
     ts.launch(1.0, "mark:0")
-    res = ts.simulate()
+    res = ts.run()
     copy_ms = (1 << 20) / 1e9 * 1e3
     assert res["end"] == {"compute": 1.0 + copy_ms + 1.0, "d2h": 1.0 + copy_ms}
     assert res["stalls"] == {"d2h_done": copy_ms} and res["marks"] == [("0", 2.0 + copy_ms)]
 
 
-def test_a_wait_on_a_later_record_of_its_own_stream_is_a_deadlock(sim) -> None:
-    ts = sim.TimedStreams(1.0, 1.0)
+def test_a_wait_on_a_later_record_of_its_own_stream_is_a_deadlock() -> None:
+    ts = TimedStreams(1.0, 1.0)
     ev = ts.new_event("e")
     ev.last = {"time": None}  # recorded by an operation queued after the wait
     ts.compute.queue.append(("wait", ev.last, "e"))
     ts.compute.queue.append(("record", ev.last, "e"))
     with pytest.raises(RuntimeError, match="simulated deadlock"):
-        ts.simulate()
+        ts.run()
+
+
+def h2048(sim, schedule: str = "interleaved", **kw):
+    events = sim.step_events(schedule, 4)
+    given = {"group_mib": sim.H2048_GROUP_MIB, "stage_weight": sim.H2048_STAGE_WEIGHT, "f_ms": 0.118, "i_ms": 0.118,
+             "w_ms": 0.118, "tail_ms": 2.65, "gbps": 52.0} | kw
+    return events, sim.given_costs(events, **given)
 
 
 def test_instant_copies_cost_nothing_and_the_plan_copies_only_the_groups_it_does_not_keep(sim) -> None:
-    r = sim.simulate("interleaved", gbps=1e12)
-    assert r["step_ms"] == pytest.approx(r["off_ms"], rel=1e-9) and sum(r["compute_stall_ms_per_step"].values()) < 1e-6
-    slow = sim.simulate("interleaved")
-    assert slow["kept"] == 4 and slow["step_ms"] > r["step_ms"]  # the last stage's 4 groups stay in their bank
-    group = int(9.8 * (1 << 20))  # each of the other 12 goes out once per step
-    assert slow["d2h_mib_per_step"] == pytest.approx(12 * group / (1 << 20))
-    assert set(slow["compute_stall_ms_per_step"]) <= {"d2h_done", "restore_done", "consumed", "d2h_chunk"}
+    events, fast = h2048(sim, gbps=1e12)
+    r = simulate(events, fast)
+    assert r.step_ms == pytest.approx(r.off_ms, rel=1e-9) and sum(r.stall_ms.values()) < 1e-6
+    slow = simulate(events, h2048(sim)[1])
+    assert slow.kept == 4 and slow.step_ms > r.step_ms  # the last stage's 4 groups stay in their bank
+    group = -(-int(9.8 * MIB) // SCALE) * SCALE  # simulated in units of SCALE bytes
+    assert slow.d2h_bytes == 12 * group  # each of the other 12 goes out once per step
+    assert set(slow.stall_ms) <= {"d2h_done", "restore_done", "consumed", "d2h_chunk"}
+    assert slow.banks == 2 and slow.mapped_bytes == 10 * MIB + 44 * MIB  # each bank: its largest group, 2 MiB pages
+
+
+def test_the_scaled_simulation_times_as_the_real_bytes_would() -> None:
+    """Bytes are simulated divided by SCALE with the bandwidth scaled alike: a copy of n real bytes takes
+    n / bandwidth, whatever the scale."""
+    ts = TimedStreams(2.0, 2.0, scale=1024)
+    d2h = ts.new_stream("d2h")
+    ts.copy(torch.empty(1024), torch.empty(1024), d2h)  # 4 KiB simulated: 4 MiB real
+    assert ts.run()["end"]["d2h"] == pytest.approx(4 * MIB / 2e9 * 1e3)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_the_search_finds_a_valid_plan_no_slower_and_no_larger_than_the_colouring(sim, schedule: str) -> None:
+    """h2048's durations: every plan is valid (no conflicting groups share a bank), the best is within the
+    colouring's memory with 4 banks and faster than the colouring with 2 or 4; the same seed, the same plan."""
+    events, costs = h2048(sim, schedule)
+    found = search_banks(events, costs, max_banks=4, tries=60)
+    order, edges = backward_order(events), conflicts(events)
+    bank = dict(zip(order, found.best.plan, strict=True))
+    assert all(bank[g] != bank[h] for g in order for h in edges[g])
+    assert found.best.mapped_bytes <= found.budget_bytes == found.colour.mapped_bytes
+    assert found.colour.plan == tuple(assign_banks(events, min_banks=4)[g] for g in order)
+    assert found.best.step_ms < min(found.colour.step_ms, simulate(events, costs).step_ms)
+    assert 1 < found.tried <= 61
+    assert search_banks(events, costs, max_banks=4, tries=60).best == found.best
+
+
+def test_on_a_tie_the_search_takes_the_plan_with_less_memory(sim) -> None:
+    """Copies of no cost: every plan runs at the step without offload, so the search only trades memory:
+    it ends below the colouring's 4 banks, at no more than the 2-bank colouring's memory."""
+    events, costs = h2048(sim, gbps=1e12)
+    found = search_banks(events, costs, max_banks=4, tries=20)
+    assert found.best.step_ms == pytest.approx(found.best.off_ms, rel=1e-9)
+    assert found.best.mapped_bytes < found.colour.mapped_bytes
+    assert found.best.mapped_bytes <= simulate(events, costs).mapped_bytes
+
+
+def test_costs_say_the_step_without_offload() -> None:
+    costs = StepCosts({"a": 1, "b": 2}, {"a": (1.0, 2.0, 3.0), "b": (0.5, 0.5, 0.5)}, tail_ms=4.0)
+    assert costs.off_ms == 11.5
 
 
 def test_given_banks_are_timed_and_bad_ones_are_refused(sim, tmp_path, monkeypatch, capsys) -> None:
@@ -70,8 +123,21 @@ def test_given_banks_are_timed_and_bad_ones_are_refused(sim, tmp_path, monkeypat
     assert sim.main() == 0
     (row,) = json.loads(out.read_text())["results"]
     assert row["plan"] == [int(b) for b in plan.split(":")] and row["kept"] == 6 and row["banks"] == 4
-    assert row["ratio"] < sim.simulate("interleaved")["ratio"]  # the default plan: 2 banks
+    assert row["ratio"] < simulate(*h2048(sim)).ratio  # the colouring: 2 banks
     monkeypatch.setattr("sys.argv", ["offload_sim.py", "--plan", "interleaved=0:1"])
     with pytest.raises(SystemExit) as err:
         sim.main()
     assert err.value.code == 2 and "expected 16 bank indices" in capsys.readouterr().err
+
+
+def test_robustness_compares_the_estimate_with_plans_searched_for_the_given_durations(sim, tmp_path, monkeypatch,
+                                                                                      capsys) -> None:
+    out = tmp_path / "rob.json"
+    monkeypatch.setattr("sys.argv", ["offload_sim.py", "--robustness", "examples/configs/h2048.toml", "--schedule",
+                                     "zbv", "--search", "20", "--json", str(out)])
+    assert sim.main() == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["durations"] for r in rows] == ["given", "x0.6", "x1.6", "last stage x1.3"]
+    for r in rows:  # one plan from the estimate, timed under each; the search under each is within its budget
+        assert r["estimate_plan"] == rows[0]["estimate_plan"] and r["searched_plan_ratio"] <= r["colour_4_ratio"]
+    assert "estimate's plan x" in capsys.readouterr().out

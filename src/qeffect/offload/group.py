@@ -677,6 +677,13 @@ class OffloadManager:
         self.backward_order: list[OffloadGroup] = []
         self.bank_plan: list[int] = []
         self.kept: list[OffloadGroup] = []  # resident: groups the plan keeps in their bank (no D2H)
+        # resident: how `runtime.build.capture_ranks` plans the banks (`train.offload_bank_plan`, set by
+        # `make_offload_manager`): "colour" (`offload.plan.assign_banks`) or "search" (`offload.timing`,
+        # within the colouring's memory with `search_banks` banks); the search's result once it ran
+        self.bank_plan_kind: Literal["colour", "search"] = "colour"
+        self.search_banks = 4
+        self.bank_search: Any = None  # offload.timing.SearchResult
+        self.bank_search_seconds = 0.0
         self.not_offloaded: list[OffloadGroup] = []  # release: the plan's short-window groups (no slot)
         # resident, with allocate(events=): (x, g) look-ahead restores of g at x's backward that a forward
         # would evict before g's backward (`offload.plan.futile_restores`): not started
@@ -760,12 +767,7 @@ class OffloadManager:
         for a, b in zip(order, order[1:], strict=False):
             a.next_backward = b
         for g in self.groups:
-            off = 0
-            for spec in g.specs:
-                off = -(-off // self.alignment) * self.alignment
-                g.offsets.append(off)
-                off += spec.nbytes
-            g.nbytes = off
+            g.offsets, g.nbytes = self.layout(g.specs)
         if self.mode == "release" and events is not None and self.min_window > 0:
             short = short_window_groups(events, self.min_window)
             self.not_offloaded = [g for g in order if g in short]
@@ -987,6 +989,15 @@ class OffloadManager:
             self.stats.reaped += 1
         g.state = GroupState.UNMAPPED
         return True
+
+    def layout(self, specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
+        """Each saved tensor's offset in its group's slot (aligned) and the slot bytes the group needs."""
+        offsets, off = [], 0
+        for spec in specs:
+            off = -(-off // self.alignment) * self.alignment
+            offsets.append(off)
+            off += spec.nbytes
+        return offsets, off
 
     def mapped_bytes(self) -> int:
         """Device bytes currently mapped by this manager's slots and banks."""

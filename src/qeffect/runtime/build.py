@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Literal
 
@@ -15,6 +16,7 @@ from qeffect.graphs.manager import GraphManager
 from qeffect.model import GPTShape, build_chunks
 from qeffect.offload.group import OffloadManager
 from qeffect.offload.plan import assign_banks, backward_order, explicit_banks
+from qeffect.offload.timing import StepCosts, search_banks
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.schedule import Action, ActionKind, Schedule, build_native_schedule, build_schedule, dw_in_order
@@ -115,9 +117,10 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     check_path("eager" if native else path, device, offload_mode)
     if native or path == "eager":
         return None, None, direct
-    offload = (make_offload_manager(offload_mode, device, cfg.train.offload_banks, cfg.train.offload_reap,
-                                    cfg.train.offload_skip_kept_d2h, cfg.train.offload_min_window,
-                                    cfg.train.offload_lookahead)
+    t = cfg.train
+    offload = (make_offload_manager(offload_mode, device, t.offload_banks, t.offload_reap, t.offload_skip_kept_d2h,
+                                    t.offload_min_window, t.offload_lookahead, t.offload_bank_plan,
+                                    t.offload_search_banks)
                if offload_mode != "off" else None)
     # stream-ordered: graphs launched on the caller's stream (no cross-stream edge per replay; the same
     # guarantees as the two-way handshake, 1.5% faster at h2048: benchmarks/replay_protocol.py)
@@ -125,19 +128,23 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
 
 
 def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, reap: bool = False,
-                         skip_kept_d2h: bool = True, min_window: int = 0, lookahead: int = 1) -> OffloadManager:
-    """One offload manager per device (`banks`: resident mode's minimum bank count; `reap`: release mode
-    also releases consumed slots; `skip_kept_d2h`: resident mode copies no group the schedule's plan
-    keeps in its bank; `min_window`: release mode offloads no group with fewer other actions between its
-    forward and its backward; `lookahead`: offloaded groups each backward restores ahead); a clear error
-    where VMM offload cannot work."""
+                         skip_kept_d2h: bool = True, min_window: int = 0, lookahead: int = 1,
+                         bank_plan: str = "search", search_banks: int = 4) -> OffloadManager:
+    """One offload manager per device (`banks`: resident mode's minimum bank count for the colouring;
+    `reap`: release mode also releases consumed slots; `skip_kept_d2h`: resident mode copies no group the
+    schedule's plan keeps in its bank; `min_window`: release mode offloads no group with fewer other
+    actions between its forward and its backward; `lookahead`: offloaded groups each backward restores
+    ahead; `bank_plan`, `search_banks`: how `capture_ranks` plans resident banks, `train.offload_bank_plan`);
+    a clear error where VMM offload cannot work."""
     from qeffect.offload.driver import OffloadUnavailable
 
     try:
-        return OffloadManager(mode, device=torch.device(device), num_banks=banks, release_consumed=reap,
-                              skip_kept_d2h=skip_kept_d2h, min_window=min_window, lookahead=lookahead)
+        mgr = OffloadManager(mode, device=torch.device(device), num_banks=banks, release_consumed=reap,
+                             skip_kept_d2h=skip_kept_d2h, min_window=min_window, lookahead=lookahead)
     except OffloadUnavailable as err:
         raise UserError(f"train.offload = {mode}: {err}") from None
+    mgr.bank_plan_kind, mgr.search_banks = bank_plan, search_banks
+    return mgr
 
 
 def offload_events(order: Sequence[tuple[int, Action]], ranks: Sequence[BaseRank]) -> list[tuple[str, object]]:
@@ -149,6 +156,40 @@ def offload_events(order: Sequence[tuple[int, Action]], ranks: Sequence[BaseRank
         if group is not None:
             events.append((kinds[a.kind], group))
     return events
+
+
+# Action durations for the bank search, from a chunk's matrix FLOPs: 1e15 FLOP/s plus 0.09 ms per action
+# fit the per-layer action times the simulation was calibrated with on the H200 (h2048 0.118 ms, h4096
+# 0.173 ms, each from its measured step); the rest of the step (optimizer, embedding) taken as 0.4 of the
+# actions' time (h2048 0.37, h4096 0.43). The plans found are not sensitive to them: in the simulation,
+# plans searched with these estimates ran within 0.01-0.02 of plans searched with the calibrated durations,
+# with those durations scaled by 0.6 to 1.6 (scripts/offload_sim.py --robustness).
+ESTIMATE_FLOPS = 1e15
+ESTIMATE_ACTION_MS = 0.09
+ESTIMATE_TAIL = 0.4
+
+
+def matrix_elements(chunk: torch.nn.Module) -> int:
+    """Elements of a chunk's weight matrices: its GEMMs take 2 FLOPs per element and token, per action
+    (forward, input gradient, weight gradient). Embedding tables are lookups, not GEMMs."""
+    return sum(p.numel() for m in chunk.modules() if not isinstance(m, torch.nn.Embedding)
+               for p in m.parameters(recurse=False) if p.dim() == 2)
+
+
+def estimate_costs(ranks: Sequence[BaseRank], offload: OffloadManager, events: Sequence[tuple[str, object]],
+                   tokens: int) -> StepCosts:
+    """`offload.timing.StepCosts` of one step: each group's slot bytes and its chunk's estimated action
+    durations (`ESTIMATE_*`)."""
+    action_ms = {}
+    for r in ranks:
+        for act in r.actions.values():
+            ms = ESTIMATE_ACTION_MS + 2 * tokens * matrix_elements(act.chunk) / ESTIMATE_FLOPS * 1e3
+            for g in act.groups.values():
+                action_ms[g] = (ms, ms, ms)
+    groups = {g for _, g in events}
+    action_ms = {g: t for g, t in action_ms.items() if g in groups}
+    nbytes = {g: offload.layout(g.specs)[1] for g in groups}
+    return StepCosts(nbytes, action_ms, ESTIMATE_TAIL * sum(sum(t) for t in action_ms.values()))
 
 
 def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]], offload: OffloadManager | None,
@@ -171,9 +212,17 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
     backward = backward_order(events)
     banks = None
     if offload.mode == "resident":
-        given = os.environ.get("QEFFECT_OFFLOAD_BANKS")  # an experiment: banks by hand (offload_sim.py --search)
+        given = os.environ.get("QEFFECT_OFFLOAD_BANKS")  # banks by hand (scripts/offload_sim.py --search)
         if given:
             banks = explicit_banks(events, given)
+        elif offload.bank_plan_kind == "search":
+            t0 = time.perf_counter()
+            found = search_banks(events, estimate_costs(ranks, offload, events, microbatch_size * seq_len),
+                                 max_banks=offload.search_banks, lookahead=offload.lookahead,
+                                 chunk_bytes=offload.copy_chunk_bytes)
+            offload.bank_search = found
+            offload.bank_search_seconds = time.perf_counter() - t0
+            banks = list(found.best.plan)
         else:
             plan = assign_banks(events, min_banks=offload.num_banks)
             banks = [plan[g] for g in backward]
