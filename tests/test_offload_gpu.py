@@ -150,9 +150,10 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
     assert report.passed, report.first_divergence
     o = report.graphs["offload"]  # the offload really ran: every group copied out every step (resident:
     assert o["mode"] == mode and o["groups"] == 16 and o["group_bytes"] > 0, o  # or kept in its bank)
-    if mode == "resident":  # the plan keeps 4 (interleaved) or 6 (zbv) of 16 groups on 2 banks: no D2H
+    if mode == "resident":  # the searched plan (the default) keeps some groups in their bank: no D2H for them
+        assert o["bank_plan_kind"] == "search" and o["kept"], o
         assert o["d2h_copies"] + o["d2h_skipped"] >= 3 * 16 and o["h2d_copies"] > 0, o
-        assert o["d2h_skipped"] == 3 * {"interleaved": 4, "zbv": 6}[schedule] and o["d2h_copies"] > 0, o
+        assert o["d2h_skipped"] == 3 * len(o["kept"]) and o["d2h_copies"] > 0, o
     if mode == "release":  # the last stage's 4 groups are not offloaded (train.offload_min_window = 2)
         assert sorted(o["not_offloaded"]) == [f"s3.m{m}" for m in range(4)], o
         assert o["d2h_copies"] == 3 * 12 and o["h2d_copies"] > 0 and o["unmaps"] >= 3 * 12, o
