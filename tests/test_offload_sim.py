@@ -141,3 +141,24 @@ def test_robustness_compares_the_estimate_with_plans_searched_for_the_given_dura
     for r in rows:  # one plan from the estimate, timed under each; the search under each is within its budget
         assert r["estimate_plan"] == rows[0]["estimate_plan"] and r["searched_plan_ratio"] <= r["colour_4_ratio"]
     assert "estimate's plan x" in capsys.readouterr().out
+
+
+def test_no_tries_keep_the_colouring_and_the_environment_sets_the_tries(sim, monkeypatch) -> None:
+    import gc
+
+    from qeffect.errors import UserError
+    from qeffect.offload.timing import DEFAULT_TRIES
+    from qeffect.runtime.build import search_tries
+
+    events, costs = h2048(sim)
+    found = search_banks(events, costs, max_banks=4, tries=0)
+    assert found.best == found.colour and found.tried == 1
+    assert gc.isenabled()  # the search turns collections off while it runs, and back on
+    monkeypatch.delenv("QEFFECT_OFFLOAD_SEARCH_TRIES", raising=False)
+    assert search_tries() == DEFAULT_TRIES == 400
+    monkeypatch.setenv("QEFFECT_OFFLOAD_SEARCH_TRIES", "12")
+    assert search_tries() == 12
+    for bad in ("-1", "many"):
+        monkeypatch.setenv("QEFFECT_OFFLOAD_SEARCH_TRIES", bad)
+        with pytest.raises(UserError, match="QEFFECT_OFFLOAD_SEARCH_TRIES"):
+            search_tries()

@@ -16,7 +16,7 @@ from qeffect.graphs.manager import GraphManager
 from qeffect.model import GPTShape, build_chunks
 from qeffect.offload.group import OffloadManager
 from qeffect.offload.plan import assign_banks, backward_order, explicit_banks
-from qeffect.offload.timing import StepCosts, search_banks
+from qeffect.offload.timing import DEFAULT_TRIES, StepCosts, search_banks
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.schedule import Action, ActionKind, Schedule, build_native_schedule, build_schedule, dw_in_order
@@ -192,6 +192,21 @@ def estimate_costs(ranks: Sequence[BaseRank], offload: OffloadManager, events: S
     return StepCosts(nbytes, action_ms, ESTIMATE_TAIL * sum(sum(t) for t in action_ms.values()))
 
 
+def search_tries() -> int:
+    """Plans the capture-time bank search tries: `offload.timing.DEFAULT_TRIES`, or
+    QEFFECT_OFFLOAD_SEARCH_TRIES (an A/B switch; 0 keeps the colouring with `offload_search_banks` banks)."""
+    text = os.environ.get("QEFFECT_OFFLOAD_SEARCH_TRIES")
+    if text is None:
+        return DEFAULT_TRIES
+    try:
+        tries = int(text)
+    except ValueError:
+        tries = -1
+    if tries < 0:
+        raise UserError(f"QEFFECT_OFFLOAD_SEARCH_TRIES={text!r}: expected a whole number of plans >= 0")
+    return tries
+
+
 def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]], offload: OffloadManager | None,
                   microbatch_size: int, seq_len: int) -> None:
     """Capture every action of `ranks` (all on one device). Without offload, chunk by chunk. With
@@ -218,8 +233,8 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
         elif offload.bank_plan_kind == "search":
             t0 = time.perf_counter()
             found = search_banks(events, estimate_costs(ranks, offload, events, microbatch_size * seq_len),
-                                 max_banks=offload.search_banks, lookahead=offload.lookahead,
-                                 chunk_bytes=offload.copy_chunk_bytes)
+                                 max_banks=offload.search_banks, tries=search_tries(),
+                                 lookahead=offload.lookahead, chunk_bytes=offload.copy_chunk_bytes)
             offload.bank_search = found
             offload.bank_search_seconds = time.perf_counter() - t0
             banks = list(found.best.plan)
