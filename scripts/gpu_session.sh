@@ -38,6 +38,8 @@
 #          the colouring (resident-colour, the previous default), three times each in alternation: h2048
 #          Interleaved (bank-plan-interleaved), then h2048 ZB-V and h4096 Interleaved (bank-plan-zbv-h4096)
 #          (two parts: about 2 and 5 minutes).
+# bank-tries: the search's 400 tries (default) against 200, and a budget of 6 banks (h4096 Interleaved,
+#          h2048 ZB-V; about 5 minutes).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -332,6 +334,16 @@ bank-plan-zbv-h4096)
     step 240 "bank-plan-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
         --schedule interleaved --steps 20 --out "$out/offload-bench-h4096-interleaved-bank-plan-h200.json" \
         --modes "off,resident,resident-colour,resident#2,resident-colour#2,off#2"
+    ;;
+bank-tries)
+    # the capture-time search with 400 tries (the default) against 200 and with 6 banks' memory budget
+    T=+QEFFECT_OFFLOAD_SEARCH_TRIES=200
+    step 240 "bank-tries-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule interleaved --steps 20 --out "$out/offload-bench-h4096-interleaved-bank-tries-h200.json" \
+        --modes "off,resident,resident$T,resident@6,resident#2,resident#2$T,off#2"
+    step 120 "bank-tries-zbv" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+        --schedule zbv --steps 20 --out "$out/offload-bench-h2048-zbv-bank-tries-h200.json" \
+        --modes "off,resident,resident@6,resident#2,resident@6#2,off#2"
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)
