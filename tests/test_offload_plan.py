@@ -267,7 +267,7 @@ def test_the_default_plan_is_the_search_and_runs_the_schedule(monkeypatch, sched
     from qeffect.runtime.build import estimate_costs, offload_events
 
     cfg = load_config().with_overrides(**{"pipeline.schedule": schedule})
-    assert cfg.train.offload_bank_plan == "search" and cfg.train.offload_search_banks == 4
+    assert cfg.train.offload_bank_plan == "search" and cfg.train.offload_search_banks == 6
     mgr, _, acts, order = _captured(monkeypatch, cfg)
     found = mgr.bank_search
     assert found is not None and mgr.bank_plan == list(found.best.plan) and mgr.bank_search_seconds > 0
@@ -276,7 +276,7 @@ def test_the_default_plan_is_the_search_and_runs_the_schedule(monkeypatch, sched
     events = offload_events([(0, a) for _, a in order], ranks)
     costs = estimate_costs(ranks, mgr, events, 8)
     assert simulate(events, costs, found.best.plan).step_ms == found.best.step_ms  # what it says it found
-    assert found.colour.plan == tuple(assign_banks(events, min_banks=4)[g] for g in backward_order(events))
+    assert found.colour.plan == tuple(assign_banks(events, min_banks=6)[g] for g in backward_order(events))
     mgr.close()
     named = schedule_events(schedule, 4)
     for seed in range(3):

@@ -82,15 +82,18 @@ class TrainConfig(_Strict):
     offload: Literal["off", "release", "resident"] = "off"
     # resident offload: the bank plan (which groups share a bank: which are copied out, which copies a
     # forward or a backward waits for). "search" (default): the plan with the shortest step that
-    # offload.timing simulates, over a few hundred valid plans at capture (about 0.5 s at h2048, 2 s at
-    # h4096), within the bank memory the colouring maps with `offload_search_banks` banks; "colour": the
-    # greedy colouring with at least `offload_banks` banks (offload.plan.assign_banks; the A/B).
-    # QEFFECT_OFFLOAD_BANKS=b0:b1:... (one bank per group, in backward order) overrides both.
+    # offload.timing simulates, over 400 tries of valid plans at capture (on the H200's host about 0.9 s at
+    # h2048, 2.6 s at h4096), within the bank memory the colouring maps with `offload_search_banks` banks;
+    # "colour": the greedy colouring with at least `offload_banks` banks (offload.plan.assign_banks; the
+    # A/B). QEFFECT_OFFLOAD_BANKS=b0:b1:... (one bank per group, in backward order) overrides both.
     offload_bank_plan: Literal["search", "colour"] = "search"
     # resident offload, "colour": at least this many banks (more: fewer evictions and reloads, more memory)
     offload_banks: int = Field(2, ge=2, le=64)
-    # resident offload, "search": no more bank memory than the colouring maps with this many banks
-    offload_search_banks: int = Field(4, ge=2, le=64)
+    # resident offload, "search": no more bank memory than the colouring maps with this many banks. H200
+    # (f253344): 6 against 4, h2048 ZB-V x1.043 / 1.042 against x1.076 / 1.131, Interleaved x1.050 / 1.053
+    # against x1.052 (in less memory: 88-100 MiB of banks against 110), h4096 x1.043 against x1.064 (176
+    # MiB against 140)
+    offload_search_banks: int = Field(6, ge=2, le=64)
     # release offload: also release a slot after its backward (its memory comes back until the group's next
     # forward, for one more unmap and remap per group per step); false (default) keeps it mapped from the
     # backward to the next forward, which writes it anyway. Either way the slot's memory is returned

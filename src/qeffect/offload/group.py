@@ -681,7 +681,7 @@ class OffloadManager:
         # `make_offload_manager`): "colour" (`offload.plan.assign_banks`) or "search" (`offload.timing`,
         # within the colouring's memory with `search_banks` banks); the search's result once it ran
         self.bank_plan_kind: Literal["colour", "search"] = "colour"
-        self.search_banks = 4
+        self.search_banks = 6
         self.bank_search: Any = None  # offload.timing.SearchResult
         self.bank_search_seconds = 0.0
         self.not_offloaded: list[OffloadGroup] = []  # release: the plan's short-window groups (no slot)

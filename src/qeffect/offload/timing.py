@@ -232,7 +232,7 @@ class SearchResult:
     tried: int  # distinct plans simulated
 
 
-def search_banks(events: Sequence[Event], costs: StepCosts, *, max_banks: int = 4, tries: int = DEFAULT_TRIES,
+def search_banks(events: Sequence[Event], costs: StepCosts, *, max_banks: int = 6, tries: int = DEFAULT_TRIES,
                  seed: int = 0, **kw: Any) -> SearchResult:
     """A local search for the bank plan with the shortest simulated step, with no more bank memory than
     `assign_banks(events, max_banks)` maps (the smaller memory on a tie); every plan it tries is valid (no

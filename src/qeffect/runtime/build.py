@@ -129,7 +129,7 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
 
 def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, reap: bool = False,
                          skip_kept_d2h: bool = True, min_window: int = 0, lookahead: int = 1,
-                         bank_plan: str = "search", search_banks: int = 4) -> OffloadManager:
+                         bank_plan: str = "search", search_banks: int = 6) -> OffloadManager:
     """One offload manager per device (`banks`: resident mode's minimum bank count for the colouring;
     `reap`: release mode also releases consumed slots; `skip_kept_d2h`: resident mode copies no group the
     schedule's plan keeps in its bank; `min_window`: release mode offloads no group with fewer other
