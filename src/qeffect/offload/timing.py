@@ -2,9 +2,9 @@
 
 Why: the greedy colouring (`offload.plan.assign_banks`) picks which groups share a bank without looking at
 copy times, and in resident mode that choice decides which groups are copied out, which copies a forward
-or a backward waits for, and which restores overlap compute. On the H200 (h4096 Interleaved, 08f6f82) its
-plan ran resident at x1.19 of no offload; a plan this search found, in no more bank memory than the
-colouring's with 4 banks, ran at x1.05 (benchmarks/results/offload-bench-h4096-interleaved-bank-search-*).
+or a backward waits for, and which restores overlap compute. On the H200 (h2048 and h4096, one process,
+bitwise equal) the colouring ran resident at x1.14-1.25 of no offload, the plans this search finds at
+capture at x1.04-1.10 (benchmarks/results/offload-bench-*-bank-{plan,tries,six}-*).
 
 How: the real `OffloadManager` (plan, kept groups, chunked copies, look-ahead, every wait) runs over a
 `FakeDevice`'s driver and `TimedStreams`, which queue every stream operation; a discrete-event pass then
