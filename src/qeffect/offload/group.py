@@ -41,7 +41,8 @@ hot path, but the host does not wait for a D2H after the forward (that would kee
 of the device and serialize every copy with the step): the slot is released at the first hook whose event query finds the copy done, and only a
 backward that comes before that waits for the copy (its own group's, queued a window earlier).
 `resident` (ping-pong): at least `num_banks` (2) slots mapped for the whole run; group i of the
-backward order uses bank i % num_banks (or the bank `offload.plan.assign_banks` gives it), so the
+backward order uses bank i % num_banks (or the bank its plan gives it: `offload.timing.search_banks`,
+the default in a captured pipeline, or `offload.plan.assign_banks`), so the
 bank a backward reads and the bank the look-ahead restores into always differ. No driver calls and
 no host waits on the hot path. A bank is written (by a forward or a restore) only after its previous
 D2H finished and its previous backward consumer finished (stream waits on `bank.last_d2h_by`'s D2H and
@@ -79,8 +80,9 @@ state machine and its ordering run on CPU against `qeffect.offload.fake.FakeDevi
 In a captured pipeline (`graphs/captured.py`, `runtime/build.capture_ranks`) there is one group per
 (chunk, microbatch slot): discovery is an eager F of the slot, the backward window runs from `dI`
 (`before_backward`) to `dW` (`after_backward`: the retained dW work references saved tensors), and
-resident banks come from `offload.plan.assign_banks` over the schedule's order (or, for experiments, from
-QEFFECT_OFFLOAD_BANKS: `offload.plan.explicit_banks`). The CPU tests run
+resident banks come from the capture-time search over the schedule's order (`offload.timing.search_banks`,
+`train.offload_bank_plan = "search"`), the colouring (`offload.plan.assign_banks`, `"colour"`) or, for
+experiments, QEFFECT_OFFLOAD_BANKS (`offload.plan.explicit_banks`). The CPU tests run
 this module against the fake device; `qeffect offload-check` and tests/test_offload_gpu.py on a GPU.
 """
 
