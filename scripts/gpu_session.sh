@@ -40,6 +40,9 @@
 #          (two parts: about 2 and 5 minutes).
 # bank-tries: the search's 400 tries (default) against 200, and a budget of 6 banks (h4096 Interleaved,
 #          h2048 ZB-V; about 5 minutes).
+# resident-window: resident leaving the last stage's groups on the device (+QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW=2:
+#          no slot copies and no bank for them) against resident, twice each in alternation: h2048 both
+#          schedules, h4096 Interleaved (about 5 minutes).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -344,6 +347,19 @@ bank-tries)
     step 120 "bank-tries-zbv" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
         --schedule zbv --steps 20 --out "$out/offload-bench-h2048-zbv-bank-tries-h200.json" \
         --modes "off,resident,resident@6,resident#2,resident@6#2,off#2"
+    ;;
+resident-window)
+    # the simulation: the slot copies inside the forward graphs drop from 289 to 117 MiB per step at h2048
+    # (778 to 378 at h4096) and the banks from 84-128 to 40-50 MiB; the copies' cost is outside the model
+    W=+QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW=2
+    for sched in interleaved zbv; do
+        step 150 "resident-window-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            --schedule "$sched" --steps 20 --out "$out/offload-bench-h2048-$sched-resident-window-h200.json" \
+            --modes "off,resident,resident$W,resident#2,resident#2$W,off#2"
+    done
+    step 200 "resident-window-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule interleaved --steps 20 --out "$out/offload-bench-h4096-interleaved-resident-window-h200.json" \
+        --modes "off,resident,resident$W,resident#2,resident#2$W,off#2"
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)

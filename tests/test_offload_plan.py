@@ -51,14 +51,15 @@ def test_events_must_be_complete() -> None:
 
 
 def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0, *, plan: bool = False,
-         skip: bool = True, mode: str = "resident", min_window: int = 0) -> tuple[OffloadStats, set, set]:
+         skip: bool = True, mode: str = "resident", min_window: int = 0,
+         resident_min_window: int = 0) -> tuple[OffloadStats, set, set]:
     """`mode` (resident by default) on the fake device: F writes a pattern into its group's view; E checks
     it. `plan`: the manager gets the events (resident: kept groups, with `skip`; release: groups not
     offloaded, with `min_window`). Returns the stats, the groups the manager keeps (resident) or does not
     offload (release), and the groups found not evicted (d2h pending or kept) at their backward in every step."""
     dev = FakeDevice(seed, granularity=64 * 1024, progress=2)
     mgr = OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, skip_kept_d2h=skip,
-                         min_window=min_window)
+                         min_window=min_window, resident_min_window=resident_min_window)
     names = sorted({g for _, g in events})
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in names}
     for k, g in enumerate(names):
@@ -380,6 +381,62 @@ def test_resident_mode_ignores_the_window() -> None:
     mgr.close()
     with pytest.raises(ValueError, match="min_window"):
         OffloadManager("release", device="cpu", driver=dev.driver(), streams=dev, min_window=-1)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_resident_with_a_window_leaves_the_short_groups_on_the_device(schedule: str) -> None:
+    """`resident_min_window = 2` (QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW): the last stage's groups get no
+    slot, no bank and no copies; the others still read their own bytes back (three seeds), and the banks
+    are sized by the offloaded groups alone."""
+    events, steps = schedule_events(schedule, 4), 3
+    short = short_window_groups(events, 2)
+    assert short == {(3, m) for m in range(4)}
+    plan = assign_banks(events, min_banks=2)
+    banks = [plan[g] for g in backward_order(events)]
+    for seed in range(3):
+        st, kept, _ = _run(events, banks, steps, seed=seed, plan=True, resident_min_window=2)
+        assert not kept & short and st.d2h_copies + st.d2h_skipped == steps * (16 - len(short))
+    dev = FakeDevice(0, granularity=64 * 1024)
+    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev, resident_min_window=2)
+    groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in sorted({g for _, g in events})}
+    for g, grp in groups.items():
+        grp.discover(torch.empty(1 << (16 + 2 * (g[0] == 3)), dtype=torch.uint8))  # the last stage's 4x larger
+    mgr.allocate([groups[g] for g in backward_order(events)], banks=banks,
+                 events=[(k, groups[g]) for k, g in events])
+    assert {g.name for g in mgr.not_offloaded} == {f"s3.m{m}" for m in range(4)}
+    assert all(groups[g].slot is None and groups[g].bank is None for g in short)
+    assert all(b.slot.size == 1 << 16 for b in mgr.banks)  # no bank holds a 256 KiB group
+    mgr.close()
+
+
+def test_the_resident_window_comes_from_the_environment(monkeypatch) -> None:
+    dev = FakeDevice(0, granularity=64 * 1024)
+    monkeypatch.setenv("QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW", "3")
+    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev)
+    assert mgr.resident_min_window == 3 and mgr.short_window(schedule_events("zbv", 4))
+    mgr.close()
+    monkeypatch.setenv("QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW", "two")
+    with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW"):
+        OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev)
+    monkeypatch.delenv("QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW")
+    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev)
+    assert mgr.resident_min_window == 0 and mgr.short_window(schedule_events("zbv", 4)) == set()
+    mgr.close()
+
+
+def test_the_search_leaves_the_short_groups_out_of_the_banks(monkeypatch) -> None:
+    """With the resident window, the capture-time search sees the short groups as empty (no bank, no
+    copies) and its plan runs: the manager maps banks for the offloaded groups only."""
+    from qeffect.runtime.build import estimate_costs, offload_events
+
+    monkeypatch.setenv("QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW", "2")
+    mgr, _, acts, order = _captured(monkeypatch, load_config())
+    assert {g.name for g in mgr.not_offloaded} == {f"s3.m{m}" for m in range(4)}
+    assert mgr.bank_search is not None and mgr.banks and all(g.bank is None for g in mgr.not_offloaded)
+    ranks = [type("R", (), {"actions": acts})()]
+    costs = estimate_costs(ranks, mgr, offload_events([(0, a) for _, a in order], ranks), 8)
+    assert {g.name for g, n in costs.nbytes.items() if n == 0} == {g.name for g in mgr.not_offloaded}
+    mgr.close()
 
 
 def test_a_not_offloaded_group_leaves_autograd_alone_and_backward_is_bitwise() -> None:

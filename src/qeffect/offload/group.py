@@ -258,7 +258,7 @@ class OffloadGroup:
         self.slot_bytes: Tensor | None = None  # uint8 view of [0, nbytes) of the slot (one copy per direction)
         self.next_backward: OffloadGroup | None = None
         self.kept = False  # resident: the plan says no other group claims its bank between F and B (no D2H)
-        self.offloaded = True  # release: False where the plan's window is too short (no slot; autograd keeps it)
+        self.offloaded = True  # False where the plan's window is too short (no slot; autograd keeps it)
         self.live = False  # holds a forward's activations that its backward has not consumed yet
         self.phase: Literal["forward", "backward"] | None = None
         self._views: list[Tensor] = []
@@ -637,7 +637,7 @@ class OffloadManager:
                  lookahead: bool | int = True, release_consumed: bool = True, timing: bool = False,
                  alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
                  skip_kept_d2h: bool = True, min_window: int = 0, copy_chunk_bytes: int | None = None,
-                 store_batch_bytes: int | None = None) -> None:
+                 store_batch_bytes: int | None = None, resident_min_window: int | None = None) -> None:
         if copy_chunk_bytes is None:
             copy_chunk_bytes = _bytes_from_env("QEFFECT_OFFLOAD_CHUNK_MIB", DEFAULT_CHUNK_MIB, "one copy")
         if copy_chunk_bytes < 0:
@@ -669,6 +669,18 @@ class OffloadManager:
         # capture: saved tensors smaller than this many bytes go into the slot in batches (0: one copy each)
         self.store_batch_bytes = store_batch_bytes
         self.min_window = min_window  # release, with allocate(events=): fewer other actions F..B: not offloaded
+        # resident, with allocate(events=): the same rule (QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW, default 0: every
+        # group offloaded). Such groups (the last virtual stage's: their backward follows their forward at
+        # once, so the plan keeps them in their bank anyway) would skip their slot copies inside the forward
+        # graph and need no bank: an experiment, not yet measured on a GPU
+        if resident_min_window is None:
+            text = os.environ.get("QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW", "0")
+            if not text.isdigit():
+                raise ValueError(f"QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW={text!r}: expected a whole number >= 0")
+            resident_min_window = int(text)
+        if resident_min_window < 0:
+            raise ValueError(f"resident_min_window must be >= 0, got {resident_min_window}")
+        self.resident_min_window = resident_min_window
         self._eligible_fn = eligible or default_eligible
         # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
         # (QEFFECT_SKIP_FUTILE_RESTORES=0 starts them anyway: the A/B)
@@ -686,7 +698,7 @@ class OffloadManager:
         self.search_banks = 6
         self.bank_search: Any = None  # offload.timing.SearchResult
         self.bank_search_seconds = 0.0
-        self.not_offloaded: list[OffloadGroup] = []  # release: the plan's short-window groups (no slot)
+        self.not_offloaded: list[OffloadGroup] = []  # the plan's short-window groups (no slot, no bank)
         # resident, with allocate(events=): (x, g) look-ahead restores of g at x's backward that a forward
         # would evict before g's backward (`offload.plan.futile_restores`): not started
         self.futile: set[tuple[int, int]] = set()
@@ -770,8 +782,8 @@ class OffloadManager:
             a.next_backward = b
         for g in self.groups:
             g.offsets, g.nbytes = self.layout(g.specs)
-        if self.mode == "release" and events is not None and self.min_window > 0:
-            short = short_window_groups(events, self.min_window)
+        if events is not None:
+            short = self.short_window(events)
             self.not_offloaded = [g for g in order if g in short]
             for g in self.not_offloaded:
                 g.offloaded = False
@@ -790,6 +802,12 @@ class OffloadManager:
             g.state = GroupState.MAPPED
         self._allocated = True
 
+    def short_window(self, events: Sequence[tuple[str, Any]]) -> set[Any]:
+        """The groups of `events` this manager does not offload (`offload.plan.short_window_groups`): release
+        mode's with `min_window`, resident mode's with `resident_min_window` (0: none)."""
+        window = {"release": self.min_window, "resident": self.resident_min_window}.get(self.mode, 0)
+        return short_window_groups(events, window) if window > 0 else set()
+
     def _allocate_memory(self, order: list[OffloadGroup]) -> None:
         s = self.streams
         self.d2h_stream, self.h2d_stream = s.new_stream("d2h"), s.new_stream("h2d")
@@ -800,12 +818,13 @@ class OffloadManager:
         else:
             need = [0] * self.num_banks
             for pos, g in enumerate(order):
-                need[self.bank_plan[pos]] = max(need[self.bank_plan[pos]], g.nbytes)
+                if g.offloaded:
+                    need[self.bank_plan[pos]] = max(need[self.bank_plan[pos]], g.nbytes)
             self.banks = [Bank(b, VmmSlot(self.driver, n, device=self.device, name=f"bank{b}"))
                           for b, n in enumerate(need) if n]
             by_index = {b.index: b for b in self.banks}
             for pos, g in enumerate(order):
-                if g.nbytes:
+                if g.nbytes and g.offloaded:
                     g.bank = by_index[self.bank_plan[pos]]
                     g.slot = g.bank.slot
         for g in self.groups:

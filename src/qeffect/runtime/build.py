@@ -190,7 +190,8 @@ def estimate_costs(ranks: Sequence[BaseRank], offload: OffloadManager, events: S
                 action_ms[g] = (ms, ms, ms)
     groups = {g for _, g in events}
     action_ms = {g: t for g, t in action_ms.items() if g in groups}
-    nbytes = {g: offload.layout(g.specs)[1] for g in groups}
+    short = offload.short_window(events)  # not offloaded: no bank, no copies
+    nbytes = {g: 0 if g in short else offload.layout(g.specs)[1] for g in groups}
     return StepCosts(nbytes, action_ms, ESTIMATE_TAIL * sum(sum(t) for t in action_ms.values()))
 
 
