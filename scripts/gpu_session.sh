@@ -65,6 +65,10 @@ offload_bench() {  # offload_bench <schedule>
     step 120 "offload-$1-reference" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
         --schedule "$1" --backend reference --steps 20 --out "$out/offload-bench-h2048-$1-reference-h200.json"
 }
+offload_ab() {  # offload_ab <seconds> <step> <h2048|h4096> <schedule> <tag> <modes>: one offload_bench A/B, 20 steps
+    step "$1" "$2" python3 benchmarks/offload_bench.py --config "examples/configs/$3.toml" --schedule "$4" \
+        --steps 20 --out "$out/offload-bench-$3-$4-$5-h200.json" --modes "$6"
+}
 bitwise_matrix() {  # the verify matrix (reference, te x interleaved, zbv x captured-copy, -direct, 20 steps)
     step 180 verify python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
         --backends reference,te --paths captured-copy,captured-direct --out "$out/verify"
@@ -315,51 +319,34 @@ offload-bank-search)
     Z=0:3:0:3:2:1:0:1:0:3:0:1:2:0:3:0  # h2048 ZB-V, 74 MiB as the default plan (sim x1.057; default x1.111)
     H=0:1:0:2:1:2:3:2:0:3:0:1:0:3:0:1:0:1:0:2:0:1:2:3:0:3:0:1:3:2:0:3  # h4096 Interleaved, 98 MiB (x1.011)
     B=+QEFFECT_OFFLOAD_BANKS
-    step 200 "bank-search-interleaved" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-        --schedule interleaved --steps 20 --out "$out/offload-bench-h2048-interleaved-bank-search-h200.json" \
-        --modes "off,resident,resident$B=$I,resident@4,resident#2,resident#2$B=$I,resident@4#2,off#2"
-    step 150 "bank-search-zbv" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-        --schedule zbv --steps 20 --out "$out/offload-bench-h2048-zbv-bank-search-h200.json" \
-        --modes "off,resident,resident$B=$Z,resident#2,resident#2$B=$Z,off#2"
-    step 200 "bank-search-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --schedule interleaved --steps 20 --out "$out/offload-bench-h4096-interleaved-bank-search-h200.json" \
-        --modes "off,resident,resident$B=$H,resident#2,resident#2$B=$H,off#2"
+    offload_ab 200 bank-search-interleaved h2048 interleaved bank-search \
+        "off,resident,resident$B=$I,resident@4,resident#2,resident#2$B=$I,resident@4#2,off#2"
+    offload_ab 150 bank-search-zbv h2048 zbv bank-search "off,resident,resident$B=$Z,resident#2,resident#2$B=$Z,off#2"
+    offload_ab 200 bank-search-h4096 h4096 interleaved bank-search "off,resident,resident$B=$H,resident#2,resident#2$B=$H,off#2"
     ;;
 bank-plan-interleaved)
-    step 200 "bank-plan-interleaved" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-        --schedule interleaved --steps 20 --out "$out/offload-bench-h2048-interleaved-bank-plan-h200.json" \
-        --modes "off,resident,resident-colour,resident#2,resident-colour#2,resident#3,resident-colour#3,off#2"
+    C3="off,resident,resident-colour,resident#2,resident-colour#2,resident#3,resident-colour#3,off#2"
+    offload_ab 200 bank-plan-interleaved h2048 interleaved bank-plan "$C3"
     ;;
 bank-plan-zbv-h4096)
-    step 200 "bank-plan-zbv" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-        --schedule zbv --steps 20 --out "$out/offload-bench-h2048-zbv-bank-plan-h200.json" \
-        --modes "off,resident,resident-colour,resident#2,resident-colour#2,resident#3,resident-colour#3,off#2"
-    step 240 "bank-plan-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --schedule interleaved --steps 20 --out "$out/offload-bench-h4096-interleaved-bank-plan-h200.json" \
-        --modes "off,resident,resident-colour,resident#2,resident-colour#2,off#2"
+    offload_ab 200 bank-plan-zbv h2048 zbv bank-plan \
+        "off,resident,resident-colour,resident#2,resident-colour#2,resident#3,resident-colour#3,off#2"
+    offload_ab 240 bank-plan-h4096 h4096 interleaved bank-plan "off,resident,resident-colour,resident#2,resident-colour#2,off#2"
     ;;
 bank-tries)
     # the capture-time search with 400 tries (the default) against 200 and with 6 banks' memory budget
     T=+QEFFECT_OFFLOAD_SEARCH_TRIES=200
-    step 240 "bank-tries-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --schedule interleaved --steps 20 --out "$out/offload-bench-h4096-interleaved-bank-tries-h200.json" \
-        --modes "off,resident,resident$T,resident@6,resident#2,resident#2$T,off#2"
-    step 120 "bank-tries-zbv" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-        --schedule zbv --steps 20 --out "$out/offload-bench-h2048-zbv-bank-tries-h200.json" \
-        --modes "off,resident,resident@6,resident#2,resident@6#2,off#2"
+    offload_ab 240 bank-tries-h4096 h4096 interleaved bank-tries "off,resident,resident$T,resident@6,resident#2,resident#2$T,off#2"
+    offload_ab 120 bank-tries-zbv h2048 zbv bank-tries "off,resident,resident@6,resident#2,resident@6#2,off#2"
     ;;
 resident-window)
     # the simulation: the slot copies inside the forward graphs drop from 289 to 117 MiB per step at h2048
     # (778 to 378 at h4096) and the banks from 84-128 to 40-50 MiB; the copies' cost is outside the model
     W=+QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW=2
     for sched in interleaved zbv; do
-        step 150 "resident-window-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-            --schedule "$sched" --steps 20 --out "$out/offload-bench-h2048-$sched-resident-window-h200.json" \
-            --modes "off,resident,resident$W,resident#2,resident#2$W,off#2"
+        offload_ab 150 "resident-window-$sched" h2048 "$sched" resident-window "off,resident,resident$W,resident#2,resident#2$W,off#2"
     done
-    step 200 "resident-window-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --schedule interleaved --steps 20 --out "$out/offload-bench-h4096-interleaved-resident-window-h200.json" \
-        --modes "off,resident,resident$W,resident#2,resident#2$W,off#2"
+    offload_ab 200 resident-window-h4096 h4096 interleaved resident-window "off,resident,resident$W,resident#2,resident#2$W,off#2"
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)
