@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from qeffect.graphs.handshake import script_provenance
 from qeffect.offload.plan import Event, explicit_banks
 from qeffect.offload.timing import DEFAULT_TRIES, MIB, SimResult, StepCosts, search_banks, simulate
 from qeffect.profile.flops import HEAD, linear_shapes
-from qeffect.runtime.build import ESTIMATE_ACTION_MS, ESTIMATE_FLOPS, ESTIMATE_TAIL
+from qeffect.runtime.build import estimated_costs as build_estimated_costs
 from qeffect.schedule.adapter import build_schedule
 from qeffect.schedule.ir import ActionKind
 from qeffect.schedule.order import global_order
@@ -61,17 +62,15 @@ def given_costs(events: list[Event], group_mib: tuple[float, ...], stage_weight:
 
 
 def estimated_costs(events: list[Event], cfg: Any, group_mib: tuple[float, ...], gbps: float) -> StepCosts:
-    """Durations as `runtime.build.estimate_costs` estimates them at capture, from the config's linears."""
+    """Durations as `runtime.build.estimate_costs` estimates them at capture, from the config's linears
+    (each stage's layers; the last also the head) instead of the chunks' weights."""
     per_layer = sum(i * o for name, i, o, _ in linear_shapes(cfg) if name != HEAD) * cfg.model.layers_per_chunk
-    head = cfg.model.hidden * cfg.model.vocab_size
-    tokens = cfg.model.microbatch_size * cfg.model.seq_len
     last = cfg.pipeline.num_stages - 1
-    ms = {s: ESTIMATE_ACTION_MS + 2 * tokens * (per_layer + (head if s == last else 0)) / ESTIMATE_FLOPS * 1e3
-          for s in range(cfg.pipeline.num_stages)}
     groups = {g for _, g in events}
-    action_ms = {g: (ms[g[0]],) * 3 for g in groups}
-    return StepCosts({g: int(group_mib[g[0]] * MIB) for g in groups}, action_ms,
-                     ESTIMATE_TAIL * sum(sum(t) for t in action_ms.values()), gbps)
+    elements = {g: per_layer + (cfg.model.hidden * cfg.model.vocab_size if g[0] == last else 0) for g in groups}
+    costs = build_estimated_costs({g: int(group_mib[g[0]] * MIB) for g in groups}, elements,
+                                  cfg.model.microbatch_size * cfg.model.seq_len)
+    return replace(costs, gbps=gbps)
 
 
 def row(r: SimResult, schedule: str, lookahead: int, events: list[Event], costs: StepCosts) -> dict[str, Any]:

@@ -162,3 +162,18 @@ def test_no_tries_keep_the_colouring_and_the_environment_sets_the_tries(sim, mon
         monkeypatch.setenv("QEFFECT_OFFLOAD_SEARCH_TRIES", bad)
         with pytest.raises(UserError, match="QEFFECT_OFFLOAD_SEARCH_TRIES"):
             search_tries()
+
+
+def test_matrix_elements_count_the_gemm_weights_and_not_the_embeddings() -> None:
+    """The capture-time estimate's FLOPs: a first stage's layers (qkv, proj, fc1, fc2: 4h^2 + 2hf) without
+    its token and position tables; a last stage's layers and its head (h x vocab)."""
+    from qeffect.fp8 import DelayedScalingRecipe, ReferenceBackend
+    from qeffect.model import GPTShape, build_chunks
+    from qeffect.runtime.build import matrix_elements
+
+    h, f, vocab = 32, 64, 64
+    shape = GPTShape(layers_per_chunk=1, num_stages=2, vocab_size=vocab, hidden=h, ffn=f, heads=4, seq_len=8,
+                     microbatch_size=2)
+    first, last = build_chunks(shape, ReferenceBackend(DelayedScalingRecipe()), seed=0)
+    assert matrix_elements(first) == 4 * h * h + 2 * h * f
+    assert matrix_elements(last) == 4 * h * h + 2 * h * f + h * vocab

@@ -178,21 +178,23 @@ def matrix_elements(chunk: torch.nn.Module) -> int:
                for p in m.parameters(recurse=False) if p.dim() == 2)
 
 
+def estimated_costs(nbytes: dict, elements: dict, tokens: int) -> StepCosts:
+    """`offload.timing.StepCosts` from each group's slot bytes and its chunk's `matrix_elements`: every
+    action of the group takes `ESTIMATE_ACTION_MS` plus its GEMMs at `ESTIMATE_FLOPS`; the rest of the
+    step `ESTIMATE_TAIL` of the actions' time."""
+    action_ms = {g: (ESTIMATE_ACTION_MS + 2 * tokens * n / ESTIMATE_FLOPS * 1e3,) * 3 for g, n in elements.items()}
+    return StepCosts(nbytes, action_ms, ESTIMATE_TAIL * sum(sum(t) for t in action_ms.values()))
+
+
 def estimate_costs(ranks: Sequence[BaseRank], offload: OffloadManager, events: Sequence[tuple[str, object]],
                    tokens: int) -> StepCosts:
-    """`offload.timing.StepCosts` of one step: each group's slot bytes and its chunk's estimated action
-    durations (`ESTIMATE_*`)."""
-    action_ms = {}
-    for r in ranks:
-        for act in r.actions.values():
-            ms = ESTIMATE_ACTION_MS + 2 * tokens * matrix_elements(act.chunk) / ESTIMATE_FLOPS * 1e3
-            for g in act.groups.values():
-                action_ms[g] = (ms, ms, ms)
+    """The step's `estimated_costs` for the capture-time bank search: the groups of `events`, each with
+    its chunk's weights; a group `offload` does not offload (a short window) counts as empty."""
     groups = {g for _, g in events}
-    action_ms = {g: t for g, t in action_ms.items() if g in groups}
+    elements = {g: matrix_elements(act.chunk) for r in ranks for act in r.actions.values()
+                for g in act.groups.values() if g in groups}
     short = offload.short_window(events)  # not offloaded: no bank, no copies
-    nbytes = {g: 0 if g in short else offload.layout(g.specs)[1] for g in groups}
-    return StepCosts(nbytes, action_ms, ESTIMATE_TAIL * sum(sum(t) for t in action_ms.values()))
+    return estimated_costs({g: 0 if g in short else offload.layout(g.specs)[1] for g in groups}, elements, tokens)
 
 
 def search_tries() -> int:
