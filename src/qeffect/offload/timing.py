@@ -11,9 +11,9 @@ How: the real `OffloadManager` (plan, kept groups, chunked copies, look-ahead, e
 gives each its start: an action takes its given duration on the compute stream, a copy its bytes over
 its stream's bandwidth (one copy engine per direction), a wait starts no earlier than the record it
 waits for. The host costs nothing, copies take no memory bandwidth from compute, and the slot copies
-inside the forward graphs are part of F. So it gives the floor that the dependencies and the copy
-bandwidth set, not the GPU's step; on the H200 it underestimated resident's ratio by 0.05-0.1 but ranked
-the plans as the GPU did. The groups' bytes are simulated divided by `SCALE` (bandwidth too, so every
+inside the forward graphs are left out (F takes as long as without offload; they cost the same for every
+plan). So it gives the floor that the dependencies and the copy bandwidth set, not the GPU's step; on the
+H200 it put resident's ratio 0.03-0.1 under the GPU's but ranked the plans as the GPU did. The groups' bytes are simulated divided by `SCALE` (bandwidth too, so every
 time is the same): a plan costs milliseconds, not the tens of MiB of fake memory per bank.
 """
 
@@ -36,8 +36,9 @@ MIB = 1 << 20
 SCALE = 1024  # simulated bytes per real byte: 1/1024 (a 2 MiB chunk is simulated as 2 KiB)
 GRANULARITY = 2 * MIB  # the H200's VMM granularity: a bank maps its largest group rounded up to it
 DEFAULT_GBPS = 52.0  # pinned host copies per direction on the H200 (scripts/copy_bandwidth.py: 50-55 GB/s)
-# 400 tries: about 0.3 s at h2048 (16 groups) and 1.6 s at h4096 (32) on a 2-core CPU host; in the
-# simulation 200 tries left h4096 Interleaved at x1.021, 400 at x1.006, 800 at x1.011, 1600 at x1.005
+# 400 tries: with the 6-bank budget about 0.9 s at h2048 (16 groups) and 2.6 s at h4096 (32) on the H200's
+# host (f253344); with a 4-bank budget, in the simulation 200 tries left h4096 Interleaved at x1.021, 400 at
+# x1.006, 800 at x1.011, 1600 at x1.005 (on the GPU 400 and 200 ran alike: x1.064 / 1.067, x1.061 / 1.066)
 DEFAULT_TRIES = 400
 
 
@@ -171,9 +172,10 @@ class SimResult:
 
 def simulate(events: Sequence[Event], costs: StepCosts, banks: Sequence[int] | None = None, *,
              min_banks: int = 2, lookahead: int = 1, chunk_bytes: int = DEFAULT_CHUNK_MIB * MIB,
-             steps: int = 4) -> SimResult:
+             skip_kept_d2h: bool = True, steps: int = 4) -> SimResult:
     """Resident offload of one step's `events` (run `steps` times) with `banks` (one per group in backward
-    order; default `assign_banks(events, min_banks)`)."""
+    order; default `assign_banks(events, min_banks)`); `lookahead`, `chunk_bytes` and `skip_kept_d2h` as
+    the manager's."""
     order = backward_order(events)
     if banks is None:
         colour = assign_banks(events, min_banks=min_banks)
@@ -183,7 +185,8 @@ def simulate(events: Sequence[Event], costs: StepCosts, banks: Sequence[int] | N
     streams = TimedStreams(costs.gbps, costs.gbps, scale=SCALE)
     fake = FakeDevice(0, total=1 << 40, granularity=GRANULARITY // SCALE)
     mgr = OffloadManager("resident", device="cpu", driver=fake.driver(), streams=streams, num_banks=2,
-                         lookahead=lookahead, copy_chunk_bytes=-(-chunk_bytes // SCALE))
+                         lookahead=lookahead, copy_chunk_bytes=-(-chunk_bytes // SCALE), skip_kept_d2h=skip_kept_d2h,
+                         resident_min_window=0)
     sim = {}
     for kind, g in events:
         if kind == "F":

@@ -239,7 +239,8 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
             t0 = time.perf_counter()
             found = search_banks(events, estimate_costs(ranks, offload, events, microbatch_size * seq_len),
                                  max_banks=offload.search_banks, tries=search_tries(),
-                                 lookahead=offload.lookahead, chunk_bytes=offload.copy_chunk_bytes)
+                                 lookahead=offload.lookahead, chunk_bytes=offload.copy_chunk_bytes,
+                                 skip_kept_d2h=offload.skip_kept_d2h)
             offload.bank_search = found
             offload.bank_search_seconds = time.perf_counter() - t0
             banks = list(found.best.plan)
