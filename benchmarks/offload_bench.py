@@ -190,7 +190,7 @@ def run_one(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.devi
             "groups": len(mgr.groups), "group_bytes": sum(g.nbytes for g in mgr.groups),
             "banks": len(mgr.banks), "bank_plan": mgr.bank_plan, "mapped_bytes_now": mgr.mapped_bytes(),
             "bank_plan_kind": mgr.bank_plan_kind, "bank_search": None if mgr.bank_search is None else {
-                "seconds": mgr.bank_search_seconds, "plans_tried": mgr.bank_search.tried,
+                "seconds": mgr.bank_search.seconds, "plans_tried": mgr.bank_search.tried,
                 "budget_bytes": mgr.bank_search.budget_bytes, "simulated_ratio": mgr.bank_search.best.ratio,
                 "colour_simulated_ratio": mgr.bank_search.colour.ratio, "colour_plan": list(mgr.bank_search.colour.plan)},
             "host_bytes": mgr.host_bytes(), "kept_groups": [g.name for g in mgr.kept],

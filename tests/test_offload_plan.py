@@ -271,7 +271,7 @@ def test_the_default_plan_is_the_search_and_runs_the_schedule(monkeypatch, sched
     assert cfg.train.offload_bank_plan == "search" and cfg.train.offload_search_banks == 6
     mgr, _, acts, order = _captured(monkeypatch, cfg)
     found = mgr.bank_search
-    assert found is not None and mgr.bank_plan == list(found.best.plan) and mgr.bank_search_seconds > 0
+    assert found is not None and mgr.bank_plan == list(found.best.plan) and found.seconds > 0
     assert found.best.step_ms <= found.colour.step_ms and found.best.mapped_bytes <= found.budget_bytes
     ranks = [type("R", (), {"actions": acts})()]
     events = offload_events([(0, a) for _, a in order], ranks)
@@ -306,7 +306,8 @@ def _captured(monkeypatch, cfg):
     def fake_manager(mode, **kw):
         made.update(kw)
         return OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, num_banks=kw["num_banks"],
-                          release_consumed=kw["release_consumed"], skip_kept_d2h=kw["skip_kept_d2h"])
+                          release_consumed=kw["release_consumed"], skip_kept_d2h=kw["skip_kept_d2h"],
+                          bank_plan=kw["bank_plan"], search_banks=kw["search_banks"])
 
     monkeypatch.setattr(build_mod, "OffloadManager", fake_manager)
     t = cfg.train

@@ -587,6 +587,14 @@ def _bytes_from_env(var: str, default_mib: float, zero: str) -> int:
     return int(mib * (1 << 20))
 
 
+def count_from_env(var: str, default: int) -> int:
+    """A whole number >= 0 from environment variable `var` (unset: `default`)."""
+    raw = os.environ.get(var, str(default))
+    if not raw.isdigit():
+        raise ValueError(f"{var}={raw!r}: expected a whole number >= 0")
+    return int(raw)
+
+
 def _unlinked(t: Tensor) -> Tensor:
     """What a pack hook keeps of a tensor it does not move: the same bytes without the autograd link.
 
@@ -637,7 +645,8 @@ class OffloadManager:
                  lookahead: bool | int = True, release_consumed: bool = True, timing: bool = False,
                  alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
                  skip_kept_d2h: bool = True, min_window: int = 0, copy_chunk_bytes: int | None = None,
-                 store_batch_bytes: int | None = None, resident_min_window: int | None = None) -> None:
+                 store_batch_bytes: int | None = None, resident_min_window: int | None = None,
+                 bank_plan: Literal["colour", "search"] = "colour", search_banks: int = 6) -> None:
         if copy_chunk_bytes is None:
             copy_chunk_bytes = _bytes_from_env("QEFFECT_OFFLOAD_CHUNK_MIB", DEFAULT_CHUNK_MIB, "one copy")
         if copy_chunk_bytes < 0:
@@ -674,10 +683,7 @@ class OffloadManager:
         # once, so the plan keeps them in their bank anyway) would skip their slot copies inside the forward
         # graph and need no bank: an experiment, not yet measured on a GPU
         if resident_min_window is None:
-            text = os.environ.get("QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW", "0")
-            if not text.isdigit():
-                raise ValueError(f"QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW={text!r}: expected a whole number >= 0")
-            resident_min_window = int(text)
+            resident_min_window = count_from_env("QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW", 0)
         if resident_min_window < 0:
             raise ValueError(f"resident_min_window must be >= 0, got {resident_min_window}")
         self.resident_min_window = resident_min_window
@@ -691,13 +697,11 @@ class OffloadManager:
         self.backward_order: list[OffloadGroup] = []
         self.bank_plan: list[int] = []
         self.kept: list[OffloadGroup] = []  # resident: groups the plan keeps in their bank (no D2H)
-        # resident: how `runtime.build.capture_ranks` plans the banks (`train.offload_bank_plan`, set by
-        # `make_offload_manager`): "colour" (`offload.plan.assign_banks`) or "search" (`offload.timing`,
-        # within the colouring's memory with `search_banks` banks); the search's result once it ran
-        self.bank_plan_kind: Literal["colour", "search"] = "colour"
-        self.search_banks = 6
+        # resident: how `runtime.build.capture_ranks` plans the banks (`train.offload_bank_plan`): "colour"
+        # (`offload.plan.assign_banks`) or "search" (`offload.timing`, within the colouring's memory with
+        # `search_banks` banks); the search's result once it ran
+        self.bank_plan_kind, self.search_banks = bank_plan, search_banks
         self.bank_search: Any = None  # offload.timing.SearchResult
-        self.bank_search_seconds = 0.0
         self.not_offloaded: list[OffloadGroup] = []  # the plan's short-window groups (no slot, no bank)
         # resident, with allocate(events=): (x, g) look-ahead restores of g at x's backward that a forward
         # would evict before g's backward (`offload.plan.futile_restores`): not started

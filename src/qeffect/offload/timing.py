@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -212,17 +213,14 @@ def simulate(events: Sequence[Event], costs: StepCosts, banks: Sequence[int] | N
                     s.after_backward()
             streams.launch(costs.tail_ms, f"mark:{step}")  # the optimizer and the rest: no offload work
         res = streams.run()
-        kept, stats = len(mgr.kept), mgr.stats
+        # each bank maps its largest group in pages of GRANULARITY / SCALE: times SCALE, the real mapping
+        kept, stats, mapped, nbanks = len(mgr.kept), mgr.stats, mgr.mapped_bytes() * SCALE, len(mgr.banks)
     finally:
         mgr.close()  # the fake memory goes now, not at a later garbage collection (a search runs hundreds)
-    need: dict[int, int] = defaultdict(int)
-    for g, b in zip(order, banks, strict=True):
-        need[b] = max(need[b], costs.nbytes[g])
     ends = [t for _, t in res["marks"]]
     return SimResult(
-        step_ms=ends[-1] - (ends[-2] if len(ends) > 1 else 0.0), off_ms=costs.off_ms,
-        banks=sum(1 for n in need.values() if n),
-        mapped_bytes=sum(-(-n // GRANULARITY) * GRANULARITY for n in need.values()),
+        step_ms=ends[-1] - (ends[-2] if len(ends) > 1 else 0.0), off_ms=costs.off_ms, banks=nbanks,
+        mapped_bytes=mapped,
         kept=kept, d2h_bytes=stats.d2h_bytes * SCALE // steps, h2d_bytes=stats.h2d_bytes * SCALE // steps,
         stall_ms={k: v / steps for k, v in sorted(res["stalls"].items())}, plan=tuple(int(b) for b in banks))
 
@@ -233,6 +231,7 @@ class SearchResult:
     colour: SimResult  # assign_banks' plan for the same number of banks: the budget and the start
     budget_bytes: int
     tried: int  # distinct plans simulated
+    seconds: float = 0.0  # the search's host time
 
 
 def search_banks(events: Sequence[Event], costs: StepCosts, *, max_banks: int = 6, tries: int = DEFAULT_TRIES,
@@ -242,10 +241,10 @@ def search_banks(events: Sequence[Event], costs: StepCosts, *, max_banks: int = 
     two conflicting groups share a bank, `offload.plan.conflicts`). Half the tries start from the
     colouring (so it finds nothing worse), half from first fit (a local search stops at local optima);
     each try moves one or two groups to another allowed bank. Deterministic for a given `seed`."""
-    enabled = gc.isenabled()
+    enabled, t0 = gc.isenabled(), time.perf_counter()
     gc.disable()  # each plan builds a manager full of reference cycles: collections would take 2/3 of the time
     try:
-        return _search(events, costs, max_banks, tries, seed, kw)
+        return replace(_search(events, costs, max_banks, tries, seed, kw), seconds=time.perf_counter() - t0)
     finally:
         if enabled:
             gc.enable()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 from typing import Literal
 
@@ -14,7 +13,7 @@ from qeffect.errors import UserError
 from qeffect.fp8 import DelayedScalingRecipe, get_backend
 from qeffect.graphs.manager import GraphManager
 from qeffect.model import GPTShape, build_chunks
-from qeffect.offload.group import OffloadManager
+from qeffect.offload.group import OffloadManager, count_from_env
 from qeffect.offload.plan import assign_banks, backward_order, explicit_banks
 from qeffect.offload.timing import DEFAULT_TRIES, StepCosts, search_banks
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
@@ -139,12 +138,11 @@ def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, 
     from qeffect.offload.driver import OffloadUnavailable
 
     try:
-        mgr = OffloadManager(mode, device=torch.device(device), num_banks=banks, release_consumed=reap,
-                             skip_kept_d2h=skip_kept_d2h, min_window=min_window, lookahead=lookahead)
+        return OffloadManager(mode, device=torch.device(device), num_banks=banks, release_consumed=reap,
+                              skip_kept_d2h=skip_kept_d2h, min_window=min_window, lookahead=lookahead,
+                              bank_plan=bank_plan, search_banks=search_banks)
     except OffloadUnavailable as err:
         raise UserError(f"train.offload = {mode}: {err}") from None
-    mgr.bank_plan_kind, mgr.search_banks = bank_plan, search_banks
-    return mgr
 
 
 def offload_events(order: Sequence[tuple[int, Action]], ranks: Sequence[BaseRank]) -> list[tuple[str, object]]:
@@ -200,16 +198,10 @@ def estimate_costs(ranks: Sequence[BaseRank], offload: OffloadManager, events: S
 def search_tries() -> int:
     """Plans the capture-time bank search tries: `offload.timing.DEFAULT_TRIES`, or
     QEFFECT_OFFLOAD_SEARCH_TRIES (an A/B switch; 0 keeps the colouring with `offload_search_banks` banks)."""
-    text = os.environ.get("QEFFECT_OFFLOAD_SEARCH_TRIES")
-    if text is None:
-        return DEFAULT_TRIES
     try:
-        tries = int(text)
-    except ValueError:
-        tries = -1
-    if tries < 0:
-        raise UserError(f"QEFFECT_OFFLOAD_SEARCH_TRIES={text!r}: expected a whole number of plans >= 0")
-    return tries
+        return count_from_env("QEFFECT_OFFLOAD_SEARCH_TRIES", DEFAULT_TRIES)
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
 def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]], offload: OffloadManager | None,
@@ -236,13 +228,11 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
         if given:
             banks = explicit_banks(events, given)
         elif offload.bank_plan_kind == "search":
-            t0 = time.perf_counter()
             found = search_banks(events, estimate_costs(ranks, offload, events, microbatch_size * seq_len),
                                  max_banks=offload.search_banks, tries=search_tries(),
                                  lookahead=offload.lookahead, chunk_bytes=offload.copy_chunk_bytes,
                                  skip_kept_d2h=offload.skip_kept_d2h)
             offload.bank_search = found
-            offload.bank_search_seconds = time.perf_counter() - t0
             banks = list(found.best.plan)
         else:
             plan = assign_banks(events, min_banks=offload.num_banks)
