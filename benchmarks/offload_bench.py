@@ -31,8 +31,8 @@ default), `release-reap` for release offload that also releases them after their
 (`train.offload_reap = true`; the A/B) and
 `resident-copyall` (also `resident-copyall@K`) for resident offload that copies every group to the host,
 even those the plan keeps in their bank (`train.offload_skip_kept_d2h = false`; the A/B of the skip), and
-`release-all` for release offload of every group, short windows included (`train.offload_min_window =
-0`; the A/B of not offloading them). Any mode takes a `/laN` suffix (`release/la2`, `resident@6/la3`):
+`release-all` and `resident-all` (also `resident-all@K`) for offload of every group, short windows
+included (`train.offload_min_window = 0`; the A/B of not offloading them). Any mode takes a `/laN` suffix (`release/la2`, `resident@6/la3`):
 `train.offload_lookahead = N`, the offloaded groups each backward restores ahead (0: none; the A/B).
 A `+VAR=VALUE` suffix (repeatable) sets an environment switch while that mode is built and timed
 (`resident+QEFFECT_SKIP_FUTILE_RESTORES=0`: look-ahead restores a forward evicts before their backward are
@@ -90,11 +90,12 @@ def run_one(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.devi
     mode, _, banks = base.partition("@")
     keep = mode == "release-keep"  # release without releasing consumed slots (train.offload_reap = false)
     reap = mode == "release-reap"  # release that also releases consumed slots (train.offload_reap = true)
-    every = mode == "release-all"  # release offloading every group (train.offload_min_window = 0)
+    every = mode in ("release-all", "resident-all")  # every group offloaded (train.offload_min_window = 0)
     copyall = mode == "resident-copyall"  # resident, every group copied out (train.offload_skip_kept_d2h = false)
     colour = mode == "resident-colour"  # resident with the greedy colouring (train.offload_bank_plan = "colour")
-    search = mode in ("resident", "resident-copyall")  # @K: the search's memory budget, else the colouring's banks
-    mode = "release" if keep or reap or every else "resident" if copyall or colour else mode
+    search = mode in ("resident", "resident-copyall", "resident-all")  # @K: the search's memory budget, else the colouring's banks
+    mode = ("release" if keep or reap or mode == "release-all" else
+            "resident" if copyall or colour or mode == "resident-all" else mode)
     cfg = cfg.with_overrides(**{"train.offload": mode,
                                 "train.offload_banks": int(banks) if banks and not search else None,
                                 "train.offload_search_banks": int(banks) if banks and search else None,
@@ -250,7 +251,7 @@ def main() -> int:
                     help="comma list of off, release, release-keep, release-reap, release-all (every group offloaded), resident, "
                          "resident@K (the searched plan within the colouring's memory with K banks), resident-colour, "
                          "resident-colour@K (the colouring, at least K banks), resident-copyall, resident-copyall@K "
-                         "(no D2H skipped); "
+                         "(no D2H skipped), resident-all, resident-all@K (short windows offloaded too); "
                          "any with /laN (train.offload_lookahead = N) and #N (a repeat under its own name)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)

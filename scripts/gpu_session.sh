@@ -40,9 +40,9 @@
 #          (two parts: about 2 and 5 minutes).
 # bank-tries: the search's 400 tries (default) against 200, and a budget of 6 banks (h4096 Interleaved,
 #          h2048 ZB-V; about 5 minutes).
-# resident-window: resident leaving the last stage's groups on the device (+QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW=2:
-#          no slot copies and no bank for them) against resident, twice each in alternation: h2048 both
-#          schedules, h4096 Interleaved (about 5 minutes).
+# resident-window: resident leaving the last stage's groups on the device (the default,
+#          train.offload_min_window = 2: no slot copies and no bank for them) against resident-all (every group
+#          offloaded), twice each in alternation: h2048 both schedules, h4096 Interleaved (about 5 minutes).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -342,11 +342,11 @@ bank-tries)
 resident-window)
     # the simulation: the slot copies inside the forward graphs drop from 289 to 117 MiB per step at h2048
     # (778 to 378 at h4096) and the banks from 84-128 to 40-50 MiB; the copies' cost is outside the model
-    W=+QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW=2
+    M="off,resident-all,resident,resident-all#2,resident#2,off#2"
     for sched in interleaved zbv; do
-        offload_ab 150 "resident-window-$sched" h2048 "$sched" resident-window "off,resident,resident$W,resident#2,resident#2$W,off#2"
+        offload_ab 150 "resident-window-$sched" h2048 "$sched" resident-window "$M"
     done
-    offload_ab 200 resident-window-h4096 h4096 interleaved resident-window "off,resident,resident$W,resident#2,resident#2$W,off#2"
+    offload_ab 200 resident-window-h4096 h4096 interleaved resident-window "$M"
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)

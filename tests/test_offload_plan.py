@@ -51,15 +51,14 @@ def test_events_must_be_complete() -> None:
 
 
 def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0, *, plan: bool = False,
-         skip: bool = True, mode: str = "resident", min_window: int = 0,
-         resident_min_window: int = 0) -> tuple[OffloadStats, set, set]:
+         skip: bool = True, mode: str = "resident", min_window: int = 0) -> tuple[OffloadStats, set, set]:
     """`mode` (resident by default) on the fake device: F writes a pattern into its group's view; E checks
     it. `plan`: the manager gets the events (resident: kept groups, with `skip`; release: groups not
-    offloaded, with `min_window`). Returns the stats, the groups the manager keeps (resident) or does not
+    offloaded, with `min_window`; both modes). Returns the stats, the groups the manager keeps (resident) or does not
     offload (release), and the groups found not evicted (d2h pending or kept) at their backward in every step."""
     dev = FakeDevice(seed, granularity=64 * 1024, progress=2)
     mgr = OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, skip_kept_d2h=skip,
-                         min_window=min_window, resident_min_window=resident_min_window)
+                         min_window=min_window)
     names = sorted({g for _, g in events})
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in names}
     for k, g in enumerate(names):
@@ -230,7 +229,8 @@ def test_config_switch_reaches_the_manager_and_capture_passes_the_events(monkeyp
     `offload_reap` do) and `capture_ranks` gives the resident manager the step's events: it keeps
     exactly `kept_groups` of the planned banks, or nothing with the switch off."""
     cfg = load_config().with_overrides(**{"pipeline.schedule": schedule, "train.offload_skip_kept_d2h": skip,
-                                          "train.offload_banks": 3, "train.offload_bank_plan": "colour"})
+                                          "train.offload_banks": 3, "train.offload_bank_plan": "colour",
+                                          "train.offload_min_window": 0})  # every group offloaded
     assert load_config().train.offload_skip_kept_d2h is True
     mgr, made, acts, order = _captured(monkeypatch, cfg)
     assert made["skip_kept_d2h"] is skip and mgr.skip_kept_d2h is skip and made["num_banks"] == 3
@@ -307,12 +307,13 @@ def _captured(monkeypatch, cfg):
         made.update(kw)
         return OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, num_banks=kw["num_banks"],
                           release_consumed=kw["release_consumed"], skip_kept_d2h=kw["skip_kept_d2h"],
-                          bank_plan=kw["bank_plan"], search_banks=kw["search_banks"])
+                          min_window=kw["min_window"], bank_plan=kw["bank_plan"], search_banks=kw["search_banks"])
 
     monkeypatch.setattr(build_mod, "OffloadManager", fake_manager)
     t = cfg.train
     mgr = build_mod.make_offload_manager("resident", "cpu", t.offload_banks, t.offload_reap, t.offload_skip_kept_d2h,
-                                         bank_plan=t.offload_bank_plan, search_banks=t.offload_search_banks)
+                                         t.offload_min_window, bank_plan=t.offload_bank_plan,
+                                         search_banks=t.offload_search_banks)
     sched = schedule_of(cfg)
     order = global_order(sched)
     acts = {s: _Act(s, {m: mgr.group(f"s{s}.m{m}") for m in range(sched.microbatches)})
@@ -370,15 +371,21 @@ def test_short_window_groups_get_no_slot_and_no_copies(schedule: str) -> None:
     assert not_offloaded == set() and st.d2h_copies == steps * n
 
 
-def test_resident_mode_ignores_the_window() -> None:
+def test_resident_mode_leaves_the_windows_groups_out_and_off_mode_ignores_it() -> None:
     events = schedule_events("interleaved", 4)
+    short = short_window_groups(events, 5)
+    assert short and len(short) < 16
     dev = FakeDevice(0, granularity=64 * 1024)
     mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev, min_window=5)
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in sorted({g for _, g in events})}
     for g in groups.values():
         g.discover(torch.empty(3, 3))
     mgr.allocate([groups[g] for g in backward_order(events)], events=[(k, groups[g]) for k, g in events])
-    assert mgr.not_offloaded == [] and all(g.offloaded and g.slot is not None for g in groups.values())
+    assert {g.name for g in mgr.not_offloaded} == {groups[g].name for g in short}
+    assert all(g.offloaded == (k not in short) and (g.bank is None) == (k in short) for k, g in groups.items())
+    mgr.close()
+    mgr = OffloadManager("off", device="cpu", driver=dev.driver(), streams=dev, min_window=5)
+    assert mgr.short_window(events) == set()
     mgr.close()
     with pytest.raises(ValueError, match="min_window"):
         OffloadManager("release", device="cpu", driver=dev.driver(), streams=dev, min_window=-1)
@@ -386,7 +393,7 @@ def test_resident_mode_ignores_the_window() -> None:
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_resident_with_a_window_leaves_the_short_groups_on_the_device(schedule: str) -> None:
-    """`resident_min_window = 2` (QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW): the last stage's groups get no
+    """`min_window = 2` in resident mode (`train.offload_min_window`): the last stage's groups get no
     slot, no bank and no copies; the others still read their own bytes back (three seeds), and the banks
     are sized by the offloaded groups alone."""
     events, steps = schedule_events(schedule, 4), 3
@@ -395,10 +402,10 @@ def test_resident_with_a_window_leaves_the_short_groups_on_the_device(schedule: 
     plan = assign_banks(events, min_banks=2)
     banks = [plan[g] for g in backward_order(events)]
     for seed in range(3):
-        st, kept, _ = _run(events, banks, steps, seed=seed, plan=True, resident_min_window=2)
+        st, kept, _ = _run(events, banks, steps, seed=seed, plan=True, min_window=2)
         assert not kept & short and st.d2h_copies + st.d2h_skipped == steps * (16 - len(short))
     dev = FakeDevice(0, granularity=64 * 1024)
-    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev, resident_min_window=2)
+    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev, min_window=2)
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in sorted({g for _, g in events})}
     for g, grp in groups.items():
         grp.discover(torch.empty(1 << (16 + 2 * (g[0] == 3)), dtype=torch.uint8))  # the last stage's 4x larger
@@ -410,27 +417,22 @@ def test_resident_with_a_window_leaves_the_short_groups_on_the_device(schedule: 
     mgr.close()
 
 
-def test_the_resident_window_comes_from_the_environment(monkeypatch) -> None:
-    dev = FakeDevice(0, granularity=64 * 1024)
-    monkeypatch.setenv("QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW", "3")
-    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev)
-    assert mgr.resident_min_window == 3 and mgr.short_window(schedule_events("zbv", 4))
+def test_the_resident_window_comes_from_the_config(monkeypatch) -> None:
+    """`train.offload_min_window` (default 2) reaches the resident manager `capture_ranks` builds: the last
+    stage's groups are not offloaded; 0 offloads every group (the A/B)."""
+    mgr, made, _, _ = _captured(monkeypatch, load_config())
+    assert made["min_window"] == 2 and {g.name for g in mgr.not_offloaded} == {f"s3.m{m}" for m in range(4)}
     mgr.close()
-    monkeypatch.setenv("QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW", "two")
-    with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW"):
-        OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev)
-    monkeypatch.delenv("QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW")
-    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev)
-    assert mgr.resident_min_window == 0 and mgr.short_window(schedule_events("zbv", 4)) == set()
+    mgr, made, _, _ = _captured(monkeypatch, load_config().with_overrides(**{"train.offload_min_window": 0}))
+    assert made["min_window"] == 0 and mgr.not_offloaded == [] and all(g.bank is not None for g in mgr.groups)
     mgr.close()
 
 
 def test_the_search_leaves_the_short_groups_out_of_the_banks(monkeypatch) -> None:
-    """With the resident window, the capture-time search sees the short groups as empty (no bank, no
-    copies) and its plan runs: the manager maps banks for the offloaded groups only."""
+    """With the resident window (the default), the capture-time search sees the short groups as empty (no
+    bank, no copies) and its plan runs: the manager maps banks for the offloaded groups only."""
     from qeffect.runtime.build import estimate_costs, offload_events
 
-    monkeypatch.setenv("QEFFECT_OFFLOAD_RESIDENT_MIN_WINDOW", "2")
     mgr, _, acts, order = _captured(monkeypatch, load_config())
     assert {g.name for g in mgr.not_offloaded} == {f"s3.m{m}" for m in range(4)}
     assert mgr.bank_search is not None and mgr.banks and all(g.bank is None for g in mgr.not_offloaded)

@@ -102,9 +102,11 @@ class TrainConfig(_Strict):
     # resident offload: no D2H for a group whose bank, by the schedule's static plan, no other group claims
     # between its forward and its backward (its bytes are still there); false copies every group (the A/B)
     offload_skip_kept_d2h: bool = True
-    # release offload: a group whose input gradient comes within fewer than this many other actions of its
-    # forward (the last virtual stage's) is not offloaded: its D2H could not finish, its memory could not
-    # come back before the backward; 0 offloads every group (the A/B)
+    # release and resident offload: a group whose input gradient comes within fewer than this many other
+    # actions of its forward (the last virtual stage's) is not offloaded. Release: its D2H could not finish,
+    # its memory could not come back before the backward. Resident: the plan would keep it in its bank
+    # anyway; left on the device it needs no bank and no slot copies in the forward graph. 0 offloads every
+    # group (the A/B)
     offload_min_window: int = Field(2, ge=0, le=1_000_000)
     # release and resident offload: each backward restores this many offloaded groups ahead (next in
     # backward order) on the copy stream; deeper hides a copy longer than one backward, and maps the

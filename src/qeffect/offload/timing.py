@@ -186,8 +186,7 @@ def simulate(events: Sequence[Event], costs: StepCosts, banks: Sequence[int] | N
     streams = TimedStreams(costs.gbps, costs.gbps, scale=SCALE)
     fake = FakeDevice(0, total=1 << 40, granularity=GRANULARITY // SCALE)
     mgr = OffloadManager("resident", device="cpu", driver=fake.driver(), streams=streams, num_banks=2,
-                         lookahead=lookahead, copy_chunk_bytes=-(-chunk_bytes // SCALE), skip_kept_d2h=skip_kept_d2h,
-                         resident_min_window=0)
+                         lookahead=lookahead, copy_chunk_bytes=-(-chunk_bytes // SCALE), skip_kept_d2h=skip_kept_d2h)
     sim = {}
     for kind, g in events:
         if kind == "F":

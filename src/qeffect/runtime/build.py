@@ -131,8 +131,8 @@ def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, 
                          bank_plan: str = "search", search_banks: int = 6) -> OffloadManager:
     """One offload manager per device (`banks`: resident mode's minimum bank count for the colouring;
     `reap`: release mode also releases consumed slots; `skip_kept_d2h`: resident mode copies no group the
-    schedule's plan keeps in its bank; `min_window`: release mode offloads no group with fewer other
-    actions between its forward and its backward; `lookahead`: offloaded groups each backward restores
+    schedule's plan keeps in its bank; `min_window`: no group with fewer other actions between its forward
+    and its backward is offloaded; `lookahead`: offloaded groups each backward restores
     ahead; `bank_plan`, `search_banks`: how `capture_ranks` plans resident banks, `train.offload_bank_plan`);
     a clear error where VMM offload cannot work."""
     from qeffect.offload.driver import OffloadUnavailable
@@ -209,7 +209,7 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
     """Capture every action of `ranks` (all on one device). Without offload, chunk by chunk. With
     offload: warm up and discover every chunk, allocate the groups in backward order (resident mode:
     banks from the schedule's conflicts, `offload.plan`, and the step's events, so that groups the plan
-    keeps in their bank skip the D2H; release mode: the same events name the groups whose window is too
+    keeps in their bank skip the D2H; both modes: the same events name the groups whose window is too
     short to offload, `train.offload_min_window`), then capture."""
     if offload is None:
         for r in ranks:
