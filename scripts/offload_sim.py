@@ -9,7 +9,9 @@
 The simulation (see `qeffect.offload.timing`) runs the real `OffloadManager` with a host of zero cost;
 what it reports is the floor that the stream dependencies and the copy bandwidth set, not the GPU's
 step. Its durations are inputs (`--f-ms` etc.; the defaults split h2048's measured 9.75 ms step without
-offload: 7.1 ms of actions, the rest optimizer and embedding), and so are its answers.
+offload: 7.1 ms of actions, the rest optimizer and embedding), and so are its answers. `--min-window N`
+(default 2, as `train.offload_min_window`) leaves the groups with fewer than N other actions between their
+forward and their backward (the last stage's) on the device: they count as empty; 0 offloads every group.
 
 `--robustness CONFIG`: plans searched as `qeffect train` searches them at capture (durations estimated from
 the config's matrix FLOPs, `runtime.build.estimate_costs`'s constants), then timed with the durations given
@@ -29,7 +31,7 @@ import torch
 
 from qeffect.config import load_config
 from qeffect.graphs.handshake import script_provenance
-from qeffect.offload.plan import Event, explicit_banks
+from qeffect.offload.plan import Event, explicit_banks, short_window_groups
 from qeffect.offload.timing import DEFAULT_TRIES, MIB, SimResult, StepCosts, search_banks, simulate
 from qeffect.profile.flops import HEAD, linear_shapes
 from qeffect.runtime.build import estimated_costs as build_estimated_costs
@@ -73,6 +75,13 @@ def estimated_costs(events: list[Event], cfg: Any, group_mib: tuple[float, ...],
     return replace(costs, gbps=gbps)
 
 
+def without_short(costs: StepCosts, events: list[Event], min_window: int) -> StepCosts:
+    """`costs` with the groups no offload mode offloads at `min_window` (`train.offload_min_window`: the last
+    stage's at 2) as empty, as the capture-time search sees them: no bank, no copies."""
+    short = short_window_groups(events, min_window)
+    return replace(costs, nbytes={g: 0 if g in short else n for g, n in costs.nbytes.items()})
+
+
 def row(r: SimResult, schedule: str, lookahead: int, events: list[Event], costs: StepCosts) -> dict[str, Any]:
     live, peak = 0, 0  # without offload: the saved bytes alive at once (F to the last reader)
     for kind, g in events:
@@ -84,22 +93,23 @@ def row(r: SimResult, schedule: str, lookahead: int, events: list[Event], costs:
             "h2d_mib_per_step": r.h2d_bytes / MIB, "compute_stall_ms_per_step": r.stall_ms, "plan": list(r.plan)}
 
 
-def robustness(cfg_path: Path, schedule: str, given: dict[str, Any], tries: int) -> list[dict[str, Any]]:
+def robustness(cfg_path: Path, schedule: str, given: dict[str, Any], tries: int,
+               min_window: int) -> list[dict[str, Any]]:
     """The estimate's plan against plans searched with the given durations, scaled (see the docstring)."""
     cfg = load_config(cfg_path)
     events = step_events(schedule, cfg.pipeline.microbatches, cfg.pipeline.pp, cfg.pipeline.chunks_per_rank)
     banks = cfg.train.offload_search_banks
-    estimate = search_banks(events, estimated_costs(events, cfg, given["group_mib"], given["gbps"]),
-                            max_banks=banks, tries=tries)
+    estimate = search_banks(events, without_short(estimated_costs(events, cfg, given["group_mib"], given["gbps"]),
+                                                  events, min_window), max_banks=banks, tries=tries)
     w = given["stage_weight"]
     variants = {"given": given, "x0.6": given | {k: given[k] * 0.6 for k in ("f_ms", "i_ms", "w_ms", "tail_ms")},
                 "x1.6": given | {k: given[k] * 1.6 for k in ("f_ms", "i_ms", "w_ms", "tail_ms")},
                 "last stage x1.3": given | {"stage_weight": (*w[:-1], 1.3)}}
     out = []
     for name, kw in variants.items():
-        costs = given_costs(events, **kw)
+        costs = without_short(given_costs(events, **kw), events, min_window)
         searched = search_banks(events, costs, max_banks=banks, tries=tries)
-        out.append({"config": str(cfg_path), "schedule": schedule, "durations": name,
+        out.append({"config": str(cfg_path), "schedule": schedule, "durations": name, "min_window": min_window,
                     "estimate_plan": list(estimate.best.plan), "estimate_plan_ratio": simulate(events, costs,
                                                                                                estimate.best.plan).ratio,
                     "searched_plan_ratio": searched.best.ratio, "colour_2_ratio": simulate(events, costs).ratio,
@@ -126,6 +136,9 @@ def main() -> int:
     ap.add_argument("--i-ms", type=float, default=0.118)
     ap.add_argument("--w-ms", type=float, default=0.118)
     ap.add_argument("--tail-ms", type=float, default=2.65, help="per step, outside the actions: the optimizer and the rest")
+    ap.add_argument("--min-window", type=int, default=2, metavar="N",
+                    help="groups with fewer than N other actions between their F and B stay on the device, as "
+                         "train.offload_min_window (default 2: the last stage's); 0 offloads every group")
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="also search N tries for a better plan within the colouring's memory with each --banks")
     ap.add_argument("--plan", action="append", default=[], metavar="SCHEDULE=B0:B1:...",
@@ -135,6 +148,8 @@ def main() -> int:
                     help="the capture-time search's estimated durations for CONFIG against these durations")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    if a.min_window < 0:
+        ap.error(f"--min-window must be >= 0, got {a.min_window}")
     rows = []
     given = {"group_mib": tuple(float(x) for x in a.group_mib.split(",")),
              "stage_weight": tuple(float(x) for x in a.stage_weight.split(",")), "f_ms": a.f_ms, "i_ms": a.i_ms,
@@ -142,7 +157,7 @@ def main() -> int:
     chunk = int(a.chunk_mib * MIB)
     if a.robustness:
         for sched in a.schedule.split(","):
-            rows += robustness(a.robustness, sched, given, a.search or DEFAULT_TRIES)
+            rows += robustness(a.robustness, sched, given, a.search or DEFAULT_TRIES, a.min_window)
     for spec in a.plan:
         sched, _, text = spec.rpartition("=")
         try:
@@ -150,12 +165,12 @@ def main() -> int:
             banks = explicit_banks(events, text, f"--plan {sched}")
         except ValueError as err:  # an unknown schedule, or banks that do not fit it
             ap.error(str(err))
-        costs = given_costs(events, **given)
+        costs = without_short(given_costs(events, **given), events, a.min_window)
         rows.append(row(simulate(events, costs, banks, chunk_bytes=chunk), sched, 1, events, costs))
         _print(rows[-1], f"{sched:11s} banks {text}")
     for sched in ([] if a.plan or a.robustness else a.schedule.split(",")):
         events = step_events(sched, a.microbatches)
-        costs = given_costs(events, **given)
+        costs = without_short(given_costs(events, **given), events, a.min_window)
         for banks in (int(b) for b in a.banks.split(",")):
             for la in (int(x) for x in a.lookahead.split(",")):
                 r = simulate(events, costs, min_banks=banks, lookahead=la, chunk_bytes=chunk)

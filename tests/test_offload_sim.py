@@ -119,7 +119,8 @@ def test_given_banks_are_timed_and_bad_ones_are_refused(sim, tmp_path, monkeypat
     writes them to the JSON; banks that do not fit the schedule end the script with a usage error."""
     plan = "0:3:0:1:0:3:2:1:0:1:0:3:2:1:0:3"
     out = tmp_path / "sim.json"
-    monkeypatch.setattr("sys.argv", ["offload_sim.py", "--plan", f"interleaved={plan}", "--json", str(out)])
+    monkeypatch.setattr("sys.argv", ["offload_sim.py", "--plan", f"interleaved={plan}", "--min-window", "0",
+                                     "--json", str(out)])  # that plan was found with every group offloaded
     assert sim.main() == 0
     (row,) = json.loads(out.read_text())["results"]
     assert row["plan"] == [int(b) for b in plan.split(":")] and row["kept"] == 6 and row["banks"] == 4
@@ -128,6 +129,26 @@ def test_given_banks_are_timed_and_bad_ones_are_refused(sim, tmp_path, monkeypat
     with pytest.raises(SystemExit) as err:
         sim.main()
     assert err.value.code == 2 and "expected 16 bank indices" in capsys.readouterr().err
+
+
+def test_the_window_leaves_the_last_stages_groups_out(sim, tmp_path, monkeypatch, capsys) -> None:
+    """`--min-window 2` (the default, as `train.offload_min_window`): the last stage's groups are empty, so
+    the banks shrink; 0 offloads every group; a negative window is a usage error."""
+    rows = {}
+    for window in (0, 2):
+        out = tmp_path / f"w{window}.json"
+        monkeypatch.setattr("sys.argv", ["offload_sim.py", "--schedule", "interleaved", "--banks", "2",
+                                         "--lookahead", "1", "--min-window", str(window), "--json", str(out)])
+        assert sim.main() == 0
+        (rows[window],) = json.loads(out.read_text())["results"]
+    # (the colouring kept those groups in their bank anyway: no more D2H than before, banks under half)
+    assert 2 * rows[2]["mapped_mib"] < rows[0]["mapped_mib"]
+    assert rows[2]["d2h_mib_per_step"] <= rows[0]["d2h_mib_per_step"]
+    assert rows[2]["off_peak_saved_mib"] < rows[0]["off_peak_saved_mib"]
+    monkeypatch.setattr("sys.argv", ["offload_sim.py", "--min-window", "-1"])
+    with pytest.raises(SystemExit) as err:
+        sim.main()
+    assert err.value.code == 2 and "--min-window must be >= 0" in capsys.readouterr().err
 
 
 def test_robustness_compares_the_estimate_with_plans_searched_for_the_given_durations(sim, tmp_path, monkeypatch,
