@@ -19,10 +19,12 @@ bytes are still in the bank when the backward comes, so resident mode need not c
 would start one and the backward that reads it, another group of the same bank runs its forward and evicts
 the restored bytes again. Such a restore is a wasted copy, and the forward that evicts it waits for it.
 
-`short_window_groups` says which groups release mode should not offload at all: their backward comes
+`short_window_groups` says which groups neither mode should offload at all: their backward comes
 within fewer than `min_window` other actions of their forward (the last virtual stage's groups: their
-input gradient follows their forward at once), so their D2H cannot finish, and their memory cannot come
-back, before the backward needs them again: offloading them costs copies and driver calls for nothing.
+input gradient follows their forward at once). In release mode their D2H cannot finish, and their memory
+cannot come back, before the backward needs them again: offloading them costs copies and driver calls for
+nothing. In resident mode the plan keeps them in their bank anyway: they would only add bank memory and
+slot copies inside their forward graphs.
 """
 
 from __future__ import annotations
