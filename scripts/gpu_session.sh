@@ -43,6 +43,10 @@
 # resident-window: resident leaving the last stage's groups on the device (the default,
 #          train.offload_min_window = 2: no slot copies and no bank for them) against resident-all (every group
 #          offloaded), twice each in alternation: h2048 both schedules, h4096 Interleaved (about 5 minutes).
+# search-prefer: the capture-time search preferring fewer copies among plans as fast
+#          (+QEFFECT_OFFLOAD_SEARCH_PREFER=copies) against less memory (the default), twice each in alternation:
+#          h2048 both schedules, then h4096 Interleaved (two calls: about 3 and 3 minutes: search-prefer-h2048,
+#          search-prefer-h4096).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -347,6 +351,20 @@ resident-window)
         offload_ab 150 "resident-window-$sched" h2048 "$sched" resident-window "$M"
     done
     offload_ab 200 resident-window-h4096 h4096 interleaved resident-window "$M"
+    ;;
+search-prefer-h2048)
+    # the simulation: the same step (x1.000), D2H 88 -> 29 MiB (Interleaved) and 78 -> 29 MiB (ZB-V) per step
+    # for 20 and 10 MiB more banks; what is left at h2048 (x1.027-1.036) is outside it, so only the GPU can
+    # say whether fewer copies run faster
+    P=+QEFFECT_OFFLOAD_SEARCH_PREFER=copies
+    for sched in interleaved zbv; do
+        offload_ab 150 "search-prefer-$sched" h2048 "$sched" search-prefer \
+            "off,resident,resident$P,resident#2,resident#2$P,off#2"
+    done
+    ;;
+search-prefer-h4096)
+    P=+QEFFECT_OFFLOAD_SEARCH_PREFER=copies
+    offload_ab 280 search-prefer-h4096 h4096 interleaved search-prefer "off,resident,resident$P,resident#2,resident#2$P,off#2"
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)

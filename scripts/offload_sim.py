@@ -3,6 +3,7 @@
     python3 scripts/offload_sim.py --schedule interleaved --json $OUT/offload-sim-h2048.json
     python3 scripts/offload_sim.py --schedule zbv --banks 2,3,4,6 --lookahead 1,2
     python3 scripts/offload_sim.py --banks 4 --search 300   # also search bank plans within the colouring's memory
+    python3 scripts/offload_sim.py --banks 6 --search 400 --prefer copies  # ties: fewer copies, not less memory
     python3 scripts/offload_sim.py --plan interleaved=0:3:0:1:0:3:2:1:0:1:0:3:2:1:0:3  # time these banks
     python3 scripts/offload_sim.py --robustness examples/configs/h2048.toml  # the capture-time search's estimate
 
@@ -141,6 +142,9 @@ def main() -> int:
                          "train.offload_min_window (default 2: the last stage's); 0 offloads every group")
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="also search N tries for a better plan within the colouring's memory with each --banks")
+    ap.add_argument("--prefer", choices=("memory", "copies"), default="memory",
+                    help="--search: among plans as fast, less bank memory (the default) or fewer bytes copied "
+                         "(QEFFECT_OFFLOAD_SEARCH_PREFER)")
     ap.add_argument("--plan", action="append", default=[], metavar="SCHEDULE=B0:B1:...",
                     help="time these banks (one per group in backward order, as QEFFECT_OFFLOAD_BANKS) instead of "
                          "--banks; repeatable")
@@ -178,9 +182,10 @@ def main() -> int:
                 _print(rows[-1], f"{sched:11s} banks {r.banks} (asked {banks}) look-ahead {la}")
                 if a.search:
                     found = search_banks(events, costs, max_banks=banks, tries=a.search, lookahead=la,
-                                         chunk_bytes=chunk)
+                                         chunk_bytes=chunk, prefer=a.prefer)
                     rows.append(row(found.best, sched, la, events, costs) | {"searched": found.tried,
-                                                                             "max_banks": banks})
+                                                                             "max_banks": banks,
+                                                                             "prefer": a.prefer})
                     _print(rows[-1], f"{sched:11s} searched, within the colouring's memory with {banks} banks, "
                                      f"look-ahead {la}")
                     print(f"    QEFFECT_OFFLOAD_BANKS={':'.join(map(str, found.best.plan))}")

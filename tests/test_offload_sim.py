@@ -109,6 +109,38 @@ def test_on_a_tie_the_search_takes_the_plan_with_less_memory(sim) -> None:
     assert found.best.mapped_bytes <= simulate(events, costs).mapped_bytes
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_preferring_copies_keeps_more_groups_in_their_banks_within_the_budget(sim, schedule: str) -> None:
+    """`prefer="copies"` (QEFFECT_OFFLOAD_SEARCH_PREFER): with the last stage's groups on the device and the
+    6-bank budget, h2048's plans as fast as without offload, and fewer bytes copied than the plan that
+    prefers memory (which may map less); every plan valid; an unknown preference is refused."""
+    events, costs = h2048(sim, schedule)
+    costs = sim.without_short(costs, events, 2)
+    by = {p: search_banks(events, costs, max_banks=6, tries=200, prefer=p) for p in ("memory", "copies")}
+    mem, cop = by["memory"].best, by["copies"].best
+    assert cop.step_ms == pytest.approx(cop.off_ms, rel=1e-9) and mem.step_ms == pytest.approx(mem.off_ms, rel=1e-9)
+    assert cop.d2h_bytes + cop.h2d_bytes < mem.d2h_bytes + mem.h2d_bytes and cop.kept > mem.kept
+    assert mem.mapped_bytes <= cop.mapped_bytes <= by["copies"].budget_bytes == by["memory"].budget_bytes
+    order, edges = backward_order(events), conflicts(events)
+    bank = dict(zip(order, cop.plan, strict=True))
+    assert all(bank[g] != bank[h] for g in order for h in edges[g])
+    with pytest.raises(ValueError, match="prefer"):
+        search_banks(events, costs, tries=2, prefer="speed")
+
+
+def test_the_preference_comes_from_the_environment(monkeypatch) -> None:
+    from qeffect.errors import UserError
+    from qeffect.runtime.build import search_prefers
+
+    monkeypatch.delenv("QEFFECT_OFFLOAD_SEARCH_PREFER", raising=False)
+    assert search_prefers() == "memory"
+    monkeypatch.setenv("QEFFECT_OFFLOAD_SEARCH_PREFER", "copies")
+    assert search_prefers() == "copies"
+    monkeypatch.setenv("QEFFECT_OFFLOAD_SEARCH_PREFER", "bytes")
+    with pytest.raises(UserError, match="QEFFECT_OFFLOAD_SEARCH_PREFER"):
+        search_prefers()
+
+
 def test_costs_say_the_step_without_offload() -> None:
     costs = StepCosts({"a": 1, "b": 2}, {"a": (1.0, 2.0, 3.0), "b": (0.5, 0.5, 0.5)}, tail_ms=4.0)
     assert costs.off_ms == 11.5

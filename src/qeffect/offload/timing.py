@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -234,22 +234,27 @@ class SearchResult:
 
 
 def search_banks(events: Sequence[Event], costs: StepCosts, *, max_banks: int = 6, tries: int = DEFAULT_TRIES,
-                 seed: int = 0, **kw: Any) -> SearchResult:
+                 seed: int = 0, prefer: Literal["memory", "copies"] = "memory", **kw: Any) -> SearchResult:
     """A local search for the bank plan with the shortest simulated step, with no more bank memory than
     `assign_banks(events, max_banks)` maps (the smaller memory on a tie); every plan it tries is valid (no
     two conflicting groups share a bank, `offload.plan.conflicts`). Half the tries start from the
     colouring (so it finds nothing worse), half from first fit (a local search stops at local optima);
-    each try moves one or two groups to another allowed bank. Deterministic for a given `seed`."""
+    each try moves one or two groups to another allowed bank. Deterministic for a given `seed`.
+    `prefer`: among plans as fast, the one with less bank memory ("memory"), or with fewer bytes copied
+    to and from the host, then less memory ("copies": steps within 0.1 us count as ties); the copies'
+    share of memory bandwidth and their host work are outside the model, so fewer may run faster."""
+    if prefer not in ("memory", "copies"):
+        raise ValueError(f"prefer must be 'memory' or 'copies', got {prefer!r}")
     enabled, t0 = gc.isenabled(), time.perf_counter()
     gc.disable()  # each plan builds a manager full of reference cycles: collections would take 2/3 of the time
     try:
-        return replace(_search(events, costs, max_banks, tries, seed, kw), seconds=time.perf_counter() - t0)
+        return replace(_search(events, costs, max_banks, tries, seed, prefer, kw), seconds=time.perf_counter() - t0)
     finally:
         if enabled:
             gc.enable()
 
 
-def _search(events: Sequence[Event], costs: StepCosts, max_banks: int, tries: int, seed: int,
+def _search(events: Sequence[Event], costs: StepCosts, max_banks: int, tries: int, seed: int, prefer: str,
             kw: dict[str, Any]) -> SearchResult:
     rng = random.Random(seed)
     groups = backward_order(events)
@@ -277,8 +282,13 @@ def _search(events: Sequence[Event], costs: StepCosts, max_banks: int, tries: in
 
     def better(r: SimResult, than: SimResult, ties: bool = False) -> bool:
         """Within the budget and faster (`ties`: or as fast: the search may move along a plateau)."""
-        a, b = (r.step_ms, r.mapped_bytes), (than.step_ms, than.mapped_bytes)
+        a, b = key(r), key(than)
         return r.mapped_bytes <= budget and (a <= b if ties else a < b)
+
+    def key(r: SimResult) -> tuple[float, ...]:
+        if prefer == "copies":
+            return round(r.step_ms, 4), r.d2h_bytes + r.h2d_bytes, r.mapped_bytes
+        return r.step_ms, r.mapped_bytes
 
     best = start
     for first in (start.plan, first_fit):

@@ -204,6 +204,16 @@ def search_tries() -> int:
         raise UserError(str(err)) from None
 
 
+def search_prefers() -> str:
+    """What the capture-time bank search prefers among plans as fast: "memory" (the default), or "copies"
+    with QEFFECT_OFFLOAD_SEARCH_PREFER=copies (an experiment: fewer bytes to and from the host within the
+    same memory budget; the simulation halves them at h2048 with the 6-bank budget)."""
+    prefer = os.environ.get("QEFFECT_OFFLOAD_SEARCH_PREFER", "memory")
+    if prefer not in ("memory", "copies"):
+        raise UserError(f"QEFFECT_OFFLOAD_SEARCH_PREFER must be 'memory' or 'copies', got {prefer!r}")
+    return prefer
+
+
 def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]], offload: OffloadManager | None,
                   microbatch_size: int, seq_len: int) -> None:
     """Capture every action of `ranks` (all on one device). Without offload, chunk by chunk. With
@@ -229,7 +239,7 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
             banks = explicit_banks(events, given)
         elif offload.bank_plan_kind == "search":
             found = search_banks(events, estimate_costs(ranks, offload, events, microbatch_size * seq_len),
-                                 max_banks=offload.search_banks, tries=search_tries(),
+                                 max_banks=offload.search_banks, tries=search_tries(), prefer=search_prefers(),
                                  lookahead=offload.lookahead, chunk_bytes=offload.copy_chunk_bytes,
                                  skip_kept_d2h=offload.skip_kept_d2h)
             offload.bank_search = found
