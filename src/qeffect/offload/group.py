@@ -61,8 +61,9 @@ group whose backward comes within fewer than `min_window` other actions of its f
 (`offload.plan.short_window_groups`: the last virtual stage's groups). In release mode its D2H could not
 finish before the backward, so no memory would come back, and the copies and driver calls would be spent
 for nothing; in resident mode the plan would keep it in its bank anyway, so it would only add bank memory
-and slot copies inside its forward graph. Such a group gets no slot and no bank: its saved tensors stay where autograd puts them (the graph's memory pool), as
-with `off`, and its hooks only check the call order (`offloaded` False; the manager's `not_offloaded`).
+and slot copies inside its forward graph. Such a group gets no slot and no bank: its saved tensors stay
+where autograd puts them (the graph's memory pool), as with `off`, and its hooks only check the call order
+(`offloaded` False; the manager's `not_offloaded`).
 `off`: hooks only check the call order.
 
 Resident states of a group in one step (F: before/after_forward, B: before_backward):
@@ -755,7 +756,8 @@ class OffloadManager:
         in execution order (`offload.plan`; `runtime.build.offload_events`), the same every step: in
         resident mode with `skip_kept_d2h`, the groups `offload.plan.kept_groups` keeps are never copied
         to the host (and a claim that would evict one raises); with `min_window` > 0 (release and
-        resident), the groups `offload.plan.short_window_groups` names are not offloaded (no slot, no bank). Call outside any capture.
+        resident), the groups `offload.plan.short_window_groups` names are not offloaded (no slot, no
+        bank). Call outside any capture.
         """
         if self._closed:
             raise OffloadStateError("allocate() after close()")

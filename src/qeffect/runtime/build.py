@@ -204,14 +204,14 @@ def search_tries() -> int:
         raise UserError(str(err)) from None
 
 
-def search_prefers() -> str:
+def search_prefers() -> Literal["memory", "copies"]:
     """What the capture-time bank search prefers among plans as fast: "memory" (the default), or "copies"
     with QEFFECT_OFFLOAD_SEARCH_PREFER=copies (an experiment: fewer bytes to and from the host within the
     same memory budget; the simulation halves them at h2048 with the 6-bank budget)."""
     prefer = os.environ.get("QEFFECT_OFFLOAD_SEARCH_PREFER", "memory")
-    if prefer not in ("memory", "copies"):
-        raise UserError(f"QEFFECT_OFFLOAD_SEARCH_PREFER must be 'memory' or 'copies', got {prefer!r}")
-    return prefer
+    if prefer == "memory" or prefer == "copies":
+        return prefer
+    raise UserError(f"QEFFECT_OFFLOAD_SEARCH_PREFER must be 'memory' or 'copies', got {prefer!r}")
 
 
 def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]], offload: OffloadManager | None,
