@@ -32,8 +32,9 @@ default), `release-reap` for release offload that also releases them after their
 `resident-copyall` (also `resident-copyall@K`) for resident offload that copies every group to the host,
 even those the plan keeps in their bank (`train.offload_skip_kept_d2h = false`; the A/B of the skip), and
 `release-all` and `resident-all` (also `resident-all@K`) for offload of every group, short windows
-included (`train.offload_min_window = 0`; the A/B of not offloading them). Any mode takes a `/laN` suffix (`release/la2`, `resident@6/la3`):
-`train.offload_lookahead = N`, the offloaded groups each backward restores ahead (0: none; the A/B).
+included (`train.offload_min_window = 0`; the A/B of not offloading them); `VARIANTS` lists them. Any mode
+takes a `/laN` suffix (`release/la2`, `resident@6/la3`): `train.offload_lookahead = N`, the offloaded
+groups each backward restores ahead (0: none; the A/B).
 A `+VAR=VALUE` suffix (repeatable) sets an environment switch while that mode is built and timed
 (`resident+QEFFECT_SKIP_FUTILE_RESTORES=0`: look-ahead restores a forward evicts before their backward are
 started anyway). A `#N` suffix repeats a mode under its own name (`off#2` at the end: did the step time drift while the
@@ -85,24 +86,26 @@ def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.dev
                 os.environ[k] = v
 
 
+# a mode name -> (train.offload, the config overrides it stands for)
+VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
+    "release-keep": ("release", {"train.offload_reap": False}),  # consumed slots stay mapped (the default)
+    "release-reap": ("release", {"train.offload_reap": True}),  # consumed slots released after their backward
+    "release-all": ("release", {"train.offload_min_window": 0}),  # every group offloaded, short windows too
+    "resident-all": ("resident", {"train.offload_min_window": 0}),
+    "resident-copyall": ("resident", {"train.offload_skip_kept_d2h": False}),  # every group copied out
+    "resident-colour": ("resident", {"train.offload_bank_plan": "colour"}),  # the greedy colouring
+}
+
+
 def run_one(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
     base, _, depth = label.partition("#")[0].partition("/la")  # "#N": a repeat; "/laN": train.offload_lookahead = N
-    mode, _, banks = base.partition("@")
-    keep = mode == "release-keep"  # release without releasing consumed slots (train.offload_reap = false)
-    reap = mode == "release-reap"  # release that also releases consumed slots (train.offload_reap = true)
-    every = mode in ("release-all", "resident-all")  # every group offloaded (train.offload_min_window = 0)
-    copyall = mode == "resident-copyall"  # resident, every group copied out (train.offload_skip_kept_d2h = false)
-    colour = mode == "resident-colour"  # resident with the greedy colouring (train.offload_bank_plan = "colour")
-    search = mode in ("resident", "resident-copyall", "resident-all")  # @K: the search's memory budget, else the colouring's banks
-    mode = ("release" if keep or reap or mode == "release-all" else
-            "resident" if copyall or colour or mode == "resident-all" else mode)
-    cfg = cfg.with_overrides(**{"train.offload": mode,
-                                "train.offload_banks": int(banks) if banks and not search else None,
-                                "train.offload_search_banks": int(banks) if banks and search else None,
-                                "train.offload_bank_plan": "colour" if colour else None,
-                                "train.offload_reap": False if keep else True if reap else None,
-                                "train.offload_min_window": 0 if every else None,
-                                "train.offload_skip_kept_d2h": False if copyall else None,
+    name, _, banks = base.partition("@")
+    mode, overrides = VARIANTS.get(name, (name, {}))
+    # @K: the search's memory budget (resident with the searched plan), else the colouring's bank count
+    searched = mode == "resident" and overrides.get("train.offload_bank_plan") != "colour"
+    cfg = cfg.with_overrides(**{"train.offload": mode, **overrides,
+                                "train.offload_banks": int(banks) if banks and not searched else None,
+                                "train.offload_search_banks": int(banks) if banks and searched else None,
                                 "train.offload_lookahead": int(depth) if depth else None})
     gc.collect()
     torch.cuda.empty_cache()

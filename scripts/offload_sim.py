@@ -23,21 +23,21 @@ plan searched with those durations, and from the colouring's.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.graphs.handshake import script_provenance
 from qeffect.offload.plan import Event, explicit_banks, short_window_groups
 from qeffect.offload.timing import DEFAULT_TRIES, MIB, SimResult, StepCosts, search_banks, simulate
 from qeffect.profile.flops import HEAD, linear_shapes
+from qeffect.runtime.build import OFFLOAD_EVENT_KINDS
 from qeffect.runtime.build import estimated_costs as build_estimated_costs
 from qeffect.schedule.adapter import build_schedule
-from qeffect.schedule.ir import ActionKind
 from qeffect.schedule.order import global_order
 
 # h2048 (offload_bench at 3b60f78): stages 0-2 save 9.8 MiB per microbatch, the last stage (head and loss:
@@ -49,31 +49,33 @@ H2048_STAGE_WEIGHT = (1.0, 1.0, 1.0, 2.0)
 
 def step_events(schedule: str, microbatches: int, pp: int = 2, chunks: int = 2) -> list[Event]:
     """One step's offload events, the groups named (stage, microbatch)."""
-    kinds = {ActionKind.F: "F", ActionKind.DI: "B", ActionKind.DW: "E"}
     order = global_order(build_schedule(schedule, pp, chunks, microbatches))
-    return [(kinds[a.kind], (a.stage, a.microbatch)) for _, a in order]
+    return [(OFFLOAD_EVENT_KINDS[a.kind], (a.stage, a.microbatch)) for _, a in order]
 
 
 def given_costs(events: list[Event], group_mib: tuple[float, ...], stage_weight: tuple[float, ...],
-                f_ms: float, i_ms: float, w_ms: float, tail_ms: float, gbps: float) -> StepCosts:
-    """Costs from the arguments: a group of stage s saves `group_mib[s]`; its actions take f/i/w times
-    `stage_weight[s]`."""
+                f_ms: float, i_ms: float, w_ms: float, tail_ms: float, gbps: float,
+                min_window: int = 0) -> StepCosts:
+    """Costs from the arguments: a group of stage s saves `group_mib[s]` (nothing where `min_window` leaves
+    it on the device: `without_short`); its actions take f/i/w times `stage_weight[s]`."""
     groups = {g for _, g in events}
-    return StepCosts({g: int(group_mib[g[0]] * MIB) for g in groups},
-                     {g: (f_ms * stage_weight[g[0]], i_ms * stage_weight[g[0]], w_ms * stage_weight[g[0]])
-                      for g in groups}, tail_ms, gbps)
+    costs = StepCosts({g: int(group_mib[g[0]] * MIB) for g in groups},
+                      {g: (f_ms * stage_weight[g[0]], i_ms * stage_weight[g[0]], w_ms * stage_weight[g[0]])
+                       for g in groups}, tail_ms, gbps)
+    return without_short(costs, events, min_window)
 
 
-def estimated_costs(events: list[Event], cfg: Any, group_mib: tuple[float, ...], gbps: float) -> StepCosts:
+def estimated_costs(events: list[Event], cfg: Any, group_mib: tuple[float, ...], gbps: float,
+                    min_window: int = 0) -> StepCosts:
     """Durations as `runtime.build.estimate_costs` estimates them at capture, from the config's linears
-    (each stage's layers; the last also the head) instead of the chunks' weights."""
+    (each stage's layers; the last also the head) instead of the chunks' weights; bytes as `given_costs`."""
     per_layer = sum(i * o for name, i, o, _ in linear_shapes(cfg) if name != HEAD) * cfg.model.layers_per_chunk
     last = cfg.pipeline.num_stages - 1
     groups = {g for _, g in events}
     elements = {g: per_layer + (cfg.model.hidden * cfg.model.vocab_size if g[0] == last else 0) for g in groups}
     costs = build_estimated_costs({g: int(group_mib[g[0]] * MIB) for g in groups}, elements,
                                   cfg.model.microbatch_size * cfg.model.seq_len)
-    return replace(costs, gbps=gbps)
+    return without_short(replace(costs, gbps=gbps), events, min_window)
 
 
 def without_short(costs: StepCosts, events: list[Event], min_window: int) -> StepCosts:
@@ -100,15 +102,15 @@ def robustness(cfg_path: Path, schedule: str, given: dict[str, Any], tries: int,
     cfg = load_config(cfg_path)
     events = step_events(schedule, cfg.pipeline.microbatches, cfg.pipeline.pp, cfg.pipeline.chunks_per_rank)
     banks = cfg.train.offload_search_banks
-    estimate = search_banks(events, without_short(estimated_costs(events, cfg, given["group_mib"], given["gbps"]),
-                                                  events, min_window), max_banks=banks, tries=tries)
+    estimate = search_banks(events, estimated_costs(events, cfg, given["group_mib"], given["gbps"], min_window),
+                            max_banks=banks, tries=tries)
     w = given["stage_weight"]
     variants = {"given": given, "x0.6": given | {k: given[k] * 0.6 for k in ("f_ms", "i_ms", "w_ms", "tail_ms")},
                 "x1.6": given | {k: given[k] * 1.6 for k in ("f_ms", "i_ms", "w_ms", "tail_ms")},
                 "last stage x1.3": given | {"stage_weight": (*w[:-1], 1.3)}}
     out = []
     for name, kw in variants.items():
-        costs = without_short(given_costs(events, **kw), events, min_window)
+        costs = given_costs(events, **kw, min_window=min_window)
         searched = search_banks(events, costs, max_banks=banks, tries=tries)
         out.append({"config": str(cfg_path), "schedule": schedule, "durations": name, "min_window": min_window,
                     "estimate_plan": list(estimate.best.plan), "estimate_plan_ratio": simulate(events, costs,
@@ -169,12 +171,12 @@ def main() -> int:
             banks = explicit_banks(events, text, f"--plan {sched}")
         except ValueError as err:  # an unknown schedule, or banks that do not fit it
             ap.error(str(err))
-        costs = without_short(given_costs(events, **given), events, a.min_window)
+        costs = given_costs(events, **given, min_window=a.min_window)
         rows.append(row(simulate(events, costs, banks, chunk_bytes=chunk), sched, 1, events, costs))
         _print(rows[-1], f"{sched:11s} banks {text}")
     for sched in ([] if a.plan or a.robustness else a.schedule.split(",")):
         events = step_events(sched, a.microbatches)
-        costs = without_short(given_costs(events, **given), events, a.min_window)
+        costs = given_costs(events, **given, min_window=a.min_window)
         for banks in (int(b) for b in a.banks.split(",")):
             for la in (int(x) for x in a.lookahead.split(",")):
                 r = simulate(events, costs, min_banks=banks, lookahead=la, chunk_bytes=chunk)
@@ -190,11 +192,10 @@ def main() -> int:
                                      f"look-ahead {la}")
                     print(f"    QEFFECT_OFFLOAD_BANKS={':'.join(map(str, found.best.plan))}")
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(script_provenance() | {
+        write_json(a.json, script_provenance() | {
             "kind": "simulation on the CPU: a host of zero cost, the durations and bandwidth given", "device": "none",
             "torch": torch.__version__, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
-            "results": rows}, indent=1))
+            "results": rows})
     return 0
 
 

@@ -13,8 +13,9 @@ its stream's bandwidth (one copy engine per direction), a wait starts no earlier
 waits for. The host costs nothing, copies take no memory bandwidth from compute, and the slot copies
 inside the forward graphs are left out (F takes as long as without offload; they cost the same for every
 plan). So it gives the floor that the dependencies and the copy bandwidth set, not the GPU's step; on the
-H200 it put resident's ratio 0.03-0.1 under the GPU's but ranked the plans as the GPU did. The groups' bytes are simulated divided by `SCALE` (bandwidth too, so every
-time is the same): a plan costs milliseconds, not the tens of MiB of fake memory per bank.
+H200 it put resident's ratio 0.03-0.1 under the GPU's but ranked the plans as the GPU did. The groups'
+bytes are simulated divided by `SCALE` (bandwidth too, so every time is the same): a plan costs
+milliseconds, not the tens of MiB of fake memory per bank.
 """
 
 from __future__ import annotations

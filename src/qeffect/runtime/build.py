@@ -145,14 +145,17 @@ def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, 
         raise UserError(f"train.offload = {mode}: {err}") from None
 
 
+# an action's offload event (`offload.plan.Event`): its group's forward, backward start, last reader
+OFFLOAD_EVENT_KINDS = {ActionKind.F: "F", ActionKind.DI: "B", ActionKind.DW: "E"}
+
+
 def offload_events(order: Sequence[tuple[int, Action]], ranks: Sequence[BaseRank]) -> list[tuple[str, object]]:
     """One step's offload events in execution order: F, backward start (dI) and last reader (dW) per group."""
-    kinds = {ActionKind.F: "F", ActionKind.DI: "B", ActionKind.DW: "E"}
     events = []
     for r, a in order:
         group = ranks[r].actions[a.stage].groups.get(a.microbatch)
         if group is not None:
-            events.append((kinds[a.kind], group))
+            events.append((OFFLOAD_EVENT_KINDS[a.kind], group))
     return events
 
 
