@@ -39,11 +39,19 @@ A `+VAR=VALUE` suffix (repeatable) sets an environment switch while that mode is
 (`resident+QEFFECT_SKIP_FUTILE_RESTORES=0`: look-ahead restores a forward evicts before their backward are
 started anyway). A `#N` suffix repeats a mode under its own name (`off#2` at the end: did the step time drift while the
 modes ran? `release#2`: how far apart are two runs of one configuration?).
+
+`--interleave BLOCK` builds and warms up every mode first (all alive at once: the device must hold them
+all), then times them in rounds of BLOCK steps each, the order of the modes rotated every round, so that a
+slow spell of a shared host falls on every mode alike; `paired_step_ratio_vs_off` is then the median over
+rounds of each round's median against off's in the same round. Memory is taken above what was allocated
+(used, at the driver) before the mode was built; its peak allocation is the warm-up's (other modes run
+after it). Without it (the default), one mode after the other, each torn down before the next is built.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -68,16 +76,13 @@ def _final_state(pipe) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in tensor_state(local_view(pipe)).items()}
 
 
-def run_mode(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
-    """One mode; `+VAR=VALUE` parts of the label set environment switches for it alone."""
-    name, *switches = label.split("+")
-    env = dict(s.split("=", 1) for s in switches)
+@contextlib.contextmanager
+def switched(env: dict[str, str]):
+    """The environment switches of a mode's `+VAR=VALUE` suffixes, set while its code runs."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        res, losses, final = run_one(cfg, name, path, steps, warmup, dev)
-        res.update(mode=label, environment=env)
-        return res, losses, final
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
@@ -97,130 +102,196 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
-def run_one(cfg, label: str, path: str, steps: int, warmup: int, dev: torch.device) -> dict:
+def mode_config(cfg, label: str):
+    """(train.offload, `cfg` with the overrides `label` stands for); `label` without its `+VAR=VALUE` parts."""
     base, _, depth = label.partition("#")[0].partition("/la")  # "#N": a repeat; "/laN": train.offload_lookahead = N
     name, _, banks = base.partition("@")
     mode, overrides = VARIANTS.get(name, (name, {}))
     # @K: the search's memory budget (resident with the searched plan), else the colouring's bank count
     searched = mode == "resident" and overrides.get("train.offload_bank_plan") != "colour"
-    cfg = cfg.with_overrides(**{"train.offload": mode, **overrides,
-                                "train.offload_banks": int(banks) if banks and not searched else None,
-                                "train.offload_search_banks": int(banks) if banks and searched else None,
-                                "train.offload_lookahead": int(depth) if depth else None})
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    baseline = torch.cuda.memory_allocated(dev)  # what earlier modes left behind (should be ~0)
-    t0 = time.perf_counter()
-    pipe = build_single_process(cfg, native=False, device=dev, path=path)
-    torch.cuda.synchronize(dev)
-    setup = time.perf_counter() - t0
-    losses, times, host_times = [], [], []
-    drv = pipe.offload.driver if pipe.offload is not None else None
-    calls0: tuple[Counter, Counter] = (Counter(), Counter())  # the driver's counters when the timed steps begin
-    wait0 = 0.0  # the offload manager's host wait when the timed steps begin
-    for i in range(warmup + steps):
-        if i == warmup and drv is not None:
-            calls0 = (drv.call_counts.copy(), drv.call_seconds.copy())
-            wait0 = pipe.offload.stats.host_wait_seconds
-        batches = synthetic_batches(cfg, i, dev)
-        torch.cuda.synchronize(dev)
-        t = time.perf_counter()
-        loss = pipe.step(batches)
-        pipe.manager.mark_step()
-        t_host = time.perf_counter()  # the host has queued the step (what it waited for inside included)
-        torch.cuda.synchronize(dev)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-            host_times.append(t_host - t)
-        losses.append(loss.detach().float().cpu().reshape(1))
-    driver_calls = None
-    if drv is not None:  # per timed step: how many of each driver call, and the host time they took
-        driver_calls = {c: {"per_step": (n - calls0[0][c]) / steps,
-                            "host_ms_per_step": 1e3 * (drv.call_seconds[c] - calls0[1][c]) / steps}
-                        for c, n in sorted(drv.call_counts.items()) if n > calls0[0][c]}
-    peak_alloc = torch.cuda.max_memory_allocated(dev)
-    final = _final_state(pipe)
-    # One extra, untimed step: driver-level memory after every action; release: around every unmap.
-    free_samples: list[int] = []
-    returned: list[tuple[str, int, int, bool]] = []  # group, slot size, driver free increase, by its backward
-    mgr = pipe.offload
-    if mgr is not None and mode == "release":
-        in_backward: set[str] = set()
-        for g in mgr.groups:
-            if g.slot is None:
-                continue
-            orig_unmap, orig_bwd = g.slot.unmap, g.before_backward
+    return mode, cfg.with_overrides(**{"train.offload": mode, **overrides,
+                                       "train.offload_banks": int(banks) if banks and not searched else None,
+                                       "train.offload_search_banks": int(banks) if banks and searched else None,
+                                       "train.offload_lookahead": int(depth) if depth else None})
 
-            def unmap(*a, g=g, orig=orig_unmap, **kw) -> None:
-                if not g.live:  # a consumed group's reap: not the forward-to-backward release
-                    return orig(*a, **kw)
-                before = torch.cuda.mem_get_info(dev)[0]
-                orig(*a, **kw)
-                returned.append((g.name, g.slot.size, torch.cuda.mem_get_info(dev)[0] - before,
-                                 g.name in in_backward))
 
-            def before_backward(g=g, orig=orig_bwd) -> None:
-                in_backward.add(g.name)
-                try:
-                    orig()
-                finally:
-                    in_backward.discard(g.name)
-            g.slot.unmap, g.before_backward = unmap, before_backward
-    pipe.step(synthetic_batches(cfg, warmup + steps, dev),
-              observer=lambda a, r: free_samples.append(torch.cuda.mem_get_info(dev)[0]))
-    torch.cuda.synchronize(dev)
-    total = torch.cuda.mem_get_info(dev)[1]
-    res = {
-        "mode": label, "offload_banks": cfg.train.offload_banks,
-        "offload_skip_kept_d2h": cfg.train.offload_skip_kept_d2h, "offload_min_window": cfg.train.offload_min_window,
-        "offload_lookahead": cfg.train.offload_lookahead, "setup_seconds": setup, "step_seconds": times,
-        "median_step_seconds": statistics.median(times),
-        "host_step_seconds": host_times, "median_host_step_seconds": statistics.median(host_times),
-        "driver_calls": driver_calls,
-        # the main thread's time blocked on offload per timed step (a release it waited for)
-        "offload_host_wait_ms_per_step": (1e3 * (pipe.offload.stats.host_wait_seconds - wait0) / steps
-                                          if pipe.offload is not None else None),
-        "peak_allocated_bytes": peak_alloc, "baseline_allocated_bytes": baseline,
-        "peak_driver_used_bytes": total - min(free_samples),
-        "graph_count": pipe.manager.stats.graph_count,
-        "persistent_growth_bytes_per_step": pipe.manager.persistent_growth_per_step(),
-    }
-    if mgr is not None:
-        st = mgr.stats
-        not_offloaded = sum(g.nbytes for g in mgr.not_offloaded)  # release: the short-window groups' bytes
-        res["offload"] = {
-            "groups": len(mgr.groups), "group_bytes": sum(g.nbytes for g in mgr.groups),
-            "banks": len(mgr.banks), "bank_plan": mgr.bank_plan, "mapped_bytes_now": mgr.mapped_bytes(),
-            "bank_plan_kind": mgr.bank_plan_kind, "bank_search": None if mgr.bank_search is None else {
-                "seconds": mgr.bank_search.seconds, "plans_tried": mgr.bank_search.tried,
-                "budget_bytes": mgr.bank_search.budget_bytes, "simulated_ratio": mgr.bank_search.best.ratio,
-                "colour_simulated_ratio": mgr.bank_search.colour.ratio, "colour_plan": list(mgr.bank_search.colour.plan)},
-            "host_bytes": mgr.host_bytes(), "kept_groups": [g.name for g in mgr.kept],
-            "not_offloaded_groups": [g.name for g in mgr.not_offloaded],
-            "not_offloaded_bytes": not_offloaded,
-            **{k: getattr(st, k) for k in ("d2h_copies", "d2h_bytes", "d2h_skipped", "h2d_copies", "h2d_bytes", "maps", "unmaps",
-                                           "released_live", "released_at_backward", "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped", "prefetches_futile",
-                                           "reloads_skipped", "evictions")}}
-        if mode == "release":
-            slot = sum(g.slot.size for g in mgr.groups if g.slot is not None)  # each group's forward runs once
-            early = sum(d for _, _, d, by_bwd in returned if not by_bwd)
-            total = sum(d for _, _, d, _ in returned)
-            res["offload"]["release"] = {
-                "unmaps_measured": len(returned), "unmaps_by_backward": sum(b for *_, b in returned),
-                "groups": len(mgr.groups), "slot_bytes": slot, "driver_free_increase_bytes": early,
-                "returned_fraction": early / slot if slot else None,
-                # over every group's bytes, the ones not offloaded counted as not returned
-                "returned_fraction_all_groups": early / (slot + not_offloaded) if slot else None,
-                "returned_fraction_incl_backward": total / slot if slot else None, "per_group": returned[:64]}
-    del pipe
-    if mgr is not None:
-        mgr.close()
-    gc.collect()
-    torch.cuda.empty_cache()
-    res["leftover_allocated_bytes"] = torch.cuda.memory_allocated(dev)  # after teardown: a leak if > 0
-    return res, torch.cat(losses), final
+class ModeRun:
+    """One mode's captured pipeline: built (and warmed up) on creation, stepped, then measured and torn down.
+
+    Several may be alive at once (`--interleave`): each keeps its own step counter (so its own data), and
+    its memory figures are taken above what was allocated (used, at the driver) before it was built.
+    """
+
+    sequential = True  # False: other modes stepped between this one's warm-up and its end (run_interleaved)
+
+    def __init__(self, cfg, label: str, path: str, warmup: int, dev: torch.device) -> None:
+        name, *switches = label.split("+")
+        self.label, self.env, self.dev, self.warmup = label, dict(s.split("=", 1) for s in switches), dev, warmup
+        self.mode, self.cfg = mode_config(cfg, name)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.baseline = torch.cuda.memory_allocated(dev)  # what earlier modes left (or, interleaved, hold)
+        free, total = torch.cuda.mem_get_info(dev)
+        self.baseline_driver_used = total - free
+        t0 = time.perf_counter()
+        with switched(self.env):
+            self.pipe = build_single_process(self.cfg, native=False, device=dev, path=path)
+        torch.cuda.synchronize(dev)
+        self.setup = time.perf_counter() - t0
+        self.losses: list[torch.Tensor] = []
+        self.times: list[float] = []
+        self.host_times: list[float] = []
+        self.drv = self.pipe.offload.driver if self.pipe.offload is not None else None
+        for _ in range(warmup):
+            self.step(timed=False)
+        # the driver's counters and the offload manager's host wait when the timed steps begin
+        self.calls0 = (self.drv.call_counts.copy(), self.drv.call_seconds.copy()) if self.drv else (Counter(), Counter())
+        self.wait0 = self.pipe.offload.stats.host_wait_seconds if self.pipe.offload is not None else 0.0
+        self.peak_alloc = torch.cuda.max_memory_allocated(self.dev)  # the warm-up reached the steady peak
+
+    def step(self, timed: bool = True) -> None:
+        """One step on this pipeline's next batch, the device synchronized before and after it."""
+        batches = synthetic_batches(self.cfg, len(self.losses), self.dev)
+        with switched(self.env):
+            torch.cuda.synchronize(self.dev)
+            t = time.perf_counter()
+            loss = self.pipe.step(batches)
+            self.pipe.manager.mark_step()
+            t_host = time.perf_counter()  # the host has queued the step (what it waited for inside included)
+            torch.cuda.synchronize(self.dev)
+        if timed:
+            self.times.append(time.perf_counter() - t)
+            self.host_times.append(t_host - t)
+        self.losses.append(loss.detach().float().cpu().reshape(1))
+
+    def finish(self) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
+        """The mode's report, losses and final state; one extra, untimed, sampled step; then the teardown."""
+        with switched(self.env):
+            res, final = self._measure()
+        res.update(mode=self.label, environment=self.env)
+        return res, torch.cat(self.losses), final
+
+    def _measure(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        pipe, dev, drv, steps, mode = self.pipe, self.dev, self.drv, len(self.times), self.mode
+        driver_calls = None
+        if drv is not None:  # per timed step: how many of each driver call, and the host time they took
+            driver_calls = {c: {"per_step": (n - self.calls0[0][c]) / steps,
+                                "host_ms_per_step": 1e3 * (drv.call_seconds[c] - self.calls0[1][c]) / steps}
+                            for c, n in sorted(drv.call_counts.items()) if n > self.calls0[0][c]}
+        # sequential: the peak over the timed steps too; interleaved: other modes ran since, so the warm-up's
+        peak_alloc = max(self.peak_alloc, torch.cuda.max_memory_allocated(dev)) if self.sequential else self.peak_alloc
+        final = _final_state(pipe)
+        # One extra, untimed step: driver-level memory after every action; release: around every unmap.
+        free_samples: list[int] = []
+        returned: list[tuple[str, int, int, bool]] = []  # group, slot size, driver free increase, by its backward
+        mgr = pipe.offload
+        if mgr is not None and mode == "release":
+            in_backward: set[str] = set()
+            for g in mgr.groups:
+                if g.slot is None:
+                    continue
+                orig_unmap, orig_bwd = g.slot.unmap, g.before_backward
+
+                def unmap(*a, g=g, orig=orig_unmap, **kw) -> None:
+                    if not g.live:  # a consumed group's reap: not the forward-to-backward release
+                        return orig(*a, **kw)
+                    before = torch.cuda.mem_get_info(dev)[0]
+                    orig(*a, **kw)
+                    returned.append((g.name, g.slot.size, torch.cuda.mem_get_info(dev)[0] - before,
+                                     g.name in in_backward))
+
+                def before_backward(g=g, orig=orig_bwd) -> None:
+                    in_backward.add(g.name)
+                    try:
+                        orig()
+                    finally:
+                        in_backward.discard(g.name)
+                g.slot.unmap, g.before_backward = unmap, before_backward
+        pipe.step(synthetic_batches(self.cfg, len(self.losses), dev),
+                  observer=lambda a, r: free_samples.append(torch.cuda.mem_get_info(dev)[0]))
+        torch.cuda.synchronize(dev)
+        total = torch.cuda.mem_get_info(dev)[1]
+        cfg = self.cfg
+        res = {
+            "mode": self.label, "offload_banks": cfg.train.offload_banks,
+            "offload_skip_kept_d2h": cfg.train.offload_skip_kept_d2h, "offload_min_window": cfg.train.offload_min_window,
+            "offload_lookahead": cfg.train.offload_lookahead, "setup_seconds": self.setup, "step_seconds": self.times,
+            "median_step_seconds": statistics.median(self.times),
+            "host_step_seconds": self.host_times, "median_host_step_seconds": statistics.median(self.host_times),
+            "driver_calls": driver_calls,
+            # the main thread's time blocked on offload per timed step (a release it waited for)
+            "offload_host_wait_ms_per_step": (1e3 * (pipe.offload.stats.host_wait_seconds - self.wait0) / steps
+                                              if pipe.offload is not None else None),
+            "peak_allocated_bytes": peak_alloc, "baseline_allocated_bytes": self.baseline,
+            "peak_driver_used_bytes": total - min(free_samples),
+            "baseline_driver_used_bytes": self.baseline_driver_used,
+            "graph_count": pipe.manager.stats.graph_count,
+            "persistent_growth_bytes_per_step": pipe.manager.persistent_growth_per_step(),
+        }
+        if mgr is not None:
+            st = mgr.stats
+            not_offloaded = sum(g.nbytes for g in mgr.not_offloaded)  # release: the short-window groups' bytes
+            res["offload"] = {
+                "groups": len(mgr.groups), "group_bytes": sum(g.nbytes for g in mgr.groups),
+                "banks": len(mgr.banks), "bank_plan": mgr.bank_plan, "mapped_bytes_now": mgr.mapped_bytes(),
+                "bank_plan_kind": mgr.bank_plan_kind, "bank_search": None if mgr.bank_search is None else {
+                    "seconds": mgr.bank_search.seconds, "plans_tried": mgr.bank_search.tried,
+                    "budget_bytes": mgr.bank_search.budget_bytes, "simulated_ratio": mgr.bank_search.best.ratio,
+                    "colour_simulated_ratio": mgr.bank_search.colour.ratio, "colour_plan": list(mgr.bank_search.colour.plan)},
+                "host_bytes": mgr.host_bytes(), "kept_groups": [g.name for g in mgr.kept],
+                "not_offloaded_groups": [g.name for g in mgr.not_offloaded],
+                "not_offloaded_bytes": not_offloaded,
+                **{k: getattr(st, k) for k in ("d2h_copies", "d2h_bytes", "d2h_skipped", "h2d_copies", "h2d_bytes", "maps", "unmaps",
+                                               "released_live", "released_at_backward", "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped", "prefetches_futile",
+                                               "reloads_skipped", "evictions")}}
+            if mode == "release":
+                slot = sum(g.slot.size for g in mgr.groups if g.slot is not None)  # each group's forward runs once
+                early = sum(d for _, _, d, by_bwd in returned if not by_bwd)
+                total = sum(d for _, _, d, _ in returned)
+                res["offload"]["release"] = {
+                    "unmaps_measured": len(returned), "unmaps_by_backward": sum(b for *_, b in returned),
+                    "groups": len(mgr.groups), "slot_bytes": slot, "driver_free_increase_bytes": early,
+                    "returned_fraction": early / slot if slot else None,
+                    # over every group's bytes, the ones not offloaded counted as not returned
+                    "returned_fraction_all_groups": early / (slot + not_offloaded) if slot else None,
+                    "returned_fraction_incl_backward": total / slot if slot else None, "per_group": returned[:64]}
+        del pipe
+        self.pipe = None
+        if mgr is not None:
+            mgr.close()
+        gc.collect()
+        torch.cuda.empty_cache()
+        res["leftover_allocated_bytes"] = torch.cuda.memory_allocated(dev)  # above the baseline: a leak
+        return res, final
+
+
+def run_sequential(cfg, labels: list[str], path: str, steps: int, warmup: int, dev: torch.device):
+    """Each mode alone: built, warmed up, timed, measured and torn down before the next is built."""
+    for label in labels:
+        run = ModeRun(cfg, label, path, warmup, dev)
+        for _ in range(steps):
+            run.step()
+        yield run.finish()
+
+
+def run_interleaved(cfg, labels: list[str], path: str, steps: int, warmup: int, block: int, dev: torch.device):
+    """Every mode built and warmed up first, then timed in rounds of `block` steps each, the order of the
+    modes rotated every round, so that a slow spell of the host falls on all of them alike. Torn down in
+    the reverse of the build order (so each one's baseline is still what it was when it was built)."""
+    runs = [ModeRun(cfg, label, path, warmup, dev) for label in labels]
+    for r in range(-(-steps // block)):
+        k = r % len(runs)
+        for run in runs[k:] + runs[:k]:
+            for _ in range(min(block, steps - r * block)):
+                run.step()
+    results = {}
+    for run in reversed(runs):
+        run.sequential = False
+        results[run.label] = run.finish()
+    for label in labels:
+        yield results[label]
 
 
 TARGETS = {  # issue 7: (mode label, value of that mode's result, threshold, "max" or "min")
@@ -231,6 +302,13 @@ TARGETS = {  # issue 7: (mode label, value of that mode's result, threshold, "ma
     "release-returned-fraction-all-groups": ("release", lambda r: r["offload"]["release"]["returned_fraction_all_groups"],
                                              0.9, "min"),
 }
+
+
+def paired_ratio(times: list[float], off_times: list[float], block: int) -> float:
+    """The median over rounds of (this mode's median step / off's median step in the same round)."""
+    rounds = range(0, len(times), block)
+    return statistics.median(statistics.median(times[i:i + block]) / statistics.median(off_times[i:i + block])
+                             for i in rounds)
 
 
 def targets(modes: dict) -> dict:
@@ -258,6 +336,10 @@ def main() -> int:
                          "any with /laN (train.offload_lookahead = N) and #N (a repeat under its own name)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--interleave", type=int, default=0, metavar="BLOCK",
+                    help="build every mode first, then time them in rounds of BLOCK steps each, the order rotated "
+                         "every round (a noisy host's slow spells then fall on every mode alike); 0: one mode "
+                         "after the other (the default)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -270,7 +352,8 @@ def main() -> int:
               "environment": qeffect_environment(),
               "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "python": platform.python_version(), "config": a.config, "backend": cfg.fp8.backend,
-              "schedule": cfg.pipeline.schedule, "path": a.path, "steps": a.steps, "warmup": a.warmup, "modes": {}}
+              "schedule": cfg.pipeline.schedule, "path": a.path, "steps": a.steps, "warmup": a.warmup,
+              "interleave": a.interleave, "modes": {}}
     try:
         import transformer_engine
 
@@ -279,8 +362,9 @@ def main() -> int:
         report["transformer_engine"] = None
     ref_losses = ref_final = None
     ok = True
-    for mode in modes:
-        res, losses, final = run_mode(cfg, mode, a.path, a.steps, a.warmup, dev)
+    runs = (run_interleaved(cfg, modes, a.path, a.steps, a.warmup, a.interleave, dev) if a.interleave > 0
+            else run_sequential(cfg, modes, a.path, a.steps, a.warmup, dev))
+    for mode, (res, losses, final) in zip(modes, runs, strict=True):
         if mode == "off":
             ref_losses, ref_final = losses, final
         else:
@@ -290,19 +374,25 @@ def main() -> int:
                 "tensors_differing": len(diff), "first_differing": diff[:5],
                 "same_keys": sorted(ref_final) == sorted(final)}
             res["step_ratio_vs_off"] = res["median_step_seconds"] / report["modes"]["off"]["median_step_seconds"]
+            if a.interleave > 0:  # each round's median against off's in the same round, the median of those
+                res["paired_step_ratio_vs_off"] = paired_ratio(res["step_seconds"],
+                                                               report["modes"]["off"]["step_seconds"], a.interleave)
             ok &= res["bitwise_vs_off"]["losses_equal"] and not diff and res["bitwise_vs_off"]["same_keys"]
         report["modes"][mode] = res
         line = (f"{mode}: median {res['median_step_seconds'] * 1e3:.2f} ms (host queued it in "
                 f"{res['median_host_step_seconds'] * 1e3:.2f} ms), peak alloc "
                 f"{(res['peak_allocated_bytes'] - res['baseline_allocated_bytes']) / 2**30:.2f} GiB above the "
                 f"{res['baseline_allocated_bytes'] / 2**30:.2f} GiB it started from, peak driver used "
-                f"{res['peak_driver_used_bytes'] / 2**30:.2f} GiB, left allocated {res['leftover_allocated_bytes'] / 2**30:.2f} GiB")
+                f"{res['peak_driver_used_bytes'] / 2**30:.2f} GiB ({(res['peak_driver_used_bytes'] - res['baseline_driver_used_bytes']) / 2**30:.2f} "
+                f"above the driver's use before its build), left allocated {res['leftover_allocated_bytes'] / 2**30:.2f} GiB")
         if res["driver_calls"]:
             line += ", driver calls per step (host ms): " + ", ".join(
                 f"{c} {d['per_step']:.1f} ({d['host_ms_per_step']:.2f})" for c, d in res["driver_calls"].items())
             line += f", host blocked on offload {res['offload_host_wait_ms_per_step']:.2f} ms per step"
         if mode != "off":
             b = res["bitwise_vs_off"]
+            if "paired_step_ratio_vs_off" in res:
+                line += f", x{res['paired_step_ratio_vs_off']:.3f} vs off round by round"
             line += (f", x{res['step_ratio_vs_off']:.3f} vs off, bitwise: losses {b['losses_equal']}, "
                      f"{b['tensors_differing']}/{b['tensors_compared']} tensors differ")
             o = res.get("offload")

@@ -47,6 +47,9 @@
 #          (+QEFFECT_OFFLOAD_SEARCH_PREFER=copies) against less memory (the default), twice each in alternation:
 #          h2048 both schedules, then h4096 Interleaved (two calls: about 3 and 3 minutes: search-prefer-h2048,
 #          search-prefer-h4096).
+# interleaved-ab: offload_bench.py --interleave 2 (every mode alive, timed in rotating rounds): off, release,
+#          resident, resident+QEFFECT_OFFLOAD_SEARCH_PREFER=copies at h2048 (both schedules) and h4096, then
+#          offload_waits.py with each search preference (about 8 minutes).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -365,6 +368,25 @@ search-prefer-h2048)
 search-prefer-h4096)
     P=+QEFFECT_OFFLOAD_SEARCH_PREFER=copies
     offload_ab 280 search-prefer-h4096 h4096 interleaved search-prefer "off,resident,resident$P,resident#2,resident#2$P,off#2"
+    ;;
+interleaved-ab)
+    # every mode built first, then timed in rounds of 2 steps, the order rotated each round (a busy host's
+    # slow spells fall on all alike): off, release, resident, resident preferring fewer copies; h2048 both
+    # schedules, h4096 Interleaved (release left out there: four h4096 pipelines at once are ~120 GiB);
+    # then the compute stream's stalls per wait with the search's two preferences
+    P=+QEFFECT_OFFLOAD_SEARCH_PREFER=copies
+    for sched in interleaved zbv; do
+        step 150 "interleaved-ab-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-interleaved-ab-h200.json" \
+            --modes "off,release,resident,resident$P"
+    done
+    step 200 interleaved-ab-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule interleaved --steps 30 --interleave 2 --out "$out/offload-bench-h4096-interleaved-interleaved-ab-h200.json" \
+        --modes "off,resident,resident$P"
+    step 120 offload-waits python3 scripts/offload_waits.py --modes off,resident \
+        --json "$out/offload-waits-h2048-h200.json"
+    step 90 offload-waits-copies env QEFFECT_OFFLOAD_SEARCH_PREFER=copies python3 scripts/offload_waits.py \
+        --modes resident --json "$out/offload-waits-h2048-copies-h200.json"
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)
