@@ -32,7 +32,9 @@ default), `release-reap` for release offload that also releases them after their
 `resident-copyall` (also `resident-copyall@K`) for resident offload that copies every group to the host,
 even those the plan keeps in their bank (`train.offload_skip_kept_d2h = false`; the A/B of the skip), and
 `release-all` and `resident-all` (also `resident-all@K`) for offload of every group, short windows
-included (`train.offload_min_window = 0`; the A/B of not offloading them); `VARIANTS` lists them. Any mode
+included (`train.offload_min_window = 0`; the A/B of not offloading them), `resident-memory` (also
+`resident-memory@K`) for the search preferring less bank memory to fewer bytes copied among plans as fast
+(`train.offload_search_prefer = "memory"`; the A/B); `VARIANTS` lists them. Any mode
 takes a `/laN` suffix (`release/la2`, `resident@6/la3`): `train.offload_lookahead = N`, the offloaded
 groups each backward restores ahead (0: none; the A/B).
 A `+VAR=VALUE` suffix (repeatable) sets an environment switch while that mode is built and timed
@@ -99,6 +101,8 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "resident-all": ("resident", {"train.offload_min_window": 0}),
     "resident-copyall": ("resident", {"train.offload_skip_kept_d2h": False}),  # every group copied out
     "resident-colour": ("resident", {"train.offload_bank_plan": "colour"}),  # the greedy colouring
+    # the search preferring less bank memory among plans as fast (default: fewer bytes copied)
+    "resident-memory": ("resident", {"train.offload_search_prefer": "memory"}),
 }
 
 
@@ -332,7 +336,8 @@ def main() -> int:
                     help="comma list of off, release, release-keep, release-reap, release-all (every group offloaded), resident, "
                          "resident@K (the searched plan within the colouring's memory with K banks), resident-colour, "
                          "resident-colour@K (the colouring, at least K banks), resident-copyall, resident-copyall@K "
-                         "(no D2H skipped), resident-all, resident-all@K (short windows offloaded too); "
+                         "(no D2H skipped), resident-all, resident-all@K (short windows offloaded too), resident-memory, "
+                         "resident-memory@K (the search preferring less memory to fewer copies); "
                          "any with /laN (train.offload_lookahead = N) and #N (a repeat under its own name)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)

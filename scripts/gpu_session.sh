@@ -43,13 +43,9 @@
 # resident-window: resident leaving the last stage's groups on the device (the default,
 #          train.offload_min_window = 2: no slot copies and no bank for them) against resident-all (every group
 #          offloaded), twice each in alternation: h2048 both schedules, h4096 Interleaved (about 5 minutes).
-# search-prefer: the capture-time search preferring fewer copies among plans as fast
-#          (+QEFFECT_OFFLOAD_SEARCH_PREFER=copies) against less memory (the default), twice each in alternation:
-#          h2048 both schedules, then h4096 Interleaved (two calls: about 3 and 3 minutes: search-prefer-h2048,
-#          search-prefer-h4096).
-# interleaved-ab: offload_bench.py --interleave 2 (every mode alive, timed in rotating rounds): off, release,
-#          resident, resident+QEFFECT_OFFLOAD_SEARCH_PREFER=copies at h2048 (both schedules) and h4096, then
-#          offload_waits.py with each search preference (about 8 minutes).
+# offload-acceptance: issue 7's benchmark, offload_bench.py --interleave 2 (every mode alive, timed in
+#          rotating rounds): off, release, resident, resident-memory at h2048 (both schedules), off, resident,
+#          resident-memory at h4096 (about 3 minutes).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -355,38 +351,19 @@ resident-window)
     done
     offload_ab 200 resident-window-h4096 h4096 interleaved resident-window "$M"
     ;;
-search-prefer-h2048)
-    # the simulation: the same step (x1.000), D2H 88 -> 29 MiB (Interleaved) and 78 -> 29 MiB (ZB-V) per step
-    # for 20 and 10 MiB more banks; what is left at h2048 (x1.027-1.036) is outside it, so only the GPU can
-    # say whether fewer copies run faster
-    P=+QEFFECT_OFFLOAD_SEARCH_PREFER=copies
+offload-acceptance)
+    # issue 7's benchmark with every mode built first, then timed in rounds of 2 steps, the order rotated
+    # each round (a busy host's slow spells fall on all alike): off, release, resident, resident-memory (the
+    # search preferring less memory to fewer copies: the A/B of the default); h2048 both schedules, h4096
+    # Interleaved (release left out there: four h4096 pipelines at once are ~120 GiB)
     for sched in interleaved zbv; do
-        offload_ab 150 "search-prefer-$sched" h2048 "$sched" search-prefer \
-            "off,resident,resident$P,resident#2,resident#2$P,off#2"
+        step 150 "offload-acceptance-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-h200.json" \
+            --modes off,release,resident,resident-memory
     done
-    ;;
-search-prefer-h4096)
-    P=+QEFFECT_OFFLOAD_SEARCH_PREFER=copies
-    offload_ab 280 search-prefer-h4096 h4096 interleaved search-prefer "off,resident,resident$P,resident#2,resident#2$P,off#2"
-    ;;
-interleaved-ab)
-    # every mode built first, then timed in rounds of 2 steps, the order rotated each round (a busy host's
-    # slow spells fall on all alike): off, release, resident, resident preferring fewer copies; h2048 both
-    # schedules, h4096 Interleaved (release left out there: four h4096 pipelines at once are ~120 GiB);
-    # then the compute stream's stalls per wait with the search's two preferences
-    P=+QEFFECT_OFFLOAD_SEARCH_PREFER=copies
-    for sched in interleaved zbv; do
-        step 150 "interleaved-ab-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-            --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-interleaved-ab-h200.json" \
-            --modes "off,release,resident,resident$P"
-    done
-    step 200 interleaved-ab-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --schedule interleaved --steps 30 --interleave 2 --out "$out/offload-bench-h4096-interleaved-interleaved-ab-h200.json" \
-        --modes "off,resident,resident$P"
-    step 120 offload-waits python3 scripts/offload_waits.py --modes off,resident \
-        --json "$out/offload-waits-h2048-h200.json"
-    step 90 offload-waits-copies env QEFFECT_OFFLOAD_SEARCH_PREFER=copies python3 scripts/offload_waits.py \
-        --modes resident --json "$out/offload-waits-h2048-copies-h200.json"
+    step 200 offload-acceptance-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule interleaved --steps 30 --interleave 2 --out "$out/offload-bench-h4096-interleaved-h200.json" \
+        --modes off,resident,resident-memory
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)

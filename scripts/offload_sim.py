@@ -3,7 +3,7 @@
     python3 scripts/offload_sim.py --schedule interleaved --json $OUT/offload-sim-h2048.json
     python3 scripts/offload_sim.py --schedule zbv --banks 2,3,4,6 --lookahead 1,2
     python3 scripts/offload_sim.py --banks 4 --search 300   # also search bank plans within the colouring's memory
-    python3 scripts/offload_sim.py --banks 6 --search 400 --prefer copies  # ties: fewer copies, not less memory
+    python3 scripts/offload_sim.py --banks 6 --search 400 --prefer memory  # ties: less memory, not fewer copies
     python3 scripts/offload_sim.py --plan interleaved=0:3:0:1:0:3:2:1:0:1:0:3:2:1:0:3  # time these banks
     python3 scripts/offload_sim.py --robustness examples/configs/h2048.toml  # the capture-time search's estimate
 
@@ -15,7 +15,8 @@ offload: 7.1 ms of actions, the rest optimizer and embedding), and so are its an
 forward and their backward (the last stage's) on the device: they count as empty; 0 offloads every group.
 
 `--robustness CONFIG`: plans searched as `qeffect train` searches them at capture (durations estimated from
-the config's matrix FLOPs, `runtime.build.estimate_costs`'s constants), then timed with the durations given
+the config's matrix FLOPs, `runtime.build.estimate_costs`'s constants, its `train.offload_search_prefer`),
+then timed with the durations given
 here, and with them scaled (x0.6, x1.6, the last stage's weight 1.3): how far the estimate's plan is from a
 plan searched with those durations, and from the colouring's.
 """
@@ -101,9 +102,9 @@ def robustness(cfg_path: Path, schedule: str, given: dict[str, Any], tries: int,
     """The estimate's plan against plans searched with the given durations, scaled (see the docstring)."""
     cfg = load_config(cfg_path)
     events = step_events(schedule, cfg.pipeline.microbatches, cfg.pipeline.pp, cfg.pipeline.chunks_per_rank)
-    banks = cfg.train.offload_search_banks
+    banks, prefer = cfg.train.offload_search_banks, cfg.train.offload_search_prefer
     estimate = search_banks(events, estimated_costs(events, cfg, given["group_mib"], given["gbps"], min_window),
-                            max_banks=banks, tries=tries)
+                            max_banks=banks, tries=tries, prefer=prefer)
     w = given["stage_weight"]
     variants = {"given": given, "x0.6": given | {k: given[k] * 0.6 for k in ("f_ms", "i_ms", "w_ms", "tail_ms")},
                 "x1.6": given | {k: given[k] * 1.6 for k in ("f_ms", "i_ms", "w_ms", "tail_ms")},
@@ -111,8 +112,9 @@ def robustness(cfg_path: Path, schedule: str, given: dict[str, Any], tries: int,
     out = []
     for name, kw in variants.items():
         costs = given_costs(events, **kw, min_window=min_window)
-        searched = search_banks(events, costs, max_banks=banks, tries=tries)
+        searched = search_banks(events, costs, max_banks=banks, tries=tries, prefer=prefer)
         out.append({"config": str(cfg_path), "schedule": schedule, "durations": name, "min_window": min_window,
+                    "prefer": prefer,
                     "estimate_plan": list(estimate.best.plan), "estimate_plan_ratio": simulate(events, costs,
                                                                                                estimate.best.plan).ratio,
                     "searched_plan_ratio": searched.best.ratio, "colour_2_ratio": simulate(events, costs).ratio,
@@ -144,9 +146,9 @@ def main() -> int:
                          "train.offload_min_window (default 2: the last stage's); 0 offloads every group")
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="also search N tries for a better plan within the colouring's memory with each --banks")
-    ap.add_argument("--prefer", choices=("memory", "copies"), default="memory",
-                    help="--search: among plans as fast, less bank memory (the default) or fewer bytes copied "
-                         "(QEFFECT_OFFLOAD_SEARCH_PREFER)")
+    ap.add_argument("--prefer", choices=("memory", "copies"), default="copies",
+                    help="--search: among plans as fast, fewer bytes copied (the default) or less bank memory, "
+                         "as train.offload_search_prefer")
     ap.add_argument("--plan", action="append", default=[], metavar="SCHEDULE=B0:B1:...",
                     help="time these banks (one per group in backward order, as QEFFECT_OFFLOAD_BANKS) instead of "
                          "--banks; repeatable")

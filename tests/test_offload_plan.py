@@ -307,13 +307,14 @@ def _captured(monkeypatch, cfg):
         made.update(kw)
         return OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, num_banks=kw["num_banks"],
                           release_consumed=kw["release_consumed"], skip_kept_d2h=kw["skip_kept_d2h"],
-                          min_window=kw["min_window"], bank_plan=kw["bank_plan"], search_banks=kw["search_banks"])
+                          min_window=kw["min_window"], bank_plan=kw["bank_plan"], search_banks=kw["search_banks"],
+                          search_prefer=kw["search_prefer"])
 
     monkeypatch.setattr(build_mod, "OffloadManager", fake_manager)
     t = cfg.train
     mgr = build_mod.make_offload_manager("resident", "cpu", t.offload_banks, t.offload_reap, t.offload_skip_kept_d2h,
                                          t.offload_min_window, bank_plan=t.offload_bank_plan,
-                                         search_banks=t.offload_search_banks)
+                                         search_banks=t.offload_search_banks, search_prefer=t.offload_search_prefer)
     sched = schedule_of(cfg)
     order = global_order(sched)
     acts = {s: _Act(s, {m: mgr.group(f"s{s}.m{m}") for m in range(sched.microbatches)})
@@ -428,21 +429,24 @@ def test_the_resident_window_comes_from_the_config(monkeypatch) -> None:
     mgr.close()
 
 
-def test_capture_searches_with_the_preference_of_the_environment(monkeypatch) -> None:
-    """QEFFECT_OFFLOAD_SEARCH_PREFER=copies reaches `capture_ranks`' search: its plan is the one
-    `search_banks(prefer="copies")` finds for the same events and estimate, and it copies no more."""
+@pytest.mark.parametrize("prefer", ["copies", "memory"])
+def test_capture_searches_with_the_preference_of_the_config(monkeypatch, prefer: str) -> None:
+    """`train.offload_search_prefer` (default "copies") reaches `capture_ranks`' search: its plan is the one
+    `search_banks(prefer=...)` finds for the same events and estimate, and the two preferences differ here."""
     from qeffect.offload.timing import search_banks
     from qeffect.runtime.build import estimate_costs, offload_events, search_tries
 
-    monkeypatch.setenv("QEFFECT_OFFLOAD_SEARCH_PREFER", "copies")
-    mgr, _, acts, order = _captured(monkeypatch, load_config())
+    cfg = load_config()
+    assert cfg.train.offload_search_prefer == "copies"
+    mgr, made, acts, order = _captured(monkeypatch, cfg.with_overrides(**{"train.offload_search_prefer": prefer}))
+    assert made["search_prefer"] == mgr.search_prefer == prefer
     ranks = [type("R", (), {"actions": acts})()]
     events = offload_events([(0, a) for _, a in order], ranks)
     costs = estimate_costs(ranks, mgr, events, 8)
     kw = {"max_banks": mgr.search_banks, "tries": search_tries(), "lookahead": mgr.lookahead,
           "chunk_bytes": mgr.copy_chunk_bytes, "skip_kept_d2h": mgr.skip_kept_d2h}
     want = {p: search_banks(events, costs, prefer=p, **kw).best for p in ("copies", "memory")}
-    assert mgr.bank_search.best == want["copies"]
+    assert mgr.bank_search.best == want[prefer]
     assert want["copies"].d2h_bytes < want["memory"].d2h_bytes  # the two differ here: the test can fail
     mgr.close()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qeffect.config import load_config
 from qeffect.offload.plan import assign_banks, backward_order, conflicts
 from qeffect.offload.timing import MIB, SCALE, StepCosts, TimedStreams, search_banks, simulate
 
@@ -111,7 +112,7 @@ def test_on_a_tie_the_search_takes_the_plan_with_less_memory(sim) -> None:
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_preferring_copies_keeps_more_groups_in_their_banks_within_the_budget(sim, schedule: str) -> None:
-    """`prefer="copies"` (QEFFECT_OFFLOAD_SEARCH_PREFER): with the last stage's groups on the device and the
+    """`prefer="copies"` (`train.offload_search_prefer`, the default): with the last stage's groups on the device and the
     6-bank budget, h2048's plans as fast as without offload, and fewer bytes copied than the plan that
     prefers memory (which may map less); every plan valid; an unknown preference is refused."""
     events, costs = h2048(sim, schedule)
@@ -128,17 +129,18 @@ def test_preferring_copies_keeps_more_groups_in_their_banks_within_the_budget(si
         search_banks(events, costs, tries=2, prefer="speed")
 
 
-def test_the_preference_comes_from_the_environment(monkeypatch) -> None:
+def test_an_unknown_preference_is_refused_by_the_config_and_the_manager(tmp_path) -> None:
+    """`train.offload_search_prefer` takes "copies" or "memory": the config names the file and the field, the
+    manager refuses anything else."""
     from qeffect.errors import UserError
-    from qeffect.runtime.build import search_prefers
+    from qeffect.offload import OffloadManager
 
-    monkeypatch.delenv("QEFFECT_OFFLOAD_SEARCH_PREFER", raising=False)
-    assert search_prefers() == "memory"
-    monkeypatch.setenv("QEFFECT_OFFLOAD_SEARCH_PREFER", "copies")
-    assert search_prefers() == "copies"
-    monkeypatch.setenv("QEFFECT_OFFLOAD_SEARCH_PREFER", "bytes")
-    with pytest.raises(UserError, match="QEFFECT_OFFLOAD_SEARCH_PREFER"):
-        search_prefers()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[train]\noffload_search_prefer = "bytes"\n')
+    with pytest.raises(UserError, match=r"bad\.toml.*train\.offload_search_prefer"):
+        load_config(bad)
+    with pytest.raises(ValueError, match="search_prefer"):
+        OffloadManager("resident", device="cpu", driver=object(), streams=object(), search_prefer="bytes")
 
 
 def test_costs_say_the_step_without_offload() -> None:

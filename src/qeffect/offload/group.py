@@ -648,7 +648,8 @@ class OffloadManager:
                  alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
                  skip_kept_d2h: bool = True, min_window: int = 0, copy_chunk_bytes: int | None = None,
                  store_batch_bytes: int | None = None,
-                 bank_plan: Literal["colour", "search"] = "colour", search_banks: int = 6) -> None:
+                 bank_plan: Literal["colour", "search"] = "colour", search_banks: int = 6,
+                 search_prefer: Literal["memory", "copies"] = "copies") -> None:
         if copy_chunk_bytes is None:
             copy_chunk_bytes = _bytes_from_env("QEFFECT_OFFLOAD_CHUNK_MIB", DEFAULT_CHUNK_MIB, "one copy")
         if copy_chunk_bytes < 0:
@@ -660,6 +661,8 @@ class OffloadManager:
             raise ValueError(f"store_batch_bytes must be >= 0 (0: each tensor copied at once), got {store_batch_bytes}")
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {MODES}, got {mode!r}")
+        if search_prefer not in ("memory", "copies"):
+            raise ValueError(f"search_prefer must be 'memory' or 'copies', got {search_prefer!r}")
         if num_banks < 2:
             raise ValueError(f"resident ping-pong needs at least 2 banks, got {num_banks}")
         if min_window < 0:
@@ -697,8 +700,9 @@ class OffloadManager:
         self.kept: list[OffloadGroup] = []  # resident: groups the plan keeps in their bank (no D2H)
         # resident: how `runtime.build.capture_ranks` plans the banks (`train.offload_bank_plan`): "colour"
         # (`offload.plan.assign_banks`) or "search" (`offload.timing`, within the colouring's memory with
-        # `search_banks` banks); the search's result once it ran
-        self.bank_plan_kind, self.search_banks = bank_plan, search_banks
+        # `search_banks` banks; among plans as fast, fewer bytes copied or less memory: `search_prefer`); the
+        # search's result once it ran
+        self.bank_plan_kind, self.search_banks, self.search_prefer = bank_plan, search_banks, search_prefer
         self.bank_search: Any = None  # offload.timing.SearchResult
         self.not_offloaded: list[OffloadGroup] = []  # the plan's short-window groups (no slot, no bank)
         # resident, with allocate(events=): (x, g) look-ahead restores of g at x's backward that a forward

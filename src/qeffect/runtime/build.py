@@ -119,7 +119,7 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     t = cfg.train
     offload = (make_offload_manager(offload_mode, device, t.offload_banks, t.offload_reap, t.offload_skip_kept_d2h,
                                     t.offload_min_window, t.offload_lookahead, t.offload_bank_plan,
-                                    t.offload_search_banks)
+                                    t.offload_search_banks, t.offload_search_prefer)
                if offload_mode != "off" else None)
     # stream-ordered: graphs launched on the caller's stream (no cross-stream edge per replay; the same
     # guarantees as the two-way handshake, 1.5% faster at h2048: benchmarks/replay_protocol.py)
@@ -128,19 +128,21 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
 
 def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, reap: bool = False,
                          skip_kept_d2h: bool = True, min_window: int = 0, lookahead: int = 1,
-                         bank_plan: str = "search", search_banks: int = 6) -> OffloadManager:
+                         bank_plan: str = "search", search_banks: int = 6,
+                         search_prefer: str = "copies") -> OffloadManager:
     """One offload manager per device (`banks`: resident mode's minimum bank count for the colouring;
     `reap`: release mode also releases consumed slots; `skip_kept_d2h`: resident mode copies no group the
     schedule's plan keeps in its bank; `min_window`: no group with fewer other actions between its forward
     and its backward is offloaded; `lookahead`: offloaded groups each backward restores
-    ahead; `bank_plan`, `search_banks`: how `capture_ranks` plans resident banks, `train.offload_bank_plan`);
+    ahead; `bank_plan`, `search_banks`, `search_prefer`: how `capture_ranks` plans resident banks,
+    `train.offload_bank_plan`);
     a clear error where VMM offload cannot work."""
     from qeffect.offload.driver import OffloadUnavailable
 
     try:
         return OffloadManager(mode, device=torch.device(device), num_banks=banks, release_consumed=reap,
                               skip_kept_d2h=skip_kept_d2h, min_window=min_window, lookahead=lookahead,
-                              bank_plan=bank_plan, search_banks=search_banks)
+                              bank_plan=bank_plan, search_banks=search_banks, search_prefer=search_prefer)
     except OffloadUnavailable as err:
         raise UserError(f"train.offload = {mode}: {err}") from None
 
@@ -207,16 +209,6 @@ def search_tries() -> int:
         raise UserError(str(err)) from None
 
 
-def search_prefers() -> Literal["memory", "copies"]:
-    """What the capture-time bank search prefers among plans as fast: "memory" (the default), or "copies"
-    with QEFFECT_OFFLOAD_SEARCH_PREFER=copies (an experiment: fewer bytes to and from the host within the
-    same memory budget; the simulation halves them at h2048 with the 6-bank budget)."""
-    prefer = os.environ.get("QEFFECT_OFFLOAD_SEARCH_PREFER", "memory")
-    if prefer == "memory" or prefer == "copies":
-        return prefer
-    raise UserError(f"QEFFECT_OFFLOAD_SEARCH_PREFER must be 'memory' or 'copies', got {prefer!r}")
-
-
 def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]], offload: OffloadManager | None,
                   microbatch_size: int, seq_len: int) -> None:
     """Capture every action of `ranks` (all on one device). Without offload, chunk by chunk. With
@@ -242,7 +234,8 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
             banks = explicit_banks(events, given)
         elif offload.bank_plan_kind == "search":
             found = search_banks(events, estimate_costs(ranks, offload, events, microbatch_size * seq_len),
-                                 max_banks=offload.search_banks, tries=search_tries(), prefer=search_prefers(),
+                                 max_banks=offload.search_banks, tries=search_tries(),
+                                 prefer=offload.search_prefer,
                                  lookahead=offload.lookahead, chunk_bytes=offload.copy_chunk_bytes,
                                  skip_kept_d2h=offload.skip_kept_d2h)
             offload.bank_search = found
