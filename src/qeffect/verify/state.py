@@ -409,7 +409,8 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                                  "h2d_copies": o.stats.h2d_copies,
                                  "unmaps": o.stats.unmaps, "evictions": o.stats.evictions,
                                  "not_offloaded": [g.name for g in o.not_offloaded],
-                                 "bank_plan_kind": o.bank_plan_kind, "kept": [g.name for g in o.kept]}
+                                 "bank_plan_kind": o.bank_plan_kind, "kept": [g.name for g in o.kept],
+                                 "search_prefer": o.search_prefer if o.bank_plan_kind == "search" else None}
         passed = passed and graphs["graphs_per_rank"] == graphs["expected_per_rank"]
     non_finite = non_finite_count(losses)
     passed = passed and non_finite == 0
