@@ -112,9 +112,9 @@ def test_on_a_tie_the_search_takes_the_plan_with_less_memory(sim) -> None:
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_preferring_copies_keeps_more_groups_in_their_banks_within_the_budget(sim, schedule: str) -> None:
-    """`prefer="copies"` (`train.offload_search_prefer`, the default): with the last stage's groups on the device and the
-    6-bank budget, h2048's plans as fast as without offload, and fewer bytes copied than the plan that
-    prefers memory (which may map less); every plan valid; an unknown preference is refused."""
+    """`prefer="copies"` (`train.offload_search_prefer`, the default): with the last stage's groups on the
+    device and the 6-bank budget, h2048's plans as fast as without offload, and fewer bytes copied than the
+    plan that prefers memory (which may map less); every plan valid; an unknown preference is refused."""
     events, costs = h2048(sim, schedule)
     costs = sim.without_short(costs, events, 2)
     by = {p: search_banks(events, costs, max_banks=6, tries=200, prefer=p) for p in ("memory", "copies")}

@@ -96,9 +96,9 @@ class TrainConfig(_Strict):
     offload_search_banks: int = Field(6, ge=2, le=64)
     # resident offload, "search": among plans the simulation times as fast, the one that copies fewer bytes
     # to and from the host ("copies", default: it keeps more groups in their banks, within the same memory
-    # budget) or the one that maps less bank memory ("memory"; the A/B). H200 (d76cd7b, the modes timed in
-    # alternating rounds): h2048 Interleaved x1.026 against x1.034, ZB-V x1.025 against x1.033, h4096
-    # x1.022 against x1.028 of no offload
+    # budget) or the one that maps less bank memory ("memory"; the A/B). H200, the modes timed in alternating
+    # rounds, of no offload: d76cd7b h2048 Interleaved x1.026 against x1.034, ZB-V x1.024 against x1.033,
+    # h4096 x1.022 against x1.028; 05a12ea x1.029 / 1.029, x1.027 / 1.028, x1.025 / 1.025
     offload_search_prefer: Literal["memory", "copies"] = "copies"
     # release offload: also release a slot after its backward (its memory comes back until the group's next
     # forward, for one more unmap and remap per group per step); false (default) keeps it mapped from the

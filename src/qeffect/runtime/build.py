@@ -234,8 +234,7 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
             banks = explicit_banks(events, given)
         elif offload.bank_plan_kind == "search":
             found = search_banks(events, estimate_costs(ranks, offload, events, microbatch_size * seq_len),
-                                 max_banks=offload.search_banks, tries=search_tries(),
-                                 prefer=offload.search_prefer,
+                                 max_banks=offload.search_banks, tries=search_tries(), prefer=offload.search_prefer,
                                  lookahead=offload.lookahead, chunk_bytes=offload.copy_chunk_bytes,
                                  skip_kept_d2h=offload.skip_kept_d2h)
             offload.bank_search = found
