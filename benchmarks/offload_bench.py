@@ -165,8 +165,9 @@ class ModeRun:
             self.pipe.manager.mark_step()
             t_host = time.perf_counter()  # the host has queued the step (what it waited for inside included)
             torch.cuda.synchronize(self.dev)
+            t_end = time.perf_counter()  # before the switches are put back: not part of the step
         if timed:
-            self.times.append(time.perf_counter() - t)
+            self.times.append(t_end - t)
             self.host_times.append(t_host - t)
         self.losses.append(loss.detach().float().cpu().reshape(1))
 

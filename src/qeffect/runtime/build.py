@@ -133,9 +133,8 @@ def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, 
     """One offload manager per device (`banks`: resident mode's minimum bank count for the colouring;
     `reap`: release mode also releases consumed slots; `skip_kept_d2h`: resident mode copies no group the
     schedule's plan keeps in its bank; `min_window`: no group with fewer other actions between its forward
-    and its backward is offloaded; `lookahead`: offloaded groups each backward restores
-    ahead; `bank_plan`, `search_banks`, `search_prefer`: how `capture_ranks` plans resident banks,
-    `train.offload_bank_plan`);
+    and its backward is offloaded; `lookahead`: offloaded groups each backward restores ahead; `bank_plan`,
+    `search_banks`, `search_prefer`: how `capture_ranks` plans resident banks, `train.offload_bank_plan`);
     a clear error where VMM offload cannot work."""
     from qeffect.offload.driver import OffloadUnavailable
 
