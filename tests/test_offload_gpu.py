@@ -137,19 +137,26 @@ def test_cli_offload_check_json(tmp_path: Path, capsys) -> None:
     assert report["granularity"] and report["cuda_bindings_version"]
 
 
-@pytest.mark.parametrize("mode", ["release", "resident"])
+@pytest.mark.parametrize("mode", ["release", "release/la1", "resident"])
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule: str) -> None:
-    """The captured stage actions with their saved activations in VMM groups: 0 mismatches vs native eager."""
+    """The captured stage actions with their saved activations in VMM groups: 0 mismatches vs native eager.
+    `release/la1`: release restoring one group ahead (its default depth is 0)."""
     from qeffect.config import load_config
     from qeffect.verify.state import run_verify_state
 
+    mode, _, depth = mode.partition("/la")
     cfg = load_config(None).with_overrides(**{"train.device": "cuda", "train.offload": mode,
-                                              "pipeline.schedule": schedule})
+                                              "pipeline.schedule": schedule,
+                                              "train.offload_lookahead": int(depth) if depth else None})
     report = run_verify_state(cfg, steps=3, path="captured-direct")
     assert report.passed, report.first_divergence
     o = report.graphs["offload"]  # the offload really ran: every offloaded group copied out every step
     assert o["mode"] == mode and o["groups"] == 16 and o["group_bytes"] > 0, o  # (resident: or kept in its bank)
+    # the look-ahead depth reached the manager: unset, 0 for release and 1 for resident
+    assert o["lookahead"] == (int(depth) if depth else {"release": 0, "resident": 1}[mode]), o
+    if mode == "release":  # every release group is offloaded, so a look-ahead always has one to restore
+        assert (o["prefetches"] > 0) is (o["lookahead"] > 0), o
     # both modes: the last stage's 4 groups are not offloaded (train.offload_min_window = 2)
     assert sorted(o["not_offloaded"]) == [f"s3.m{m}" for m in range(4)], o
     if mode == "resident":  # the searched plan (the default); the groups it keeps in their bank get no D2H
