@@ -511,11 +511,7 @@ def test_config_reaches_the_manager(monkeypatch) -> None:
             made.update(kw, mode=mode)
 
     monkeypatch.setattr(build_mod, "OffloadManager", _Manager)
-    assert load_config().train.offload_lookahead is None
-    # unset: the mode's default depth; set: that depth in either mode
-    assert [build_mod.lookahead_of(load_config(), m) for m in ("release", "resident")] == [0, 1]
-    deep = load_config().with_overrides(**{"train.offload_lookahead": 2})
-    assert [build_mod.lookahead_of(deep, m) for m in ("release", "resident")] == [2, 2]
+    assert load_config().train.offload_lookahead == 1
     cfg = load_config().with_overrides(**{"train.offload_min_window": 7, "train.offload_lookahead": 3})
     build_mod.make_offload_manager("release", "cpu", cfg.train.offload_banks, cfg.train.offload_reap,
                                    cfg.train.offload_skip_kept_d2h, cfg.train.offload_min_window,

@@ -116,10 +116,9 @@ class TrainConfig(_Strict):
     offload_min_window: int = Field(2, ge=0, le=1_000_000)
     # release and resident offload: each backward restores this many offloaded groups ahead (next in
     # backward order) on the copy stream; deeper hides a copy longer than one backward, and maps the
-    # slots (release) earlier; 0 restores each group only at its own backward. Unset: 0 for release (its
-    # driver calls then come where the host is ahead: H200 85b2015, h2048, alternating rounds, x1.029-1.077
-    # of no offload against x1.077-1.091 with 1), 1 for resident (`runtime.build.DEFAULT_LOOKAHEAD`)
-    offload_lookahead: int | None = Field(None, ge=0, le=64)
+    # slots (release) earlier; 0 restores each group only at its own backward (the A/B: for release on the
+    # H200, 0 was faster in two runs at 85b2015 and neither faster in two at 154d6fa / 0c93a74)
+    offload_lookahead: int = Field(1, ge=0, le=64)
     eval_every: int = Field(20, ge=0)
     eval_batches: int = Field(4, ge=1)
     data: str = ""

@@ -24,8 +24,7 @@ microbatch slot) of a captured stage):
    resident: H2D into the group's bank only if another group took the bank meanwhile
    (`resident_reload_pending`); then the compute stream waits on `restore_done` (-> `mapped`); from
    `resident_d2h_pending` or `resident_kept` nothing to do (-> `mapped`).
-   Look-ahead: right after that, the next `lookahead` (`train.offload_lookahead`; unset: 1 for resident, 0
-   for release, `runtime.build.DEFAULT_LOOKAHEAD`)
+   Look-ahead: right after that, the next `lookahead` (1 by default; `train.offload_lookahead`)
    offloaded groups in backward order are restored on the H2D stream, so their copies run while the
    current backward graph (and, deeper, the actions after it) run. Only the first may evict a live
    group from its bank. With the schedule's events, resident mode starts none that a forward would

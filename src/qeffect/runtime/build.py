@@ -108,16 +108,6 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
     return pipe
 
 
-# `train.offload_lookahead` unset: offloaded groups each backward restores ahead, per mode
-DEFAULT_LOOKAHEAD = {"release": 0, "resident": 1}
-
-
-def lookahead_of(cfg: RunConfig, mode: str) -> int:
-    """`train.offload_lookahead`, or where it is unset the offload mode's default depth."""
-    depth = cfg.train.offload_lookahead
-    return DEFAULT_LOOKAHEAD.get(mode, 0) if depth is None else depth
-
-
 def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, native: bool,
                  direct: bool) -> tuple[GraphManager | None, OffloadManager | None, bool]:
     """What an action path needs on `device`, checked first: the graph manager and offload manager of a
@@ -128,7 +118,7 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
         return None, None, direct
     t = cfg.train
     offload = (make_offload_manager(offload_mode, device, t.offload_banks, t.offload_reap, t.offload_skip_kept_d2h,
-                                    t.offload_min_window, lookahead_of(cfg, offload_mode), t.offload_bank_plan,
+                                    t.offload_min_window, t.offload_lookahead, t.offload_bank_plan,
                                     t.offload_search_banks, t.offload_search_prefer)
                if offload_mode != "off" else None)
     # stream-ordered: graphs launched on the caller's stream (no cross-stream edge per replay; the same
