@@ -222,7 +222,7 @@ class ModeRun:
         res = {
             "mode": self.label, "offload_banks": cfg.train.offload_banks,
             "offload_skip_kept_d2h": cfg.train.offload_skip_kept_d2h, "offload_min_window": cfg.train.offload_min_window,
-            # the depth the manager runs with (the config's, or the mode's default where it is unset)
+            # the look-ahead depth the manager ran with
             "offload_lookahead": mgr.lookahead if mgr is not None else None, "setup_seconds": self.setup, "step_seconds": self.times,
             "median_step_seconds": statistics.median(self.times),
             "host_step_seconds": self.host_times, "median_host_step_seconds": statistics.median(self.host_times),

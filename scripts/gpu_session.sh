@@ -44,8 +44,8 @@
 #          train.offload_min_window = 2: no slot copies and no bank for them) against resident-all (every group
 #          offloaded), twice each in alternation: h2048 both schedules, h4096 Interleaved (about 5 minutes).
 # offload-acceptance: issue 7's benchmark, offload_bench.py --interleave 2 (every mode alive, timed in
-#          rotating rounds): off, release, release/la0, resident, resident-memory at h2048 (both schedules), off, release,
-#          resident at h4096 (about 3 minutes).
+#          rotating rounds): off, release, release/la0, resident, resident-memory at h2048 (both
+#          schedules), off, release, resident at h4096 (about 4 minutes).
 # h4096-te: the h4096 te profile alone.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -354,9 +354,9 @@ resident-window)
 offload-acceptance)
     # issue 7's benchmark with every mode built first, then timed in rounds of 2 steps, the order rotated
     # each round (a busy host's slow spells fall on all alike): off, release, release/la0 (restoring each
-    # group only at its own backward: the A/B of the default look-ahead depth 1), resident, resident-memory (the search preferring
-    # less memory to fewer copies: the A/B of the default); h2048 both schedules, h4096
-    # Interleaved with off, release, resident (four h4096 pipelines at once would be ~120 GiB)
+    # group only at its own backward: the A/B of the default look-ahead depth 1), resident, resident-memory
+    # (the search preferring less memory to fewer copies: the A/B of the default); h2048 both schedules;
+    # h4096 Interleaved with off, release, resident (four h4096 pipelines at once would be ~120 GiB)
     for sched in interleaved zbv; do
         step 150 "offload-acceptance-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
             --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-h200.json" \

@@ -117,7 +117,7 @@ class TrainConfig(_Strict):
     # release and resident offload: each backward restores this many offloaded groups ahead (next in
     # backward order) on the copy stream; deeper hides a copy longer than one backward, and maps the
     # slots (release) earlier; 0 restores each group only at its own backward (the A/B: for release on the
-    # H200, 0 was faster in two runs at 85b2015 and neither faster in two at 154d6fa / 0c93a74)
+    # H200, 0 was faster in 8 of 10 schedule-runs, by less than the host moves the step; CHANGELOG)
     offload_lookahead: int = Field(1, ge=0, le=64)
     eval_every: int = Field(20, ge=0)
     eval_batches: int = Field(4, ge=1)
