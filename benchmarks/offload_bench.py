@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import platform
 import statistics
@@ -67,8 +66,10 @@ from pathlib import Path
 import torch
 
 from qeffect.checkpoint.state import local_view, tensor_state
+from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.graphs.handshake import git_revision, qeffect_environment
+from qeffect.profile.matrix import te_version
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
 
@@ -360,13 +361,7 @@ def main() -> int:
               "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "python": platform.python_version(), "config": a.config, "backend": cfg.fp8.backend,
               "schedule": cfg.pipeline.schedule, "path": a.path, "steps": a.steps, "warmup": a.warmup,
-              "interleave": a.interleave, "modes": {}}
-    try:
-        import transformer_engine
-
-        report["transformer_engine"] = transformer_engine.__version__
-    except Exception:  # noqa: BLE001
-        report["transformer_engine"] = None
+              "interleave": a.interleave, "transformer_engine": te_version(), "modes": {}}
     ref_losses = ref_final = None
     ok = True
     runs = (run_interleaved(cfg, modes, a.path, a.steps, a.warmup, a.interleave, dev) if a.interleave > 0
@@ -425,8 +420,7 @@ def main() -> int:
     report["targets"] = targets(report["modes"])
     for name, t in report["targets"].items():
         print(f"target {name}: {t['value']:.3f} vs {t['threshold']} -> {'met' if t['met'] else 'MISSED'}")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=1))
+    write_json(Path(a.out), report)
     return 0 if ok else 1
 
 
