@@ -33,11 +33,12 @@ class FakeManager:
         return action.outputs
 
 
-def _actions(direct: bool = True, foreign_dest: bool = False):
+def _actions(direct: bool = True, foreign_dest: bool = False, token_copy: bool = False):
     chunk = build_chunks_for(CFG, "cpu")[0]
     specs = {arena_name(0, p): (tuple(w.shape), w.dtype) for p, w in chunk.matrix_params().items()}
     arena = GradientArena(specs, 2)
-    acts = CapturedStageActions(chunk, TapePool(2), EpochClock(), arena, direct=direct, manager=FakeManager())
+    acts = CapturedStageActions(chunk, TapePool(2), EpochClock(), arena, direct=direct, manager=FakeManager(),
+                                token_copy=token_copy)
     for m in range(2):
         tok = lambda: torch.zeros((), dtype=torch.int64)  # noqa: E731
         grads = {p: (torch.zeros_like(w) if foreign_dest else arena.view(arena_name(0, p), m))
@@ -55,8 +56,9 @@ def _tokens(mb: int = 2):
     return torch.zeros((mb, 8), dtype=torch.int64), torch.zeros((mb, 8), dtype=torch.int64)
 
 
-def test_replays_are_checked_and_recorded() -> None:
-    acts = _actions()
+@pytest.mark.parametrize("token_copy", [False, True])
+def test_replays_are_checked_and_recorded(token_copy: bool) -> None:
+    acts = _actions(token_copy=token_copy)
     x, y = _tokens()
     f = acts.forward(0, x, acts.ledger.current, y)
     with pytest.raises(ConsumerOrderViolation):
@@ -65,7 +67,10 @@ def test_replays_are_checked_and_recorded() -> None:
     dw = acts.weight_grad(0, f.ref, di.token)
     assert acts.pool.live_count == 0 and acts.ledger.seq == 3 and dw.token is acts.ledger.current
     assert [r[0] for r in acts.manager.replays] == ["F0", "dI0", "dW0"]
-    assert acts.manager.replays[0][1] == ("targets", "token", "x")
+    # the replays' copied-in inputs: the token only with QEFFECT_TOKEN_COPY's per-slot inputs
+    tok = ("token",) if token_copy else ()
+    assert [r[1] for r in acts.manager.replays] == [tuple(sorted(("targets", "x") + tok)),
+                                                    tuple(sorted(("grad",) + tok)), tok]
     assert len(acts.arena.written) == len(acts.chunk.matrix_params())
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in acts.chunk.nonmatrix_params().values())
 

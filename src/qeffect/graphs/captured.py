@@ -15,7 +15,10 @@ before the first capture so that libraries initialize outside it; warm-up and ca
 bodies for real, so the FP8 state is snapshotted before and restored (in place, same addresses) after;
 caches, tokens and arena are rewritten by the first replays.
 
-The effect token's device update, the backends' amax/scale updates (te: batched, one fused kernel per
+The effect token's device update (one int64 buffer per chunk that every graph of the chunk increments in
+place, so a replay copies no token in; ``QEFFECT_TOKEN_COPY=1``: one token input per slot, copied from the
+previous action's token output before each replay and incremented into a new output, the A/B), the
+backends' amax/scale updates (te: batched, one fused kernel per
 direction at the end of each F or dI, `fp8.te.batched_scaling_updates`) and the accumulation of
 the non-matrix gradients (into fixed buffers that `.grad` is bound to after each dI replay) are inside
 the graphs; copying gradients (copy path) runs eagerly between replays, on the caller stream. The first
@@ -26,6 +29,7 @@ stage's token table accumulates its gradient over the rows each microbatch touch
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +76,10 @@ class CapturedStageActions(StageActions):
     _di_next: int = 0
     # the first stage's token table: its gradient over the touched rows only (stage/embedding_grad.py)
     _token_grad: TokenEmbeddingGrad | None = None
+    # effect token on the device: False (default) one buffer per chunk, incremented in place by every graph;
+    # True: a token input per slot, copied in before each replay (one more copy per replay; the A/B)
+    token_copy: bool = field(default_factory=lambda: os.environ.get("QEFFECT_TOKEN_COPY", "0") == "1")
+    _tok_buf: torch.Tensor | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------------------------------ capture
     def capture(self, microbatches: int, microbatch_size: int, seq_len: int) -> None:
@@ -93,6 +101,8 @@ class CapturedStageActions(StageActions):
         self._tgt: dict[int, torch.Tensor] = {}
         self._gout: dict[int, torch.Tensor] = {}
         self._tok: dict[int, torch.Tensor] = {}
+        # every graph of this chunk increments it in place: stream order is the chain's order on the device
+        self._tok_buf = None if self.token_copy else torch.zeros((), dtype=torch.int64, device=dev)
         self._out: dict[int, torch.Tensor] = {}
         self._work: dict[int, dict[str, object]] = {}
         self._token_out: dict[int, torch.Tensor] = {}
@@ -105,7 +115,8 @@ class CapturedStageActions(StageActions):
                 self._x[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
             else:
                 self._x[m] = torch.zeros(self.input_shape, dtype=self.input_dtype, device=dev, requires_grad=True)
-            self._tok[m] = torch.zeros((), dtype=torch.int64, device=dev)
+            if self.token_copy:
+                self._tok[m] = torch.zeros((), dtype=torch.int64, device=dev)
             if last:
                 self._tgt[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
             if self.offload is not None:
@@ -118,14 +129,27 @@ class CapturedStageActions(StageActions):
         self._out[m] = out
         if self._token_grad is not None:
             self._token_out[m] = self.chunk.token_out
-        return out, self._tok[m] + 1
+        return out, self._next_token(m)
+
+    def _next_token(self, m: int) -> torch.Tensor:
+        """Inside a graph body: the next token's device value (in place on the chunk's buffer, or from
+        slot `m`'s copied-in token)."""
+        return self._tok[m] + 1 if self.token_copy else self._tok_buf.add_(1)
+
+    def _token_input(self, m: int) -> dict[str, torch.Tensor]:
+        """Slot `m`'s static token input (none with the in-place buffer)."""
+        return {"token": self._tok[m]} if self.token_copy else {}
+
+    def _token_dynamic(self, prev: EffectToken) -> dict[str, torch.Tensor]:
+        """What a replay copies into the token input: the consumed token's value (nothing in place)."""
+        return {"token": prev.value} if self.token_copy else {}
 
     def capture_graphs(self) -> None:
         """Capture every slot's F, then dI, then dW; restore the FP8 state that warm-up moved."""
         chunk, dev = self.chunk, next(self.chunk.parameters()).device
         tag = f"s{self.stage}"
         for m in range(self._microbatches):
-            inputs = {"x": self._x[m], "token": self._tok[m]}
+            inputs = {"x": self._x[m], **self._token_input(m)}
             if m in self._tgt:
                 inputs["targets"] = self._tgt[m]
             hooks = self.groups[m].capture_hooks() if m in self.groups else contextlib.nullcontext()
@@ -153,10 +177,10 @@ class CapturedStageActions(StageActions):
                     accumulate_into([self._ngrad[n] for n in grads], list(grads.values()), init=m == 0)
                     if token_grad is not None:  # the same bits from the rows this microbatch touched
                         grads[TOKEN_TABLE] = self._token_grad.accumulate(m, self._x[m], token_grad)
-                return grad_in, grads, self._tok[m] + 1
+                return grad_in, grads, self._next_token(m)
 
             self.slots[m].dI = self.manager.capture(
-                f"{tag}.dI{m}", di_body, static_inputs={"grad": self._gout[m], "token": self._tok[m]},
+                f"{tag}.dI{m}", di_body, static_inputs={"grad": self._gout[m], **self._token_input(m)},
                 warmup=0, private_pool=True)
         written = [sorted(self.slots[m].dI.outputs[1]) for m in range(self._microbatches)]
         if any(w != written[0] for w in written):  # dI(0) copies what later dIs add to: the same set each
@@ -175,9 +199,9 @@ class CapturedStageActions(StageActions):
                             self.arena.flush(arena_name(self.stage, pname), m)
                     else:
                         grads[pname] = lin.compute_wgrad(self._work[m][name])
-                return grads, self._tok[m] + 1
+                return grads, self._next_token(m)
 
-            self.slots[m].dW = self.manager.capture(f"{tag}.dW{m}", dw_body, static_inputs={"token": self._tok[m]},
+            self.slots[m].dW = self.manager.capture(f"{tag}.dW{m}", dw_body, static_inputs=self._token_input(m),
                                                     warmup=0, private_pool=True)
         saved = self._saved
         with torch.no_grad():
@@ -191,6 +215,8 @@ class CapturedStageActions(StageActions):
                 else:
                     raise RuntimeError(f"{k}: FP8 state created during capture with no known fresh value")
         del self._saved
+        if self._tok_buf is not None:  # warm-up's F moved it: the device chain starts at the ledger's seq 0
+            self._tok_buf.zero_()
         torch.cuda.synchronize(dev)
 
     def _warm_up(self, dev: torch.device) -> None:
@@ -259,7 +285,7 @@ class CapturedStageActions(StageActions):
         prev = token
         token = self.ledger.consume(token, f"F{m}", value=tok)
         ref = self.pool.allocate(key)
-        dynamic = {"x": inp, "token": prev.value}
+        dynamic = {"x": inp, **self._token_dynamic(prev)}
         if targets is not None:
             dynamic["targets"] = targets
         group = self.groups.get(m)
@@ -293,7 +319,7 @@ class CapturedStageActions(StageActions):
         def run() -> None:
             if group is not None:
                 group.before_backward()  # restore (remap + H2D) unless look-ahead did; then look ahead
-            self.manager.replay(graphs.dI, {"grad": grad_output, "token": prev.value})
+            self.manager.replay(graphs.dI, {"grad": grad_output, **self._token_dynamic(prev)})
             for n in grads:  # the parameters this dI's graph wrote (allow_unused may leave some out)
                 buf, p = self._ngrad[n], self._nonmatrix[n]
                 if p.grad is not buf:
@@ -316,7 +342,7 @@ class CapturedStageActions(StageActions):
         group = self.groups.get(m)
 
         def run() -> None:
-            self.manager.replay(graphs.dW, {"token": prev.value})
+            self.manager.replay(graphs.dW, self._token_dynamic(prev))
             if group is not None:  # dW is the last reader: the retained dW work references saved tensors
                 group.after_backward()
             if self.direct:
