@@ -47,8 +47,9 @@
 #          rotating rounds): off, release, release/la0, resident, resident-memory at h2048 (both
 #          schedules), off, release, resident at h4096 (about 4 minutes).
 # h4096-te: the h4096 te profile alone.
-# token-ab: benchmarks/token_ab.py, the effect token incremented in place on one buffer per chunk against
-#          one copied into every replay (QEFFECT_TOKEN_COPY=1): h2048 Interleaved, h4096 ZB-V (about 3 minutes).
+# token-ab: offload_bench.py --interleave 2 with modes off and off+QEFFECT_TOKEN_COPY=1: the effect token
+#          incremented in place on one buffer per chunk against one copied into every replay, bitwise
+#          compared: h2048 Interleaved, h4096 ZB-V (about 3 minutes).
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
@@ -371,10 +372,12 @@ offload-acceptance)
 token-ab)
     # issue 8: h4096's fastest-vs-anchor gap is 0.44 ms of a GPU-bound step; the token copies are ~96 of its
     # 169 device-to-device copies
-    step 200 token-ab-h2048 python3 benchmarks/token_ab.py --config examples/configs/h2048.toml \
+    step 200 token-ab-h2048 python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+        --schedule interleaved --steps 40 --interleave 2 --modes off,off+QEFFECT_TOKEN_COPY=1 \
         --out "$out/token-ab-h2048-interleaved-h200.json"
-    step 300 token-ab-h4096 python3 benchmarks/token_ab.py --config examples/configs/h4096.toml --schedule zbv \
-        --steps 30 --out "$out/token-ab-h4096-zbv-h200.json"
+    step 300 token-ab-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule zbv --steps 30 --interleave 2 --modes off,off+QEFFECT_TOKEN_COPY=1 \
+        --out "$out/token-ab-h4096-zbv-h200.json"
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)
