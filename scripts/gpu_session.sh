@@ -50,6 +50,8 @@
 # token-ab: offload_bench.py --interleave 2 with modes off and off+QEFFECT_TOKEN_COPY=1: the effect token
 #          incremented in place on one buffer per chunk against one copied into every replay, bitwise
 #          compared: h2048 Interleaved, h4096 ZB-V (about 3 minutes).
+# weight-cast: the optimizer's FP8 weight cast: its GPU tests, then offload_bench.py's A/B with
+#          QEFFECT_WEIGHT_CAST=0 (TE's own cast) at h4096 ZB-V and h2048 Interleaved (about 4 minutes).
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
@@ -378,6 +380,18 @@ token-ab)
     step 300 token-ab-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
         --schedule zbv --steps 30 --interleave 2 --modes off,off+QEFFECT_TOKEN_COPY=1 \
         --out "$out/token-ab-h4096-zbv-h200.json"
+    ;;
+weight-cast)
+    # issue 8: the optimizer casts the FP8 weight caches in its pass (TE's weight cast read every weight
+    # again: 1.23 ms of the h4096 step); its GPU tests, then the A/B against TE's own cast, bitwise compared
+    step 200 weight-cast-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_weight_cast_gpu.py \
+        tests/test_adamw.py
+    step 200 weight-cast-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule zbv --steps 30 --interleave 2 --modes off,off+QEFFECT_WEIGHT_CAST=0 \
+        --out "$out/weight-cast-ab-h4096-zbv-h200.json"
+    step 200 weight-cast-h2048 python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+        --schedule interleaved --steps 40 --interleave 2 --modes off,off+QEFFECT_WEIGHT_CAST=0 \
+        --out "$out/weight-cast-ab-h2048-interleaved-h200.json"
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from qeffect.errors import UserError
 from qeffect.fp8.recipe import DelayedScalingRecipe
 from qeffect.fp8.reference import EMPTY_CACHE_MSG
+from qeffect.fp8.weight_cast import WeightCastTarget
 
 TE_MISSING_MSG = (
     "--backend te needs Transformer Engine (pip install 'qeffect[te]'); it is not importable here"
@@ -262,6 +263,7 @@ def te_linear_class() -> type[nn.Module]:
             self._fifo = WgradFifo(id(self))
             self._cache_valid = False
             self._bias_act: Tensor | None = None
+            self._weight_cast: WeightCastTarget | None = None
             self.delay_wgrad = False
 
         def extra_repr(self) -> str:
@@ -330,6 +332,8 @@ def te_linear_class() -> type[nn.Module]:
                 self.fp8_meta["recipe"] = self._te_recipe
                 with te.autocast(enabled=True, recipe=self._te_recipe):
                     self.init_fp8_meta_tensors(self._te_recipe)
+            if self._weight_cast is not None:  # cast with another scale
+                self._weight_cast.mark_consumed()
             with torch.no_grad():
                 for key, tag in (("scaling_fwd", "fwd"), ("scaling_bwd", "bwd")):
                     for name in ("scale", "amax_history"):
@@ -360,6 +364,29 @@ def te_linear_class() -> type[nn.Module]:
         def invalidate_cache(self) -> None:
             """Mark the quantized weight stale (TE's buffer is kept: fixed address for graph capture)."""
             self._cache_valid = False
+            if self._weight_cast is not None:
+                self._weight_cast.mark_consumed()
+
+        def weight_cast_target(self, name: str = "") -> WeightCastTarget:
+            """TE's cached FP8 weight as the optimizer casts into it (`fp8.weight_cast`): from now on a
+            first forward whose cache the optimizer made fresh takes it as it is. Needs the cache TE
+            builds on the first forward with ``is_first_microbatch=True``."""
+            if self._weight_cast is not None:
+                return self._weight_cast
+            ws = self._fp8_workspaces.get("weight")
+            data = getattr(ws, "_data", None)
+            if not self.fp8_initialized_state or data is None or type(ws).__name__ != "Float8Tensor":
+                raise RuntimeError(f"{name or 'linear'}: no FP8 weight cache yet (TE builds it on the first forward "
+                                   "with is_first_microbatch=True)")
+            if self.recipe.fwd_dtype != torch.float8_e4m3fn or getattr(ws, "_transpose_invalid", False):
+                raise RuntimeError(f"{name or 'linear'}: the optimizer's cast writes E4M3 with a valid transpose")
+            t = getattr(ws, "_transpose", None)
+            st = self.fp8_meta["scaling_fwd"]
+            self._weight_cast = WeightCastTarget(
+                name, self.weight, data.view(torch.float8_e4m3fn),
+                None if t is None else t.view(torch.float8_e4m3fn), st.scale[1:2], ws._scale_inv,
+                st.amax_history[0, 1:2])
+            return self._weight_cast
 
         # -- bias in the activation dtype ------------------------------------------------------------
         def use_activation_bias(self, dtype: torch.dtype) -> None:
@@ -402,8 +429,13 @@ def te_linear_class() -> type[nn.Module]:
             if is_first_microbatch and self._bias_act is not None:  # refreshed when the weight cache is
                 with torch.no_grad():
                     self._bias_act.copy_(self.bias)
+            cast = self._weight_cast
+            cached = bool(is_first_microbatch) and cast is not None and cast.use_cache()
+            if cached:  # the optimizer cast the weight already (`fp8.weight_cast`): its amax joins the history
+                cast.fold_pending_amax()
+                cast.mark_consumed()
             with self._contexts(x.dtype):
-                y = super().forward(x, is_first_microbatch=bool(is_first_microbatch))
+                y = super().forward(x, is_first_microbatch=bool(is_first_microbatch) and not cached)
             if is_first_microbatch:
                 self._cache_valid = True
             if torch.is_grad_enabled():  # TE updates forward scaling only in grad mode, too

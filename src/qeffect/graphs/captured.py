@@ -36,6 +36,7 @@ import torch
 
 from qeffect.contracts import Consumer, EffectToken, TapeRef
 from qeffect.fp8.te import batched_scaling_updates
+from qeffect.fp8.weight_cast import WeightCastTarget
 from qeffect.graphs.manager import CapturedAction, GraphManager
 from qeffect.offload.group import OffloadGroup, OffloadManager
 from qeffect.stage.accumulate import accumulate_into
@@ -80,6 +81,9 @@ class CapturedStageActions(StageActions):
     # True: a token input per slot, copied in before each replay (one more copy per replay; the A/B)
     token_copy: bool = field(default_factory=lambda: os.environ.get("QEFFECT_TOKEN_COPY", "0") == "1")
     _tok_buf: torch.Tensor | None = field(default=None, repr=False)
+    # the optimizer casts the FP8 weight caches (`fp8.weight_cast`): slot 0's F graph takes them as they are
+    weight_cast: bool = False
+    weight_casts: list[WeightCastTarget] = field(default_factory=list)
 
     # ------------------------------------------------------------------------------------ capture
     def capture(self, microbatches: int, microbatch_size: int, seq_len: int) -> None:
@@ -148,6 +152,11 @@ class CapturedStageActions(StageActions):
         """Capture every slot's F, then dI, then dW; restore the FP8 state that warm-up moved."""
         chunk, dev = self.chunk, next(self.chunk.parameters()).device
         tag = f"s{self.stage}"
+        if self.weight_cast:  # after the warm-up, which made TE build each cache
+            self.weight_casts = [lin.weight_cast_target(name) for name, lin in self._matrix.items()
+                                 if hasattr(lin, "weight_cast_target")]
+            for t in self.weight_casts:
+                t.captured = True
         for m in range(self._microbatches):
             inputs = {"x": self._x[m], **self._token_input(m)}
             if m in self._tgt:

@@ -1,0 +1,138 @@
+"""The optimizer's FP8 weight cast (`fp8.weight_cast`) against Transformer Engine's, bit for bit (GPU).
+
+- the cast alone equals TE's own first-microbatch cast: bytes, transpose, 1 / scale and amax, on
+  shapes that do and do not fill a tile, with scales that saturate;
+- the update with the cast equals torch's fused AdamW followed by that cast, with and without a staged
+  fold in the pass;
+- captured te training with the cast in the optimizer verifies against native eager (every cache's
+  bytes after every forward, the FP8 state, parameters and gradients), and after the first step every
+  cast is part of the optimizer's pass; `QEFFECT_WEIGHT_CAST=0` switches it off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qeffect.config import load_config
+from qeffect.fp8.recipe import DelayedScalingRecipe
+from qeffect.fp8.te import batched_scaling_updates, te_available
+from qeffect.fp8.weight_cast import WeightCastTarget
+from qeffect.runtime import adamw
+from qeffect.runtime.adamw import TritonAdamW
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and te_available()),
+                                                  reason="needs CUDA and Transformer Engine")]
+FP8 = torch.float8_e4m3fn
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize(("out_f", "in_f", "scale"), [(384, 320, 1.0), (200, 136, 3.7), (1024, 512, 0.0123)])
+def test_the_cast_alone_is_transformer_engines(out_f: int, in_f: int, scale: float) -> None:
+    from qeffect.fp8.te import TEBackend
+
+    lin = TEBackend(DelayedScalingRecipe(amax_history_len=4)).linear(in_f, out_f, False, device="cuda")
+    with torch.no_grad():
+        lin.weight.normal_(0, 40.0, generator=torch.Generator("cuda").manual_seed(out_f))
+        lin.weight[0, :8] = torch.tensor([1e4, -1e4, 0.0, -0.0, 448.0, 1e-9, -3e-3, 512.0])  # saturating
+    x = torch.randn(16, in_f, device="cuda", requires_grad=True)
+    with batched_scaling_updates():  # TE's cast writes the amax row; the update runs after our checks
+        lin(x, is_first_microbatch=True)  # builds the cache (and its fp8 state) with scale 1
+        t = lin.weight_cast_target("lin")
+        t.scale.fill_(scale)
+        t.amax_row.zero_()
+        lin(x, is_first_microbatch=True)  # TE's own cast with this scale (the target is not fresh)
+        want = [c.clone() for c in (t.data, t.transpose, t.scale_inv, t.amax_row)]
+        for c in (t.data, t.transpose, t.scale_inv, t.amax_row):
+            c.view(torch.uint8).zero_()
+        adamw._cast_alone([t])
+        assert t.fresh
+        t.fold_pending_amax()
+        torch.cuda.synchronize()
+    got = (t.data, t.transpose, t.scale_inv, t.amax_row)
+    for name, a, b in zip(("data", "transpose", "scale_inv", "amax"), got, want, strict=True):
+        assert torch.equal(_bits(a), _bits(b)), name
+    assert t.pending_amax.item() == 0.0
+
+
+@pytest.mark.parametrize("fold", [0, 2])
+def test_the_update_with_the_cast_is_torch_adamw_then_the_cast(fold: int) -> None:
+    gen = torch.Generator("cuda").manual_seed(fold)
+    shape = (1536, 1088)  # 1.7M elements: the Triton pass's size, tiles that do not fill the edge
+    w0 = torch.randn(shape, device="cuda", generator=gen)
+    p_ref, p = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    ref = torch.optim.AdamW([p_ref], lr=3e-2, weight_decay=0.1, fused=True)
+    opt = TritonAdamW([p], lr=3e-2, weight_decay=0.1)
+    rows, cols = shape
+    target = WeightCastTarget("w", p, torch.zeros(shape, dtype=FP8, device="cuda"),
+                              torch.zeros((cols, rows), dtype=FP8, device="cuda"),
+                              torch.full((1,), 97.5, device="cuda"), torch.zeros(1, device="cuda"),
+                              torch.zeros(1, device="cuda"))
+    opt.cast_after_step(target)
+    for step in range(3):
+        grad = torch.randn(shape, device="cuda", generator=gen) * 1e-2
+        slots = torch.randn((fold, rows * cols), device="cuda", generator=gen).to(torch.bfloat16)
+        p_ref.grad = grad + sum((slots[j].float().view(shape) for j in range(fold)), torch.zeros_like(grad))
+        p.grad = grad.clone()
+        if fold:
+            opt.fold_into_step(p, slots, fold, init=False)
+        ref.step()
+        opt.step()
+        assert target.fresh
+        torch.cuda.synchronize()
+        assert torch.equal(p, p_ref), step
+        want = (p_ref * 97.5).clamp(-448.0, 448.0).to(FP8)
+        assert torch.equal(_bits(target.data), _bits(want)), step
+        assert torch.equal(_bits(target.transpose), _bits(want.t().contiguous())), step
+        assert target.pending_amax.item() == p_ref.abs().max().item()
+        assert torch.equal(target.scale_inv, 1.0 / target.scale)
+        target.fold_pending_amax()
+        target.mark_consumed()
+
+
+def _tiny_te(schedule: str):
+    return load_config().with_overrides(**{"train.device": "cuda", "fp8.backend": "te", "train.dtype": "bfloat16",
+                                           "pipeline.schedule": schedule})
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_captured_te_verifies_with_the_cast_in_the_optimizer(schedule: str) -> None:
+    from qeffect.verify.state import run_verify_state
+
+    report = run_verify_state(_tiny_te(schedule), steps=3, path="captured-direct")
+    assert report.passed, report.first_divergence
+    by = {c.category: c for c in report.categories}
+    assert by["cache_contents"].compared > 0 and by["fp8_state"].compared > 0
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_after_the_first_step_every_cast_is_in_the_optimizers_pass(monkeypatch: pytest.MonkeyPatch,
+                                                                   switch: str) -> None:
+    from qeffect.runtime.build import build_single_process
+    from qeffect.verify.state import synthetic_batches
+
+    monkeypatch.setenv("QEFFECT_WEIGHT_CAST", switch)
+    cfg = _tiny_te("interleaved")
+    pipe = build_single_process(cfg, native=False, device="cuda", path="captured-direct")
+    targets = [t for r in pipe.ranks for a in r.actions.values() for t in a.weight_casts]
+    calls = {"alone": 0}
+    real = adamw._cast_alone
+
+    def counting(ts, zeroed=False):
+        calls["alone"] += len(ts)
+        return real(ts, zeroed)
+
+    monkeypatch.setattr(adamw, "_cast_alone", counting)
+    losses = [pipe.step(synthetic_batches(cfg, s, "cuda")) for s in range(3)]
+    native = build_single_process(cfg, native=True, device="cuda")
+    ref = [native.step(synthetic_batches(cfg, s, "cuda")) for s in range(3)]
+    assert torch.equal(torch.stack(losses), torch.stack(ref))
+    if switch == "0":
+        assert not targets and calls["alone"] == 0
+        return
+    assert targets and all(t.captured for t in targets)
+    assert calls["alone"] == len(targets)  # the first step's, before its first forward; none since
+    assert all(t.fresh for t in targets)  # the last commit cast them for a next step
