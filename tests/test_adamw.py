@@ -117,8 +117,8 @@ INTERPRETED = textwrap.dedent("""
             block = adamw.FOLD_BLOCK if count else adamw.BLOCK
             adamw._kernel()[(-(-n // block),)](p, torch.full_like(g, float("nan")) if count else g, slots,
                                                slots.stride(0), m, v, bc1[0], bc2_sqrt[0], n, 3e-4, 0.9, 0.95, wd,
-                                               1e-8, COUNT=count, INIT=count > 0, DECAY=wd != 0, BLOCK=block,
-                                               num_warps=adamw.NUM_WARPS)
+                                               1e-8, p, p, p, p, 0.0, COUNT=count, INIT=count > 0, DECAY=wd != 0,
+                                               UPDATE=True, CAST=False, BLOCK=block, num_warps=adamw.NUM_WARPS)
         st = opt.state[ref]
         torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(m, st["exp_avg"], rtol=1e-5, atol=1e-9)

@@ -4,6 +4,10 @@ The casts themselves are GPU-tested against Transformer Engine's (`test_weight_c
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -63,3 +67,34 @@ def test_the_optimizer_casts_only_its_own_weights() -> None:
     with pytest.raises(ValueError, match="needs CUDA and Triton"):
         opt.cast_after_step(_target(w))  # on the CPU: nothing to cast with
     assert opt.cast_now([]) == 0
+
+
+INTERPRETED = textwrap.dedent("""
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from qeffect.runtime import adamw
+    from qeffect.fp8.fused_quantize import transpose_bytes
+    rows, cols = 70, 150  # not a whole block
+    w = torch.randn(rows, cols) * 40
+    w[0, :4] = torch.tensor([1e4, -1e4, 0.0, 448.0])
+    scale, scale_inv, amax = torch.tensor([3.7]), torch.zeros(1), torch.zeros(1)
+    q = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
+    n = w.numel()
+    adamw._kernel()[(-(-n // adamw.BLOCK),)](w, w, w, 0, w, w, w, w, n, 0.0, 0.0, 0.0, 0.0, 0.0, q.view(torch.uint8),
+                                             scale, scale_inv, amax.view(torch.int32), 448.0, COUNT=0, INIT=False,
+                                             DECAY=False, UPDATE=False, CAST=True, BLOCK=adamw.BLOCK)
+    # the interpreter's own FP8 conversion is not the GPU's (127.4 became 64 here, not 128): the bytes'
+    # bits are the GPU test's; here only that every one was written with the weight's sign
+    assert ((q.view(torch.uint8) & 0x80) == (w < 0).to(torch.uint8) * 0x80).all()
+    assert amax.item() == w.abs().max().item() and scale_inv.item() == (1 / torch.tensor(3.7)).item()
+    print("ok")
+""")
+
+
+def test_the_cast_under_the_interpreter() -> None:
+    """The cast on CPU (Triton's interpreter): amax and 1 / scale exactly, every byte written
+    with the weight's sign (the interpreter converts to FP8 its own way); the bytes' bits against Transformer Engine's are the GPU test's."""
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

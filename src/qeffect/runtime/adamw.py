@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from qeffect.fp8.fused_quantize import transpose_bytes
 from qeffect.fp8.recipe import fp8_max
 from qeffect.fp8.weight_cast import WeightCastTarget
 from qeffect.stage.accumulate import fold_staged
@@ -46,7 +47,6 @@ NUM_WARPS = 16  # best of an ad-hoc sweep (BLOCK 1024-8192 x 4-16 warps, one 50M
 FOLD_BLOCK = 1024  # the pass that also folds the staged slots (`TritonAdamW.fold_into_step`): best of
 FOLD_WARPS = 16  # `adamw_ab.py --fold-sweep` (block 1024-8192 x 4-16 warps on h4096, H200): 4.04 TB/s
 MIN_NUMEL = 1 << 20  # smaller tensors (norms, biases) stay in torch's one multi-tensor launch: same bits
-CAST_BM, CAST_BN, CAST_WARPS = 64, 64, 8  # the update with the weight cast (`cast_after_step`), 2-D tiles
 
 
 @triton_kernel
@@ -91,54 +91,32 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
 
     @triton.jit
     def adamw(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, n, lr, beta1, beta2,
-              weight_decay, eps, COUNT: tl.constexpr, INIT: tl.constexpr, DECAY: tl.constexpr,
+              weight_decay, eps, q_ptr, scale_ptr, scale_inv_ptr, amax_bits_ptr, fmax, COUNT: tl.constexpr,
+              INIT: tl.constexpr, DECAY: tl.constexpr, UPDATE: tl.constexpr, CAST: tl.constexpr,
               BLOCK: tl.constexpr):
-        """The update of `TritonAdamW` over a flat parameter (``COUNT=0``: the gradient is ``g``)."""
+        """The update of `TritonAdamW` over a flat parameter (``COUNT=0``: the gradient is ``g``); with
+        ``CAST`` then Transformer Engine's delayed-scaling cast of the new weight (`fp8.weight_cast`):
+        its E4M3 bytes in the same (row-major) order, the amax as an integer atomic max over |w|'s bits,
+        and 1 / scale. ``UPDATE=False``: the cast alone."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        _adamw_update(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, offs, offs < n, lr,
-                      beta1, beta2, weight_decay, eps, COUNT, INIT, DECAY)
-
-    return adamw
-
-
-@triton_kernel
-def _cast_kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
-    _adamw_update = _math()  # also a module global (see `_math`)
-
-    @triton.jit
-    def adamw_cast(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, R, C, lr, beta1, beta2,
-                   weight_decay, eps, q_ptr, qt_ptr, scale_ptr, scale_inv_ptr, amax_bits_ptr, fmax,
-                   UPDATE: tl.constexpr, COUNT: tl.constexpr, INIT: tl.constexpr, DECAY: tl.constexpr,
-                   TRANSPOSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        """A [BM, BN] tile of an [R, C] weight: the update (``UPDATE``), then Transformer Engine's
-        delayed-scaling cast of the new weight (`fp8.weight_cast`): E4M3 bytes, their transpose
-        (``TRANSPOSE``), the amax as an integer atomic max over |w|'s bits, and 1 / scale."""
-        rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
-        offs = rows[:, None] * C + cols[None, :]
+        mask = offs < n
         if UPDATE:
             p = _adamw_update(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, offs, mask, lr,
                               beta1, beta2, weight_decay, eps, COUNT, INIT, DECAY)
         else:
             p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        scale = tl.load(scale_ptr)
-        x = p * scale
-        x = tl.where(x > fmax, fmax, x)  # comparisons with NaN are false: NaN passes (satfinite's result)
-        x = tl.where(x < -fmax, -fmax, x)
-        q = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        tl.store(q_ptr + offs, q, mask=mask)
-        if TRANSPOSE:
-            # widened to 32 bits for the transpose: Triton's 8-bit tile transposes of fp32-born values wrote
-            # wrong bytes on the H200 (fp8/fused_quantize.py's history)
-            qt = tl.trans(q.to(tl.int32)).to(tl.uint8)
-            tl.store(qt_ptr + cols[:, None] * R + rows[None, :], qt, mask=(cols[:, None] < C) & (rows[None, :] < R))
-        bits = tl.where(mask, p.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(bits, axis=1), axis=0))
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
+        if CAST:
+            scale = tl.load(scale_ptr)
+            x = p * scale
+            x = tl.where(x > fmax, fmax, x)  # comparisons with NaN are false: NaN passes (satfinite's result)
+            x = tl.where(x < -fmax, -fmax, x)
+            tl.store(q_ptr + offs, x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+            bits = tl.where(mask, p.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+            tl.atomic_max(amax_bits_ptr, tl.max(bits, axis=0))
+            if tl.program_id(0) == 0:
+                tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
 
-    return adamw_cast
+    return adamw
 
 
 def _fp32_contiguous_cuda(t: torch.Tensor) -> bool:
@@ -172,7 +150,7 @@ class TritonAdamW(torch.optim.AdamW):
         held = {id(p) for group in self.param_groups for p in group["params"]}
         if id(target.weight) not in held:
             raise ValueError(f"cast_after_step: {target.name}'s weight is not in this optimizer's groups")
-        if not target.weight.is_cuda or _cast_kernel() is None:
+        if not target.weight.is_cuda or _kernel() is None:
             raise ValueError(f"cast_after_step: {target.name}: the cast is a Triton pass (needs CUDA and Triton)")
         self._casts[target.weight] = target
 
@@ -271,26 +249,29 @@ class TritonAdamW(torch.optim.AdamW):
                         continue
                     size, warps = (FOLD_BLOCK, FOLD_WARPS) if count else (BLOCK, NUM_WARPS)
                     kernel[(-(-n // size),)](pi, gi, block, block.stride(0), mi, vi, b1, b2, n, lr, beta1, beta2,
-                                             wd, eps, COUNT=count, INIT=init, DECAY=wd != 0, BLOCK=size,
-                                             num_warps=warps)
+                                             wd, eps, pi, pi, pi, pi, 0.0, COUNT=count, INIT=init, DECAY=wd != 0,
+                                             UPDATE=True, CAST=False, BLOCK=size, num_warps=warps)
         _cast_alone(list(casts.values()), zeroed=True)  # weights the fused pass did not cover (or had no .grad)
         return None  # a fold left in `folds` is a parameter whose .grad was dropped since: nothing to update
 
 
 def _launch_cast(t: WeightCastTarget, update: tuple | None, count: int = 0, init: bool = False) -> None:
     """One pass over `t.weight`: the update (``update``: the AdamW arguments after the weight) and the
-    cast, or (``None``) the cast alone. `t.pending_amax` must be 0."""
-    rows, cols = t.weight.shape
+    cast, or (``None``) the cast alone; then the cast's transpose as its own byte pass (Triton's in-kernel
+    transposes of fp32-born tiles wrote wrong bytes on the H200: `fp8.fused_quantize`'s history, and
+    again here at 34447b4). `t.pending_amax` must be 0."""
     p = t.weight
     g, block, stride, m, v, b1, b2, lr, beta1, beta2, wd, eps = update or (p, p, 0, p, p, p, p, 0.0, 0.0, 0.0, 0.0, 0.0)
+    n = p.numel()
+    size, warps = (FOLD_BLOCK, FOLD_WARPS) if count else (BLOCK, NUM_WARPS)
     data = t.data.view(torch.uint8)
-    qt = data if t.transpose is None else t.transpose.view(torch.uint8)
-    grid = (-(-rows // CAST_BM), -(-cols // CAST_BN))
     with torch.cuda.device(p.device):
-        _cast_kernel()[grid](p, g, block, stride, m, v, b1, b2, rows, cols, lr, beta1, beta2, wd, eps, data, qt,
-                             t.scale, t.scale_inv, t.pending_amax.view(torch.int32), fp8_max(torch.float8_e4m3fn),
-                             UPDATE=update is not None, COUNT=count, INIT=init, DECAY=wd != 0,
-                             TRANSPOSE=t.transpose is not None, BM=CAST_BM, BN=CAST_BN, num_warps=CAST_WARPS)
+        _kernel()[(-(-n // size),)](p, g, block, stride, m, v, b1, b2, n, lr, beta1, beta2, wd, eps, data, t.scale,
+                                    t.scale_inv, t.pending_amax.view(torch.int32), fp8_max(torch.float8_e4m3fn),
+                                    COUNT=count, INIT=init, DECAY=wd != 0, UPDATE=update is not None, CAST=True,
+                                    BLOCK=size, num_warps=warps)
+    if t.transpose is not None:
+        transpose_bytes(t.data, out=t.transpose)
     t.mark_cast()
 
 
