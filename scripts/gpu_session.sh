@@ -52,6 +52,7 @@
 #          compared: h2048 Interleaved, h4096 ZB-V (about 3 minutes).
 # weight-cast: the optimizer's FP8 weight cast: its GPU tests, then offload_bench.py's A/B with
 #          QEFFECT_WEIGHT_CAST=0 (TE's own cast) at h4096 ZB-V and h2048 Interleaved (about 4 minutes).
+# weight-cast-kernels: benchmarks/weight_cast_ab.py on h4096 with the transpose sweep.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
@@ -380,6 +381,11 @@ token-ab)
     step 300 token-ab-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
         --schedule zbv --steps 30 --interleave 2 --modes off,off+QEFFECT_TOKEN_COPY=1 \
         --out "$out/token-ab-h4096-zbv-h200.json"
+    ;;
+weight-cast-kernels)
+    # the cast's kernels alone on h4096's matrix weights (bits against TE's cast, transpose tile sweep)
+    step 150 weight-cast-kernels python3 benchmarks/weight_cast_ab.py --config examples/configs/h4096.toml \
+        --sweep --json "$out/weight-cast-kernels-h4096-h200.json"
     ;;
 weight-cast)
     # issue 8: the optimizer casts the FP8 weight caches in its pass (TE's weight cast read every weight

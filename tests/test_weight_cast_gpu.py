@@ -51,8 +51,8 @@ def test_the_cast_alone_is_transformer_engines(out_f: int, in_f: int, scale: flo
         adamw._cast_alone([t])
         assert t.fresh
         t.fold_pending_amax()
+        got = [c.clone() for c in (t.data, t.transpose, t.scale_inv, t.amax_row)]  # before the scope's update
         torch.cuda.synchronize()
-    got = (t.data, t.transpose, t.scale_inv, t.amax_row)
     for name, a, b in zip(("data", "transpose", "scale_inv", "amax"), got, want, strict=True):
         assert torch.equal(_bits(a), _bits(b)), name
     assert t.pending_amax.item() == 0.0
@@ -120,21 +120,25 @@ def test_after_the_first_step_every_cast_is_in_the_optimizers_pass(monkeypatch: 
     cfg = _tiny_te("interleaved")
     pipe = build_single_process(cfg, native=False, device="cuda", path="captured-direct")
     targets = [t for r in pipe.ranks for a in r.actions.values() for t in a.weight_casts]
-    calls = {"alone": 0}
-    real = adamw._cast_alone
+    stale, now = [0, 0, 0], [0]  # per step: how many caches its first forwards found stale (cast first)
+    real = TritonAdamW.cast_now
 
-    def counting(ts, zeroed=False):
-        calls["alone"] += len(ts)
-        return real(ts, zeroed)
+    def counting(self, ts):
+        n = real(self, ts)
+        stale[now[0]] += n
+        return n
 
-    monkeypatch.setattr(adamw, "_cast_alone", counting)
-    losses = [pipe.step(synthetic_batches(cfg, s, "cuda")) for s in range(3)]
+    monkeypatch.setattr(TritonAdamW, "cast_now", counting)
+    losses = []
+    for s in range(3):
+        now[0] = s
+        losses.append(pipe.step(synthetic_batches(cfg, s, "cuda")))
     native = build_single_process(cfg, native=True, device="cuda")
     ref = [native.step(synthetic_batches(cfg, s, "cuda")) for s in range(3)]
     assert torch.equal(torch.stack(losses), torch.stack(ref))
     if switch == "0":
-        assert not targets and calls["alone"] == 0
+        assert not targets and stale == [0, 0, 0]
         return
     assert targets and all(t.captured for t in targets)
-    assert calls["alone"] == len(targets)  # the first step's, before its first forward; none since
+    assert stale == [len(targets), 0, 0]  # the first step's casts before its forwards; the commits' since
     assert all(t.fresh for t in targets)  # the last commit cast them for a next step

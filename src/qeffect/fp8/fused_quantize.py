@@ -42,6 +42,7 @@ from qeffect.triton_lazy import triton_kernel
 
 BLOCK_M = 64
 BLOCK_N = 64
+TRANSPOSE_BLOCK = (64, 64, 4)  # `transpose_bytes`: rows x columns per tile, warps (`weight_cast_ab.py` sweeps it)
 
 
 @triton_kernel
@@ -86,18 +87,21 @@ def _transpose_kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT
     return transpose_bytes
 
 
-def transpose_bytes(q: Tensor, out: Tensor | None = None) -> Tensor:
+def transpose_bytes(q: Tensor, out: Tensor | None = None, block: tuple[int, int, int] | None = None) -> Tensor:
     """`q.t().contiguous()` of a 2-D one-byte tensor (FP8) on the GPU as a tiled Triton transpose: torch's
     strided copy of FP8 ran at a small fraction of the bandwidth (4.5 ms for 17 weight transposes per
     h4096 step on the H200). The quantize kernel's own transpose is wrong for fp32 inputs there, so those
-    quantize first and transpose the bytes here (no FP8 conversion in this kernel)."""
+    quantize first and transpose the bytes here (no FP8 conversion in this kernel). `block`: (rows,
+    columns, warps) instead of `TRANSPOSE_BLOCK`."""
     m, n = q.shape
     qt = torch.empty((n, m), dtype=q.dtype, device=q.device) if out is None else out
     if qt.shape != (n, m) or qt.element_size() != 1 or not qt.is_contiguous():
         raise ValueError(f"transpose_bytes: out must be a contiguous one-byte [{n}, {m}] tensor, got {tuple(qt.shape)}")
-    grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
+    bm, bn, warps = block or TRANSPOSE_BLOCK
+    grid = (-(-m // bm), -(-n // bn))
     with torch.cuda.device(q.device):
-        _transpose_kernel()[grid](q.view(torch.uint8), qt.view(torch.uint8), m, n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        _transpose_kernel()[grid](q.view(torch.uint8), qt.view(torch.uint8), m, n, BLOCK_M=bm, BLOCK_N=bn,
+                                  num_warps=warps)
     return qt
 
 

@@ -1,0 +1,164 @@
+"""The FP8 weight cast in one process: Transformer Engine's cast pass against the cast in the AdamW pass.
+
+On a configuration's matrix weights (fp32 masters; the captured te path's staged gradient folded in the
+update, as `fold-in-triton` in `adamw_ab.py`), per step:
+
+- ``adamw``: `runtime.adamw.TritonAdamW` alone (no cast);
+- ``te-cast``: Transformer Engine's delayed-scaling cast of every weight into its FP8 workspace (its
+  `cast_transpose` kernel: what the first forward of a step runs when the optimizer does not cast);
+- ``adamw+cast``: `TritonAdamW` with `cast_after_step` on every weight: the update writes the E4M3
+  bytes, amax and 1 / scale in its pass, then `transpose_bytes` writes the transpose;
+- ``adamw+rowwise``: the same without the transpose (what the pass itself costs);
+- ``transpose[BMxBNxW]``: `transpose_bytes` alone per tile shape and warps (``--sweep``).
+
+The comparison that matters: ``adamw+cast`` against ``adamw`` + ``te-cast``. Bits: after one step the
+cast's bytes, transpose, 1 / scale and amax equal TE's cast of the same updated weights. CUDA events
+around each variant's whole pass, medians of ``--reps`` after ``--warmup``, interleaved.
+
+    source .gpu-kit/setup.sh
+    python3 benchmarks/weight_cast_ab.py --config examples/configs/h4096.toml --json $OUT/weight-cast-kernels-h4096-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+from qeffect.cli.common import write_json
+from qeffect.config import load_config
+from qeffect.fp8.fused_quantize import transpose_bytes
+from qeffect.fp8.weight_cast import WeightCastTarget
+from qeffect.graphs.handshake import gpu_provenance
+from qeffect.profile.matrix import te_version
+from qeffect.runtime.adamw import TritonAdamW
+from qeffect.runtime.build import build_chunks_for
+
+FP8 = torch.float8_e4m3fn
+SWEEP = ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (128, 128, 8), (128, 128, 16), (256, 64, 8))
+
+
+def matrix_shapes(cfg) -> list[torch.Size]:
+    chunks = build_chunks_for(cfg.with_overrides(**{"fp8.backend": "reference"}), "meta")
+    return [p.shape for c in chunks for p in c.matrix_params().values()]
+
+
+def timed(fn) -> float:
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e-3
+
+
+class Optim:
+    """`TritonAdamW` on its own copy of the weights, the staged gradient folded in its pass; with casts."""
+
+    def __init__(self, params, slots, cfg, cast: str | None) -> None:
+        o = cfg.optim
+        self.params = [p.clone().requires_grad_(True) for p in params]
+        self.slots = slots
+        self.regions = [torch.empty_like(p) for p in params]
+        self.opt = TritonAdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        self.targets = []
+        for i, p in enumerate(self.params) if cast else ():
+            rows, cols = p.shape
+            t = WeightCastTarget(f"w{i}", p, torch.empty((rows, cols), dtype=FP8, device=p.device),
+                                 torch.empty((cols, rows), dtype=FP8, device=p.device) if cast == "full" else None,
+                                 torch.full((1,), 57.0, device=p.device), torch.zeros(1, device=p.device),
+                                 torch.zeros(1, device=p.device))
+            self.opt.cast_after_step(t)
+            self.targets.append(t)
+
+    def step(self) -> None:
+        for p, s, r in zip(self.params, self.slots, self.regions, strict=True):
+            p.grad = r
+            self.opt.fold_into_step(p, s, s.shape[0], True)
+        self.opt.step()
+
+
+def te_caster(params: list[torch.Tensor]):
+    """TE's cast of every weight into its own workspace, with scale 57 (the targets' scale)."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    dev = params[0].device
+    quantizers = [Float8Quantizer(torch.full((1,), 57.0, device=dev), torch.zeros(1, device=dev),
+                                  tex.DType.kFloat8E4M3, rowwise=True, columnwise=True) for _ in params]
+    workspaces = [q.quantize(p) for q, p in zip(quantizers, params, strict=True)]
+
+    def run() -> None:
+        for q, p, w in zip(quantizers, params, workspaces, strict=True):
+            q.amax.zero_()
+            q.update_quantized(p, w)
+
+    return run, quantizers, workspaces
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="examples/configs/h4096.toml")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--sweep", action="store_true", help="also time transpose_bytes per tile shape and warps")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = load_config(a.config)
+    shapes = matrix_shapes(cfg)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    params = [torch.randn(s, device=dev, generator=gen) * 0.02 for s in shapes]
+    staging = cfg.pipeline.microbatches
+    slots = [torch.randn(staging, p.numel(), device=dev, generator=gen).mul_(1e-3).to(torch.bfloat16) for p in params]
+    plain, full, rowwise = (Optim(params, slots, cfg, c) for c in (None, "full", "rowwise"))
+    # bits: one step each, then TE's cast of the plain optimizer's weights against the fused cast's bytes
+    plain.step()
+    full.step()
+    te_run, te_q, te_ws = te_caster(plain.params)
+    te_run()
+    torch.cuda.synchronize(dev)
+    differ = {"weights": 0, "data": 0, "transpose": 0, "scale_inv": 0, "amax": 0}
+    for p, t, q, w in zip(plain.params, full.targets, te_q, te_ws, strict=True):
+        t.fold_pending_amax()
+        differ["weights"] += not torch.equal(p, t.weight)
+        differ["data"] += not torch.equal(w._data.view(torch.uint8), t.data.view(torch.uint8))
+        differ["transpose"] += not torch.equal(w._transpose.view(torch.uint8), t.transpose.view(torch.uint8))
+        differ["scale_inv"] += not torch.equal(w._scale_inv.view(-1), t.scale_inv.view(-1))
+        differ["amax"] += not torch.equal(q.amax.view(-1), t.amax_row.view(-1))
+    te_run, _, _ = te_caster(plain.params)
+    variants = {"adamw": plain.step, "te-cast": te_run, "adamw+cast": full.step, "adamw+rowwise": rowwise.step}
+    qs = [t.data for t in full.targets]
+    outs = [t.transpose for t in full.targets]
+    for bm, bn, w in SWEEP if a.sweep else ():
+        variants[f"transpose[{bm}x{bn}x{w}]"] = (
+            lambda bm=bm, bn=bn, w=w: [transpose_bytes(q, out=o, block=(bm, bn, w)) for q, o in zip(qs, outs, strict=True)])
+    for _ in range(a.warmup):
+        for fn in variants.values():
+            fn()
+    times: dict[str, list[float]] = {n: [] for n in variants}
+    for _ in range(a.reps):
+        for n, fn in variants.items():
+            times[n].append(timed(fn))
+    med = {n: statistics.median(v) for n, v in times.items()}
+    numel = sum(p.numel() for p in params)
+    for n, m in med.items():
+        print(f"{n:>24}: {m * 1e3:7.3f} ms")
+    before, after = med["adamw"] + med["te-cast"], med["adamw+cast"]
+    print(f"adamw + te-cast {before * 1e3:.3f} ms, adamw+cast {after * 1e3:.3f} ms: saves {(before - after) * 1e3:.3f} ms"
+          f" (x{before / after:.3f}); bits differing: {differ}")
+    report = {
+        **gpu_provenance(dev), "te": te_version(), "config": a.config, "weights": len(params),
+        "elements": numel, "warmup": a.warmup, "reps": a.reps, "bits_differing": differ,
+        "median_seconds": med, "raw_seconds": times,
+        "saves_seconds": before - after, "ratio": before / after,
+    }
+    if a.json:
+        write_json(Path(a.json), report)
+    return 0 if not any(differ.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
