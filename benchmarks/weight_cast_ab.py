@@ -82,6 +82,7 @@ class Optim:
 
 def te_caster(params: list[torch.Tensor]):
     """TE's cast of every weight into its own workspace, with scale 57 (the targets' scale)."""
+    import transformer_engine.pytorch  # noqa: F401 - loads the library transformer_engine_torch needs
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 
