@@ -33,6 +33,7 @@ from qeffect.fp8.fused_quantize import transpose_bytes
 from qeffect.fp8.weight_cast import WeightCastTarget
 from qeffect.graphs.handshake import gpu_provenance
 from qeffect.profile.matrix import te_version
+from qeffect.runtime import adamw
 from qeffect.runtime.adamw import TritonAdamW
 from qeffect.runtime.build import build_chunks_for
 
@@ -105,6 +106,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--sweep", action="store_true", help="also time transpose_bytes per tile shape and warps")
+    ap.add_argument("--iters", default="", help="also time adamw+cast per CAST_ITER, e.g. 1,4,8,16")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -133,6 +135,17 @@ def main() -> int:
     variants = {"adamw": plain.step, "te-cast": te_run, "adamw+cast": full.step, "adamw+rowwise": rowwise.step}
     qs = [t.data for t in full.targets]
     outs = [t.transpose for t in full.targets]
+    default_iter = adamw.CAST_ITER
+
+    def with_iter(k: int) -> None:
+        adamw.CAST_ITER = k
+        try:
+            full.step()
+        finally:
+            adamw.CAST_ITER = default_iter
+
+    for k in (int(x) for x in a.iters.split(",") if x):
+        variants[f"adamw+cast[iter={k}]"] = lambda k=k: with_iter(k)
     for bm, bn, w in SWEEP if a.sweep else ():
         variants[f"transpose[{bm}x{bn}x{w}]"] = (
             lambda bm=bm, bn=bn, w=w: [transpose_bytes(q, out=o, block=(bm, bn, w)) for q, o in zip(qs, outs, strict=True)])
@@ -152,7 +165,8 @@ def main() -> int:
           f" (x{before / after:.3f}); bits differing: {differ}")
     report = {
         **gpu_provenance(dev), "te": te_version(), "config": a.config, "weights": len(params),
-        "elements": numel, "warmup": a.warmup, "reps": a.reps, "bits_differing": differ,
+        "elements": numel, "cast_iter": adamw.CAST_ITER, "cast_transpose_block": adamw.CAST_TRANSPOSE_BLOCK,
+        "warmup": a.warmup, "reps": a.reps, "bits_differing": differ,
         "median_seconds": med, "raw_seconds": times,
         "saves_seconds": before - after, "ratio": before / after,
     }

@@ -385,7 +385,7 @@ token-ab)
 weight-cast-kernels)
     # the cast's kernels alone on h4096's matrix weights (bits against TE's cast, transpose tile sweep)
     step 150 weight-cast-kernels python3 benchmarks/weight_cast_ab.py --config examples/configs/h4096.toml \
-        --sweep --json "$out/weight-cast-kernels-h4096-h200.json"
+        --sweep --iters 1,2,4,16 --json "$out/weight-cast-kernels-h4096-h200.json"
     ;;
 weight-cast)
     # issue 8: the optimizer casts the FP8 weight caches in its pass (TE's weight cast read every weight

@@ -47,6 +47,9 @@ NUM_WARPS = 16  # best of an ad-hoc sweep (BLOCK 1024-8192 x 4-16 warps, one 50M
 FOLD_BLOCK = 1024  # the pass that also folds the staged slots (`TritonAdamW.fold_into_step`): best of
 FOLD_WARPS = 16  # `adamw_ab.py --fold-sweep` (block 1024-8192 x 4-16 warps on h4096, H200): 4.04 TB/s
 MIN_NUMEL = 1 << 20  # smaller tensors (norms, biases) stay in torch's one multi-tensor launch: same bits
+CAST_ITER = 8  # blocks per program when the pass casts (`weight_cast_ab.py --iters`)
+CAST_TRANSPOSE_BLOCK = (128, 128, 8)  # the cast's byte transpose (`weight_cast_ab.py --sweep` at 771864c: 0.58
+# ms for h4096's 17 weights on the H200, 0.78 with `transpose_bytes`' default 64 x 64 x 4)
 
 
 @triton_kernel
@@ -93,28 +96,31 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     def adamw(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, n, lr, beta1, beta2,
               weight_decay, eps, q_ptr, scale_ptr, scale_inv_ptr, amax_bits_ptr, fmax, COUNT: tl.constexpr,
               INIT: tl.constexpr, DECAY: tl.constexpr, UPDATE: tl.constexpr, CAST: tl.constexpr,
-              BLOCK: tl.constexpr):
+              BLOCK: tl.constexpr, ITER: tl.constexpr = 1):
         """The update of `TritonAdamW` over a flat parameter (``COUNT=0``: the gradient is ``g``); with
         ``CAST`` then Transformer Engine's delayed-scaling cast of the new weight (`fp8.weight_cast`):
         its E4M3 bytes in the same (row-major) order, the amax as an integer atomic max over |w|'s bits,
-        and 1 / scale. ``UPDATE=False``: the cast alone."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        if UPDATE:
-            p = _adamw_update(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, offs, mask, lr,
-                              beta1, beta2, weight_decay, eps, COUNT, INIT, DECAY)
-        else:
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        and 1 / scale. ``UPDATE=False``: the cast alone. ``ITER`` blocks per program (with the cast: one
+        atomic per program, not per block: they serialize on the one amax word)."""
+        amax = tl.zeros((BLOCK,), dtype=tl.int32)
+        for i in tl.static_range(ITER):
+            offs = (tl.program_id(0).to(tl.int64) * ITER + i) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            if UPDATE:
+                p = _adamw_update(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, offs, mask,
+                                  lr, beta1, beta2, weight_decay, eps, COUNT, INIT, DECAY)
+            else:
+                p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+            if CAST:
+                x = p * tl.load(scale_ptr)
+                x = tl.where(x > fmax, fmax, x)  # comparisons with NaN are false: NaN passes (satfinite's result)
+                x = tl.where(x < -fmax, -fmax, x)
+                tl.store(q_ptr + offs, x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+                amax = tl.maximum(amax, tl.where(mask, p.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0))
         if CAST:
-            scale = tl.load(scale_ptr)
-            x = p * scale
-            x = tl.where(x > fmax, fmax, x)  # comparisons with NaN are false: NaN passes (satfinite's result)
-            x = tl.where(x < -fmax, -fmax, x)
-            tl.store(q_ptr + offs, x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
-            bits = tl.where(mask, p.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-            tl.atomic_max(amax_bits_ptr, tl.max(bits, axis=0))
+            tl.atomic_max(amax_bits_ptr, tl.max(amax, axis=0))
             if tl.program_id(0) == 0:
-                tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
+                tl.store(scale_inv_ptr, tl.div_rn(1.0, tl.load(scale_ptr)))
 
     return adamw
 
@@ -264,14 +270,14 @@ def _launch_cast(t: WeightCastTarget, update: tuple | None, count: int = 0, init
     g, block, stride, m, v, b1, b2, lr, beta1, beta2, wd, eps = update or (p, p, 0, p, p, p, p, 0.0, 0.0, 0.0, 0.0, 0.0)
     n = p.numel()
     size, warps = (FOLD_BLOCK, FOLD_WARPS) if count else (BLOCK, NUM_WARPS)
-    data = t.data.view(torch.uint8)
+    data, per = t.data.view(torch.uint8), size * CAST_ITER
     with torch.cuda.device(p.device):
-        _kernel()[(-(-n // size),)](p, g, block, stride, m, v, b1, b2, n, lr, beta1, beta2, wd, eps, data, t.scale,
-                                    t.scale_inv, t.pending_amax.view(torch.int32), fp8_max(torch.float8_e4m3fn),
-                                    COUNT=count, INIT=init, DECAY=wd != 0, UPDATE=update is not None, CAST=True,
-                                    BLOCK=size, num_warps=warps)
+        _kernel()[(-(-n // per),)](p, g, block, stride, m, v, b1, b2, n, lr, beta1, beta2, wd, eps, data, t.scale,
+                                   t.scale_inv, t.pending_amax.view(torch.int32), fp8_max(torch.float8_e4m3fn),
+                                   COUNT=count, INIT=init, DECAY=wd != 0, UPDATE=update is not None, CAST=True,
+                                   BLOCK=size, ITER=CAST_ITER, num_warps=warps)
     if t.transpose is not None:
-        transpose_bytes(t.data, out=t.transpose)
+        transpose_bytes(t.data, out=t.transpose, block=CAST_TRANSPOSE_BLOCK)
     t.mark_cast()
 
 
