@@ -47,9 +47,11 @@ NUM_WARPS = 16  # best of an ad-hoc sweep (BLOCK 1024-8192 x 4-16 warps, one 50M
 FOLD_BLOCK = 1024  # the pass that also folds the staged slots (`TritonAdamW.fold_into_step`): best of
 FOLD_WARPS = 16  # `adamw_ab.py --fold-sweep` (block 1024-8192 x 4-16 warps on h4096, H200): 4.04 TB/s
 MIN_NUMEL = 1 << 20  # smaller tensors (norms, biases) stay in torch's one multi-tensor launch: same bits
-CAST_ITER = 8  # blocks per program when the pass casts (`weight_cast_ab.py --iters`)
-CAST_TRANSPOSE_BLOCK = (128, 128, 8)  # the cast's byte transpose (`weight_cast_ab.py --sweep` at 771864c: 0.58
-# ms for h4096's 17 weights on the H200, 0.78 with `transpose_bytes`' default 64 x 64 x 4)
+CAST_ITER = 4  # blocks per program when the pass casts (`weight_cast_ab.py --iters` at 0fccb9a, h4096 on the
+# H200: 8.82 / 8.60 / 8.36 / 8.44 / 8.65 ms for 1 / 2 / 4 / 8 / 16, against 8.91 for the pass and TE's cast)
+CAST_TRANSPOSE_BLOCK = (128, 128, 8)  # the cast's byte transpose (`weight_cast_ab.py --sweep`, h4096's 17
+# weights on the H200: 0.58 ms against 0.78 with `transpose_bytes`' default 64 x 64 x 4 at 771864c; 0.46 / 0.53
+# at 0fccb9a)
 
 
 @triton_kernel
