@@ -26,17 +26,17 @@ def _target(weight: torch.Tensor, transpose: bool = True) -> WeightCastTarget:
 def test_fresh_until_consumed_or_the_weight_changes() -> None:
     w = torch.nn.Parameter(torch.randn(3, 2))
     t = _target(w)
-    assert not t.fresh and not t.use_cache()  # never cast: a first forward casts itself
+    assert not t.fresh and not t.use_cache(False)  # never cast: a first forward casts itself
     t.mark_cast()
-    assert t.fresh and t.use_cache()
+    assert t.fresh and t.use_cache(False)
     t.mark_consumed()
     assert not t.fresh
     t.mark_cast()
     with torch.no_grad():
         w.add_(1.0)  # written outside the optimizer's pass: the cached cast is of the old weight
     assert not t.fresh
-    t.captured = True  # a captured slot-0 graph takes the cache whatever it holds: its caller casts first
-    assert t.use_cache()
+    t.captured = True  # a slot-0 graph being captured takes the cache whatever it holds: its caller casts
+    assert t.use_cache(True) and not t.use_cache(False)  # before each replay; an eager forward casts itself
 
 
 def test_pending_amax_folds_as_an_atomic_max_onto_the_row() -> None:

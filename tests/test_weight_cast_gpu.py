@@ -142,3 +142,23 @@ def test_after_the_first_step_every_cast_is_in_the_optimizers_pass(monkeypatch: 
     assert targets and all(t.captured for t in targets)
     assert stale == [len(targets), 0, 0]  # the first step's casts before its forwards; the commits' since
     assert all(t.fresh for t in targets)  # the last commit cast them for a next step
+
+
+def test_an_eager_first_forward_casts_a_stale_cache_itself() -> None:
+    """Outside a capture (evaluation) a first forward takes the optimizer's cast only while it is fresh:
+    after the weight changed elsewhere, Transformer Engine casts it again, from the weight as it is."""
+    from qeffect.runtime.build import build_single_process
+    from qeffect.verify.state import synthetic_batches
+
+    cfg = _tiny_te("interleaved")
+    pipe = build_single_process(cfg, native=False, device="cuda", path="captured-direct")
+    pipe.step(synthetic_batches(cfg, 0, "cuda"))
+    lin, t = next((lin, lin._weight_cast) for r in pipe.ranks for c in r.chunks.values()
+                  for lin in c.matrix_linears().values() if getattr(lin, "_weight_cast", None) is not None)
+    assert t.fresh  # the commit cast it for the next step
+    with torch.no_grad():
+        t.weight.mul_(1.5)  # written outside the optimizer: the cached cast is of the old weight
+        assert not t.fresh
+        lin(torch.randn(16, lin.in_features, device="cuda", dtype=torch.bfloat16), is_first_microbatch=True)
+    want = (t.weight * t.scale).clamp(-448.0, 448.0).to(FP8)
+    assert torch.equal(_bits(t.data), _bits(want)) and not t.fresh

@@ -430,7 +430,8 @@ def te_linear_class() -> type[nn.Module]:
                 with torch.no_grad():
                     self._bias_act.copy_(self.bias)
             cast = self._weight_cast
-            cached = bool(is_first_microbatch) and cast is not None and cast.use_cache()
+            cached = (bool(is_first_microbatch) and cast is not None
+                      and cast.use_cache(torch.cuda.is_current_stream_capturing()))
             if cached:  # the optimizer cast the weight already (`fp8.weight_cast`): its amax joins the history
                 cast.fold_pending_amax()
                 cast.mark_consumed()

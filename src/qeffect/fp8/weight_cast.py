@@ -41,8 +41,8 @@ class WeightCastTarget:
     amax_row: Tensor  # the weight's slot in the amax history's current row (one element)
     pending_amax: Tensor = field(init=False)  # max |w| of the last cast, not yet in the history
     stamp: int | None = field(default=None, init=False)
-    # captured: every first forward takes the cache as it is (the graph was captured so); the caller
-    # casts a stale one first. Otherwise a first forward takes it only when fresh, else casts itself.
+    # captured: a first forward captured into a graph takes the cache as it is (the caller casts a stale
+    # one before each replay). An eager first forward (evaluation) takes it only when fresh, else casts.
     captured: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -61,9 +61,10 @@ class WeightCastTarget:
         """The cache holds the cast of the weight as it is now, and its amax is pending."""
         return self.stamp is not None and self.stamp == self.weight._version
 
-    def use_cache(self) -> bool:
-        """Whether a first forward now takes the cache (and folds the pending amax) instead of casting."""
-        return self.captured or self.fresh
+    def use_cache(self, capturing: bool) -> bool:
+        """Whether a first forward takes the cache (and folds the pending amax) instead of casting:
+        `capturing` one into a graph of captured actions, or one that finds the cache fresh."""
+        return (self.captured and capturing) or self.fresh
 
     def mark_cast(self) -> None:
         self.stamp = self.weight._version
