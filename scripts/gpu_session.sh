@@ -88,6 +88,13 @@ gaps_ab() {  # gaps_ab VAR=VALUE off-name on-name: h4096 te step gaps with a swi
     step 120 "gaps-$3" python3 scripts/step_gaps.py --config examples/configs/h4096.toml \
         --json "$out/step-gaps-h4096-te-$3-h200.json"
 }
+switch_ab() {  # switch_ab VAR=VALUE name: offload_bench.py's A/B of a switch against the default, 2 interleaved
+    # rounds, bitwise compared: h2048 Interleaved (40 steps), then h4096 ZB-V (30)
+    step 200 "$2-h2048" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+        --schedule interleaved --steps 40 --interleave 2 --modes "off,off+$1" --out "$out/$2-h2048-interleaved-h200.json"
+    step 300 "$2-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule zbv --steps 30 --interleave 2 --modes "off,off+$1" --out "$out/$2-h4096-zbv-h200.json"
+}
 profile_h4096_te() {  # the h4096 te matrix with traces and the M analysis
     step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
@@ -375,12 +382,7 @@ offload-acceptance)
 token-ab)
     # issue 8: h4096's fastest-vs-anchor gap is 0.44 ms of a GPU-bound step; the token copies are ~96 of its
     # 169 device-to-device copies
-    step 200 token-ab-h2048 python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-        --schedule interleaved --steps 40 --interleave 2 --modes off,off+QEFFECT_TOKEN_COPY=1 \
-        --out "$out/token-ab-h2048-interleaved-h200.json"
-    step 300 token-ab-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --schedule zbv --steps 30 --interleave 2 --modes off,off+QEFFECT_TOKEN_COPY=1 \
-        --out "$out/token-ab-h4096-zbv-h200.json"
+    switch_ab QEFFECT_TOKEN_COPY=1 token-ab
     ;;
 weight-cast-kernels)
     # the cast's kernels alone on h4096's matrix weights (bits against TE's cast, transpose tile sweep)
@@ -392,12 +394,7 @@ weight-cast)
     # again: 1.23 ms of the h4096 step); its GPU tests, then the A/B against TE's own cast, bitwise compared
     step 200 weight-cast-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_weight_cast_gpu.py \
         tests/test_adamw.py
-    step 200 weight-cast-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --schedule zbv --steps 30 --interleave 2 --modes off,off+QEFFECT_WEIGHT_CAST=0 \
-        --out "$out/weight-cast-ab-h4096-zbv-h200.json"
-    step 200 weight-cast-h2048 python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-        --schedule interleaved --steps 40 --interleave 2 --modes off,off+QEFFECT_WEIGHT_CAST=0 \
-        --out "$out/weight-cast-ab-h2048-interleaved-h200.json"
+    switch_ab QEFFECT_WEIGHT_CAST=0 weight-cast-ab
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)
