@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qeffect.config import load_config
 from qeffect.fp8.recipe import DelayedScalingRecipe
 from qeffect.fp8.te import batched_scaling_updates, te_available
 from qeffect.fp8.weight_cast import WeightCastTarget
 from qeffect.runtime import adamw
 from qeffect.runtime.adamw import TritonAdamW
+from test_te_backend import _tiny_te  # the tiny te config of the TE tests (tests/ is on sys.path)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and te_available()),
                                                   reason="needs CUDA and Transformer Engine")]
@@ -93,11 +93,6 @@ def test_the_update_with_the_cast_is_torch_adamw_then_the_cast(fold: int) -> Non
         assert torch.equal(target.scale_inv, 1.0 / target.scale)
         target.fold_pending_amax()
         target.mark_consumed()
-
-
-def _tiny_te(schedule: str):
-    return load_config().with_overrides(**{"train.device": "cuda", "fp8.backend": "te", "train.dtype": "bfloat16",
-                                           "pipeline.schedule": schedule})
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
