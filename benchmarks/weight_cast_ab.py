@@ -26,6 +26,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from adamw_ab import Variant, shapes_of  # benchmarks/ is sys.path[0] when this script runs
 
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
@@ -34,16 +35,14 @@ from qeffect.fp8.weight_cast import WeightCastTarget
 from qeffect.graphs.handshake import gpu_provenance
 from qeffect.profile.matrix import te_version
 from qeffect.runtime import adamw
-from qeffect.runtime.adamw import TritonAdamW
-from qeffect.runtime.build import build_chunks_for
 
 FP8 = torch.float8_e4m3fn
 SWEEP = ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (128, 128, 8), (128, 128, 16), (256, 64, 8))
 
 
 def matrix_shapes(cfg) -> list[torch.Size]:
-    chunks = build_chunks_for(cfg.with_overrides(**{"fp8.backend": "reference"}), "meta")
-    return [p.shape for c in chunks for p in c.matrix_params().values()]
+    shapes, matrix = shapes_of(cfg)
+    return [shape for shape, staged in zip(shapes, matrix, strict=True) if staged]
 
 
 def timed(fn) -> float:
@@ -55,15 +54,15 @@ def timed(fn) -> float:
     return s.elapsed_time(e) * 1e-3
 
 
-class Optim:
-    """`TritonAdamW` on its own copy of the weights, the staged gradient folded in its pass; with casts."""
+class Optim(Variant):
+    """`adamw_ab.py`'s ``fold-in-triton`` on its own copy of the weights (the staged gradient folded in the
+    update's pass), with every weight's cast registered (``cast``: "full" with, "rowwise" without transpose)."""
 
     def __init__(self, params, slots, cfg, cast: str | None) -> None:
         o = cfg.optim
-        self.params = [p.clone().requires_grad_(True) for p in params]
+        super().__init__("fold-in-triton", params, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
         self.slots = slots
         self.regions = [torch.empty_like(p) for p in params]
-        self.opt = TritonAdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
         self.targets = []
         for i, p in enumerate(self.params) if cast else ():
             rows, cols = p.shape
@@ -74,11 +73,8 @@ class Optim:
             self.opt.cast_after_step(t)
             self.targets.append(t)
 
-    def step(self) -> None:
-        for p, s, r in zip(self.params, self.slots, self.regions, strict=True):
-            p.grad = r
-            self.opt.fold_into_step(p, s, s.shape[0], True)
-        self.opt.step()
+    def run(self) -> None:
+        self.step(self.regions, self.slots, self.regions)
 
 
 def te_caster(params: list[torch.Tensor]):
@@ -118,8 +114,8 @@ def main() -> int:
     slots = [torch.randn(staging, p.numel(), device=dev, generator=gen).mul_(1e-3).to(torch.bfloat16) for p in params]
     plain, full, rowwise = (Optim(params, slots, cfg, c) for c in (None, "full", "rowwise"))
     # bits: one step each, then TE's cast of the plain optimizer's weights against the fused cast's bytes
-    plain.step()
-    full.step()
+    plain.run()
+    full.run()
     te_run, te_q, te_ws = te_caster(plain.params)
     te_run()
     torch.cuda.synchronize(dev)
@@ -131,8 +127,7 @@ def main() -> int:
         differ["transpose"] += not torch.equal(w._transpose.view(torch.uint8), t.transpose.view(torch.uint8))
         differ["scale_inv"] += not torch.equal(w._scale_inv.view(-1), t.scale_inv.view(-1))
         differ["amax"] += not torch.equal(q.amax.view(-1), t.amax_row.view(-1))
-    te_run, _, _ = te_caster(plain.params)
-    variants = {"adamw": plain.step, "te-cast": te_run, "adamw+cast": full.step, "adamw+rowwise": rowwise.step}
+    variants = {"adamw": plain.run, "te-cast": te_run, "adamw+cast": full.run, "adamw+rowwise": rowwise.run}
     qs = [t.data for t in full.targets]
     outs = [t.transpose for t in full.targets]
     default_iter = adamw.CAST_ITER
@@ -140,7 +135,7 @@ def main() -> int:
     def with_iter(k: int) -> None:
         adamw.CAST_ITER = k
         try:
-            full.step()
+            full.run()
         finally:
             adamw.CAST_ITER = default_iter
 

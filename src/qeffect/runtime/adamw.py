@@ -170,7 +170,12 @@ class TritonAdamW(torch.optim.AdamW):
 
     def cast_now(self, targets: Iterable[WeightCastTarget]) -> int:
         """Cast every target whose cache is not fresh (first step, after a resume or a weight written
-        outside the optimizer); returns how many were cast."""
+        outside the optimizer); returns how many were cast. A target not yet registered is registered
+        (:meth:`cast_after_step`): every later step casts it."""
+        targets = list(targets)
+        for t in targets:
+            if t.weight not in self._casts:
+                self.cast_after_step(t)
         stale = [t for t in targets if not t.fresh]
         _cast_alone(stale)
         return len(stale)

@@ -179,7 +179,6 @@ class QEffectRank(BaseRank):
                 for s, c in self.chunks.items()
             }
         self.manager = manager
-        self._cast_registered: set[int] = set()  # id() of the weights whose cast the optimizer does
         self.tokens = {s: a.ledger.current for s, a in self.actions.items()}
         self.refs: dict[tuple[int, int], object] = {}
         self.direct = direct
@@ -193,8 +192,7 @@ class QEffectRank(BaseRank):
         if action.kind is ActionKind.F:
             casts = getattr(act, "weight_casts", None) if m == 0 else None
             if casts:  # the slot-0 graph takes the caches as they are: cast stale ones (first step, resume)
-                self._register_casts(casts)
-                self.optimizer.cast_now(casts)
+                self.optimizer.cast_now(casts)  # registers new targets: each later step casts them
             out = act.forward(m, self._input(s, m, batches, transport), self.tokens[s], self._targets(s, m, batches))
             for t in casts or ():
                 t.mark_consumed()
@@ -215,13 +213,6 @@ class QEffectRank(BaseRank):
             self.dw_order[s].append(m)
         else:
             raise ValueError(f"qeffect runs F, dI and dW, got {action}")
-
-    def _register_casts(self, casts: list) -> None:
-        """The optimizer casts these caches in its step from now on (once per target)."""
-        for t in casts:
-            if id(t.weight) not in self._cast_registered:
-                self.optimizer.cast_after_step(t)
-                self._cast_registered.add(id(t.weight))
 
     def capture(self, microbatch_size: int, seq_len: int) -> None:
         """Capture every action of every owned chunk (captured mode only, no offload: with offload the
