@@ -53,6 +53,7 @@
 # weight-cast: the optimizer's FP8 weight cast: its GPU tests, then offload_bench.py's A/B with
 #          QEFFECT_WEIGHT_CAST=0 (TE's own cast) at h4096 ZB-V and h2048 Interleaved (about 4 minutes).
 # weight-cast-kernels: benchmarks/weight_cast_ab.py on h4096 with the transpose sweep.
+# host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
 # gil: scripts/gil_check.py, its pure-Python control first, then the real driver calls.
@@ -383,6 +384,11 @@ token-ab)
     # issue 8: h4096's fastest-vs-anchor gap is 0.44 ms of a GPU-bound step; the token copies are ~96 of its
     # 169 device-to-device copies
     switch_ab QEFFECT_TOKEN_COPY=1 token-ab
+    ;;
+host-python)
+    # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident
+    step 200 host-python python3 scripts/host_python_profile.py --modes off,release,resident --steps 10 \
+        --json "$out/host-python-h2048-interleaved-h200.json"
     ;;
 weight-cast-kernels)
     # the cast's kernels alone on h4096's matrix weights (bits against TE's cast, transpose tile sweep)
