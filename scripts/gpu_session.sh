@@ -53,6 +53,7 @@
 # weight-cast: the optimizer's FP8 weight cast: its GPU tests, then offload_bench.py's A/B with
 #          QEFFECT_WEIGHT_CAST=0 (TE's own cast) at h4096 ZB-V and h2048 Interleaved (about 4 minutes).
 # weight-cast-kernels: benchmarks/weight_cast_ab.py on h4096 with the transpose sweep.
+# optim-graph: the graphed optimizer step's GPU tests, its A/B (switch_ab) and issue 7's h2048 modes with it.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -384,6 +385,18 @@ token-ab)
     # issue 8: h4096's fastest-vs-anchor gap is 0.44 ms of a GPU-bound step; the token copies are ~96 of its
     # 169 device-to-device copies
     switch_ab QEFFECT_TOKEN_COPY=1 token-ab
+    ;;
+optim-graph)
+    # the optimizer step replayed from a CUDA graph (a third of h2048's host time was its launches): its
+    # GPU tests, the A/B against the eager step (off, bitwise compared), and issue 7's h2048 modes with it
+    step 200 optim-graph-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_adamw.py \
+        tests/test_weight_cast_gpu.py tests/test_offload_gpu.py
+    switch_ab QEFFECT_OPTIM_GRAPH=0 optim-graph-ab
+    for sched in interleaved zbv; do
+        step 150 "offload-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-h200.json" \
+            --modes off,release,resident,release+QEFFECT_OPTIM_GRAPH=0
+    done
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident

@@ -278,3 +278,106 @@ def test_training_steps_with_the_fold_in_the_pass_equal_native_eager(backend, mo
                 assert torch.equal(pn, pq), name
                 for k in ("exp_avg", "exp_avg_sq"):
                     assert torch.equal(rn.optimizer.state[pn][k], rq.optimizer.state[pq][k]), (name, k)
+
+
+def test_graph_policy_captures_the_second_equal_step_and_replays_with_the_host_bookkeeping(monkeypatch):
+    """CPU, with the key, capture and graph faked: eager until the same work came twice, then a capture,
+    then replays (which consume the folds and stamp the casts as the eager step does); new work runs
+    eagerly and is captured again once it repeats."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = TritonAdamW([p], graph=True, **HYPER)
+    keys = iter([None, "a", "a", "a", "a", "b", "a", "b", "b", "b"])
+    ran: list[str] = []
+
+    class FakeGraph:
+        def __init__(self, key):
+            self.key = key
+
+        def replay(self):
+            ran.append(f"replay:{self.key}")
+
+    def fake_capture(self, key):
+        self._step(None)
+        ran[-1] = f"capture:{key}"
+        self._graph, self._graph_key = FakeGraph(key), key
+        self.graph_captures += 1
+
+    stamps = []
+
+    class Target:
+        def mark_cast(self):
+            stamps.append(len(ran))
+
+    monkeypatch.setattr(TritonAdamW, "_work_key", lambda self: next(keys))
+    monkeypatch.setattr(TritonAdamW, "_step", lambda self, closure: ran.append("eager"))
+    monkeypatch.setattr(TritonAdamW, "_capture", fake_capture)
+    opt._casts = {p: Target()}
+    for _ in range(10):
+        opt._folds = {p: (torch.zeros(1, 4), 1, True)}
+        opt.step()
+        assert not ran[-1].startswith("replay") or opt._folds == {}  # a replay consumes the fold
+    assert ran == ["eager", "eager", "capture:a", "replay:a", "replay:a", "eager", "replay:a", "eager",
+                   "capture:b", "replay:b"]
+    assert opt.graph_captures == 2
+    assert stamps == [4, 5, 7, 10]  # every replay stamped the cast (an eager step stamps in its launches)
+    opt.use_graph(False)
+    opt.step()
+    assert ran[-1] == "eager" and opt._graph is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_step_is_bitwise_the_eager_step_with_folds_and_casts():
+    """The step replayed from its graph against the eager step: parameters, moments, step counts and the
+    cast's bytes, transpose, amax and 1 / scale, after every step; a new learning rate runs eagerly, then
+    is captured anew."""
+    from qeffect.fp8.weight_cast import WeightCastTarget
+
+    if adamw._kernel() is None:
+        pytest.skip("needs Triton")
+    fp8 = torch.float8_e4m3fn
+    shapes = [(1536, 1088), (adamw.MIN_NUMEL + 17,), (257, 129), (33,)]
+    gen = torch.Generator("cuda").manual_seed(0)
+    init = [torch.randn(s, device="cuda", generator=gen) * 0.02 for s in shapes]
+    runs = []
+    for graph in (False, True):
+        params = [torch.nn.Parameter(w.clone()) for w in init]
+        opt = TritonAdamW(params, graph=graph, weight_decay=0.1, **HYPER)
+        rows, cols = shapes[0]
+        target = WeightCastTarget("w", params[0], torch.zeros(shapes[0], dtype=fp8, device="cuda"),
+                                  torch.zeros((cols, rows), dtype=fp8, device="cuda"),
+                                  torch.full((1,), 97.5, device="cuda"), torch.zeros(1, device="cuda"),
+                                  torch.zeros(1, device="cuda"))
+        opt.cast_after_step(target)
+        grads = [torch.empty_like(p) for p in params]  # fixed addresses, refilled in place, as the arena's
+        slots = torch.empty((2, params[0].numel()), device="cuda", dtype=torch.bfloat16)
+        runs.append((params, opt, target, grads, slots))
+    for step in range(8):
+        if step == 6:
+            for _, opt, *_ in runs:
+                opt.param_groups[0]["lr"] = 1e-3
+        step_gen = torch.Generator("cuda").manual_seed(100 + step)
+        fresh_grads = [torch.randn(s, device="cuda", generator=step_gen) * 1e-3 for s in shapes]
+        fresh_slots = torch.randn((2, init[0].numel()), device="cuda", generator=step_gen).to(torch.bfloat16)
+        for params, opt, target, grads, slots in runs:
+            for p, g, f in zip(params, grads, fresh_grads, strict=True):
+                g.copy_(f)
+                p.grad = g
+            slots.copy_(fresh_slots)
+            opt.fold_into_step(params[0], slots, 2, init=False)
+            opt.step()
+            assert opt.pending_folds() == 0 and target.fresh
+        (pa, oa, ta, *_), (pb, ob, tb, *_) = runs
+        torch.cuda.synchronize()
+        _assert_same_bits(_state(pa, oa), _state(pb, ob))
+        for name in ("data", "transpose"):
+            assert torch.equal(getattr(ta, name).view(torch.uint8), getattr(tb, name).view(torch.uint8)), (step, name)
+        assert torch.equal(ta.pending_amax, tb.pending_amax) and torch.equal(ta.scale_inv, tb.scale_inv), step
+        for t in (ta, tb):
+            t.fold_pending_amax()
+            t.mark_consumed()
+    eager, graphed = runs[0][1], runs[1][1]
+    assert (eager.graph_captures, eager.graph_replays) == (0, 0)
+    # step 0 initializes the state, 1 is the first key, 2 captures (and replays), 3-5 replay; the new lr at
+    # 6 runs eagerly, 7 captures it
+    assert (graphed.graph_captures, graphed.graph_replays) == (2, 5)

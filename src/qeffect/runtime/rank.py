@@ -179,6 +179,9 @@ class QEffectRank(BaseRank):
                 for s, c in self.chunks.items()
             }
         self.manager = manager
+        if manager is not None and isinstance(self.optimizer, TritonAdamW) and os.environ.get(
+                "QEFFECT_OPTIM_GRAPH", "1") != "0":
+            self.optimizer.use_graph()  # captured: the optimizer step replays from a graph too
         self.tokens = {s: a.ledger.current for s, a in self.actions.items()}
         self.refs: dict[tuple[int, int], object] = {}
         self.direct = direct
