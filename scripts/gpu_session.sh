@@ -54,6 +54,7 @@
 #          QEFFECT_WEIGHT_CAST=0 (TE's own cast) at h4096 ZB-V and h2048 Interleaved (about 4 minutes).
 # weight-cast-kernels: benchmarks/weight_cast_ab.py on h4096 with the transpose sweep.
 # optim-graph: the graphed optimizer step's GPU tests, its A/B (switch_ab) and issue 7's h2048 modes with it.
+# release-depth: release offload's waits and its look-ahead depth A/B at h2048.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -396,6 +397,17 @@ optim-graph)
         step 150 "offload-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
             --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-h200.json" \
             --modes off,release,resident,release+QEFFECT_OPTIM_GRAPH=0
+    done
+    ;;
+release-depth)
+    # release offload once the host runs ahead (optimizer graph): the compute stream's stall at each offload
+    # wait, then the look-ahead depth A/B on h2048, both schedules
+    step 150 release-waits python3 scripts/offload_waits.py --modes off,release,release/la2 \
+        --json "$out/offload-waits-release-h2048-h200.json"
+    for sched in interleaved zbv; do
+        step 150 "release-depth-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-h200.json" \
+            --modes off,release,release/la2,release/la3,resident
     done
     ;;
 host-python)

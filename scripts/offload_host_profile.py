@@ -62,9 +62,12 @@ def device_copies(events: list[Event]) -> dict:
 
 def warm_pipeline(cfg, mode: str, warmup: int, dev: torch.device):
     """The captured-direct pipeline of `cfg` with offload `mode` ("resident@6": at least 6 banks,
-    `train.offload_banks`), after `warmup` steps. Returns (its config, the pipeline)."""
-    base, _, banks = mode.partition("@")
-    cfg = cfg.with_overrides(**{"train.offload": base, "train.offload_banks": int(banks) if banks else None})
+    `train.offload_banks`; "release/la2": look-ahead depth 2, `train.offload_lookahead`), after `warmup`
+    steps. Returns (its config, the pipeline)."""
+    base, _, depth = mode.partition("/la")
+    base, _, banks = base.partition("@")
+    cfg = cfg.with_overrides(**{"train.offload": base, "train.offload_banks": int(banks) if banks else None,
+                                "train.offload_lookahead": int(depth) if depth else None})
     pipe = build_single_process(cfg, native=False, device=dev, path="captured-direct")
     for i in range(warmup):
         pipe.step(synthetic_batches(cfg, i, dev))
