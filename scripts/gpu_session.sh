@@ -55,6 +55,8 @@
 # weight-cast-kernels: benchmarks/weight_cast_ab.py on h4096 with the transpose sweep.
 # optim-graph: the graphed optimizer step's GPU tests, its A/B (switch_ab) and issue 7's h2048 modes with it.
 # release-depth: release offload's waits and its look-ahead depth A/B at h2048.
+# vmm-gpu-cost: scripts/vmm_gpu_cost.py, queued kernels' device time with VMM calls made meanwhile (20 and 2 MiB).
+# offload-h4096: issue 7's off / release / resident at h4096 (Interleaved).
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -409,6 +411,17 @@ release-depth)
             --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-h200.json" \
             --modes off,release,release/la2,release/la3,resident
     done
+    ;;
+vmm-gpu-cost)
+    # do VMM driver calls slow kernels already running? (release at h2048: ~1.3 ms slower, few stalls)
+    step 120 vmm-gpu-cost python3 scripts/vmm_gpu_cost.py --json "$out/vmm-gpu-cost-h200.json"
+    step 120 vmm-gpu-cost-2mib python3 scripts/vmm_gpu_cost.py --mib 2 --json "$out/vmm-gpu-cost-2mib-h200.json"
+    ;;
+offload-h4096)
+    # issue 7's h4096 modes (Interleaved, 30 steps in rounds of 2)
+    step 200 offload-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule interleaved --steps 30 --interleave 2 --out "$out/offload-bench-h4096-interleaved-h200.json" \
+        --modes off,release,resident
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident
