@@ -57,6 +57,7 @@
 # release-depth: release offload's waits and its look-ahead depth A/B at h2048.
 # vmm-gpu-cost: scripts/vmm_gpu_cost.py, queued kernels' device time with VMM calls made meanwhile (20 and 2 MiB).
 # offload-h4096: issue 7's off / release / resident at h4096 (Interleaved).
+# release-gaps: step_gaps.py at h2048 Interleaved with offload off, release and resident.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -422,6 +423,13 @@ offload-h4096)
     step 200 offload-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
         --schedule interleaved --steps 30 --interleave 2 --out "$out/offload-bench-h4096-interleaved-h200.json" \
         --modes off,release,resident
+    ;;
+release-gaps)
+    # where release offload's h2048 step waits for the host: each GPU gap and the host phase that launched late
+    for mode in off release resident; do
+        step 120 "gaps-h2048-$mode" python3 scripts/step_gaps.py --config examples/configs/h2048.toml \
+            --schedule interleaved --offload "$mode" --json "$out/step-gaps-h2048-$mode-h200.json"
+    done
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident

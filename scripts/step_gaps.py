@@ -186,6 +186,7 @@ def main() -> int:
     ap.add_argument("--config", default="examples/configs/h4096.toml")
     ap.add_argument("--path", default="captured-direct")
     ap.add_argument("--schedule", default=None)
+    ap.add_argument("--offload", default=None, help="train.offload: off, release or resident")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--min-gap-us", type=float, default=5.0)
@@ -193,7 +194,8 @@ def main() -> int:
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    cfg = load_config(a.config).with_overrides(**{"train.device": dev.type, "pipeline.schedule": a.schedule})
+    cfg = load_config(a.config).with_overrides(**{"train.device": dev.type, "pipeline.schedule": a.schedule,
+                                                  "train.offload": a.offload})
 
     def sync() -> None:
         if cuda:
