@@ -380,6 +380,7 @@ def run_program(dev: FakeDevice, groups, program, steps: int = 2) -> list:
                 out = [torch.empty_like(v) for v in vs]
                 dev.launch(dev.compute, lambda vs=vs, out=out: [o.copy_(v) for o, v in zip(out, vs, strict=True)],
                            f"B{k}", touches=vs)
+                g.backward_launched()
                 g.after_backward()
                 results[(step, k)] = out
     dev.synchronize()
@@ -1610,3 +1611,57 @@ def test_driver_stream_operations_pass_the_raw_handles_and_check_each_result() -
     ops.cu.fail = "cuStreamWaitEvent"
     with pytest.raises(CudaDriverError, match="cuStreamWaitEvent failed"):
         ops.wait(s, e)
+
+
+def test_launch_first_queues_the_lookahead_restore_after_the_backward_launch() -> None:
+    """launch_first: B3 is launched before G2's look-ahead restore is queued (which then runs beside it);
+    without, the restore is queued first. Either way every group is restored once."""
+    for first in (False, True):
+        dev, mgr, groups = released_stack(lookahead=1, launch_first=first)
+        for k in (3, 2):
+            groups[k].before_backward()
+            dev.launch(dev.compute, lambda: None, f"B{k}")
+            groups[k].backward_launched()
+            groups[k].after_backward()
+        h2d = [i for i, e in enumerate(dev.trace) if e[:2] == ("copy", "h2d")]
+        launch3 = dev.trace.index(("launch", "compute", "B3"))
+        assert len(h2d) == 3 and mgr.stats.prefetches == 2
+        assert (h2d[1] > launch3) is first  # G2's restore: after B3's launch with launch_first
+        dev.synchronize()
+
+
+def test_launch_first_reaps_after_the_forward_launch() -> None:
+    """launch_first: before_forward makes no driver call for other groups (the reap comes in after_forward)."""
+    for first in (False, True):
+        dev, mgr, groups = build("release", progress=0, launch_first=first)
+        groups[0].before_forward()
+        dev.launch(dev.compute, lambda: None, "F0")
+        groups[0].after_forward()
+        dev.synchronize()  # G0's D2H is done: the next hook may release its slot
+        unmaps = mgr.stats.unmaps
+        groups[1].before_forward()
+        assert mgr.stats.unmaps == unmaps + (0 if first else 1)
+        dev.launch(dev.compute, lambda: None, "F1")
+        groups[1].after_forward()
+        assert mgr.stats.unmaps == unmaps + 1
+        dev.synchronize()
+
+
+def test_backward_launched_outside_a_backward_is_refused() -> None:
+    dev, mgr, groups = build("release", progress=0, launch_first=True)
+    groups[0].before_forward()
+    with pytest.raises(OffloadStateError, match="backward_launched"):
+        groups[0].backward_launched()
+
+
+@pytest.mark.parametrize("mode", ["release", "release-keep", "resident"])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("depth", [1, 2])
+def test_every_interleaving_restores_the_right_bytes_launch_first(mode: str, program: str, depth: int) -> None:
+    prog, order = PROGRAMS[program]
+    keep = {"release_consumed": False} if mode == "release-keep" else {}
+    for seed in range(12):
+        dev, mgr, groups = build(mode.removesuffix("-keep"), seed, layers=len(order), order=order, lookahead=depth,
+                                 num_banks=3, launch_first=True, **keep)
+        assert run_program(dev, groups, prog) == [], (mode, program, seed, depth)
+        assert mgr.stats.d2h_copies == 2 * len(order)

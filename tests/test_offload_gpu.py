@@ -137,14 +137,18 @@ def test_cli_offload_check_json(tmp_path: Path, capsys) -> None:
     assert report["granularity"] and report["cuda_bindings_version"]
 
 
-@pytest.mark.parametrize("mode", ["release", "release/la0", "resident"])
+@pytest.mark.parametrize("mode", ["release", "release/la0", "resident", "release+first", "resident+first"])
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
-def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule: str) -> None:
+def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The captured stage actions with their saved activations in VMM groups: 0 mismatches vs native eager.
-    `release/la0`: release restoring each group only at its own backward (the default depth is 1)."""
+    `release/la0`: release restoring each group only at its own backward (the default depth is 1).
+    `+first`: QEFFECT_OFFLOAD_LAUNCH_FIRST=1 (reaps and look-ahead restores after the replay's launch)."""
     from qeffect.config import load_config
     from qeffect.verify.state import run_verify_state
 
+    mode, first, _ = mode.partition("+first")
+    monkeypatch.setenv("QEFFECT_OFFLOAD_LAUNCH_FIRST", "1" if first else "0")
     mode, _, depth = mode.partition("/la")
     cfg = load_config(None).with_overrides(**{"train.device": "cuda", "train.offload": mode,
                                               "pipeline.schedule": schedule,
@@ -153,8 +157,8 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
     assert report.passed, report.first_divergence
     o = report.graphs["offload"]  # the offload really ran: every offloaded group copied out every step
     assert o["mode"] == mode and o["groups"] == 16 and o["group_bytes"] > 0, o  # (resident: or kept in its bank)
-    # the look-ahead depth reached the manager (default 1)
-    assert o["lookahead"] == (int(depth) if depth else 1), o
+    # the look-ahead depth reached the manager (default 1), and the launch-first switch
+    assert o["lookahead"] == (int(depth) if depth else 1) and o["launch_first"] == bool(first), o
     if mode == "release":  # every release group is offloaded, so a look-ahead always has one to restore
         assert (o["prefetches"] > 0) is (o["lookahead"] > 0), o
     # both modes: the last stage's 4 groups are not offloaded (train.offload_min_window = 2)

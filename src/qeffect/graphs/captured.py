@@ -329,6 +329,8 @@ class CapturedStageActions(StageActions):
             if group is not None:
                 group.before_backward()  # restore (remap + H2D) unless look-ahead did; then look ahead
             self.manager.replay(graphs.dI, {"grad": grad_output, **self._token_dynamic(prev)})
+            if group is not None:
+                group.backward_launched()  # launch-first: reaps and look-ahead restores now, beside the replay
             for n in grads:  # the parameters this dI's graph wrote (allow_unused may leave some out)
                 buf, p = self._ngrad[n], self._nonmatrix[n]
                 if p.grad is not buf:

@@ -26,7 +26,11 @@ microbatch slot) of a captured stage):
    `resident_d2h_pending` or `resident_kept` nothing to do (-> `mapped`).
    Look-ahead: right after that, the next `lookahead` (1 by default; `train.offload_lookahead`)
    offloaded groups in backward order are restored on the H2D stream, so their copies run while the
-   current backward graph (and, deeper, the actions after it) run. Only the first may evict a live
+   current backward graph (and, deeper, the actions after it) run. With the manager's `launch_first`
+   (the runtime's QEFFECT_OFFLOAD_LAUNCH_FIRST=1; not yet measured on a GPU) the look-ahead, and the
+   reaps of finished D2H copies, run in `backward_launched`, right after the backward's dI replay is
+   launched, so that the host's driver calls for them do not delay that launch; `after_forward` reaps
+   (once the forward is launched) and `before_forward` no longer does. Only the first may evict a live
    group from its bank. With the schedule's events, resident mode starts none that a forward would
    evict again before its backward (`offload.plan.futile_restores`): a wasted copy the forward waits for.
 6. `after_backward` records `consumed` on the compute stream: the bytes are no longer needed.
@@ -425,7 +429,8 @@ class OffloadGroup:
         if self._inactive():
             self.phase = "forward"
             return
-        m._maybe_reap(exclude=self)
+        if not m.launch_first:  # else `after_forward` reaps, once this forward is launched
+            m._maybe_reap(exclude=self)
         cur = m.streams.current_stream()
         if m.mode == "release":
             if self.state is GroupState.RELEASE_D2H_PENDING:  # a discarded group whose slot was not released:
@@ -486,10 +491,11 @@ class OffloadGroup:
         m = self.manager
         if self._inactive():
             self.phase = "backward"
-            if m.mode != "off":
+            if m.mode != "off" and not m.launch_first:
                 m._prefetch_ahead(self)  # its backward still hides the next restores
             return
-        m._maybe_reap(exclude=self)
+        if not m.launch_first:
+            m._maybe_reap(exclude=self)
         if self.state is GroupState.RELEASE_D2H_PENDING:  # no hook found its D2H done yet: release it now
             m._release(self, block=True, at_backward=True)
         if self.state in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
@@ -503,6 +509,20 @@ class OffloadGroup:
             m.streams.wait(m.streams.current_stream(), self.restore_done)
             self._restore_pending = False
         self.phase = "backward"
+        if not m.launch_first:
+            m._prefetch_ahead(self)
+
+    def backward_launched(self) -> None:
+        """Right after the backward's first replay (dI) is launched: with the manager's `launch_first`, the
+        work that replay does not wait for, released finished D2H slots and the look-ahead restores, runs
+        now, while the device runs it, instead of before its launch. Without, nothing (`before_backward`
+        did it)."""
+        self._expect("backward_launched", phase="backward")
+        m = self.manager
+        if m.mode == "off" or not m.launch_first:
+            return
+        if not self._inactive():
+            m._maybe_reap(exclude=self)
         m._prefetch_ahead(self)
 
     def after_backward(self) -> None:
@@ -649,7 +669,7 @@ class OffloadManager:
                  skip_kept_d2h: bool = True, min_window: int = 0, copy_chunk_bytes: int | None = None,
                  store_batch_bytes: int | None = None,
                  bank_plan: Literal["colour", "search"] = "colour", search_banks: int = 6,
-                 search_prefer: Literal["memory", "copies"] = "copies") -> None:
+                 search_prefer: Literal["memory", "copies"] = "copies", launch_first: bool = False) -> None:
         if copy_chunk_bytes is None:
             copy_chunk_bytes = _bytes_from_env("QEFFECT_OFFLOAD_CHUNK_MIB", DEFAULT_CHUNK_MIB, "one copy")
         if copy_chunk_bytes < 0:
@@ -674,6 +694,12 @@ class OffloadManager:
         self.mode: OffloadMode = mode
         # look-ahead depth: how many offloaded groups, next in backward order, each backward restores ahead
         self.num_banks, self.lookahead, self.release_consumed = num_banks, int(lookahead), release_consumed
+        # the host work a replay does not wait for (reaps of finished D2Hs, the look-ahead restores) runs after
+        # the replay is launched (`OffloadGroup.backward_launched`, and `after_forward`'s reap), not before it:
+        # at h2048 a release step's device stood idle before backward launches while the host made that
+        # work's driver calls (`scripts/step_gaps.py --offload release`: ~2 ms per step of gaps ending in a
+        # restore's copy). False: before the replay (the hooks' order before `launch_first`)
+        self.launch_first = launch_first
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
         # resident: copy each group in chunks of this many bytes (0: one copy; None: QEFFECT_OFFLOAD_CHUNK_MIB,
