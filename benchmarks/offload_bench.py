@@ -69,6 +69,7 @@ from qeffect.checkpoint.state import local_view, tensor_state
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.graphs.handshake import git_revision, qeffect_environment
+from qeffect.graphs.stats import GraphStats
 from qeffect.profile.matrix import te_version
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
@@ -146,6 +147,9 @@ class ModeRun:
         torch.cuda.synchronize(dev)
         self.setup = time.perf_counter() - t0
         self.losses: list[torch.Tensor] = []
+        # allocated memory after each timed step: the manager's own marks start at its warm-up, before the
+        # modes built after this one (interleaved), whose builds would read as this mode's growth
+        self.growth = GraphStats()
         self.times: list[float] = []
         self.host_times: list[float] = []
         self.drv = self.pipe.offload.driver if self.pipe.offload is not None else None
@@ -170,6 +174,7 @@ class ModeRun:
         if timed:
             self.times.append(t_end - t)
             self.host_times.append(t_host - t)
+            self.growth.mark_step(torch.cuda.memory_allocated(self.dev))
         self.losses.append(loss.detach().float().cpu().reshape(1))
 
     def finish(self) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
@@ -235,7 +240,7 @@ class ModeRun:
             "peak_driver_used_bytes": total - min(free_samples),
             "baseline_driver_used_bytes": self.baseline_driver_used,
             "graph_count": pipe.manager.stats.graph_count,
-            "persistent_growth_bytes_per_step": pipe.manager.persistent_growth_per_step(),
+            "persistent_growth_bytes_per_step": self.growth.persistent_growth_per_step(),
         }
         if mgr is not None:
             st = mgr.stats
