@@ -102,6 +102,14 @@ switch_ab() {  # switch_ab VAR=VALUE name: offload_bench.py's A/B of a switch ag
     step 300 "$2-h4096" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
         --schedule zbv --steps 30 --interleave 2 --modes "off,off+$1" --out "$out/$2-h4096-zbv-h200.json"
 }
+h2048_modes() {  # h2048_modes <step-prefix> <modes>: offload_bench.py at h2048, both schedules, 40 steps in rounds
+    # of 2 (--interleave 2), each to offload-bench-h2048-<schedule>-h200.json
+    for sched in interleaved zbv; do
+        step 150 "$1-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-h200.json" \
+            --modes "$2"
+    done
+}
 profile_h4096_te() {  # the h4096 te matrix with traces and the M analysis
     step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
@@ -377,11 +385,7 @@ offload-acceptance)
     # group only at its own backward: the A/B of the default look-ahead depth 1), resident, resident-memory
     # (the search preferring less memory to fewer copies: the A/B of the default); h2048 both schedules;
     # h4096 Interleaved with off, release, resident (four h4096 pipelines at once would be ~120 GiB)
-    for sched in interleaved zbv; do
-        step 150 "offload-acceptance-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-            --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-h200.json" \
-            --modes off,release,release/la0,resident,resident-memory
-    done
+    h2048_modes offload-acceptance off,release,release/la0,resident,resident-memory
     step 200 offload-acceptance-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
         --schedule interleaved --steps 30 --interleave 2 --out "$out/offload-bench-h4096-interleaved-h200.json" \
         --modes off,release,resident
@@ -397,22 +401,14 @@ optim-graph)
     step 200 optim-graph-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_adamw.py \
         tests/test_weight_cast_gpu.py tests/test_offload_gpu.py
     switch_ab QEFFECT_OPTIM_GRAPH=0 optim-graph-ab
-    for sched in interleaved zbv; do
-        step 150 "offload-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-            --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-h200.json" \
-            --modes off,release,resident,release+QEFFECT_OPTIM_GRAPH=0
-    done
+    h2048_modes offload off,release,resident,release+QEFFECT_OPTIM_GRAPH=0
     ;;
 release-depth)
     # release offload once the host runs ahead (optimizer graph): the compute stream's stall at each offload
     # wait, then the look-ahead depth A/B on h2048, both schedules
     step 150 release-waits python3 scripts/offload_waits.py --modes off,release,release/la2 \
         --json "$out/offload-waits-release-h2048-h200.json"
-    for sched in interleaved zbv; do
-        step 150 "release-depth-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-            --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-h200.json" \
-            --modes off,release,release/la2,release/la3,resident
-    done
+    h2048_modes release-depth off,release,release/la2,release/la3,resident
     ;;
 vmm-gpu-cost)
     # do VMM driver calls slow kernels already running? (release at h2048: ~1.3 ms slower, few stalls)
@@ -436,11 +432,7 @@ launch-first)
     # QEFFECT_OFFLOAD_LAUNCH_FIRST=1 (reaps and look-ahead restores after a replay's launch, not before it):
     # the offload GPU tests (both settings), h2048's A/B in both schedules, release's gaps with it
     step 240 launch-first-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py
-    for sched in interleaved zbv; do
-        step 150 "launch-first-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-            --schedule "$sched" --steps 40 --interleave 2 --out "$out/offload-bench-h2048-$sched-h200.json" \
-            --modes off,release,release+QEFFECT_OFFLOAD_LAUNCH_FIRST=1,resident,resident+QEFFECT_OFFLOAD_LAUNCH_FIRST=1
-    done
+    h2048_modes launch-first off,release,release+QEFFECT_OFFLOAD_LAUNCH_FIRST=1,resident,resident+QEFFECT_OFFLOAD_LAUNCH_FIRST=1
     step 120 gaps-h2048-release-first env QEFFECT_OFFLOAD_LAUNCH_FIRST=1 python3 scripts/step_gaps.py \
         --config examples/configs/h2048.toml --schedule interleaved --offload release \
         --json "$out/step-gaps-h2048-release-launch-first-h200.json"

@@ -60,14 +60,22 @@ def device_copies(events: list[Event]) -> dict:
                        for n, v in copies.items()}}
 
 
+def bench_mode_config(cfg, label: str):
+    """(train.offload, `cfg` with the overrides an offload mode label stands for): `benchmarks/offload_bench.py`'s
+    labels ("resident@6", "release/la2", "resident-colour", ...), one grammar for the benchmark and these
+    scripts."""
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from offload_bench import mode_config
+
+    return mode_config(cfg, label)
+
+
 def warm_pipeline(cfg, mode: str, warmup: int, dev: torch.device):
-    """The captured-direct pipeline of `cfg` with offload `mode` ("resident@6": at least 6 banks,
-    `train.offload_banks`; "release/la2": look-ahead depth 2, `train.offload_lookahead`), after `warmup`
-    steps. Returns (its config, the pipeline)."""
-    base, _, depth = mode.partition("/la")
-    base, _, banks = base.partition("@")
-    cfg = cfg.with_overrides(**{"train.offload": base, "train.offload_banks": int(banks) if banks else None,
-                                "train.offload_lookahead": int(depth) if depth else None})
+    """The captured-direct pipeline of `cfg` with offload `mode` (an `offload_bench.py` mode label:
+    `bench_mode_config`), after `warmup` steps. Returns (its config, the pipeline)."""
+    _, cfg = bench_mode_config(cfg, mode)
     pipe = build_single_process(cfg, native=False, device=dev, path="captured-direct")
     for i in range(warmup):
         pipe.step(synthetic_batches(cfg, i, dev))

@@ -616,15 +616,16 @@ def test_deeper_lookahead_queues_the_next_restores_before_the_current_backward_r
 
 @pytest.mark.parametrize("mode", ["release", "release-keep", "resident"])
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
-@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize(("depth", "first"), [(2, False), (3, False), (1, True), (2, True)])
 def test_every_interleaving_restores_the_right_bytes_at_any_lookahead_depth(mode: str, program: str,
-                                                                            depth: int) -> None:
+                                                                            depth: int, first: bool) -> None:
+    """`first`: the manager's launch_first (reaps and look-ahead restores after each launch)."""
     prog, order = PROGRAMS[program]
     keep = {"release_consumed": False} if mode == "release-keep" else {}
     for seed in range(12):
         dev, mgr, groups = build(mode.removesuffix("-keep"), seed, layers=len(order), order=order, lookahead=depth,
-                                 num_banks=3, **keep)
-        assert run_program(dev, groups, prog) == [], (mode, program, seed, depth)
+                                 num_banks=3, launch_first=first, **keep)
+        assert run_program(dev, groups, prog) == [], (mode, program, seed, depth, first)
         assert mgr.stats.d2h_copies == 2 * len(order)
 
 
@@ -1653,15 +1654,3 @@ def test_backward_launched_outside_a_backward_is_refused() -> None:
     with pytest.raises(OffloadStateError, match="backward_launched"):
         groups[0].backward_launched()
 
-
-@pytest.mark.parametrize("mode", ["release", "release-keep", "resident"])
-@pytest.mark.parametrize("program", sorted(PROGRAMS))
-@pytest.mark.parametrize("depth", [1, 2])
-def test_every_interleaving_restores_the_right_bytes_launch_first(mode: str, program: str, depth: int) -> None:
-    prog, order = PROGRAMS[program]
-    keep = {"release_consumed": False} if mode == "release-keep" else {}
-    for seed in range(12):
-        dev, mgr, groups = build(mode.removesuffix("-keep"), seed, layers=len(order), order=order, lookahead=depth,
-                                 num_banks=3, launch_first=True, **keep)
-        assert run_program(dev, groups, prog) == [], (mode, program, seed, depth)
-        assert mgr.stats.d2h_copies == 2 * len(order)
