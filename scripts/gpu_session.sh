@@ -58,7 +58,7 @@
 # vmm-gpu-cost: scripts/vmm_gpu_cost.py, queued kernels' device time with VMM calls made meanwhile (20 and 2 MiB).
 # offload-h4096: issue 7's off / release / resident at h4096 (Interleaved).
 # release-gaps: step_gaps.py at h2048 Interleaved with offload off, release and resident.
-# launch-first: QEFFECT_OFFLOAD_LAUNCH_FIRST=1's offload GPU tests, its h2048 A/B and release's gaps with it.
+# launch-first: the whole GPU suite (QEFFECT_OFFLOAD_LAUNCH_FIRST=1's offload tests in it), its h2048 A/B and release's gaps with it.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -430,8 +430,9 @@ release-gaps)
     ;;
 launch-first)
     # QEFFECT_OFFLOAD_LAUNCH_FIRST=1 (reaps and look-ahead restores after a replay's launch, not before it):
-    # the offload GPU tests (both settings), h2048's A/B in both schedules, release's gaps with it
-    step 240 launch-first-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_offload_gpu.py
+    # the whole GPU suite (the offload tests run both settings), h2048's A/B in both schedules, release's
+    # gaps with it (about 8 minutes)
+    step 260 launch-first-tests python3 -m pytest -m gpu -q -p no:cacheprovider
     h2048_modes launch-first off,release,release+QEFFECT_OFFLOAD_LAUNCH_FIRST=1,resident,resident+QEFFECT_OFFLOAD_LAUNCH_FIRST=1
     step 120 gaps-h2048-release-first env QEFFECT_OFFLOAD_LAUNCH_FIRST=1 python3 scripts/step_gaps.py \
         --config examples/configs/h2048.toml --schedule interleaved --offload release \
