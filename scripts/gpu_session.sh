@@ -59,6 +59,7 @@
 # offload-h4096: issue 7's off / release / resident at h4096 (Interleaved).
 # release-gaps: step_gaps.py at h2048 Interleaved with offload off, release and resident.
 # launch-first: the whole GPU suite (QEFFECT_OFFLOAD_LAUNCH_FIRST=1's offload tests in it), its h2048 A/B and release's gaps with it.
+# launch-first-depth: the whole GPU suite, then launch-first at look-ahead 1 and 2 (release) and resident, h2048.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -437,6 +438,13 @@ launch-first)
     step 120 gaps-h2048-release-first env QEFFECT_OFFLOAD_LAUNCH_FIRST=1 python3 scripts/step_gaps.py \
         --config examples/configs/h2048.toml --schedule interleaved --offload release \
         --json "$out/step-gaps-h2048-release-launch-first-h200.json"
+    ;;
+launch-first-depth)
+    # the switch read by the manager: the whole GPU suite, then launch-first against release's look-ahead
+    # depth 1 and 2 and resident, at h2048 in both schedules (about 7 minutes)
+    step 260 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
+    lf=QEFFECT_OFFLOAD_LAUNCH_FIRST=1
+    h2048_modes launch-first-depth "off,release,release+$lf,release/la2,release/la2+$lf,resident,resident+$lf"
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident

@@ -1648,6 +1648,17 @@ def test_launch_first_reaps_after_the_forward_launch() -> None:
         dev.synchronize()
 
 
+def test_launch_first_defaults_to_its_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch_first=None reads QEFFECT_OFFLOAD_LAUNCH_FIRST ("1": on); an explicit value wins over it."""
+    for env, want in ((None, False), ("0", False), ("1", True)):
+        if env is None:
+            monkeypatch.delenv("QEFFECT_OFFLOAD_LAUNCH_FIRST", raising=False)
+        else:
+            monkeypatch.setenv("QEFFECT_OFFLOAD_LAUNCH_FIRST", env)
+        assert build("release", progress=0)[1].launch_first is want
+        assert build("release", progress=0, launch_first=not want)[1].launch_first is (not want)
+
+
 def test_backward_launched_outside_a_backward_is_refused() -> None:
     dev, mgr, groups = build("release", progress=0, launch_first=True)
     groups[0].before_forward()

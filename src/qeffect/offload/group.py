@@ -669,7 +669,7 @@ class OffloadManager:
                  skip_kept_d2h: bool = True, min_window: int = 0, copy_chunk_bytes: int | None = None,
                  store_batch_bytes: int | None = None,
                  bank_plan: Literal["colour", "search"] = "colour", search_banks: int = 6,
-                 search_prefer: Literal["memory", "copies"] = "copies", launch_first: bool = False) -> None:
+                 search_prefer: Literal["memory", "copies"] = "copies", launch_first: bool | None = None) -> None:
         if copy_chunk_bytes is None:
             copy_chunk_bytes = _bytes_from_env("QEFFECT_OFFLOAD_CHUNK_MIB", DEFAULT_CHUNK_MIB, "one copy")
         if copy_chunk_bytes < 0:
@@ -698,7 +698,10 @@ class OffloadManager:
         # the replay is launched (`OffloadGroup.backward_launched`, and `after_forward`'s reap), not before it:
         # at h2048 a release step's device stood idle before backward launches while the host made that
         # work's driver calls (`scripts/step_gaps.py --offload release`: ~2 ms per step of gaps ending in a
-        # restore's copy). False: before the replay (the hooks' order before `launch_first`)
+        # restore's copy). False: before the replay (the hooks' order before `launch_first`). None:
+        # QEFFECT_OFFLOAD_LAUNCH_FIRST ("1": True)
+        if launch_first is None:
+            launch_first = os.environ.get("QEFFECT_OFFLOAD_LAUNCH_FIRST", "0") == "1"
         self.launch_first = launch_first
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups

@@ -141,8 +141,7 @@ def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, 
     try:
         return OffloadManager(mode, device=torch.device(device), num_banks=banks, release_consumed=reap,
                               skip_kept_d2h=skip_kept_d2h, min_window=min_window, lookahead=lookahead,
-                              bank_plan=bank_plan, search_banks=search_banks, search_prefer=search_prefer,
-                              launch_first=os.environ.get("QEFFECT_OFFLOAD_LAUNCH_FIRST", "0") == "1")
+                              bank_plan=bank_plan, search_banks=search_banks, search_prefer=search_prefer)
     except OffloadUnavailable as err:
         raise UserError(f"train.offload = {mode}: {err}") from None
 
