@@ -60,6 +60,7 @@
 # release-gaps: step_gaps.py at h2048 Interleaved with offload off, release and resident.
 # launch-first: the whole GPU suite (QEFFECT_OFFLOAD_LAUNCH_FIRST=1's offload tests in it), its h2048 A/B and release's gaps with it.
 # launch-first-depth: the whole GPU suite, then launch-first at look-ahead 1 and 2 (release) and resident, h2048.
+# launch-first-default: the GPU suite, h4096 off / release / release without launch-first / resident, host-python.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -445,6 +446,16 @@ launch-first-depth)
     step 260 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
     lf=QEFFECT_OFFLOAD_LAUNCH_FIRST=1
     h2048_modes launch-first-depth "off,release,release+$lf,release/la2,release/la2+$lf,resident,resident+$lf"
+    ;;
+launch-first-default)
+    # launch-first as the default: the whole GPU suite, h4096's modes with the earlier order as the A/B, then
+    # where a captured h2048 step's host time goes now (about 8 minutes)
+    step 260 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
+    step 200 offload-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule interleaved --steps 30 --interleave 2 --out "$out/offload-bench-h4096-interleaved-h200.json" \
+        --modes off,release,release+QEFFECT_OFFLOAD_LAUNCH_FIRST=0,resident
+    step 150 host-python python3 scripts/host_python_profile.py --modes off,release,resident --steps 10 \
+        --json "$out/host-python-h2048-interleaved-h200.json"
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident

@@ -549,10 +549,12 @@ def test_resident_bank_reuse_waits_for_last_d2h_and_last_consumer() -> None:
     g2.after_forward()
     assert g2.state is GroupState.RESIDENT_D2H_PENDING
     g2.before_backward()  # the bank still holds g2's bytes: no H2D; look-ahead: g1 still in its bank too
+    g2.backward_launched()
     assert g2.state is GroupState.MAPPED and mgr.stats.reloads_skipped == 1 and mgr.stats.h2d_copies == 0
     g2.after_backward()
     dev.trace.clear()
     g1.before_backward()  # g1 is still in its bank; look-ahead restores g0 into the bank g2 just read:
+    g1.backward_launched()
     assert [e for e in dev.trace if e[0] == "wait"] == [
         ("wait", "h2d", "G2.d2h_done"), ("wait", "h2d", "G2.consumed"),  # after g2's D2H and g2's backward
         ("wait", "h2d", "G0.d2h_done")]  # and after g0's own bytes reached the host
@@ -586,8 +588,10 @@ def released_stack(**kw):
 
 
 def test_lookahead_restores_the_next_group_before_the_current_backward_runs() -> None:
+    """The order without launch_first (QEFFECT_OFFLOAD_LAUNCH_FIRST=0); with it, the look-ahead restore
+    follows the launch (`test_launch_first_queues_the_lookahead_restore_after_the_backward_launch`)."""
     for lookahead in (True, False):
-        dev, mgr, groups = released_stack(lookahead=lookahead)
+        dev, mgr, groups = released_stack(lookahead=lookahead, launch_first=False)
         for k in (3, 2):
             groups[k].before_backward()
             dev.launch(dev.compute, lambda: None, f"B{k}")
@@ -607,6 +611,7 @@ def test_deeper_lookahead_queues_the_next_restores_before_the_current_backward_r
         dev, mgr, groups = released_stack(lookahead=depth)
         groups[3].before_backward()
         dev.launch(dev.compute, lambda: None, "B3")
+        groups[3].backward_launched()
         restored = [e[3] for e in dev.trace if e[:2] == ("copy", "h2d")]
         assert len(restored) == 1 + min(depth, 3), depth  # its own restore, then `depth` ahead
         assert mgr.stats.prefetches == min(depth, 3)
@@ -642,6 +647,7 @@ def test_lookahead_passes_over_groups_without_a_slot_and_a_deep_one_never_evicts
         g.after_forward()
     mgr.reap(block=True)
     g2.before_backward()
+    g2.backward_launched()
     assert mgr.stats.prefetches == 1 and g0._restore_pending  # past the empty group to G0
     g2.after_backward()
     dev.synchronize()
@@ -658,6 +664,7 @@ def test_lookahead_passes_over_groups_without_a_slot_and_a_deep_one_never_evicts
         g.after_forward()
     assert groups[0].state is GroupState.RESIDENT_RELOAD_PENDING and groups[0].bank.owner is groups[2]
     groups[3].before_backward()
+    groups[3].backward_launched()
     assert mgr.stats.prefetches_skipped == 1 and not groups[0]._restore_pending
     assert groups[0].bank.owner is groups[2] and mgr.stats.evictions == 1
     groups[3].after_backward()
@@ -754,9 +761,11 @@ def test_a_chunked_restore_waits_per_chunk_for_the_d2h_chunk_covering_it() -> No
     assert [e[2] for e in dev.trace if e[:2] == ("record", "d2h")][-4:] == [
         "G2.d2h_chunk0", "G2.d2h_chunk1", "G2.d2h_chunk2", "G2.d2h_done"]
     g2.before_backward()
+    g2.backward_launched()
     g2.after_backward()
     dev.trace.clear()
     g1.before_backward()  # look-ahead restores g0 into the bank: chunk k after G2's D2H chunk k, not after all of it
+    g1.backward_launched()
     h2d = [e[0] if e[0] == "copy" else e[2] for e in dev.trace if e[1] == "h2d"]
     assert h2d == ["G2.consumed", "G0.d2h_done", "G2.d2h_chunk0", "copy", "G2.d2h_chunk1", "copy",
                    "G2.d2h_chunk2", "copy", "G0.restore_done"]
@@ -828,15 +837,18 @@ def test_a_kept_group_leaves_no_d2h_and_its_bank_next_writer_waits_for_its_backw
         g.after_forward()
     assert [g.state for g in groups] == [GroupState.RESIDENT_RELOAD_PENDING] * 2 + [GroupState.RESIDENT_KEPT] * 2
     g3.before_backward()
+    g3.backward_launched()
     assert g3.state is GroupState.MAPPED and mgr.stats.h2d_copies == 0 and mgr.stats.reloads_skipped == 1
     g3.after_backward()
     dev.trace.clear()
     g2.before_backward()  # look-ahead restores g1 into the bank g3 just read: after g3's backward
+    g2.backward_launched()
     waits = [e for e in dev.trace if e[0] == "wait"]
     assert waits == [("wait", "h2d", "G1.d2h_done"), ("wait", "h2d", "G3.consumed"), ("wait", "h2d", "G1.d2h_done")]
     g2.after_backward()
     for g in (g1, g0):
         g.before_backward()
+        g.backward_launched()
         g.after_backward()
     dev.synchronize()
     records = [e[2] for e in dev.trace if e[0] == "record"]
@@ -1649,8 +1661,8 @@ def test_launch_first_reaps_after_the_forward_launch() -> None:
 
 
 def test_launch_first_defaults_to_its_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """launch_first=None reads QEFFECT_OFFLOAD_LAUNCH_FIRST ("1": on); an explicit value wins over it."""
-    for env, want in ((None, False), ("0", False), ("1", True)):
+    """launch_first=None: on unless QEFFECT_OFFLOAD_LAUNCH_FIRST=0; an explicit value wins over it."""
+    for env, want in ((None, True), ("0", False), ("1", True)):
         if env is None:
             monkeypatch.delenv("QEFFECT_OFFLOAD_LAUNCH_FIRST", raising=False)
         else:

@@ -540,9 +540,11 @@ def test_a_not_offloaded_group_backward_still_starts_the_next_restore() -> None:
     dev.synchronize()
     assert mgr.reap(block=True) == 1 and b.state is GroupState.UNMAPPED  # b's bytes are on the host only
     a.before_backward()
+    a.backward_launched()
     assert mgr.stats.prefetches == 1 and b.state is GroupState.MAPPED and b._restore_pending
     a.after_backward()
     b.before_backward()
+    b.backward_launched()
     b.after_backward()
     assert mgr.stats.h2d_copies == 1
     mgr.close()

@@ -27,7 +27,7 @@ microbatch slot) of a captured stage):
    Look-ahead: right after that, the next `lookahead` (1 by default; `train.offload_lookahead`)
    offloaded groups in backward order are restored on the H2D stream, so their copies run while the
    current backward graph (and, deeper, the actions after it) run. With the manager's `launch_first`
-   (the runtime's QEFFECT_OFFLOAD_LAUNCH_FIRST=1; not yet measured on a GPU) the look-ahead, and the
+   (the default; QEFFECT_OFFLOAD_LAUNCH_FIRST=0 turns it off) the look-ahead, and the
    reaps of finished D2H copies, run in `backward_launched`, right after the backward's dI replay is
    launched, so that the host's driver calls for them do not delay that launch; `after_forward` reaps
    (once the forward is launched) and `before_forward` no longer does. Only the first may evict a live
@@ -698,10 +698,11 @@ class OffloadManager:
         # the replay is launched (`OffloadGroup.backward_launched`, and `after_forward`'s reap), not before it:
         # at h2048 a release step's device stood idle before backward launches while the host made that
         # work's driver calls (`scripts/step_gaps.py --offload release`: ~2 ms per step of gaps ending in a
-        # restore's copy). False: before the replay (the hooks' order before `launch_first`). None:
-        # QEFFECT_OFFLOAD_LAUNCH_FIRST ("1": True)
+        # restore's copy; H200, b03a3f0 and 537b277: release faster in 5 of 6 alternating comparisons, e.g. h2048
+        # Interleaved x1.133 of no offload against x1.192). False: before the replay (the hooks' order before `launch_first`).
+        # None: True unless QEFFECT_OFFLOAD_LAUNCH_FIRST=0
         if launch_first is None:
-            launch_first = os.environ.get("QEFFECT_OFFLOAD_LAUNCH_FIRST", "0") == "1"
+            launch_first = os.environ.get("QEFFECT_OFFLOAD_LAUNCH_FIRST", "1") != "0"
         self.launch_first = launch_first
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups

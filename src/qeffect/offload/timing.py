@@ -208,6 +208,7 @@ def simulate(events: Sequence[Event], costs: StepCosts, banks: Sequence[int] | N
                 elif kind == "B":
                     s.before_backward()
                     streams.launch(i_ms, "I")
+                    s.backward_launched()  # the runtime's order (captured.py): look-ahead after the dI launch
                 else:
                     streams.launch(w_ms, "W")
                     s.after_backward()
