@@ -61,6 +61,7 @@
 # launch-first: the whole GPU suite (QEFFECT_OFFLOAD_LAUNCH_FIRST=1's offload tests in it), its h2048 A/B and release's gaps with it.
 # launch-first-depth: the whole GPU suite, then launch-first at look-ahead 1 and 2 (release) and resident, h2048.
 # launch-first-default: the GPU suite, h4096 off / release / release without launch-first / resident, host-python.
+# raw-stream: the GPU suite, scripts/offload_host_ops.py, h2048 off / release / release/la2 / resident.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -456,6 +457,13 @@ launch-first-default)
         --modes off,release,release+QEFFECT_OFFLOAD_LAUNCH_FIRST=0,resident
     step 150 host-python python3 scripts/host_python_profile.py --modes off,release,resident --steps 10 \
         --json "$out/host-python-h2048-interleaved-h200.json"
+    ;;
+raw-stream)
+    # offload's current stream as a raw handle and its event queries through the driver: the whole GPU
+    # suite, the host cost of each operation both ways, then issue 7's h2048 modes (about 6 minutes)
+    step 260 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
+    step 60 offload-host-ops python3 scripts/offload_host_ops.py --json "$out/offload-host-ops-h200.json"
+    h2048_modes raw-stream off,release,release/la2,resident
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident

@@ -9,7 +9,10 @@ on the GPU, the host microseconds per operation of each way to issue them:
   `TorchCudaStreams` does per copy);
 - `torch-stream-once`: the same inside one `torch.cuda.stream(s)` block for the whole batch;
 - `driver`: `cuMemcpyAsync` and `cuEventRecord` from `cuda.bindings.driver` on the raw handles;
-- waits: `stream.wait_event(e)` against `cuStreamWaitEvent`.
+- waits: `stream.wait_event(e)` against `cuStreamWaitEvent`;
+- the current stream: `torch.cuda.current_stream(device)` against `DriverCudaStreams.current_stream` (the
+  raw handle as a `RawStream`), and an event query: `event.query()` against `DriverCudaStreams.query`
+  (`cuEventQuery`), each as the offload hooks call them.
 
 Copies are small (64 KiB, pinned host <-> device) so that the device keeps up and the queue never
 blocks the host; the device is synchronized every `--batch` operations, outside the timed region.
@@ -81,8 +84,29 @@ def main() -> None:
         for _ in range(a.batch):
             check(cu.cuStreamWaitEvent(cur, raw_e, 0))
 
+    from qeffect.offload.streams import DriverCudaStreams
+
+    ops = DriverCudaStreams(torch.device("cuda", torch.cuda.current_device()))
+
+    def torch_current() -> None:
+        for _ in range(a.batch):
+            torch.cuda.current_stream(ops.device)
+
+    def raw_current() -> None:
+        for _ in range(a.batch):
+            ops.current_stream()
+
+    def torch_query() -> None:
+        for _ in range(a.batch):
+            ev.query()
+
+    def driver_query() -> None:
+        for _ in range(a.batch):
+            ops.query(ev)
+
     variants = {"torch": torch_ops, "torch-stream-once": torch_stream_once, "driver": driver_ops,
-                "torch-wait": torch_wait, "driver-wait": driver_wait}
+                "torch-wait": torch_wait, "driver-wait": driver_wait, "torch-current-stream": torch_current,
+                "raw-current-stream": raw_current, "torch-query": torch_query, "driver-query": driver_query}
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():  # warm-up
         fn()
@@ -97,7 +121,8 @@ def main() -> None:
               "median_us_per_op": {k: statistics.median(v) for k, v in samples.items()},
               "samples_us_per_op": samples}
     for k, v in result["median_us_per_op"].items():
-        print(f"{k}: {v:.2f} us per {'wait' if 'wait' in k else 'copy + event record'}")
+        what = next((w for w in ("wait", "current-stream", "query") if k.endswith(w)), "copy + event record")
+        print(f"{k}: {v:.2f} us per {what}")
     if a.json:
         write_json(Path(a.json), result)
 

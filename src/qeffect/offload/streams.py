@@ -10,7 +10,7 @@ queue in a random legal interleaving, and check both the recorded order and the 
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -76,6 +76,13 @@ class TorchCudaStreams:
         return torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=True)
 
 
+class RawStream(NamedTuple):
+    """A stream as its handle alone: what `DriverCudaStreams` needs of the current stream (torch builds a
+    `torch.cuda.Stream` for each `current_stream` call: ~8 us of a hook's host time on the H200's host)."""
+
+    cuda_stream: int
+
+
 class DriverCudaStreams(TorchCudaStreams):
     """`TorchCudaStreams` whose copies, event records and stream waits are driver calls on raw handles
     (`cuMemcpyAsync`, `cuEventRecord`, `cuStreamWaitEvent`), each result checked.
@@ -98,6 +105,9 @@ class DriverCudaStreams(TorchCudaStreams):
         # event or stream was destroyed wraps the same way, so nothing here keeps an object alive or grows)
         self._streams: dict[int, Any] = {}
         self._events: dict[int, Any] = {}
+        # torch's current raw stream of a device index (its CUDA builds have it), else torch's stream object
+        self._current_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._not_ready = self.cu.CUresult.CUDA_ERROR_NOT_READY
 
     def _check(self, call: str, ret: tuple) -> None:
         if ret[0] != self._ok:
@@ -118,13 +128,20 @@ class DriverCudaStreams(TorchCudaStreams):
             raw = self._events[h] = self.cu.CUevent(h)
         return raw
 
+    def current_stream(self) -> Any:
+        if self._current_raw is None:
+            return super().current_stream()
+        return RawStream(self._current_raw(self.device.index))
+
     def new_event(self, name: str, timing: bool = False) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=timing)
-        event.record(self.current_stream())  # creates the CUDA event now; a wait on it returns at once
+        event.record(torch.cuda.current_stream(self.device))  # creates the CUDA event now; a wait returns at once
         return event
 
-    def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+    def record(self, event: torch.cuda.Event, stream: Any) -> None:
         if not event.cuda_event:  # not created yet (made elsewhere): torch's record creates it
+            if isinstance(stream, RawStream):
+                stream = torch.cuda.ExternalStream(stream.cuda_stream, device=self.device)
             event.record(stream)
             return
         self._check("cuEventRecord", self.cu.cuEventRecord(self._event(event.cuda_event), self._stream(stream)))
@@ -135,7 +152,16 @@ class DriverCudaStreams(TorchCudaStreams):
         self._check("cuStreamWaitEvent",
                     self.cu.cuStreamWaitEvent(self._stream(stream), self._event(event.cuda_event), 0))
 
-    def copy(self, dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
+    def query(self, event: torch.cuda.Event) -> bool:
+        if not event.cuda_event:  # never recorded: complete, as torch says
+            return True
+        ret = self.cu.cuEventQuery(self._event(event.cuda_event))
+        if ret[0] == self._not_ready:
+            return False
+        self._check("cuEventQuery", ret)
+        return True
+
+    def copy(self, dst: Tensor, src: Tensor, stream: Any) -> None:
         n = dst.numel() * dst.element_size()
         if not (dst.is_contiguous() and src.is_contiguous()) or n != src.numel() * src.element_size():
             raise ValueError(f"driver copy needs contiguous tensors of equal size, got {tuple(dst.shape)} "
