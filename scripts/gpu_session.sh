@@ -62,6 +62,7 @@
 # launch-first-depth: the whole GPU suite, then launch-first at look-ahead 1 and 2 (release) and resident, h2048.
 # launch-first-default: the GPU suite, h4096 off / release / release without launch-first / resident, host-python.
 # raw-stream: the GPU suite, scripts/offload_host_ops.py, h2048 off / release / release/la2 / resident.
+# offload-acceptance-final: the GPU suite, then h2048 off / release / resident in both schedules (about 5 minutes).
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -464,6 +465,11 @@ raw-stream)
     step 260 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
     step 60 offload-host-ops python3 scripts/offload_host_ops.py --json "$out/offload-host-ops-h200.json"
     h2048_modes raw-stream off,release,release/la2,resident
+    ;;
+offload-acceptance-final)
+    # the final source: the whole GPU suite, then issue 7's h2048 modes (off / release / resident, both schedules)
+    step 260 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
+    h2048_modes acceptance-final off,release,resident
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident

@@ -1567,14 +1567,12 @@ class _FakeCu:
 
     class CUresult:
         CUDA_SUCCESS = 0
-        CUDA_ERROR_NOT_READY = 600
 
     CUstream = CUevent = _RawHandle
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self.fail: str | None = None
-        self.pending: set[int] = set()  # event handles cuEventQuery finds not ready
 
     def _ret(self, name: str, *args: object) -> tuple:
         self.calls.append((name, *args))
@@ -1588,10 +1586,6 @@ class _FakeCu:
 
     def cuMemcpyAsync(self, dst, src, n, s):  # noqa: N802
         return self._ret("cuMemcpyAsync", dst, src, n, s.h)
-
-    def cuEventQuery(self, e):  # noqa: N802
-        self.calls.append(("cuEventQuery", e.h))
-        return (700 if self.fail == "cuEventQuery" else 600 if e.h in self.pending else 0,)
 
 
 class _FakeEvent:
@@ -1610,7 +1604,7 @@ def test_driver_stream_operations_pass_the_raw_handles_and_check_each_result() -
     from qeffect.offload.streams import DriverCudaStreams
 
     ops = object.__new__(DriverCudaStreams)  # no CUDA device here: the attributes __init__ would set
-    ops.cu, ops._ok, ops._not_ready, ops._streams, ops._events = _FakeCu(), 0, 600, {}, {}
+    ops.cu, ops._ok, ops._streams, ops._events = _FakeCu(), 0, {}, {}
     s, e = SimpleNamespace(cuda_stream=7), _FakeEvent(5)
     ops.record(e, s)
     ops.wait(s, e)
@@ -1632,29 +1626,21 @@ def test_driver_stream_operations_pass_the_raw_handles_and_check_each_result() -
         ops.wait(s, e)
 
 
-def test_driver_stream_query_and_the_current_stream_as_its_raw_handle() -> None:
-    """query: cuEventQuery (NOT_READY: False; another error raises; never recorded: True, as torch says).
-    current_stream: torch's raw current stream of the device index, as a `RawStream` the other operations take."""
-    from qeffect.offload.driver import CudaDriverError
+def test_driver_streams_take_the_current_stream_as_its_raw_handle() -> None:
+    """current_stream: torch's raw current stream of the device index, as a `RawStream` the other
+    operations take."""
     from qeffect.offload.streams import DriverCudaStreams, RawStream
 
     ops = object.__new__(DriverCudaStreams)
-    ops.cu, ops._ok, ops._not_ready, ops._streams, ops._events = _FakeCu(), 0, 600, {}, {}
+    ops.cu, ops._ok, ops._streams, ops._events = _FakeCu(), 0, {}, {}
     ops.device = torch.device("cuda", 3)
     ops._current_raw = lambda index: 1000 + index
     cur = ops.current_stream()
     assert cur == RawStream(1003) and cur.cuda_stream == 1003
     e = _FakeEvent(5)
-    assert ops.query(e) is True
-    ops.cu.pending.add(5)
-    assert ops.query(e) is False
-    assert ops.query(_FakeEvent(0)) is True  # never recorded: no driver call
-    assert ops.cu.calls == [("cuEventQuery", 5)] * 2
     ops.record(e, cur)
-    assert ops.cu.calls[-1] == ("cuEventRecord", 5, 1003)
-    ops.cu.fail = "cuEventQuery"
-    with pytest.raises(CudaDriverError, match="cuEventQuery failed"):
-        ops.query(e)
+    ops.wait(cur, e)
+    assert ops.cu.calls == [("cuEventRecord", 5, 1003), ("cuStreamWaitEvent", 1003, 5)]
 
 
 def test_launch_first_queues_the_lookahead_restore_after_the_backward_launch() -> None:

@@ -78,7 +78,7 @@ class TorchCudaStreams:
 
 class RawStream(NamedTuple):
     """A stream as its handle alone: what `DriverCudaStreams` needs of the current stream (torch builds a
-    `torch.cuda.Stream` for each `current_stream` call: ~8 us of a hook's host time on the H200's host)."""
+    `torch.cuda.Stream` for each `current_stream` call: 2.6 us against 0.3 on the H200's host, 8fff3e4)."""
 
     cuda_stream: int
 
@@ -106,8 +106,8 @@ class DriverCudaStreams(TorchCudaStreams):
         self._streams: dict[int, Any] = {}
         self._events: dict[int, Any] = {}
         # torch's current raw stream of a device index (its CUDA builds have it), else torch's stream object
+        # (event queries stay torch's: 0.26 us against cuEventQuery's 0.70 through cuda.bindings, 8fff3e4)
         self._current_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._not_ready = self.cu.CUresult.CUDA_ERROR_NOT_READY
 
     def _check(self, call: str, ret: tuple) -> None:
         if ret[0] != self._ok:
@@ -151,15 +151,6 @@ class DriverCudaStreams(TorchCudaStreams):
             return
         self._check("cuStreamWaitEvent",
                     self.cu.cuStreamWaitEvent(self._stream(stream), self._event(event.cuda_event), 0))
-
-    def query(self, event: torch.cuda.Event) -> bool:
-        if not event.cuda_event:  # never recorded: complete, as torch says
-            return True
-        ret = self.cu.cuEventQuery(self._event(event.cuda_event))
-        if ret[0] == self._not_ready:
-            return False
-        self._check("cuEventQuery", ret)
-        return True
 
     def copy(self, dst: Tensor, src: Tensor, stream: Any) -> None:
         n = dst.numel() * dst.element_size()
