@@ -101,10 +101,10 @@ def test_the_search_finds_a_valid_plan_no_slower_and_no_larger_than_the_colourin
 
 
 def test_on_a_tie_the_search_takes_the_plan_with_less_memory(sim) -> None:
-    """Copies of no cost: every plan runs at the step without offload, so the search only trades memory:
-    it ends below the colouring's 4 banks, at no more than the 2-bank colouring's memory."""
+    """`prefer="memory"`, copies of no cost: every plan runs at the step without offload, so the search only
+    trades memory: it ends below the colouring's 4 banks, at no more than the 2-bank colouring's memory."""
     events, costs = h2048(sim, gbps=1e12)
-    found = search_banks(events, costs, max_banks=4, tries=20)
+    found = search_banks(events, costs, max_banks=4, tries=20, prefer="memory")
     assert found.best.step_ms == pytest.approx(found.best.off_ms, rel=1e-9)
     assert found.best.mapped_bytes < found.colour.mapped_bytes
     assert found.best.mapped_bytes <= simulate(events, costs).mapped_bytes

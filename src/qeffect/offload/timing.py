@@ -236,14 +236,15 @@ class SearchResult:
 
 
 def search_banks(events: Sequence[Event], costs: StepCosts, *, max_banks: int = 6, tries: int = DEFAULT_TRIES,
-                 seed: int = 0, prefer: Literal["memory", "copies"] = "memory", **kw: Any) -> SearchResult:
+                 seed: int = 0, prefer: Literal["memory", "copies"] = "copies", **kw: Any) -> SearchResult:
     """A local search for the bank plan with the shortest simulated step, with no more bank memory than
-    `assign_banks(events, max_banks)` maps (the smaller memory on a tie); every plan it tries is valid (no
+    `assign_banks(events, max_banks)` maps (ties broken by `prefer`); every plan it tries is valid (no
     two conflicting groups share a bank, `offload.plan.conflicts`). Half the tries start from the
     colouring (so it finds nothing worse), half from first fit (a local search stops at local optima);
     each try moves one or two groups to another allowed bank. Deterministic for a given `seed`.
     `prefer`: among plans as fast, the one with less bank memory ("memory"), or with fewer bytes copied
-    to and from the host, then less memory ("copies": steps within 0.1 us count as ties); the copies'
+    to and from the host, then less memory ("copies", the default, as `train.offload_search_prefer`'s:
+    steps within 0.1 us count as ties); the copies'
     share of memory bandwidth and their host work are outside the model, so fewer may run faster."""
     if prefer not in ("memory", "copies"):
         raise ValueError(f"prefer must be 'memory' or 'copies', got {prefer!r}")
