@@ -244,8 +244,8 @@ def search_banks(events: Sequence[Event], costs: StepCosts, *, max_banks: int = 
     each try moves one or two groups to another allowed bank. Deterministic for a given `seed`.
     `prefer`: among plans as fast, the one with less bank memory ("memory"), or with fewer bytes copied
     to and from the host, then less memory ("copies", the default, as `train.offload_search_prefer`'s:
-    steps within 0.1 us count as ties); the copies'
-    share of memory bandwidth and their host work are outside the model, so fewer may run faster."""
+    steps within 0.1 us count as ties); the copies' share of memory bandwidth and their host work are
+    outside the model, so fewer may run faster."""
     if prefer not in ("memory", "copies"):
         raise ValueError(f"prefer must be 'memory' or 'copies', got {prefer!r}")
     enabled, t0 = gc.isenabled(), time.perf_counter()
