@@ -42,6 +42,10 @@ A `+VAR=VALUE` suffix (repeatable) sets an environment switch while that mode is
 started anyway). A `#N` suffix repeats a mode under its own name (`off#2` at the end: did the step time drift while the
 modes ran? `release#2`: how far apart are two runs of one configuration?).
 
+`--chained` (with `--interleave`) queues each mode's steps of a round back to back and synchronizes the
+device once per round: the steady-state step of a loop that does not wait for each loss (`qeffect train`
+waits, so the default synchronizes around every step). The losses and final state are compared as always.
+
 `--interleave BLOCK` builds and warms up every mode first (all alive at once: the device must hold them
 all), then times them in rounds of BLOCK steps each, the order of the modes rotated every round, so that a
 slow spell of a shared host falls on every mode alike; `paired_step_ratio_vs_off` is then the median over
@@ -150,6 +154,7 @@ class ModeRun:
         # allocated memory after each timed step: the manager's own marks start at its warm-up, before the
         # modes built after this one (interleaved), whose builds would read as this mode's growth
         self.growth = GraphStats()
+        self.chain_len = 1  # steps between two growth marks (`chain`)
         self.times: list[float] = []
         self.host_times: list[float] = []
         self.drv = self.pipe.offload.driver if self.pipe.offload is not None else None
@@ -176,6 +181,29 @@ class ModeRun:
             self.host_times.append(t_host - t)
             self.growth.mark_step(torch.cuda.memory_allocated(self.dev))
         self.losses.append(loss.detach().float().cpu().reshape(1))
+
+    def chain(self, n: int) -> None:
+        """`n` timed steps queued back to back, the device synchronized only before the first and after the
+        last (a training loop that does not wait for each step's loss before queueing the next): each step's
+        time is the chain's over `n`. The batches are made before the chain, each loss copied after its step
+        (a captured step's loss may live in a buffer the next replay rewrites)."""
+        start = len(self.losses)
+        batches = [synthetic_batches(self.cfg, start + i, self.dev) for i in range(n)]
+        losses = []
+        with switched(self.env):
+            torch.cuda.synchronize(self.dev)
+            t = time.perf_counter()
+            for b in batches:
+                losses.append(self.pipe.step(b).detach().float().reshape(1).clone())
+                self.pipe.manager.mark_step()
+            t_host = time.perf_counter()  # the host has queued the whole chain
+            torch.cuda.synchronize(self.dev)
+            t_end = time.perf_counter()
+        self.times += [(t_end - t) / n] * n
+        self.host_times += [(t_host - t) / n] * n
+        self.growth.mark_step(torch.cuda.memory_allocated(self.dev))
+        self.chain_len = n
+        self.losses += [x.cpu() for x in losses]
 
     def finish(self) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
         """The mode's report, losses and final state; one extra, untimed, sampled step; then the teardown."""
@@ -240,7 +268,8 @@ class ModeRun:
             "peak_driver_used_bytes": total - min(free_samples),
             "baseline_driver_used_bytes": self.baseline_driver_used,
             "graph_count": pipe.manager.stats.graph_count,
-            "persistent_growth_bytes_per_step": self.growth.persistent_growth_per_step(),
+            # chained: one mark per chain of `chain_len` steps
+            "persistent_growth_bytes_per_step": self.growth.persistent_growth_per_step() / self.chain_len,
         }
         if mgr is not None:
             st = mgr.stats
@@ -288,15 +317,21 @@ def run_sequential(cfg, labels: list[str], path: str, steps: int, warmup: int, d
         yield run.finish()
 
 
-def run_interleaved(cfg, labels: list[str], path: str, steps: int, warmup: int, block: int, dev: torch.device):
+def run_interleaved(cfg, labels: list[str], path: str, steps: int, warmup: int, block: int, dev: torch.device,
+                    chained: bool = False):
     """Every mode built and warmed up first, then timed in rounds of `block` steps each, the order of the
     modes rotated every round, so that a slow spell of the host falls on all of them alike. Torn down in
-    the reverse of the build order (so each one's baseline is still what it was when it was built)."""
+    the reverse of the build order (so each one's baseline is still what it was when it was built).
+    `chained`: each mode's steps of a round are queued back to back (`ModeRun.chain`)."""
     runs = [ModeRun(cfg, label, path, warmup, dev) for label in labels]
     for r in range(-(-steps // block)):
         k = r % len(runs)
         for run in runs[k:] + runs[:k]:
-            for _ in range(min(block, steps - r * block)):
+            n = min(block, steps - r * block)
+            if chained:
+                run.chain(n)
+                continue
+            for _ in range(n):
                 run.step()
     results = {}
     for run in reversed(runs):
@@ -353,8 +388,14 @@ def main() -> int:
                     help="build every mode first, then time them in rounds of BLOCK steps each, the order rotated "
                          "every round (a noisy host's slow spells then fall on every mode alike); 0: one mode "
                          "after the other (the default)")
+    ap.add_argument("--chained", action="store_true",
+                    help="with --interleave: each mode's steps of a round queued back to back, the device "
+                         "synchronized once per round (steady-state throughput; default: around every step, "
+                         "as `qeffect train` waits for each step's loss)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.chained and a.interleave <= 0:
+        ap.error("--chained needs --interleave BLOCK (the steps each chain queues back to back)")
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg = load_config(a.config).with_overrides(**{"train.device": "cuda", "fp8.backend": a.backend,
                                                   "pipeline.schedule": a.schedule})
@@ -366,10 +407,10 @@ def main() -> int:
               "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "python": platform.python_version(), "config": a.config, "backend": cfg.fp8.backend,
               "schedule": cfg.pipeline.schedule, "path": a.path, "steps": a.steps, "warmup": a.warmup,
-              "interleave": a.interleave, "transformer_engine": te_version(), "modes": {}}
+              "interleave": a.interleave, "chained": a.chained, "transformer_engine": te_version(), "modes": {}}
     ref_losses = ref_final = None
     ok = True
-    runs = (run_interleaved(cfg, modes, a.path, a.steps, a.warmup, a.interleave, dev) if a.interleave > 0
+    runs = (run_interleaved(cfg, modes, a.path, a.steps, a.warmup, a.interleave, dev, a.chained) if a.interleave > 0
             else run_sequential(cfg, modes, a.path, a.steps, a.warmup, dev))
     for mode, (res, losses, final) in zip(modes, runs, strict=True):
         if mode == "off":
@@ -386,7 +427,7 @@ def main() -> int:
                                                                report["modes"]["off"]["step_seconds"], a.interleave)
             ok &= res["bitwise_vs_off"]["losses_equal"] and not diff and res["bitwise_vs_off"]["same_keys"]
         report["modes"][mode] = res
-        line = (f"{mode}: median {res['median_step_seconds'] * 1e3:.2f} ms (host queued it in "
+        line = (f"{mode}: median {res['median_step_seconds'] * 1e3:.2f} ms{' (chained)' if a.chained else ''} (host queued it in "
                 f"{res['median_host_step_seconds'] * 1e3:.2f} ms), peak alloc "
                 f"{(res['peak_allocated_bytes'] - res['baseline_allocated_bytes']) / 2**30:.2f} GiB above the "
                 f"{res['baseline_allocated_bytes'] / 2**30:.2f} GiB it started from, peak driver used "

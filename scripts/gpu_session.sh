@@ -63,6 +63,7 @@
 # launch-first-default: the GPU suite, h4096 off / release / release without launch-first / resident, host-python.
 # raw-stream: the GPU suite, scripts/offload_host_ops.py, h2048 off / release / release/la2 / resident.
 # offload-acceptance-final: the GPU suite, then h2048 off / release / resident in both schedules (about 5 minutes).
+# offload-chained: h2048 off / release / resident with each round's steps queued back to back, then synchronized.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -470,6 +471,17 @@ offload-acceptance-final)
     # the final source: the whole GPU suite, then issue 7's h2048 modes (off / release / resident, both schedules)
     step 260 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
     h2048_modes acceptance-final off,release,resident
+    ;;
+offload-chained)
+    # issue 7's h2048 modes with each round's steps queued back to back (--chained: one device synchronization
+    # per round of 4 steps, a loop that does not wait for each loss), then synchronized around every step (the
+    # default) in the same call, both schedules (about 4 minutes)
+    for sched in interleaved zbv; do
+        step 150 "chained-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            --schedule "$sched" --steps 40 --interleave 4 --chained \
+            --out "$out/offload-bench-h2048-$sched-chained-h200.json" --modes off,release,resident
+    done
+    h2048_modes synchronized off,release,resident
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident

@@ -38,6 +38,10 @@ def _fake_runs(bench, monkeypatch) -> list[str]:
             self.steps += 1
             log.append(f"step {self.label}")
 
+        def chain(self, n: int) -> None:
+            self.steps += n
+            log.append(f"chain {self.label} {n}")
+
         def finish(self):
             log.append(f"finish {self.label} {self.steps} sequential={self.sequential}")
             return self.label, self.steps
@@ -60,6 +64,15 @@ def test_interleaved_rounds_rotate_the_order_and_tear_down_in_reverse(bench, mon
                      "b", "off", "a"]  # round 2: one step left each
     assert [e for e in log if e.startswith("finish")] == [
         "finish b 5 sequential=False", "finish a 5 sequential=False", "finish off 5 sequential=False"]
+
+
+def test_chained_rounds_queue_each_mode_s_steps_of_a_round_as_one_chain(bench, monkeypatch) -> None:
+    """`chained`: the same rotation, each mode's steps of a round one chain (the last round's shorter)."""
+    log = _fake_runs(bench, monkeypatch)
+    out = list(bench.run_interleaved(None, ["off", "a"], None, 5, 3, 2, None, chained=True))
+    assert out == [("off", 5), ("a", 5)]
+    assert [e for e in log if e.startswith(("chain", "step"))] == [
+        "chain off 2", "chain a 2", "chain a 2", "chain off 2", "chain off 1", "chain a 1"]
 
 
 def test_sequential_runs_finish_each_mode_before_building_the_next(bench, monkeypatch) -> None:
