@@ -154,7 +154,6 @@ class ModeRun:
         # allocated memory after each timed step: the manager's own marks start at its warm-up, before the
         # modes built after this one (interleaved), whose builds would read as this mode's growth
         self.growth = GraphStats()
-        self.chain_len = 1  # steps between two growth marks (`chain`)
         self.times: list[float] = []
         self.host_times: list[float] = []
         self.drv = self.pipe.offload.driver if self.pipe.offload is not None else None
@@ -186,23 +185,25 @@ class ModeRun:
         """`n` timed steps queued back to back, the device synchronized only before the first and after the
         last (a training loop that does not wait for each step's loss before queueing the next): each step's
         time is the chain's over `n`. The batches are made before the chain, each loss copied after its step
-        (a captured step's loss may live in a buffer the next replay rewrites)."""
+        (a captured step's loss may live in a buffer the next replay rewrites). The allocated bytes after
+        each step are the caching allocator's host-side count: read without a synchronization."""
         start = len(self.losses)
         batches = [synthetic_batches(self.cfg, start + i, self.dev) for i in range(n)]
-        losses = []
+        losses, allocated = [], []
         with switched(self.env):
             torch.cuda.synchronize(self.dev)
             t = time.perf_counter()
             for b in batches:
                 losses.append(self.pipe.step(b).detach().float().reshape(1).clone())
                 self.pipe.manager.mark_step()
+                allocated.append(torch.cuda.memory_allocated(self.dev))
             t_host = time.perf_counter()  # the host has queued the whole chain
             torch.cuda.synchronize(self.dev)
             t_end = time.perf_counter()
         self.times += [(t_end - t) / n] * n
         self.host_times += [(t_host - t) / n] * n
-        self.growth.mark_step(torch.cuda.memory_allocated(self.dev))
-        self.chain_len = n
+        for a in allocated:
+            self.growth.mark_step(a)
         self.losses += [x.cpu() for x in losses]
 
     def finish(self) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
@@ -268,8 +269,7 @@ class ModeRun:
             "peak_driver_used_bytes": total - min(free_samples),
             "baseline_driver_used_bytes": self.baseline_driver_used,
             "graph_count": pipe.manager.stats.graph_count,
-            # chained: one mark per chain of `chain_len` steps
-            "persistent_growth_bytes_per_step": self.growth.persistent_growth_per_step() / self.chain_len,
+            "persistent_growth_bytes_per_step": self.growth.persistent_growth_per_step(),
         }
         if mgr is not None:
             st = mgr.stats
