@@ -166,45 +166,35 @@ class ModeRun:
 
     def step(self, timed: bool = True) -> None:
         """One step on this pipeline's next batch, the device synchronized before and after it."""
-        batches = synthetic_batches(self.cfg, len(self.losses), self.dev)
-        with switched(self.env):
-            torch.cuda.synchronize(self.dev)
-            t = time.perf_counter()
-            loss = self.pipe.step(batches)
-            self.pipe.manager.mark_step()
-            t_host = time.perf_counter()  # the host has queued the step (what it waited for inside included)
-            torch.cuda.synchronize(self.dev)
-            t_end = time.perf_counter()  # before the switches are put back: not part of the step
-        if timed:
-            self.times.append(t_end - t)
-            self.host_times.append(t_host - t)
-            self.growth.mark_step(torch.cuda.memory_allocated(self.dev))
-        self.losses.append(loss.detach().float().cpu().reshape(1))
+        self.chain(1, timed)
 
-    def chain(self, n: int) -> None:
-        """`n` timed steps queued back to back, the device synchronized only before the first and after the
-        last (a training loop that does not wait for each step's loss before queueing the next): each step's
-        time is the chain's over `n`. The batches are made before the chain, each loss copied after its step
-        (a captured step's loss may live in a buffer the next replay rewrites). The allocated bytes after
-        each step are the caching allocator's host-side count: read without a synchronization."""
+    def chain(self, n: int, timed: bool = True) -> None:
+        """`n` steps queued back to back, the device synchronized only before the first and after the last
+        (n > 1: a training loop that does not wait for each step's loss before queueing the next); each
+        step's time is the chain's over `n`. The batches are made before the chain; a loss with a later step
+        of the chain after it is copied (a captured step's loss may live in a buffer the next replay
+        rewrites). The allocated bytes after each step are the caching allocator's host-side count: read
+        without a synchronization. Not `timed` (warm-up): losses only."""
         start = len(self.losses)
         batches = [synthetic_batches(self.cfg, start + i, self.dev) for i in range(n)]
         losses, allocated = [], []
         with switched(self.env):
             torch.cuda.synchronize(self.dev)
             t = time.perf_counter()
-            for b in batches:
-                losses.append(self.pipe.step(b).detach().float().reshape(1).clone())
+            for i, b in enumerate(batches):
+                loss = self.pipe.step(b).detach().float().reshape(1)
+                losses.append(loss.clone() if i < n - 1 else loss)
                 self.pipe.manager.mark_step()
                 allocated.append(torch.cuda.memory_allocated(self.dev))
-            t_host = time.perf_counter()  # the host has queued the whole chain
+            t_host = time.perf_counter()  # the host has queued the chain (what it waited for inside included)
             torch.cuda.synchronize(self.dev)
-            t_end = time.perf_counter()
-        self.times += [(t_end - t) / n] * n
-        self.host_times += [(t_host - t) / n] * n
-        for a in allocated:
-            self.growth.mark_step(a)
-        self.losses += [x.cpu() for x in losses]
+            t_end = time.perf_counter()  # before the switches are put back: not part of the step
+        if timed:
+            self.times += [(t_end - t) / n] * n
+            self.host_times += [(t_host - t) / n] * n
+            for a in allocated:
+                self.growth.mark_step(a)
+        self.losses += [x.to("cpu", copy=True) for x in losses]  # off the buffer the next step may rewrite
 
     def finish(self) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
         """The mode's report, losses and final state; one extra, untimed, sampled step; then the teardown."""

@@ -106,3 +106,33 @@ def test_mode_names_map_to_the_config_they_stand_for(bench) -> None:
     assert c.train.offload_bank_plan == "colour" and c.train.offload_banks == 4
     mode, c = bench.mode_config(cfg, "release/la0")
     assert mode == "release" and c.train.offload_lookahead == 0 and c.train.offload_search_prefer == "copies"
+
+
+def test_a_chain_keeps_each_step_s_loss_though_the_step_rewrites_one_buffer(bench, monkeypatch) -> None:
+    """`ModeRun.chain` on the CPU (synchronize and the allocator's count stood in): a pipeline whose every
+    step returns the same loss buffer, rewritten (as a captured step's may be), still yields each step's
+    loss; one time and one growth mark per step, none untimed."""
+    import torch
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.buf, self.k = torch.zeros(()), 0
+            self.manager = type("M", (), {"mark_step": lambda self: None})()
+
+        def step(self, batches):
+            self.k += 1
+            self.buf.fill_(float(self.k))
+            return self.buf
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 7)
+    monkeypatch.setattr(bench, "synthetic_batches", lambda cfg, i, dev: i)
+    run = object.__new__(bench.ModeRun)
+    run.cfg, run.dev, run.env, run.pipe = None, None, {}, Pipe()
+    run.losses, run.times, run.host_times, run.growth = [], [], [], bench.GraphStats()
+    run.chain(3)
+    run.step(timed=False)
+    run.step()
+    assert [float(x) for x in run.losses] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert len(run.times) == len(run.host_times) == 4 and run.times[0] == run.times[2]
+    assert run.growth.step_allocated == [7] * 4
