@@ -115,6 +115,18 @@ h2048_modes() {  # h2048_modes <step-prefix> <modes>: offload_bench.py at h2048,
             --modes "$2"
     done
 }
+gpu_suite() {  # gpu_suite <step-name>: the whole GPU suite (pytest -m gpu)
+    step 260 "$1" python3 -m pytest -m gpu -q -p no:cacheprovider
+}
+h4096_modes() {  # h4096_modes <modes>: offload_bench.py at h4096 Interleaved, 30 steps in rounds of 2
+    step 200 offload-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule interleaved --steps 30 --interleave 2 --out "$out/offload-bench-h4096-interleaved-h200.json" \
+        --modes "$1"
+}
+host_python() {  # scripts/host_python_profile.py: h2048 Interleaved host time by Python function, off / release / resident
+    step "$1" host-python python3 scripts/host_python_profile.py --modes off,release,resident --steps 10 \
+        --json "$out/host-python-h2048-interleaved-h200.json"
+}
 profile_h4096_te() {  # the h4096 te matrix with traces and the M analysis
     step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
@@ -422,9 +434,7 @@ vmm-gpu-cost)
     ;;
 offload-h4096)
     # issue 7's h4096 modes (Interleaved, 30 steps in rounds of 2)
-    step 200 offload-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --schedule interleaved --steps 30 --interleave 2 --out "$out/offload-bench-h4096-interleaved-h200.json" \
-        --modes off,release,resident
+    h4096_modes off,release,resident
     ;;
 release-gaps)
     # where release offload's h2048 step waits for the host: each GPU gap and the host phase that launched late
@@ -437,7 +447,7 @@ launch-first)
     # QEFFECT_OFFLOAD_LAUNCH_FIRST=1 (reaps and look-ahead restores after a replay's launch, not before it):
     # the whole GPU suite (the offload tests run both settings), h2048's A/B in both schedules, release's
     # gaps with it (about 8 minutes)
-    step 260 launch-first-tests python3 -m pytest -m gpu -q -p no:cacheprovider
+    gpu_suite launch-first-tests
     h2048_modes launch-first off,release,release+QEFFECT_OFFLOAD_LAUNCH_FIRST=1,resident,resident+QEFFECT_OFFLOAD_LAUNCH_FIRST=1
     step 120 gaps-h2048-release-first env QEFFECT_OFFLOAD_LAUNCH_FIRST=1 python3 scripts/step_gaps.py \
         --config examples/configs/h2048.toml --schedule interleaved --offload release \
@@ -446,30 +456,27 @@ launch-first)
 launch-first-depth)
     # the switch read by the manager: the whole GPU suite, then launch-first against release's look-ahead
     # depth 1 and 2 and resident, at h2048 in both schedules (about 7 minutes)
-    step 260 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
+    gpu_suite pytest-gpu
     lf=QEFFECT_OFFLOAD_LAUNCH_FIRST=1
     h2048_modes launch-first-depth "off,release,release+$lf,release/la2,release/la2+$lf,resident,resident+$lf"
     ;;
 launch-first-default)
     # launch-first as the default: the whole GPU suite, h4096's modes with the earlier order as the A/B, then
     # where a captured h2048 step's host time goes now (about 8 minutes)
-    step 260 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
-    step 200 offload-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --schedule interleaved --steps 30 --interleave 2 --out "$out/offload-bench-h4096-interleaved-h200.json" \
-        --modes off,release,release+QEFFECT_OFFLOAD_LAUNCH_FIRST=0,resident
-    step 150 host-python python3 scripts/host_python_profile.py --modes off,release,resident --steps 10 \
-        --json "$out/host-python-h2048-interleaved-h200.json"
+    gpu_suite pytest-gpu
+    h4096_modes off,release,release+QEFFECT_OFFLOAD_LAUNCH_FIRST=0,resident
+    host_python 150
     ;;
 raw-stream)
     # offload's current stream as a raw handle and its event queries through the driver: the whole GPU
     # suite, the host cost of each operation both ways, then issue 7's h2048 modes (about 6 minutes)
-    step 260 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
+    gpu_suite pytest-gpu
     step 60 offload-host-ops python3 scripts/offload_host_ops.py --json "$out/offload-host-ops-h200.json"
     h2048_modes raw-stream off,release,release/la2,resident
     ;;
 offload-acceptance-final)
     # the final source: the whole GPU suite, then issue 7's h2048 modes (off / release / resident, both schedules)
-    step 260 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
+    gpu_suite pytest-gpu
     h2048_modes acceptance-final off,release,resident
     ;;
 offload-chained)
@@ -485,8 +492,7 @@ offload-chained)
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident
-    step 200 host-python python3 scripts/host_python_profile.py --modes off,release,resident --steps 10 \
-        --json "$out/host-python-h2048-interleaved-h200.json"
+    host_python 200
     ;;
 weight-cast-kernels)
     # the cast's kernels alone on h4096's matrix weights (bits against TE's cast, transpose tile sweep)

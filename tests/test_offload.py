@@ -1597,14 +1597,21 @@ class _FakeEvent:
         self.cuda_event = self.cuda_event or 99
 
 
+def _driver_ops():
+    """A `DriverCudaStreams` over `_FakeCu`: no CUDA device here, so the attributes __init__ would set."""
+    from qeffect.offload.streams import DriverCudaStreams
+
+    ops = object.__new__(DriverCudaStreams)
+    ops.cu, ops._ok, ops._streams, ops._events = _FakeCu(), 0, {}, {}
+    return ops
+
+
 def test_driver_stream_operations_pass_the_raw_handles_and_check_each_result() -> None:
     from types import SimpleNamespace
 
     from qeffect.offload.driver import CudaDriverError
-    from qeffect.offload.streams import DriverCudaStreams
 
-    ops = object.__new__(DriverCudaStreams)  # no CUDA device here: the attributes __init__ would set
-    ops.cu, ops._ok, ops._streams, ops._events = _FakeCu(), 0, {}, {}
+    ops = _driver_ops()
     s, e = SimpleNamespace(cuda_stream=7), _FakeEvent(5)
     ops.record(e, s)
     ops.wait(s, e)
@@ -1629,10 +1636,9 @@ def test_driver_stream_operations_pass_the_raw_handles_and_check_each_result() -
 def test_driver_streams_take_the_current_stream_as_its_raw_handle() -> None:
     """current_stream: torch's raw current stream of the device index, as a `RawStream` the other
     operations take."""
-    from qeffect.offload.streams import DriverCudaStreams, RawStream
+    from qeffect.offload.streams import RawStream
 
-    ops = object.__new__(DriverCudaStreams)
-    ops.cu, ops._ok, ops._streams, ops._events = _FakeCu(), 0, {}, {}
+    ops = _driver_ops()
     ops.device = torch.device("cuda", 3)
     ops._current_raw = lambda index: 1000 + index
     cur = ops.current_stream()
