@@ -222,15 +222,7 @@ class ModeRun:
             for g in mgr.groups:
                 if g.slot is None:
                     continue
-                orig_unmap, orig_bwd = g.slot.unmap, g.before_backward
-
-                def unmap(*a, g=g, orig=orig_unmap, **kw) -> None:
-                    if not g.live:  # a consumed group's reap: not the forward-to-backward release
-                        return orig(*a, **kw)
-                    before = torch.cuda.mem_get_info(dev)[0]
-                    orig(*a, **kw)
-                    returned.append((g.name, g.slot.size, torch.cuda.mem_get_info(dev)[0] - before,
-                                     g.name in in_backward))
+                orig_bwd = g.before_backward
 
                 def before_backward(g=g, orig=orig_bwd) -> None:
                     in_backward.add(g.name)
@@ -238,7 +230,18 @@ class ModeRun:
                         orig()
                     finally:
                         in_backward.discard(g.name)
-                g.slot.unmap, g.before_backward = unmap, before_backward
+                g.before_backward = before_backward
+            for slot in mgr.slots():  # a shared slot once: its members' bytes leave together
+                members = next(g.members for g in mgr.groups if g.slot is slot)
+
+                def unmap(*a, slot=slot, members=members, orig=slot.unmap, **kw) -> None:
+                    if not any(g.live for g in members):  # a consumed group's reap: not the forward-to-backward release
+                        return orig(*a, **kw)
+                    before = torch.cuda.mem_get_info(dev)[0]
+                    orig(*a, **kw)
+                    returned.append((slot.name, slot.size, torch.cuda.mem_get_info(dev)[0] - before,
+                                     any(g.name in in_backward for g in members)))
+                slot.unmap = unmap
         pipe.step(synthetic_batches(self.cfg, len(self.losses), dev),
                   observer=lambda a, r: free_samples.append(torch.cuda.mem_get_info(dev)[0]))
         torch.cuda.synchronize(dev)
@@ -267,6 +270,8 @@ class ModeRun:
             res["offload"] = {
                 "groups": len(mgr.groups), "group_bytes": sum(g.nbytes for g in mgr.groups),
                 "banks": len(mgr.banks), "bank_plan": mgr.bank_plan, "mapped_bytes_now": mgr.mapped_bytes(),
+                # release: slots (a shared one once) and the groups sharing one (QEFFECT_OFFLOAD_SHARE_SLOTS)
+                "slots": len(mgr.slots()), "shared_slots": [[g.name for g in run] for run in mgr.shared],
                 "bank_plan_kind": mgr.bank_plan_kind, "bank_search": None if mgr.bank_search is None else {
                     "seconds": mgr.bank_search.seconds, "plans_tried": mgr.bank_search.tried,
                     "budget_bytes": mgr.bank_search.budget_bytes, "simulated_ratio": mgr.bank_search.best.ratio,
@@ -278,7 +283,7 @@ class ModeRun:
                                                "released_live", "released_at_backward", "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped", "prefetches_futile",
                                                "reloads_skipped", "evictions")}}
             if mode == "release":
-                slot = sum(g.slot.size for g in mgr.groups if g.slot is not None)  # each group's forward runs once
+                slot = sum(s.size for s in mgr.slots())  # each group's forward runs once
                 early = sum(d for _, _, d, by_bwd in returned if not by_bwd)
                 total = sum(d for _, _, d, _ in returned)
                 res["offload"]["release"] = {
@@ -447,7 +452,8 @@ def main() -> int:
                          f"H2D {o['h2d_copies']}, reloads skipped {o['reloads_skipped']}")
             if "release" in o:
                 r = o["release"]
-                line += (f", not offloaded {len(o['not_offloaded_groups'])} ({o['not_offloaded_bytes'] / 2**20:.0f} MiB), "
+                line += (f", slots {o['slots']} ({len(o['shared_slots'])} shared), "
+                         f"not offloaded {len(o['not_offloaded_groups'])} ({o['not_offloaded_bytes'] / 2**20:.0f} MiB), "
                          f"returned {r['returned_fraction']:.3f} of slot bytes before the backward "
                          f"({r['returned_fraction_incl_backward']:.3f} with the backward's own releases; "
                          f"{r['returned_fraction_all_groups']:.3f} of all groups' bytes)")

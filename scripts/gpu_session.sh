@@ -64,6 +64,8 @@
 # raw-stream: the GPU suite, scripts/offload_host_ops.py, h2048 off / release / release/la2 / resident.
 # offload-acceptance-final: the GPU suite, then h2048 off / release / resident in both schedules (about 5 minutes).
 # offload-chained: h2048 off / release / resident with each round's steps queued back to back, then synchronized.
+# share-slots: the whole GPU suite, then release with and without nested groups sharing a slot, h2048 both schedules.
+# share-slots-more: the same A/B chained (steps queued back to back), then at h4096.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -489,6 +491,22 @@ offload-chained)
             --out "$out/offload-bench-h2048-$sched-chained-h200.json" --modes off,release,resident
     done
     h2048_modes synchronized off,release,resident
+    ;;
+share-slots)
+    # QEFFECT_OFFLOAD_SHARE_SLOTS=1 (release: nested groups share one slot, 12 groups in 8 or 7 slots): the whole GPU
+    # suite (its pipeline offload test runs it in both schedules), then the h2048 A/B, both schedules (about 7 minutes)
+    gpu_suite pytest-gpu
+    h2048_modes share-slots off,release,release+QEFFECT_OFFLOAD_SHARE_SLOTS=1
+    ;;
+share-slots-more)
+    # the same A/B with each round's steps queued back to back (both schedules), then h4096 Interleaved
+    for sched in interleaved zbv; do
+        step 150 "share-chained-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            --schedule "$sched" --steps 40 --interleave 4 --chained \
+            --out "$out/offload-bench-h2048-$sched-chained-h200.json" \
+            --modes off,release,release+QEFFECT_OFFLOAD_SHARE_SLOTS=1
+    done
+    h4096_modes off,release,release+QEFFECT_OFFLOAD_SHARE_SLOTS=1
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident

@@ -1496,13 +1496,18 @@ def test_release_without_reaping_keeps_consumed_slots_for_the_next_forward(progr
         assert mgr.stats.reaped == 0 and mgr.stats.maps == mgr.stats.h2d_copies == 2 * len(order)
 
 
-@pytest.mark.parametrize("mode", ["release", "release-keep", "resident"])
+@pytest.mark.parametrize("mode", ["release", "release-keep", "release-shared", "resident"])
 @pytest.mark.parametrize("fail_in", ["forward", "backward", "live"])
-def test_abandon_after_an_aborted_step_then_every_order_still_restores_the_right_bytes(mode: str, fail_in: str) -> None:
+@pytest.mark.parametrize("which", [0, 1])
+def test_abandon_after_an_aborted_step_then_every_order_still_restores_the_right_bytes(mode: str, fail_in: str,
+                                                                                        which: int) -> None:
     keep = {"release_consumed": False} if mode == "release-keep" else {}
+    if mode == "release-shared":  # G1 and G0 share a slot (as G3 and G2): the aborted group is either member
+        keep = {"release_consumed": False, "share_slots": True, "program": STACK[0]}
     for seed in range(6):
-        dev, mgr, groups = build(mode.removesuffix("-keep"), seed, layers=4, order=[3, 2, 1, 0], **keep)
-        g = groups[0]
+        dev, mgr, groups = build(mode.split("-")[0], seed, layers=4, order=[3, 2, 1, 0], **keep)
+        assert len(mgr.shared) == (2 if mode == "release-shared" else 0)
+        g = groups[which]
         g.before_forward()  # a failed forward replay: after_forward never ran
         if fail_in != "forward":
             g.after_forward()
@@ -1554,6 +1559,109 @@ def test_a_discarded_pending_group_leaves_the_reap_queue_at_its_next_forward() -
         g.after_forward()
     dev.synchronize()
     assert mgr.reap() == 4 and mgr._d2h_fifo == []
+
+
+def schedule_program(name: str, microbatches: int = 4) -> tuple[list[tuple[str, int]], list[int]]:
+    """One step of a real pipeline schedule (PP=2, two virtual stages per rank) as a `run_program` program:
+    group k = stage * microbatches + microbatch, its dI the backward ("B"); the groups in backward order."""
+    from qeffect.schedule.adapter import build_schedule
+    from qeffect.schedule.ir import ActionKind
+    from qeffect.schedule.order import global_order
+
+    program = [("F" if a.kind is ActionKind.F else "B", a.stage * microbatches + a.microbatch)
+               for _, a in global_order(build_schedule(name, 2, 2, microbatches)) if a.kind is not ActionKind.DW]
+    return program, [k for op, k in program if op == "B"]
+
+
+NESTED = {"stack": STACK, "interleaved": schedule_program("interleaved"), "zbv": schedule_program("zbv")}
+
+
+@pytest.mark.parametrize("program", sorted(NESTED))
+@pytest.mark.parametrize("reap", [False, True])
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_shared_slots_restore_the_right_bytes_in_every_interleaving(program: str, reap: bool, lookahead: int) -> None:
+    """Release with `share_slots`: nested groups share one slot, which goes out once every member's D2H is
+    done and comes back, with every member's bytes, before the first member's backward. Each slot is
+    mapped once a step (without reaping), fewer than the groups; every group still comes back bitwise."""
+    prog, order = NESTED[program]
+    for seed in range(6):
+        dev, mgr, groups = build("release", seed, layers=len(order), order=order, program=prog, share_slots=True,
+                                 release_consumed=reap, lookahead=lookahead)
+        assert mgr.shared and all(len(run) == 2 for run in mgr.shared)
+        slots = mgr.slots()
+        assert len(slots) == len(order) - len(mgr.shared)
+        assert run_program(dev, groups, prog) == [], (program, reap, lookahead, seed)
+        assert mgr.stats.h2d_copies + mgr.stats.reloads_skipped == 2 * len(order)
+        if lookahead <= 1:  # (deeper, a look-ahead may restore an outer member before the inner one's forward: the
+            # slot then stays mapped through that forward, whose bytes the backward reads there, `reloads_skipped`)
+            assert mgr.stats.h2d_copies == 2 * len(order) and mgr.stats.reloads_skipped == 0
+            assert mgr.stats.released_live + mgr.stats.released_at_backward == 2 * len(order)
+            if not reap:
+                assert mgr.stats.maps == mgr.stats.unmaps == 2 * len(slots)
+
+
+def test_shared_slot_layout_and_driver_calls() -> None:
+    """Members lie one after another (aligned) in one slot, each view at its group's VA; a stack of four
+    groups makes two slots, so a step makes half the unmaps and maps of one slot per group."""
+    calls = {}
+    for share in (False, True):
+        dev, mgr, groups = build("release", order=[3, 2, 1, 0], program=STACK[0], share_slots=share,
+                                 release_consumed=False)
+        if share:
+            assert [[g.name for g in run] for run in mgr.shared] == [["G3", "G2"], ["G1", "G0"]]
+            g3, g2 = groups[3], groups[2]
+            assert g3.slot is g2.slot and g3.va == g3.slot.va and g2.va == g3.va + -(-g3.nbytes // 256) * 256
+            assert g3.slot.name == "G3+G2" and g3.slot.size >= g2.base + g2.nbytes
+            assert all(v.data_ptr() == g.va + o for g in groups for v, o in zip(g.views, g.offsets, strict=True))
+        assert run_program(dev, groups, STACK[0]) == []
+        calls[share] = (mgr.stats.maps, mgr.stats.unmaps, len(mgr.slots()))
+    assert calls == {False: (8, 8, 4), True: (4, 4, 2)}
+
+
+@pytest.mark.parametrize("fence", ["forward_done", "restore_done"])
+def test_each_fence_is_needed_with_shared_slots(monkeypatch, fence: str) -> None:
+    """Without one kind of stream wait, some interleaving of shared-slot release reads wrong bytes or faults."""
+    orig = FakeDevice.wait
+
+    def wait(self, stream, event):
+        if not event.name.endswith(fence):
+            orig(self, stream, event)
+
+    monkeypatch.setattr(FakeDevice, "wait", wait)
+    detected = 0
+    for name in ("stack", "interleaved"):
+        prog, order = NESTED[name]
+        for seed in range(20):
+            dev, _, groups = build("release", seed, layers=len(order), order=order, program=prog, share_slots=True,
+                                   release_consumed=False, progress=1)
+            try:
+                detected += bool(run_program(dev, groups, prog))
+            except FakeDeviceFault:
+                detected += 1
+    assert detected > 0
+
+
+@pytest.mark.parametrize("reap", [False, True])
+def test_a_run_off_the_shared_plan_keeps_a_slot_a_member_still_needs(reap: bool) -> None:
+    """Planned from the stack (G1 and G0 share a slot), run one group at a time: at G0's backward G1 has not
+    run its forward, so the slot cannot go; G0's bytes never left it and its backward reads them there."""
+    prog = [op for k in range(4) for op in (("F", k), ("B", k))]
+    for seed in range(6):
+        dev, mgr, groups = build("release", seed, order=[3, 2, 1, 0], program=STACK[0], share_slots=True,
+                                 release_consumed=reap)
+        assert run_program(dev, groups, prog) == [], (reap, seed)
+        assert mgr.stats.reloads_skipped > 0
+
+
+def test_slot_sharing_defaults_to_its_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QEFFECT_OFFLOAD_SHARE_SLOTS", raising=False)
+    assert not build("release")[1].share_slots
+    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_SLOTS", "1")
+    assert build("release")[1].share_slots and not build("release", share_slots=False)[1].share_slots
+    _, mgr, _ = build("release", program=STACK[0])  # shared only with the schedule's events
+    assert len(mgr.shared) == 2 and not build("release")[1].shared
+    _, mgr, _ = build("resident", program=STACK[0])  # and only in release mode
+    assert not mgr.shared
 
 
 # ------------------------------------------------------------------ driver stream operations (no GPU)

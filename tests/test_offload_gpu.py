@@ -137,16 +137,20 @@ def test_cli_offload_check_json(tmp_path: Path, capsys) -> None:
     assert report["granularity"] and report["cuda_bindings_version"]
 
 
-@pytest.mark.parametrize("mode", ["release", "release/la0", "resident", "release+first", "resident+first"])
+@pytest.mark.parametrize("mode", ["release", "release/la0", "resident", "release+first", "resident+first",
+                                  "release+first+shared"])
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The captured stage actions with their saved activations in VMM groups: 0 mismatches vs native eager.
     `release/la0`: release restoring each group only at its own backward (the default depth is 1).
-    `+first`: QEFFECT_OFFLOAD_LAUNCH_FIRST=1 (reaps and look-ahead restores after the replay's launch)."""
+    `+first`: QEFFECT_OFFLOAD_LAUNCH_FIRST=1 (reaps and look-ahead restores after the replay's launch).
+    `+shared`: QEFFECT_OFFLOAD_SHARE_SLOTS=1 (nested groups share a slot: fewer unmaps and maps)."""
     from qeffect.config import load_config
     from qeffect.verify.state import run_verify_state
 
+    mode, shared, _ = mode.partition("+shared")
+    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_SLOTS", "1" if shared else "0")
     mode, first, _ = mode.partition("+first")
     monkeypatch.setenv("QEFFECT_OFFLOAD_LAUNCH_FIRST", "1" if first else "0")
     mode, _, depth = mode.partition("/la")
@@ -168,8 +172,12 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
         assert not set(o["kept"]) & set(o["not_offloaded"]), o
         assert o["d2h_copies"] + o["d2h_skipped"] == 3 * 12 and o["h2d_copies"] > 0, o
         assert o["d2h_skipped"] == 3 * len(o["kept"]) and o["d2h_copies"] > 0, o
-    if mode == "release":
-        assert o["d2h_copies"] == 3 * 12 and o["h2d_copies"] > 0 and o["unmaps"] >= 3 * 12, o
+    if mode == "release" and not shared:
+        assert o["d2h_copies"] == 3 * 12 and o["h2d_copies"] > 0 and o["unmaps"] >= 3 * 12 and o["slots"] == 12, o
+    if shared:  # 12 groups in 8 slots (Interleaved) or 7 (ZB-V); each goes out and comes back once a step
+        assert len(o["shared_slots"]) == {"interleaved": 4, "zbv": 5}[schedule], o
+        assert o["slots"] == 12 - len(o["shared_slots"]) and o["d2h_copies"] == 3 * 12, o
+        assert 3 * o["slots"] <= o["unmaps"] < 3 * 12 and o["h2d_copies"] == 3 * 12, o
 
 
 @pytest.mark.parametrize("mode", ["off", "release", "resident"])

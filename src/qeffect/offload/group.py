@@ -44,6 +44,11 @@ calls; the memory still comes back between every forward and its backward). Driv
 hot path, but the host does not wait for a D2H after the forward (that would keep it from running ahead
 of the device and serialize every copy with the step): the slot is released at the first hook whose event query finds the copy done, and only a
 backward that comes before that waits for the copy (its own group's, queued a window earlier).
+With the schedule's events and `share_slots` (QEFFECT_OFFLOAD_SHARE_SLOTS=1), groups that nest
+(`offload.plan.shared_slots`: virtual stages 0 and 1 of a microbatch) share one slot, one after another in
+it: the slot goes once every member's D2H is done and no member's bytes are still needed in it, and
+comes back (one map) at the first member's restore, which restores every member whose bytes are on the
+host. A step then unmaps and maps each slot once, not each group (h2048: 12 groups in 8 or 7 slots).
 `resident` (ping-pong): at least `num_banks` (2) slots mapped for the whole run; group i of the
 backward order uses bank i % num_banks (or the bank its plan gives it: `offload.timing.search_banks`,
 the default in a captured pipeline, or `offload.plan.assign_banks`), so the
@@ -112,6 +117,7 @@ from qeffect.offload.plan import (
     check_events,
     futile_restores,
     kept_groups,
+    shared_slots,
     short_window_groups,
 )
 from qeffect.offload.streams import DriverCudaStreams, StreamOps, TorchCudaStreams
@@ -258,7 +264,10 @@ class OffloadGroup:
         self.specs: list[TensorSpec] = []
         self.offsets: list[int] = []
         self.nbytes = 0
-        self.slot: VmmSlot | None = None  # release: its own; resident: its bank's
+        self.slot: VmmSlot | None = None  # release: its own (or its run's, `members`); resident: its bank's
+        self.base = 0  # where its bytes start in its slot (release: after the members before it in a shared slot)
+        # release: the groups sharing its slot (`OffloadManager.share_slots`), in backward order; itself alone
+        self.members: list[OffloadGroup] = [self]
         self.bank: Bank | None = None
         self.host: Tensor | None = None
         self.slot_bytes: Tensor | None = None  # uint8 view of [0, nbytes) of the slot (one copy per direction)
@@ -321,7 +330,7 @@ class OffloadGroup:
     @property
     def va(self) -> int | None:
         """Address of the group's first byte (its slot's or bank's VA); None for an empty or 'off' group."""
-        return self.slot.va if self.slot is not None else None
+        return self.slot.va + self.base if self.slot is not None else None
 
     def store(self, i: int, t: Tensor) -> Tensor:
         """Copy `t` into slot view `i` (on the current stream: captured when inside a capture)."""
@@ -417,7 +426,7 @@ class OffloadGroup:
         if count != len(self.specs):
             raise OffloadStateError(f"group {self.name!r}: capture saved {count} tensors, discovery {len(self.specs)}")
         for i, v in enumerate(self._views):
-            if v.data_ptr() != self.slot.va + self.offsets[i]:
+            if v.data_ptr() != self.va + self.offsets[i]:
                 raise OffloadStateError(f"group {self.name!r}: view #{i} moved off its VA")
 
     # ------------------------------------------------------------------------------------- hot path
@@ -436,10 +445,11 @@ class OffloadGroup:
             if self.state is GroupState.RELEASE_D2H_PENDING:  # a discarded group whose slot was not released:
                 m._d2h_fifo.remove(self)  # it stays mapped and leaves the reap queue, whose front it would block
                 self.state = GroupState.MAPPED
-            if self.state is GroupState.UNMAPPED:
+            if not self.slot.mapped:
                 self.slot.map()  # a fresh mapping: the forward writes every view before anything reads it
                 m.stats.maps += 1
-            elif self._consumed_recorded:  # still mapped: the last backward's reads come before these writes
+            elif self.state is not GroupState.UNMAPPED and self._consumed_recorded:  # (UNMAPPED in a mapped
+                # shared slot: another member mapped it afresh since this group's bytes left; nothing reads them)  # still mapped: the last backward's reads come before these writes
                 # (a D2H still reading the slot may copy torn bytes, but only into this group's host buffer,
                 # which this forward's own D2H, later on the same stream, overwrites before any restore)
                 m.streams.wait(cur, self.consumed)
@@ -496,12 +506,14 @@ class OffloadGroup:
             return
         if not m.launch_first:
             m._maybe_reap(exclude=self)
-        if self.state is GroupState.RELEASE_D2H_PENDING:  # no hook found its D2H done yet: release it now
-            m._release(self, block=True, at_backward=True)
+        if self.state is GroupState.RELEASE_D2H_PENDING:  # no hook found its D2H done yet: release it now,
+            m._release(self, block=True, at_backward=True)  # unless another member of its shared slot can't go
         if self.state in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
             m._restore(self, under=None)
-        elif self.state in (GroupState.RESIDENT_D2H_PENDING, GroupState.RESIDENT_KEPT):
-            self.state = GroupState.MAPPED  # nobody took the bank: the forward's bytes are still there
+        elif self.state in (GroupState.RESIDENT_D2H_PENDING, GroupState.RESIDENT_KEPT, GroupState.RELEASE_D2H_PENDING):
+            if self.state is GroupState.RELEASE_D2H_PENDING:  # its shared slot stayed mapped
+                m._d2h_fifo.remove(self)
+            self.state = GroupState.MAPPED  # nobody took the bank (or slot): the forward's bytes are still there
             m.stats.reloads_skipped += 1
         elif not (self.state is GroupState.MAPPED and self._restore_pending):
             raise OffloadStateError(f"group {self.name!r}: before_backward in state {self.state} with no restore")
@@ -669,7 +681,8 @@ class OffloadManager:
                  skip_kept_d2h: bool = True, min_window: int = 0, copy_chunk_bytes: int | None = None,
                  store_batch_bytes: int | None = None,
                  bank_plan: Literal["colour", "search"] = "colour", search_banks: int = 6,
-                 search_prefer: Literal["memory", "copies"] = "copies", launch_first: bool | None = None) -> None:
+                 search_prefer: Literal["memory", "copies"] = "copies", launch_first: bool | None = None,
+                 share_slots: bool | None = None) -> None:
         if copy_chunk_bytes is None:
             copy_chunk_bytes = _bytes_from_env("QEFFECT_OFFLOAD_CHUNK_MIB", DEFAULT_CHUNK_MIB, "one copy")
         if copy_chunk_bytes < 0:
@@ -704,6 +717,12 @@ class OffloadManager:
         if launch_first is None:
             launch_first = os.environ.get("QEFFECT_OFFLOAD_LAUNCH_FIRST", "1") != "0"
         self.launch_first = launch_first
+        # release, with allocate(events=): groups that nest (`offload.plan.shared_slots`) share one slot, so one
+        # unmap and one map (five driver calls in all) serve them all. None: QEFFECT_OFFLOAD_SHARE_SLOTS=1
+        if share_slots is None:
+            share_slots = os.environ.get("QEFFECT_OFFLOAD_SHARE_SLOTS", "0") == "1"
+        self.share_slots = share_slots
+        self.shared: list[list[OffloadGroup]] = []  # release: the runs of groups sharing a slot (backward order)
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
         # resident: copy each group in chunks of this many bytes (0: one copy; None: QEFFECT_OFFLOAD_CHUNK_MIB,
@@ -824,6 +843,11 @@ class OffloadManager:
             self.not_offloaded = [g for g in order if g in short]
             for g in self.not_offloaded:
                 g.offloaded = False
+            if self.mode == "release" and self.share_slots:
+                self.shared = shared_slots(events, [g for g in order if g.offloaded and g.nbytes])
+                for run in self.shared:
+                    for g in run:
+                        g.members = run
         if self.mode != "off":
             self._allocate_memory(order)
         if self.mode == "resident" and events is not None and self.skip_kept_d2h:
@@ -851,8 +875,14 @@ class OffloadManager:
         self.d2h_stream, self.h2d_stream = s.new_stream("d2h"), s.new_stream("h2d")
         if self.mode == "release":
             for g in self.groups:
-                if g.nbytes and g.offloaded:
-                    g.slot = VmmSlot(self.driver, g.nbytes, device=self.device, name=g.name)
+                if g.nbytes and g.offloaded and g is g.members[0]:  # one slot per run of `shared` (or group)
+                    end = 0
+                    for m in g.members:
+                        m.base = -(-end // self.alignment) * self.alignment
+                        end = m.base + m.nbytes
+                    slot = VmmSlot(self.driver, end, device=self.device, name="+".join(m.name for m in g.members))
+                    for m in g.members:
+                        m.slot = slot
         else:
             need = [0] * self.num_banks
             for pos, g in enumerate(order):
@@ -868,9 +898,9 @@ class OffloadManager:
         for g in self.groups:
             if g.slot is None:
                 continue
-            g._views = [g.slot.tensor(sp.shape, sp.dtype, offset=o, stride=sp.stride) for sp, o in zip(g.specs, g.offsets,
-                                                                                                          strict=True)]
-            g.slot_bytes = g.slot.bytes(g.nbytes)
+            g._views = [g.slot.tensor(sp.shape, sp.dtype, offset=g.base + o, stride=sp.stride)
+                        for sp, o in zip(g.specs, g.offsets, strict=True)]
+            g.slot_bytes = g.slot.bytes(g.nbytes, offset=g.base)
             g.host = s.host_buffer(g.nbytes)
             g.forward_done = s.new_event(f"{g.name}.forward_done")
             g.d2h_done = s.new_event(f"{g.name}.d2h_done")
@@ -921,13 +951,22 @@ class OffloadManager:
         return waits
 
     def _restore(self, g: OffloadGroup, *, under: OffloadGroup | None) -> None:
-        s, h2d = self.streams, self.h2d_stream
+        """H2D of `g`'s bytes into its slot (release: mapped first, if it is not; a shared slot's other members
+        whose bytes are on the host come back with it, after it) or its bank (resident: claimed first)."""
         chunk_waits: list[Any] = []
         if self.mode == "release":
-            g.slot.map()  # same VA, new pages
-            self.stats.maps += 1
-        else:
-            chunk_waits = self._claim(g.bank, g, h2d, chunked=len(g.chunks) > 1)
+            if not g.slot.mapped:
+                g.slot.map()  # same VA, new pages
+                self.stats.maps += 1
+            for m in g.members:
+                if m is g or (m.state is GroupState.UNMAPPED and m.live and m.phase is None):
+                    self._copy_in(m, under, [])
+            return
+        chunk_waits = self._claim(g.bank, g, self.h2d_stream, chunked=len(g.chunks) > 1)
+        self._copy_in(g, under, chunk_waits)
+
+    def _copy_in(self, g: OffloadGroup, under: OffloadGroup | None, chunk_waits: list[Any]) -> None:
+        s, h2d = self.streams, self.h2d_stream
         s.wait(h2d, g.d2h_done)  # the host buffer must be complete (release: already waited by the host)
         start = None
         if self.timing:
@@ -1004,14 +1043,20 @@ class OffloadManager:
         n = 0
         if not block and not self.release_consumed:  # only D2H-pending slots to release: front to back
             for g in list(self._d2h_fifo):
-                if g is exclude or g.phase is not None:
-                    continue
-                if not self._release(g, block=False):
-                    break  # a later D2H on the same stream is not done either
-                n += 1
+                if g is exclude or g.phase is not None or g.state is not GroupState.RELEASE_D2H_PENDING:
+                    continue  # (not pending any more: released with another member of its shared slot)
+                # its D2H not done: a later D2H on the same stream is not either
+                if len(g.members) == 1:
+                    if not self._release(g, block=False):
+                        break
+                    n += 1
+                elif not self.streams.query(g.d2h_done):
+                    break
+                else:  # a shared slot: released only once every member's bytes may go
+                    n += self._release(g, block=False)
             return n
         for g in self.groups:
-            if g is not exclude and g.phase is None and g.slot is not None:
+            if g is not exclude and g.phase is None and g.slot is not None and g.slot.mapped:
                 n += self._release(g, block=block)
         return n
 
@@ -1019,14 +1064,24 @@ class OffloadManager:
         """Unmap and release `g`'s slot if its bytes are on the host (D2H done) or, with
         `release_consumed`, consumed (backward and any D2H done). `block`: the host waits for those
         events; otherwise only a query. `at_backward`: called by `g`'s own backward (counted apart:
-        that memory comes back only for the moment before the restore). True if released."""
+        that memory comes back only for the moment before the restore). A shared slot goes only when each
+        of its members' bytes may (or are not in it); else nothing happens. True if released."""
         s = self.streams
-        if g.state is GroupState.RELEASE_D2H_PENDING:
-            events = [g.d2h_done]
-        elif self.release_consumed and g.state is GroupState.MAPPED and not g.live and g._consumed_recorded:
-            events = [g.consumed] + ([g.d2h_done] if g._d2h_recorded else [])
-        else:
+        if not g.slot.mapped:
             return False
+        events = []
+        for m in g.members:
+            if m.phase is not None:
+                return False
+            if m.state is GroupState.RELEASE_D2H_PENDING:
+                events.append(m.d2h_done)
+            elif self.release_consumed and m.state is GroupState.MAPPED and not m.live and m._consumed_recorded:
+                events += [m.consumed] + ([m.d2h_done] if m._d2h_recorded else [])
+            elif m is g or m.state is not GroupState.UNMAPPED:  # (UNMAPPED: its bytes are not in the slot)
+                return False
+        if len(g.members) > 1 and self.release_consumed and any(m.live for m in g.members) and any(
+                not m.live and m.state is GroupState.MAPPED for m in g.members):
+            return False  # a shared slot between its members' forwards (or backwards): it goes once all are done
         if not block and not all(s.query(e) for e in events):
             return False
 
@@ -1038,15 +1093,16 @@ class OffloadManager:
 
         g.slot.unmap(wait=wait)
         self.stats.unmaps += 1
-        if g.state is GroupState.RELEASE_D2H_PENDING:
-            self._d2h_fifo.remove(g)
-            if at_backward:
-                self.stats.released_at_backward += 1
-            else:
-                self.stats.released_live += int(g.live)
-        else:
-            self.stats.reaped += 1
-        g.state = GroupState.UNMAPPED
+        for m in g.members:
+            if m.state is GroupState.RELEASE_D2H_PENDING:
+                self._d2h_fifo.remove(m)
+                if at_backward and m is g:
+                    self.stats.released_at_backward += 1
+                else:
+                    self.stats.released_live += int(m.live)
+            elif m.state is GroupState.MAPPED:
+                self.stats.reaped += 1
+            m.state = GroupState.UNMAPPED
         return True
 
     def layout(self, specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
@@ -1058,10 +1114,15 @@ class OffloadManager:
             off += spec.nbytes
         return offsets, off
 
+    def slots(self) -> list[VmmSlot]:
+        """Each slot (release; a shared one once) or bank (resident) of this manager."""
+        if self.mode == "resident":
+            return [b.slot for b in self.banks]
+        return [g.slot for g in self.groups if g.slot is not None and g is g.members[0]]
+
     def mapped_bytes(self) -> int:
         """Device bytes currently mapped by this manager's slots and banks."""
-        slots = [b.slot for b in self.banks] if self.mode == "resident" else [g.slot for g in self.groups if g.slot]
-        return sum(s.size for s in slots if s.mapped)
+        return sum(s.size for s in self.slots() if s.mapped)
 
     def host_bytes(self) -> int:
         return sum(g.host.numel() for g in self.groups if g.host is not None)
@@ -1072,8 +1133,7 @@ class OffloadManager:
             return
         if self.mode != "off" and self._allocated:
             self.driver.synchronize()
-            slots = [b.slot for b in self.banks] if self.mode == "resident" else [g.slot for g in self.groups if g.slot]
-            for slot in slots:
+            for slot in self.slots():
                 slot.close(wait=lambda: None)  # the whole context was synchronized just above
         if self._own_driver:
             self.driver.close()
