@@ -65,7 +65,7 @@
 # offload-acceptance-final: the GPU suite, then h2048 off / release / resident in both schedules (about 5 minutes).
 # offload-chained: h2048 off / release / resident with each round's steps queued back to back, then synchronized.
 # share-slots: the whole GPU suite, then release with and without nested groups sharing a slot, h2048 both schedules.
-# share-slots-more: the same A/B chained (steps queued back to back), then at h4096.
+# share-slots-more: slot sharing as the default: the A/B chained (steps queued back to back), at h4096, then h2048 off / release / resident.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -499,14 +499,16 @@ share-slots)
     h2048_modes share-slots off,release,release+QEFFECT_OFFLOAD_SHARE_SLOTS=1
     ;;
 share-slots-more)
-    # the same A/B with each round's steps queued back to back (both schedules), then h4096 Interleaved
+    # slot sharing as the default (=0: a slot per group): the A/B with each round's steps queued back to back
+    # (both schedules), then h4096 Interleaved, then issue 7's h2048 modes, both schedules (about 6 minutes)
+    noshare=release+QEFFECT_OFFLOAD_SHARE_SLOTS=0
     for sched in interleaved zbv; do
         step 150 "share-chained-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
             --schedule "$sched" --steps 40 --interleave 4 --chained \
-            --out "$out/offload-bench-h2048-$sched-chained-h200.json" \
-            --modes off,release,release+QEFFECT_OFFLOAD_SHARE_SLOTS=1
+            --out "$out/offload-bench-h2048-$sched-chained-h200.json" --modes "off,$noshare,release"
     done
-    h4096_modes off,release,release+QEFFECT_OFFLOAD_SHARE_SLOTS=1
+    h4096_modes "off,$noshare,release,resident"
+    h2048_modes offload-final off,release,resident
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident

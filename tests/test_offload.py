@@ -1654,10 +1654,12 @@ def test_a_run_off_the_shared_plan_keeps_a_slot_a_member_still_needs(reap: bool)
 
 
 def test_slot_sharing_defaults_to_its_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("QEFFECT_OFFLOAD_SHARE_SLOTS", raising=False)
-    assert not build("release")[1].share_slots
+    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_SLOTS", "0")
+    assert not build("release")[1].share_slots and build("release", share_slots=True)[1].share_slots
     monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_SLOTS", "1")
     assert build("release")[1].share_slots and not build("release", share_slots=False)[1].share_slots
+    monkeypatch.delenv("QEFFECT_OFFLOAD_SHARE_SLOTS")
+    assert build("release")[1].share_slots
     _, mgr, _ = build("release", program=STACK[0])  # shared only with the schedule's events
     assert len(mgr.shared) == 2 and not build("release")[1].shared
     _, mgr, _ = build("resident", program=STACK[0])  # and only in release mode

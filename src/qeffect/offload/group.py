@@ -44,7 +44,7 @@ calls; the memory still comes back between every forward and its backward). Driv
 hot path, but the host does not wait for a D2H after the forward (that would keep it from running ahead
 of the device and serialize every copy with the step): the slot is released at the first hook whose event query finds the copy done, and only a
 backward that comes before that waits for the copy (its own group's, queued a window earlier).
-With the schedule's events and `share_slots` (QEFFECT_OFFLOAD_SHARE_SLOTS=1), groups that nest
+With the schedule's events and `share_slots` (the default; QEFFECT_OFFLOAD_SHARE_SLOTS=0 turns it off), groups that nest
 (`offload.plan.shared_slots`: virtual stages 0 and 1 of a microbatch) share one slot, one after another in
 it: the slot goes once every member's D2H is done and no member's bytes are still needed in it, and
 comes back (one map) at the first member's restore, which restores every member whose bytes are on the
@@ -718,9 +718,11 @@ class OffloadManager:
             launch_first = os.environ.get("QEFFECT_OFFLOAD_LAUNCH_FIRST", "1") != "0"
         self.launch_first = launch_first
         # release, with allocate(events=): groups that nest (`offload.plan.shared_slots`) share one slot, so one
-        # unmap and one map (five driver calls in all) serve them all. None: QEFFECT_OFFLOAD_SHARE_SLOTS=1
+        # unmap and one map (five driver calls in all) serve them all (H200, h2048, 2e474d3, alternating rounds:
+        # release x1.100 of no offload against x1.160 with a slot per group, Interleaved; ZB-V x1.373 against
+        # x1.477 on that slow host; the same peak driver memory). None: True unless QEFFECT_OFFLOAD_SHARE_SLOTS=0
         if share_slots is None:
-            share_slots = os.environ.get("QEFFECT_OFFLOAD_SHARE_SLOTS", "0") == "1"
+            share_slots = os.environ.get("QEFFECT_OFFLOAD_SHARE_SLOTS", "1") != "0"
         self.share_slots = share_slots
         self.shared: list[list[OffloadGroup]] = []  # release: the runs of groups sharing a slot (backward order)
         self.timing, self.alignment = timing, alignment
