@@ -66,6 +66,7 @@
 # offload-chained: h2048 off / release / resident with each round's steps queued back to back, then synchronized.
 # share-slots: the whole GPU suite, then release with and without nested groups sharing a slot, h2048 both schedules.
 # share-slots-more: slot sharing as the default: the A/B chained (steps queued back to back), at h4096, then h2048 off / release / resident.
+# share-runs: the whole GPU suite, then h2048 off / release with a slot per group / nested groups sharing / any run of two (the default) / of three / resident.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -509,6 +510,14 @@ share-slots-more)
     done
     h4096_modes "off,$noshare,release,resident"
     h2048_modes offload-final off,release,resident
+    ;;
+share-runs)
+    # slots shared by any run of groups whose backwards follow one another and whose forwards come first (the
+    # default, two to a slot): the whole GPU suite, then the h2048 A/B against a slot per group, nested groups
+    # only (9db5598's rule) and three to a slot, with resident, both schedules (about 7 minutes)
+    gpu_suite pytest-gpu
+    sh=QEFFECT_OFFLOAD_SHARE_SLOTS
+    h2048_modes share-runs "off,release+$sh=0,release+$sh=nested,release,release+QEFFECT_OFFLOAD_SLOT_MEMBERS=3,resident"
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident

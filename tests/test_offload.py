@@ -1573,19 +1573,23 @@ def schedule_program(name: str, microbatches: int = 4) -> tuple[list[tuple[str, 
     return program, [k for op, k in program if op == "B"]
 
 
-NESTED = {"stack": STACK, "interleaved": schedule_program("interleaved"), "zbv": schedule_program("zbv")}
+SHARING = {"stack": STACK, "1f1b": ONE_F_ONE_B, "interleaved": schedule_program("interleaved"),
+           "zbv": schedule_program("zbv")}
 
 
-@pytest.mark.parametrize("program", sorted(NESTED))
+@pytest.mark.parametrize("program, rule", [(p, True) for p in sorted(SHARING)] +
+                         [(p, "nested") for p in ("stack", "interleaved", "zbv")])
 @pytest.mark.parametrize("reap", [False, True])
 @pytest.mark.parametrize("lookahead", [0, 1, 2])
-def test_shared_slots_restore_the_right_bytes_in_every_interleaving(program: str, reap: bool, lookahead: int) -> None:
-    """Release with `share_slots`: nested groups share one slot, which goes out once every member's D2H is
-    done and comes back, with every member's bytes, before the first member's backward. Each slot is
-    mapped once a step (without reaping), fewer than the groups; every group still comes back bitwise."""
-    prog, order = NESTED[program]
+def test_shared_slots_restore_the_right_bytes_in_every_interleaving(program: str, rule: bool | str, reap: bool,
+                                                                      lookahead: int) -> None:
+    """Release with `share_slots`: groups whose backwards follow one another (and, with "nested", whose
+    forwards ran in reverse) share one slot, which goes out once every member's D2H is done and comes back,
+    with every member's bytes, before the first member's backward. Each slot is mapped once a step (without
+    reaping), fewer than the groups; every group still comes back bitwise."""
+    prog, order = SHARING[program]
     for seed in range(6):
-        dev, mgr, groups = build("release", seed, layers=len(order), order=order, program=prog, share_slots=True,
+        dev, mgr, groups = build("release", seed, layers=len(order), order=order, program=prog, share_slots=rule,
                                  release_consumed=reap, lookahead=lookahead)
         assert mgr.shared and all(len(run) == 2 for run in mgr.shared)
         slots = mgr.slots()
@@ -1629,8 +1633,8 @@ def test_each_fence_is_needed_with_shared_slots(monkeypatch, fence: str) -> None
 
     monkeypatch.setattr(FakeDevice, "wait", wait)
     detected = 0
-    for name in ("stack", "interleaved"):
-        prog, order = NESTED[name]
+    for name in ("stack", "interleaved", "1f1b"):
+        prog, order = SHARING[name]
         for seed in range(20):
             dev, _, groups = build("release", seed, layers=len(order), order=order, program=prog, share_slots=True,
                                    release_consumed=False, progress=1)
@@ -1658,8 +1662,18 @@ def test_slot_sharing_defaults_to_its_environment_switch(monkeypatch: pytest.Mon
     assert not build("release")[1].share_slots and build("release", share_slots=True)[1].share_slots
     monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_SLOTS", "1")
     assert build("release")[1].share_slots and not build("release", share_slots=False)[1].share_slots
+    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_SLOTS", "nested")
+    assert build("release")[1].share_slots == "nested"
     monkeypatch.delenv("QEFFECT_OFFLOAD_SHARE_SLOTS")
-    assert build("release")[1].share_slots
+    assert build("release")[1].share_slots is True and build("release")[1].slot_members == 2
+    monkeypatch.setenv("QEFFECT_OFFLOAD_SLOT_MEMBERS", "3")
+    _, mgr, _ = build("release", program=STACK[0])
+    assert mgr.slot_members == 3 and [len(r) for r in mgr.shared] == [3]
+    for bad in ("x", "0"):
+        monkeypatch.setenv("QEFFECT_OFFLOAD_SLOT_MEMBERS", bad)
+        with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_SLOT_MEMBERS|slot_members"):
+            build("release")
+    monkeypatch.delenv("QEFFECT_OFFLOAD_SLOT_MEMBERS")
     _, mgr, _ = build("release", program=STACK[0])  # shared only with the schedule's events
     assert len(mgr.shared) == 2 and not build("release")[1].shared
     _, mgr, _ = build("resident", program=STACK[0])  # and only in release mode

@@ -53,14 +53,14 @@ def test_events_must_be_complete() -> None:
 
 def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0, *, plan: bool = False,
          skip: bool = True, mode: str = "resident", min_window: int = 0,
-         share: bool = False, reap: bool = True) -> tuple[OffloadStats, set, set]:
+         share: bool = False, reap: bool = True, members: int = 2) -> tuple[OffloadStats, set, set]:
     """`mode` (resident by default) on the fake device: F writes a pattern into its group's view; E checks
     it. `plan`: the manager gets the events (resident: kept groups, with `skip`; release: groups not
     offloaded, with `min_window`; both modes). Returns the stats, the groups the manager keeps (resident) or does not
     offload (release), and the groups found not evicted (d2h pending or kept) at their backward in every step."""
     dev = FakeDevice(seed, granularity=64 * 1024, progress=2)
     mgr = OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, skip_kept_d2h=skip,
-                         min_window=min_window, share_slots=share, release_consumed=reap)
+                         min_window=min_window, share_slots=share, release_consumed=reap, slot_members=members)
     names = sorted({g for _, g in events})
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in names}
     for k, g in enumerate(names):
@@ -555,11 +555,13 @@ def test_a_not_offloaded_group_backward_still_starts_the_next_restore() -> None:
 def test_shared_slots_hand_examples() -> None:
     stack = [("F", "a"), ("F", "b"), ("F", "c"), ("B", "c"), ("E", "c"), ("B", "b"), ("E", "b"), ("B", "a"), ("E", "a")]
     assert shared_slots(stack) == [["c", "b"]]  # (b, a) would do as well: one slot saved, forwards as close
-    assert shared_slots(stack, max_members=3) == [["c", "b", "a"]]
+    assert shared_slots(stack, max_members=3) == shared_slots(stack, max_members=3, nested=True) == [["c", "b", "a"]]
     assert shared_slots(stack, max_members=1) == []
     assert shared_slots(stack, groups={"a", "b"}) == [["b", "a"]]
-    fifo = [("F", "a"), ("F", "b"), ("B", "a"), ("E", "a"), ("B", "b"), ("E", "b")]  # not nested: nothing shared
-    assert shared_slots(fifo) == []
+    fifo = [("F", "a"), ("F", "b"), ("B", "a"), ("E", "a"), ("B", "b"), ("E", "b")]  # not nested, both forwards first
+    assert shared_slots(fifo) == [["a", "b"]] and shared_slots(fifo, nested=True) == []
+    one_f_one_b = [("F", "a"), ("B", "a"), ("E", "a"), ("F", "b"), ("B", "b"), ("E", "b")]  # b's forward too late
+    assert shared_slots(one_f_one_b) == []
     with pytest.raises(ValueError, match="max_members"):
         shared_slots(stack, max_members=0)
     with pytest.raises(ValueError, match="F/B/E"):
@@ -571,41 +573,53 @@ def test_shared_slots_prefer_the_closer_forwards() -> None:
     slot waits less for its last forward before it can go)."""
     ev = [("F", "a"), ("F", "x"), ("F", "y"), ("F", "b"), ("B", "b"), ("E", "b"), ("B", "a"), ("E", "a"),
           ("B", "y"), ("E", "y"), ("B", "x"), ("E", "x")]
-    # backward order b, a, y, x; candidates (b, a) forwards 3 apart, (a, y)? a's forward is first: no; (y, x) 1 apart
+    # backward order b, a, y, x: every pair fits (all forwards first); (b, a) and (y, x), forwards 3 and 1
+    # apart, against (a, y) 2 apart with b and x alone (more slots)
     assert shared_slots(ev) == [["b", "a"], ["y", "x"]]
-    # backward order b, a, x, y: (b, a) forwards 2 apart, (a, x) 1 apart: one slot saved either way, the closer wins
-    ev = [("F", "x"), ("F", "a"), ("F", "y"), ("F", "b"), ("B", "b"), ("E", "b"), ("B", "a"), ("E", "a"),
-          ("B", "x"), ("E", "x"), ("B", "y"), ("E", "y")]
+    ev = [("F", "x"), ("F", "a"), ("F", "q"), ("B", "q"), ("E", "q"), ("F", "b"), ("B", "b"), ("E", "b"),
+          ("B", "a"), ("E", "a"), ("B", "x"), ("E", "x")]
+    # backward order q, b, a, x (b's forward after q's backward: q fits no run): one pair among b, a, x;
+    # (b, a) forwards 4 apart, (a, x) 1 apart: the closer wins
     assert shared_slots(ev) == [["a", "x"]]
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_shared_slots_of_the_real_schedules(schedule: str) -> None:
     """h2048's pipeline (PP=2, two virtual stages per rank, 4 microbatches), the last stage not offloaded:
-    12 offloaded groups need 8 slots (Interleaved) or 7 (ZB-V)."""
+    12 offloaded groups need 6 slots (8 or 7 with nested groups only, 4 with three groups to a slot)."""
     events = schedule_events(schedule, 4)
     keep = {g for _, g in events} - short_window_groups(events, 2)
-    want = {"interleaved": [[(1, 0), (0, 0)], [(1, 1), (0, 1)], [(2, 3), (1, 2)], [(1, 3), (0, 3)]],
-            "zbv": [[(1, 0), (0, 0)], [(2, 1), (1, 1)], [(2, 2), (1, 2)], [(2, 3), (0, 2)], [(1, 3), (0, 3)]]}
+    want = {"interleaved": [[(2, 0), (2, 1)], [(1, 0), (0, 0)], [(1, 1), (0, 1)], [(2, 2), (2, 3)], [(1, 2), (0, 2)],
+                            [(1, 3), (0, 3)]],
+            "zbv": [[(2, 0), (1, 0)], [(0, 0), (2, 1)], [(1, 1), (0, 1)], [(2, 2), (1, 2)], [(2, 3), (0, 2)],
+                    [(1, 3), (0, 3)]]}
     assert shared_slots(events, keep) == want[schedule]
+    nested = {"interleaved": [[(1, 0), (0, 0)], [(1, 1), (0, 1)], [(2, 3), (1, 2)], [(1, 3), (0, 3)]],
+              "zbv": [[(1, 0), (0, 0)], [(2, 1), (1, 1)], [(2, 2), (1, 2)], [(2, 3), (0, 2)], [(1, 3), (0, 3)]]}
+    assert shared_slots(events, keep, nested=True) == nested[schedule]
+    assert [len(r) for r in shared_slots(events, keep, 3)] == [3] * 4
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 @pytest.mark.parametrize("microbatches", [4, 8])
-def test_shared_slots_run_the_schedule(schedule: str, microbatches: int) -> None:
+@pytest.mark.parametrize("members", [2, 3])
+def test_shared_slots_run_the_schedule(schedule: str, microbatches: int, members: int) -> None:
     """Release over the real F / dI / dW order with shared slots (consumed slots kept mapped, the config's
     default), 3 steps, several interleavings: every backward reads its own forward's bytes (checked at each
     dW), each group is copied out and back once a step, and each slot, not each group, is unmapped and
     mapped once a step. With consumed slots reaped too, the bytes are still right."""
     events, steps = schedule_events(schedule, microbatches), 3
     n = len({g for _, g in events}) - len(short_window_groups(events, 2))
-    pairs = len(shared_slots(events, {g for _, g in events} - short_window_groups(events, 2)))
-    assert pairs >= microbatches
+    runs = shared_slots(events, {g for _, g in events} - short_window_groups(events, 2), members)
+    slots = n - sum(len(r) - 1 for r in runs)
+    assert slots <= n // 2 + 1
     for seed in range(3):
-        st, _, _ = _run(events, None, steps, seed, plan=True, mode="release", min_window=2, share=True, reap=False)
+        st, _, _ = _run(events, None, steps, seed, plan=True, mode="release", min_window=2, share=True, reap=False,
+                        members=members)
         assert st.d2h_copies == st.h2d_copies == steps * n and st.reloads_skipped == 0
-        assert st.maps == st.unmaps == steps * (n - pairs)
-        st, _, _ = _run(events, None, steps, seed, plan=True, mode="release", min_window=2, share=True)
+        assert st.maps == st.unmaps == steps * slots
+        st, _, _ = _run(events, None, steps, seed, plan=True, mode="release", min_window=2, share=True,
+                        members=members)
         assert st.d2h_copies == st.h2d_copies == steps * n
     st, _, _ = _run(events, None, steps, plan=True, mode="release", min_window=2, reap=False)
     assert st.maps == st.unmaps == steps * n

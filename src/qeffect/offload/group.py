@@ -44,11 +44,13 @@ calls; the memory still comes back between every forward and its backward). Driv
 hot path, but the host does not wait for a D2H after the forward (that would keep it from running ahead
 of the device and serialize every copy with the step): the slot is released at the first hook whose event query finds the copy done, and only a
 backward that comes before that waits for the copy (its own group's, queued a window earlier).
-With the schedule's events and `share_slots` (the default; QEFFECT_OFFLOAD_SHARE_SLOTS=0 turns it off), groups that nest
-(`offload.plan.shared_slots`: virtual stages 0 and 1 of a microbatch) share one slot, one after another in
-it: the slot goes once every member's D2H is done and no member's bytes are still needed in it, and
-comes back (one map) at the first member's restore, which restores every member whose bytes are on the
-host. A step then unmaps and maps each slot once, not each group (h2048: 12 groups in 8 or 7 slots).
+With the schedule's events and `share_slots` (the default; QEFFECT_OFFLOAD_SHARE_SLOTS=0 turns it off),
+groups whose backwards follow one another and whose forwards all come before the first of those backwards
+(`offload.plan.shared_slots`; up to `slot_members`, QEFFECT_OFFLOAD_SLOT_MEMBERS, 2 by default) share one
+slot, one after another in it: the slot goes once every member's D2H is done and no member's bytes are
+still needed in it, and comes back (one map) at the first member's restore, which restores every member
+whose bytes are on the host. A step then unmaps and maps each slot once, not each group (h2048: 12 groups
+in 6 slots).
 `resident` (ping-pong): at least `num_banks` (2) slots mapped for the whole run; group i of the
 backward order uses bank i % num_banks (or the bank its plan gives it: `offload.timing.search_banks`,
 the default in a captured pipeline, or `offload.plan.assign_banks`), so the
@@ -682,7 +684,7 @@ class OffloadManager:
                  store_batch_bytes: int | None = None,
                  bank_plan: Literal["colour", "search"] = "colour", search_banks: int = 6,
                  search_prefer: Literal["memory", "copies"] = "copies", launch_first: bool | None = None,
-                 share_slots: bool | None = None) -> None:
+                 share_slots: bool | Literal["nested"] | None = None, slot_members: int | None = None) -> None:
         if copy_chunk_bytes is None:
             copy_chunk_bytes = _bytes_from_env("QEFFECT_OFFLOAD_CHUNK_MIB", DEFAULT_CHUNK_MIB, "one copy")
         if copy_chunk_bytes < 0:
@@ -717,13 +719,21 @@ class OffloadManager:
         if launch_first is None:
             launch_first = os.environ.get("QEFFECT_OFFLOAD_LAUNCH_FIRST", "1") != "0"
         self.launch_first = launch_first
-        # release, with allocate(events=): groups that nest (`offload.plan.shared_slots`) share one slot, so one
-        # unmap and one map (five driver calls in all) serve them all (H200, h2048, 2e474d3, alternating rounds:
-        # release x1.100 of no offload against x1.160 with a slot per group, Interleaved; ZB-V x1.373 against
-        # x1.477 on that slow host; the same peak driver memory). None: True unless QEFFECT_OFFLOAD_SHARE_SLOTS=0
+        # release, with allocate(events=): groups whose backwards follow one another share one slot, up to
+        # `slot_members` of them (`offload.plan.shared_slots`), so one unmap and one map (five driver calls in all)
+        # serve them all. H200, h2048, alternating rounds, with nested groups only (2e474d3, 9db5598): release
+        # x1.100 of no offload against x1.160 with a slot per group (Interleaved), x1.373 against x1.477 (ZB-V,
+        # a slow host), chained x1.258 / 1.104 against x1.293 / 1.179; h4096 x1.053 against x1.080; the same
+        # peak driver memory. None: QEFFECT_OFFLOAD_SHARE_SLOTS ("0": a slot per group; "nested": only groups
+        # that nest, `shared_slots(nested=True)`; else any run) and QEFFECT_OFFLOAD_SLOT_MEMBERS (default 2)
         if share_slots is None:
-            share_slots = os.environ.get("QEFFECT_OFFLOAD_SHARE_SLOTS", "1") != "0"
-        self.share_slots = share_slots
+            env = os.environ.get("QEFFECT_OFFLOAD_SHARE_SLOTS", "1")
+            share_slots = "nested" if env == "nested" else env != "0"
+        if slot_members is None:
+            slot_members = count_from_env("QEFFECT_OFFLOAD_SLOT_MEMBERS", 2)
+        if slot_members < 1:
+            raise ValueError(f"slot_members must be >= 1 (groups per shared slot), got {slot_members}")
+        self.share_slots, self.slot_members = share_slots, slot_members
         self.shared: list[list[OffloadGroup]] = []  # release: the runs of groups sharing a slot (backward order)
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
@@ -846,7 +856,8 @@ class OffloadManager:
             for g in self.not_offloaded:
                 g.offloaded = False
             if self.mode == "release" and self.share_slots:
-                self.shared = shared_slots(events, [g for g in order if g.offloaded and g.nbytes])
+                self.shared = shared_slots(events, [g for g in order if g.offloaded and g.nbytes], self.slot_members,
+                                           nested=self.share_slots == "nested")
                 for run in self.shared:
                     for g in run:
                         g.members = run
@@ -1081,8 +1092,7 @@ class OffloadManager:
                 events += [m.consumed] + ([m.d2h_done] if m._d2h_recorded else [])
             elif m is g or m.state is not GroupState.UNMAPPED:  # (UNMAPPED: its bytes are not in the slot)
                 return False
-        if len(g.members) > 1 and self.release_consumed and any(m.live for m in g.members) and any(
-                not m.live and m.state is GroupState.MAPPED for m in g.members):
+        if len(g.members) > 1 and len({m.live for m in g.members}) > 1:
             return False  # a shared slot between its members' forwards (or backwards): it goes once all are done
         if not block and not all(s.query(e) for e in events):
             return False

@@ -187,35 +187,44 @@ def short_window_groups(events: Sequence[Event], min_window: int) -> set[Hashabl
 
 
 def shared_slots(events: Sequence[Event], groups: Collection[Hashable] | None = None,
-                 max_members: int = 2) -> list[list[Hashable]]:
+                 max_members: int = 2, *, nested: bool = False) -> list[list[Hashable]]:
     """Release mode: runs of groups that can share one VMM slot, each in backward order (runs of one left out).
 
     Why: every slot a release step unmaps and maps again costs five driver calls on the host's hot path
-    (unmap, release, create, map, set access: about 0.2 ms per slot on the H200's host). Groups that nest
-    (virtual stages 0 and 1, or 1 and 2, of one microbatch, in Interleaved 1F1B and in ZB-V) can go out and
-    come back together: one unmap once every member's forward copy is done, one map before the first
-    member's backward, which restores them all. A run g1, ..., gk (k <= `max_members`) qualifies when, among
-    `groups` (default: every group of `events`), their backwards start one after another in that order and
-    their forwards ran in the reverse order (gk's first). No other group's backward starts between theirs,
-    so restoring the later members with the first holds their memory no longer than the look-ahead's
-    restore would. The price: the slot goes back to the driver only once the last member's forward (g1's)
-    is copied out. Of the partitions of the backward order into such runs, the one with the fewest runs
-    (fewest slots) and then the shortest waits for that forward (event positions from gk's forward to g1's)."""
+    (unmap, release, create, map, set access: about 0.2 ms per slot on the H200's host). Groups whose
+    backwards come one after another can go out and come back together: one unmap once every member's
+    forward copy is done, one map before the first member's backward, which restores them all. A run g1,
+    ..., gk (k <= `max_members`) qualifies when, among `groups` (default: every group of `events`), their
+    backwards start one after another in that order and every member's forward comes before g1's backward
+    (so the slot can go between the last forward and the first backward). With `nested`, only runs whose
+    forwards ran in the reverse order (gk's first: the virtual stages 0 and 1 of one microbatch). No other
+    group's backward starts between theirs, so restoring the later members with the first holds their
+    memory about as long as the look-ahead's restore would. The price: the slot goes back to the driver
+    only once the last member's forward is copied out. Of the partitions of the backward order into such
+    runs, the one with the fewest runs (fewest slots), then the shortest waits for the last forward (event
+    positions from a run's first forward to its last)."""
     check_events(events)
     if max_members < 1:
         raise ValueError(f"max_members must be >= 1, got {max_members}")
     keep = set(groups) if groups is not None else {g for _, g in events}
-    first, _ = _windows(events)
+    first, start = _windows(events)
     order = [g for g in backward_order(events) if g in keep]
+
+    def fits(run: list[Hashable]) -> bool:
+        if nested:
+            return all(first[b] < first[a] for a, b in zip(run, run[1:], strict=False))
+        return max(first[g] for g in run) < start[run[0]]
+
     # best[i]: (runs, waits, runs as lists) covering order[:i]
     best: list[tuple[int, int, list[list[Hashable]]]] = [(0, 0, [])]
     for i in range(1, len(order) + 1):
         options = []
         for k in range(1, min(max_members, i) + 1):
             run = order[i - k:i]
-            if all(first[b] < first[a] for a, b in zip(run, run[1:], strict=False)):
+            if fits(run):
                 runs, waits, plan = best[i - k]
-                options.append((runs + 1, waits + first[run[0]] - first[run[-1]], plan + [run]))
+                span = max(first[g] for g in run) - min(first[g] for g in run)
+                options.append((runs + 1, waits + span, plan + [run]))
         best.append(min(options, key=lambda o: o[:2]))
     return [run for run in best[-1][2] if len(run) > 1]
 
