@@ -66,6 +66,7 @@
 # offload-chained: h2048 off / release / resident with each round's steps queued back to back, then synchronized.
 # share-slots: the whole GPU suite, then release with and without nested groups sharing a slot, h2048 both schedules.
 # share-slots-more: slot sharing as the default: the A/B chained (steps queued back to back), at h4096, then h2048 off / release / resident.
+# offload-repeat: issue 7's h2048 off / release / resident, both schedules (about 2 minutes).
 # share-runs: the whole GPU suite, then h2048 off / release with a slot per group / nested groups sharing / any run of two (the default) / of three / resident.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
@@ -518,6 +519,10 @@ share-runs)
     gpu_suite pytest-gpu
     sh=QEFFECT_OFFLOAD_SHARE_SLOTS
     h2048_modes share-runs "off,release+$sh=0,release+$sh=nested,release,release+QEFFECT_OFFLOAD_SLOT_MEMBERS=3,resident"
+    ;;
+offload-repeat)
+    # issue 7's h2048 modes again, on another lease (about 2 minutes)
+    h2048_modes repeat off,release,resident
     ;;
 host-python)
     # where a captured h2048 step's host time goes, by Python function (cProfile), off / release / resident
