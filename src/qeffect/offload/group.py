@@ -35,7 +35,7 @@ microbatch slot) of a captured stage):
    evict again before its backward (`offload.plan.futile_restores`): a wasted copy the forward waits for.
 6. `after_backward` records `consumed` on the compute stream: the bytes are no longer needed.
 
-Modes. `release`: each group has its own slot; the device memory of a group exists only while its
+Modes. `release`: each group has its own slot (or shares one: below); the device memory of a group exists only while its
 activations are on the device. With `release_consumed` (config `train.offload_reap = true`) the slot
 is also released after a consumed backward ("reaped", when its `consumed` event has completed; checked
 without blocking at every hook) and remapped, without H2D, before the next forward; the config's
@@ -272,7 +272,7 @@ class OffloadGroup:
         self.members: list[OffloadGroup] = [self]
         self.bank: Bank | None = None
         self.host: Tensor | None = None
-        self.slot_bytes: Tensor | None = None  # uint8 view of [0, nbytes) of the slot (one copy per direction)
+        self.slot_bytes: Tensor | None = None  # uint8 view of [base, base + nbytes) of the slot (one copy per direction)
         self.next_backward: OffloadGroup | None = None
         self.kept = False  # resident: the plan says no other group claims its bank between F and B (no D2H)
         self.offloaded = True  # False where the plan's window is too short (no slot; autograd keeps it)
@@ -450,10 +450,11 @@ class OffloadGroup:
             if not self.slot.mapped:
                 self.slot.map()  # a fresh mapping: the forward writes every view before anything reads it
                 m.stats.maps += 1
-            elif self.state is not GroupState.UNMAPPED and self._consumed_recorded:  # (UNMAPPED in a mapped
-                # shared slot: another member mapped it afresh since this group's bytes left; nothing reads them)  # still mapped: the last backward's reads come before these writes
-                # (a D2H still reading the slot may copy torn bytes, but only into this group's host buffer,
-                # which this forward's own D2H, later on the same stream, overwrites before any restore)
+            elif self.state is not GroupState.UNMAPPED and self._consumed_recorded:
+                # still mapped: the last backward's reads come before these writes (a D2H still reading the
+                # slot may copy torn bytes, but only into this group's host buffer, which this forward's own
+                # D2H, later on the same stream, overwrites before any restore). UNMAPPED in a mapped shared
+                # slot: another member mapped it afresh since this group's bytes left; nothing reads them
                 m.streams.wait(cur, self.consumed)
             self.state = GroupState.MAPPED
         else:
@@ -721,10 +722,9 @@ class OffloadManager:
         self.launch_first = launch_first
         # release, with allocate(events=): groups whose backwards follow one another share one slot, up to
         # `slot_members` of them (`offload.plan.shared_slots`), so one unmap and one map (five driver calls in all)
-        # serve them all. H200, h2048, alternating rounds, with nested groups only (2e474d3, 9db5598): release
-        # x1.100 of no offload against x1.160 with a slot per group (Interleaved), x1.373 against x1.477 (ZB-V,
-        # a slow host), chained x1.258 / 1.104 against x1.293 / 1.179; h4096 x1.053 against x1.080; the same
-        # peak driver memory. None: QEFFECT_OFFLOAD_SHARE_SLOTS ("0": a slot per group; "nested": only groups
+        # serve them all. H200, h2048, alternating rounds (97d2aa3): release x1.069 / 1.083 of no offload
+        # (Interleaved / ZB-V) against x1.184 / 1.180 with a slot per group, x1.092 / 1.097 with nested groups
+        # only, x1.080 / 1.155 three to a slot; the same peak driver memory. None: QEFFECT_OFFLOAD_SHARE_SLOTS ("0": a slot per group; "nested": only groups
         # that nest, `shared_slots(nested=True)`; else any run) and QEFFECT_OFFLOAD_SLOT_MEMBERS (default 2)
         if share_slots is None:
             env = os.environ.get("QEFFECT_OFFLOAD_SHARE_SLOTS", "1")
