@@ -336,9 +336,15 @@ def run_interleaved(cfg, labels: list[str], path: str, steps: int, warmup: int, 
         yield results[label]
 
 
+def step_ratio(r: dict) -> float:
+    """A mode's step against off's: round by round where the modes ran in alternating rounds, else the
+    ratio of the medians."""
+    return r.get("paired_step_ratio_vs_off", r["step_ratio_vs_off"])
+
+
 TARGETS = {  # issue 7: (mode label, value of that mode's result, threshold, "max" or "min")
-    "resident-step-ratio": ("resident", lambda r: r["step_ratio_vs_off"], 1.03, "max"),
-    "release-step-ratio": ("release", lambda r: r["step_ratio_vs_off"], 1.10, "max"),
+    "resident-step-ratio": ("resident", step_ratio, 1.03, "max"),
+    "release-step-ratio": ("release", step_ratio, 1.10, "max"),
     "release-returned-fraction": ("release", lambda r: r["offload"]["release"]["returned_fraction"], 0.9, "min"),
     # the same over every group's bytes, those the plan does not offload counted as not returned
     "release-returned-fraction-all-groups": ("release", lambda r: r["offload"]["release"]["returned_fraction_all_groups"],
