@@ -416,10 +416,9 @@ FENCES = [("release", "forward_done"), ("release", "restore_done"), ("resident",
           ("resident", "restore_done"), ("resident", "d2h_done"), ("resident", "consumed")]
 
 
-@pytest.mark.parametrize("mode, fence", FENCES)
-def test_each_fence_is_needed(monkeypatch, mode: str, fence: str) -> None:
-    """Dropping one kind of stream wait corrupts bytes (or faults) for some interleaving: the test above
-    can fail, and every wait the group issues matters."""
+def detected_without(monkeypatch, fence: str, runs) -> int:
+    """With every stream wait on an event named `*fence` dropped, how many of 20 seeds of each run
+    `(program, order, build keywords)` read wrong bytes or fault."""
     orig = FakeDevice.wait
 
     def wait(self, stream, event):
@@ -428,14 +427,21 @@ def test_each_fence_is_needed(monkeypatch, mode: str, fence: str) -> None:
 
     monkeypatch.setattr(FakeDevice, "wait", wait)
     detected = 0
-    for prog, order in (STACK, ONE_F_ONE_B):
+    for prog, order, kw in runs:
         for seed in range(20):
-            dev, _, groups = build(mode, seed, layers=len(order), order=order, progress=1)
+            dev, _, groups = build(seed=seed, layers=len(order), order=order, progress=1, **kw)
             try:
                 detected += bool(run_program(dev, groups, prog))
             except FakeDeviceFault:
                 detected += 1
-    assert detected > 0
+    return detected
+
+
+@pytest.mark.parametrize("mode, fence", FENCES)
+def test_each_fence_is_needed(monkeypatch, mode: str, fence: str) -> None:
+    """Dropping one kind of stream wait corrupts bytes (or faults) for some interleaving: the test above
+    can fail, and every wait the group issues matters."""
+    assert detected_without(monkeypatch, fence, [(*p, {"mode": mode}) for p in (STACK, ONE_F_ONE_B)]) > 0
 
 
 def test_release_mode_offload_order() -> None:
@@ -1625,24 +1631,9 @@ def test_shared_slot_layout_and_driver_calls() -> None:
 @pytest.mark.parametrize("fence", ["forward_done", "restore_done"])
 def test_each_fence_is_needed_with_shared_slots(monkeypatch, fence: str) -> None:
     """Without one kind of stream wait, some interleaving of shared-slot release reads wrong bytes or faults."""
-    orig = FakeDevice.wait
-
-    def wait(self, stream, event):
-        if not event.name.endswith(fence):
-            orig(self, stream, event)
-
-    monkeypatch.setattr(FakeDevice, "wait", wait)
-    detected = 0
-    for name in ("stack", "interleaved", "1f1b"):
-        prog, order = SHARING[name]
-        for seed in range(20):
-            dev, _, groups = build("release", seed, layers=len(order), order=order, program=prog, share_slots=True,
-                                   release_consumed=False, progress=1)
-            try:
-                detected += bool(run_program(dev, groups, prog))
-            except FakeDeviceFault:
-                detected += 1
-    assert detected > 0
+    kw = {"mode": "release", "share_slots": True, "release_consumed": False}
+    runs = [(*SHARING[name], {**kw, "program": SHARING[name][0]}) for name in ("stack", "interleaved", "1f1b")]
+    assert detected_without(monkeypatch, fence, runs) > 0
 
 
 @pytest.mark.parametrize("reap", [False, True])
