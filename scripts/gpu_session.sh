@@ -120,6 +120,14 @@ h2048_modes() {  # h2048_modes <step-prefix> <modes>: offload_bench.py at h2048,
             --modes "$2"
     done
 }
+h2048_chained() {  # h2048_chained <step-prefix> <modes>: h2048_modes with each round's 4 steps queued back to back
+    # (--chained), each to offload-bench-h2048-<schedule>-chained-h200.json
+    for sched in interleaved zbv; do
+        step 150 "$1-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
+            --schedule "$sched" --steps 40 --interleave 4 --chained \
+            --out "$out/offload-bench-h2048-$sched-chained-h200.json" --modes "$2"
+    done
+}
 gpu_suite() {  # gpu_suite <step-name>: the whole GPU suite (pytest -m gpu)
     step 260 "$1" python3 -m pytest -m gpu -q -p no:cacheprovider
 }
@@ -488,11 +496,7 @@ offload-chained)
     # issue 7's h2048 modes with each round's steps queued back to back (--chained: one device synchronization
     # per round of 4 steps, a loop that does not wait for each loss), then synchronized around every step (the
     # default) in the same call, both schedules (about 4 minutes)
-    for sched in interleaved zbv; do
-        step 150 "chained-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-            --schedule "$sched" --steps 40 --interleave 4 --chained \
-            --out "$out/offload-bench-h2048-$sched-chained-h200.json" --modes off,release,resident
-    done
+    h2048_chained chained off,release,resident
     h2048_modes synchronized off,release,resident
     ;;
 share-slots)
@@ -505,11 +509,7 @@ share-slots-more)
     # slot sharing as the default (=0: a slot per group): the A/B with each round's steps queued back to back
     # (both schedules), then h4096 Interleaved, then issue 7's h2048 modes, both schedules (about 6 minutes)
     noshare=release+QEFFECT_OFFLOAD_SHARE_SLOTS=0
-    for sched in interleaved zbv; do
-        step 150 "share-chained-$sched" python3 benchmarks/offload_bench.py --config examples/configs/h2048.toml \
-            --schedule "$sched" --steps 40 --interleave 4 --chained \
-            --out "$out/offload-bench-h2048-$sched-chained-h200.json" --modes "off,$noshare,release"
-    done
+    h2048_chained share-chained "off,$noshare,release"
     h4096_modes "off,$noshare,release,resident"
     h2048_modes offload-final off,release,resident
     ;;
