@@ -231,9 +231,7 @@ class ModeRun:
                     finally:
                         in_backward.discard(g.name)
                 g.before_backward = before_backward
-            for slot in mgr.slots():  # a shared slot once: its members' bytes leave together
-                members = next(g.members for g in mgr.groups if g.slot is slot)
-
+            for slot, members in mgr.release_slots():  # a shared slot once: its members' bytes leave together
                 def unmap(*a, slot=slot, members=members, orig=slot.unmap, **kw) -> None:
                     if not any(g.live for g in members):  # a consumed group's reap: not the forward-to-backward release
                         return orig(*a, **kw)

@@ -724,8 +724,9 @@ class OffloadManager:
         # `slot_members` of them (`offload.plan.shared_slots`), so one unmap and one map (five driver calls in all)
         # serve them all. H200, h2048, alternating rounds (97d2aa3): release x1.069 / 1.083 of no offload
         # (Interleaved / ZB-V) against x1.184 / 1.180 with a slot per group, x1.092 / 1.097 with nested groups
-        # only, x1.080 / 1.155 three to a slot; the same peak driver memory. None: QEFFECT_OFFLOAD_SHARE_SLOTS ("0": a slot per group; "nested": only groups
-        # that nest, `shared_slots(nested=True)`; else any run) and QEFFECT_OFFLOAD_SLOT_MEMBERS (default 2)
+        # only, x1.080 / 1.155 three to a slot; the same peak driver memory. None: QEFFECT_OFFLOAD_SHARE_SLOTS
+        # ("0": a slot per group; "nested": only groups that nest, `shared_slots(nested=True)`; else any run) and
+        # QEFFECT_OFFLOAD_SLOT_MEMBERS (default 2)
         if share_slots is None:
             env = os.environ.get("QEFFECT_OFFLOAD_SHARE_SLOTS", "1")
             share_slots = "nested" if env == "nested" else env != "0"
@@ -889,13 +890,10 @@ class OffloadManager:
         if self.mode == "release":
             for g in self.groups:
                 if g.nbytes and g.offloaded and g is g.members[0]:  # one slot per run of `shared` (or group)
-                    end = 0
-                    for m in g.members:
-                        m.base = -(-end // self.alignment) * self.alignment
-                        end = m.base + m.nbytes
+                    bases, end = self._pack([m.nbytes for m in g.members])
                     slot = VmmSlot(self.driver, end, device=self.device, name="+".join(m.name for m in g.members))
-                    for m in g.members:
-                        m.slot = slot
+                    for m, base in zip(g.members, bases, strict=True):
+                        m.slot, m.base = slot, base
         else:
             need = [0] * self.num_banks
             for pos, g in enumerate(order):
@@ -1058,27 +1056,22 @@ class OffloadManager:
             for g in list(self._d2h_fifo):
                 if g is exclude or g.phase is not None or g.state is not GroupState.RELEASE_D2H_PENDING:
                     continue  # (not pending any more: released with another member of its shared slot)
-                # its D2H not done: a later D2H on the same stream is not either
-                if len(g.members) == 1:
-                    if not self._release(g, block=False):
-                        break
-                    n += 1
-                elif not self.streams.query(g.d2h_done):
-                    break
-                else:  # a shared slot: released only once every member's bytes may go
-                    n += self._release(g, block=False)
+                if not self.streams.query(g.d2h_done):
+                    break  # a later D2H on the same stream is not done either
+                n += self._release(g, block=False, done=g.d2h_done)  # (False: a member of its shared slot is not ready)
             return n
         for g in self.groups:
             if g is not exclude and g.phase is None and g.slot is not None and g.slot.mapped:
                 n += self._release(g, block=block)
         return n
 
-    def _release(self, g: OffloadGroup, *, block: bool, at_backward: bool = False) -> bool:
+    def _release(self, g: OffloadGroup, *, block: bool, at_backward: bool = False, done: Any = None) -> bool:
         """Unmap and release `g`'s slot if its bytes are on the host (D2H done) or, with
         `release_consumed`, consumed (backward and any D2H done). `block`: the host waits for those
         events; otherwise only a query. `at_backward`: called by `g`'s own backward (counted apart:
         that memory comes back only for the moment before the restore). A shared slot goes only when each
-        of its members' bytes may (or are not in it); else nothing happens. True if released."""
+        of its members' bytes may (or are not in it); else nothing happens. `done`: an event the caller has
+        just found complete (not queried again). True if released."""
         s = self.streams
         if not g.slot.mapped:
             return False
@@ -1094,7 +1087,7 @@ class OffloadManager:
                 return False
         if len(g.members) > 1 and len({m.live for m in g.members}) > 1:
             return False  # a shared slot between its members' forwards (or backwards): it goes once all are done
-        if not block and not all(s.query(e) for e in events):
+        if not block and not all(e is done or s.query(e) for e in events):
             return False
 
         def wait() -> None:  # with `block`, the host's time blocked on offload
@@ -1119,18 +1112,26 @@ class OffloadManager:
 
     def layout(self, specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
         """Each saved tensor's offset in its group's slot (aligned) and the slot bytes the group needs."""
+        return self._pack([spec.nbytes for spec in specs])
+
+    def _pack(self, sizes: Sequence[int]) -> tuple[list[int], int]:
+        """Byte ranges of `sizes`, one after another, each start aligned: (the starts, the end of the last)."""
         offsets, off = [], 0
-        for spec in specs:
+        for n in sizes:
             off = -(-off // self.alignment) * self.alignment
             offsets.append(off)
-            off += spec.nbytes
+            off += n
         return offsets, off
 
     def slots(self) -> list[VmmSlot]:
         """Each slot (release; a shared one once) or bank (resident) of this manager."""
         if self.mode == "resident":
             return [b.slot for b in self.banks]
-        return [g.slot for g in self.groups if g.slot is not None and g is g.members[0]]
+        return [slot for slot, _ in self.release_slots()]
+
+    def release_slots(self) -> list[tuple[VmmSlot, list[OffloadGroup]]]:
+        """Release: each slot once, with the groups in it (`OffloadGroup.members`, backward order)."""
+        return [(g.slot, g.members) for g in self.groups if g.slot is not None and g is g.members[0]]
 
     def mapped_bytes(self) -> int:
         """Device bytes currently mapped by this manager's slots and banks."""

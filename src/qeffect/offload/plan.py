@@ -210,21 +210,18 @@ def shared_slots(events: Sequence[Event], groups: Collection[Hashable] | None = 
     first, start = _windows(events)
     order = [g for g in backward_order(events) if g in keep]
 
-    def fits(run: list[Hashable]) -> bool:
-        if nested:
-            return all(first[b] < first[a] for a, b in zip(run, run[1:], strict=False))
-        return max(first[g] for g in run) < start[run[0]]
-
     # best[i]: (runs, waits, runs as lists) covering order[:i]
     best: list[tuple[int, int, list[list[Hashable]]]] = [(0, 0, [])]
     for i in range(1, len(order) + 1):
         options = []
         for k in range(1, min(max_members, i) + 1):
             run = order[i - k:i]
-            if fits(run):
+            forwards = [first[g] for g in run]
+            fits = (all(b < a for a, b in zip(forwards, forwards[1:], strict=False)) if nested
+                    else max(forwards) < start[run[0]])
+            if fits:
                 runs, waits, plan = best[i - k]
-                span = max(first[g] for g in run) - min(first[g] for g in run)
-                options.append((runs + 1, waits + span, plan + [run]))
+                options.append((runs + 1, waits + max(forwards) - min(forwards), plan + [run]))
         best.append(min(options, key=lambda o: o[:2]))
     return [run for run in best[-1][2] if len(run) > 1]
 
