@@ -68,6 +68,7 @@
 # share-slots-more: slot sharing as the default: the A/B chained (steps queued back to back), at h4096, then h2048 off / release / resident.
 # offload-repeat: issue 7's h2048 off / release / resident, both schedules (about 2 minutes).
 # resident-chunks: issue 7's h2048 modes with resident's copies in one piece per group against 2 MiB chunks.
+# suite-chunks: the whole GPU suite, then resident-chunks.
 # share-runs: the whole GPU suite, then h2048 off / release with a slot per group / nested groups sharing / any run of two (the default) / of three / resident.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
@@ -525,6 +526,11 @@ resident-chunks)
     # resident's host cost: its 2 MiB chunks make ~9 copies and 9 event records per h2048 group, each a driver
     # call on the host; one copy per group (QEFFECT_OFFLOAD_CHUNK_MIB=0) against them, with off and release,
     # both schedules (about 3 minutes)
+    h2048_modes resident-chunks off,release,resident,resident+QEFFECT_OFFLOAD_CHUNK_MIB=0
+    ;;
+suite-chunks)
+    # the whole GPU suite, then resident-chunks' A/B (about 7 minutes)
+    gpu_suite pytest-gpu
     h2048_modes resident-chunks off,release,resident,resident+QEFFECT_OFFLOAD_CHUNK_MIB=0
     ;;
 offload-repeat)
