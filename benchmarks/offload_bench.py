@@ -19,7 +19,9 @@ every parameter, optimizer state and FP8 state tensor. Then:
   bytes as not returned. An unmap made by the group's own backward (its D2H was not
   found done before) returns memory only until the restore right after it: `returned_fraction` leaves
   those out, `returned_fraction_incl_backward` counts them. The counters over all steps (timed ones
-  included) say how often each happened: `released_live`, `released_at_backward`. The measured step
+  included) say how often each happened: `released_live`, `released_at_backward` (only with
+  QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD=1), `kept_at_backward` (the default: that backward read the bytes
+  still in its slot, which was not released that step). The measured step
   samples memory after every action, which slows the host, so it may find more copies done in time.
 
 `--modes` takes `resident` for resident offload with the searched bank plan (the default,
@@ -278,7 +280,7 @@ class ModeRun:
                 "not_offloaded_groups": [g.name for g in mgr.not_offloaded],
                 "not_offloaded_bytes": not_offloaded,
                 **{k: getattr(st, k) for k in ("d2h_copies", "d2h_bytes", "d2h_skipped", "h2d_copies", "h2d_bytes", "maps", "unmaps",
-                                               "released_live", "released_at_backward", "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped", "prefetches_futile",
+                                               "released_live", "released_at_backward", "kept_at_backward", "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped", "prefetches_futile",
                                                "reloads_skipped", "evictions")}}
             if mode == "release":
                 slot = sum(s.size for s in mgr.slots())  # each group's forward runs once
@@ -460,7 +462,9 @@ def main() -> int:
                          f"not offloaded {len(o['not_offloaded_groups'])} ({o['not_offloaded_bytes'] / 2**20:.0f} MiB), "
                          f"returned {r['returned_fraction']:.3f} of slot bytes before the backward "
                          f"({r['returned_fraction_incl_backward']:.3f} with the backward's own releases; "
-                         f"{r['returned_fraction_all_groups']:.3f} of all groups' bytes)")
+                         f"{r['returned_fraction_all_groups']:.3f} of all groups' bytes), backwards before "
+                         f"their slot went: {o['kept_at_backward']} read in place, {o['released_at_backward']} "
+                         f"released and restored (of {o['d2h_copies']} groups' forwards)")
         print(line, flush=True)
     report["passed_bitwise"] = ok
     report["targets"] = targets(report["modes"])

@@ -69,6 +69,7 @@
 # offload-repeat: issue 7's h2048 off / release / resident, both schedules (about 2 minutes).
 # resident-chunks: issue 7's h2048 modes with resident's copies in one piece per group against 2 MiB chunks.
 # suite-chunks: the whole GPU suite, then resident-chunks.
+# release-in-place: the whole GPU suite, then h2048 release reading late groups in place / waiting / share gap 4, resident chunks.
 # share-runs: the whole GPU suite, then h2048 off / release with a slot per group / nested groups sharing / any run of two (the default) / of three / resident.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
@@ -532,6 +533,14 @@ suite-chunks)
     # the whole GPU suite, then resident-chunks' A/B (about 7 minutes)
     gpu_suite pytest-gpu
     h2048_modes resident-chunks off,release,resident,resident+QEFFECT_OFFLOAD_CHUNK_MIB=0
+    ;;
+release-in-place)
+    # release's backward that comes before any hook saw its D2H done reads the bytes in place (the default)
+    # against waiting, releasing and restoring (QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD=1), and shared runs needing 4
+    # actions between their last forward and first backward (QEFFECT_OFFLOAD_SHARE_GAP=4); resident's one copy
+    # per group (CHUNK_MIB=0) against 2 MiB chunks: the whole GPU suite, then h2048 both schedules (about 7 minutes)
+    gpu_suite pytest-gpu
+    h2048_modes release-in-place "off,release,release+QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD=1,release+QEFFECT_OFFLOAD_SHARE_GAP=4,resident,resident+QEFFECT_OFFLOAD_CHUNK_MIB=0"
     ;;
 offload-repeat)
     # issue 7's h2048 modes again, on another lease (about 2 minutes)

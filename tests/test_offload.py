@@ -395,19 +395,29 @@ ODD_WARMUP = ([("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F",
 PROGRAMS = {"stack": STACK, "1f1b": ONE_F_ONE_B, "odd-warmup": ODD_WARMUP}
 
 
-@pytest.mark.parametrize("mode", ["release", "resident"])
+@pytest.mark.parametrize("mode", ["release", "release-at-backward", "resident"])
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 @pytest.mark.parametrize("lookahead", [True, False])
 def test_every_interleaving_restores_the_right_bytes(mode: str, program: str, lookahead: bool) -> None:
     prog, order = PROGRAMS[program]
+    strict = mode == "release-at-backward"
+    kept = 0
     for seed in range(12):
-        dev, mgr, groups = build(mode, seed, layers=len(order), order=order, lookahead=lookahead)
+        dev, mgr, groups = build(mode.removesuffix("-at-backward"), seed, layers=len(order), order=order,
+                                 lookahead=lookahead, release_at_backward=strict)
         assert run_program(dev, groups, prog) == [], (mode, program, seed)
         assert mgr.stats.d2h_copies == 2 * len(order)
         if mode == "resident":
             assert mgr.stats.h2d_copies > 0 and mgr.stats.evictions > 0  # banks were really reused
-        else:  # every group released between its forward and its backward (by a query or by its backward's wait)
-            assert mgr.stats.h2d_copies == mgr.stats.released_live + mgr.stats.released_at_backward == 2 * len(order)
+        else:  # each group released between its forward and its backward (by a query or, strict, by its
+            # backward's wait) and restored, or its backward came first and read the bytes in place
+            assert mgr.stats.h2d_copies == mgr.stats.released_live + mgr.stats.released_at_backward
+            assert mgr.stats.h2d_copies + mgr.stats.kept_at_backward == 2 * len(order)
+            assert mgr.stats.kept_at_backward == mgr.stats.reloads_skipped
+            assert (mgr.stats.kept_at_backward if strict else mgr.stats.released_at_backward) == 0
+            kept += mgr.stats.released_at_backward + mgr.stats.kept_at_backward
+    if mode != "resident" and program == "stack":  # its last forward's backward comes right after it: some
+        assert kept > 0  # seeds' backward came before a hook saw that D2H done, and the path under test ran
     if program == "odd-warmup" and mode == "resident" and lookahead:
         assert mgr.stats.prefetches_wasted > 0
 
@@ -480,10 +490,31 @@ def test_release_mode_offload_order() -> None:
     assert g.state is GroupState.MAPPED and g.slot.va == g.views[0].data_ptr() - g.offsets[0]
 
 
-def test_release_backward_before_its_d2h_waits_for_that_copy_alone() -> None:
-    """Strict release: a backward that comes before any hook found its group's D2H done waits for that one
-    copy, releases and restores (counted apart from the releases a query made)."""
+def test_release_backward_before_its_d2h_reads_the_bytes_in_place() -> None:
+    """A backward that comes before any hook found its group's D2H done keeps the slot mapped and reads the
+    forward's bytes where they are: no driver call, no H2D, no host wait (`kept_at_backward`)."""
     dev, mgr, (g, *_) = build("release", lookahead=False, progress=0)
+    g.before_forward()
+    g.after_forward()
+    dev.trace.clear()
+    g.before_backward()
+    calls = [e[0] if e[0].startswith("cu") else e for e in dev.trace if not e[0].startswith("cuCtx")]
+    assert not [c for c in calls if isinstance(c, str)] and not [c for c in calls if c[0] in ("sync", "copy")]
+    assert g.state is GroupState.MAPPED and g.slot.mapped and g not in mgr._d2h_fifo
+    assert (mgr.stats.kept_at_backward, mgr.stats.reloads_skipped, mgr.stats.h2d_copies) == (1, 1, 0)
+    assert (mgr.stats.released_live, mgr.stats.released_at_backward, mgr.stats.host_wait_seconds) == (0, 0, 0)
+    g.after_backward()
+    dev.synchronize()
+    g.before_forward()  # the next forward writes the still-mapped slot after this backward's reads
+    assert mgr.stats.maps == 0
+    g.after_forward()
+    dev.synchronize()
+
+
+def test_release_at_backward_waits_for_that_copy_alone() -> None:
+    """`release_at_backward`: a backward that comes before any hook found its group's D2H done waits for that
+    one copy, releases and restores (counted apart from the releases a query made)."""
+    dev, mgr, (g, *_) = build("release", lookahead=False, progress=0, release_at_backward=True)
     g.before_forward()
     g.after_forward()
     dev.trace.clear()
@@ -702,7 +733,7 @@ def test_a_reap_queries_the_d2h_copies_in_their_order_and_stops_at_the_first_not
 
 
 def test_timing_records_which_backward_a_restore_ran_under() -> None:
-    dev, mgr, groups = build("release", timing=True)
+    dev, mgr, groups = build("release", timing=True, release_at_backward=True)  # (G3's backward restores too)
     assert run_program(dev, groups, STACK[0], steps=1) == []
     recs = [(r.group, r.prefetched_under) for r in mgr.stats.restores]
     assert recs == [("G3", None), ("G2", "G3"), ("G1", "G2"), ("G0", "G1")]
@@ -1499,7 +1530,8 @@ def test_release_without_reaping_keeps_consumed_slots_for_the_next_forward(progr
     for seed in range(6):
         dev, mgr, groups = build("release", seed, layers=len(order), order=order, release_consumed=False)
         assert run_program(dev, groups, prog) == [], (program, seed)
-        assert mgr.stats.reaped == 0 and mgr.stats.maps == mgr.stats.h2d_copies == 2 * len(order)
+        assert mgr.stats.reaped == 0 and mgr.stats.maps == mgr.stats.h2d_copies
+        assert mgr.stats.h2d_copies + mgr.stats.kept_at_backward == 2 * len(order)  # (kept: read in place)
 
 
 @pytest.mark.parametrize("mode", ["release", "release-keep", "release-shared", "resident"])
@@ -1587,16 +1619,18 @@ SHARING = {"stack": STACK, "1f1b": ONE_F_ONE_B, "interleaved": schedule_program(
                          [(p, "nested") for p in ("stack", "interleaved", "zbv")])
 @pytest.mark.parametrize("reap", [False, True])
 @pytest.mark.parametrize("lookahead", [0, 1, 2])
+@pytest.mark.parametrize("at_backward", [False, True])
 def test_shared_slots_restore_the_right_bytes_in_every_interleaving(program: str, rule: bool | str, reap: bool,
-                                                                      lookahead: int) -> None:
+                                                                      lookahead: int, at_backward: bool) -> None:
     """Release with `share_slots`: groups whose backwards follow one another (and, with "nested", whose
     forwards ran in reverse) share one slot, which goes out once every member's D2H is done and comes back,
     with every member's bytes, before the first member's backward. Each slot is mapped once a step (without
-    reaping), fewer than the groups; every group still comes back bitwise."""
+    reaping), fewer than the groups; every group still comes back bitwise. Without `release_at_backward`, a
+    backward that came before its slot could go reads its members' bytes in place instead."""
     prog, order = SHARING[program]
     for seed in range(6):
         dev, mgr, groups = build("release", seed, layers=len(order), order=order, program=prog, share_slots=rule,
-                                 release_consumed=reap, lookahead=lookahead)
+                                 release_consumed=reap, lookahead=lookahead, release_at_backward=at_backward)
         assert mgr.shared and all(len(run) == 2 for run in mgr.shared)
         slots = mgr.slots()
         assert len(slots) == len(order) - len(mgr.shared)
@@ -1604,10 +1638,12 @@ def test_shared_slots_restore_the_right_bytes_in_every_interleaving(program: str
         assert mgr.stats.h2d_copies + mgr.stats.reloads_skipped == 2 * len(order)
         if lookahead <= 1:  # (deeper, a look-ahead may restore an outer member before the inner one's forward: the
             # slot then stays mapped through that forward, whose bytes the backward reads there, `reloads_skipped`)
-            assert mgr.stats.h2d_copies == 2 * len(order) and mgr.stats.reloads_skipped == 0
-            assert mgr.stats.released_live + mgr.stats.released_at_backward == 2 * len(order)
+            kept = 0 if at_backward else mgr.stats.kept_at_backward
+            assert mgr.stats.reloads_skipped == kept and mgr.stats.h2d_copies == 2 * len(order) - kept
+            assert mgr.stats.released_live + mgr.stats.released_at_backward == 2 * len(order) - kept
             if not reap:
-                assert mgr.stats.maps == mgr.stats.unmaps == 2 * len(slots)
+                assert mgr.stats.maps == mgr.stats.unmaps <= 2 * len(slots)
+                assert mgr.stats.maps == 2 * len(slots) or not at_backward
 
 
 def test_shared_slot_layout_and_driver_calls() -> None:
@@ -1616,7 +1652,7 @@ def test_shared_slot_layout_and_driver_calls() -> None:
     calls = {}
     for share in (False, True):
         dev, mgr, groups = build("release", order=[3, 2, 1, 0], program=STACK[0], share_slots=share,
-                                 release_consumed=False)
+                                 release_consumed=False, release_at_backward=True)  # (every slot goes: comparable)
         if share:
             assert [[g.name for g in run] for run in mgr.shared] == [["G3", "G2"], ["G1", "G0"]]
             g3, g2 = groups[3], groups[2]
@@ -1669,6 +1705,22 @@ def test_slot_sharing_defaults_to_its_environment_switch(monkeypatch: pytest.Mon
     assert len(mgr.shared) == 2 and not build("release")[1].shared
     _, mgr, _ = build("resident", program=STACK[0])  # and only in release mode
     assert not mgr.shared
+
+
+def test_share_gap_and_release_at_backward_default_to_their_environment_switches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build("release")[1].share_gap == 0 and build("release")[1].release_at_backward is False
+    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_GAP", "1")  # STACK: G2's forward, then G3's backward at once
+    _, mgr, _ = build("release", order=[3, 2, 1, 0], program=STACK[0])
+    assert mgr.share_gap == 1 and [[g.name for g in run] for run in mgr.shared] == [["G2", "G1"]]
+    assert build("release", order=[3, 2, 1, 0], program=STACK[0], share_gap=0)[1].share_gap == 0
+    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_GAP", "-1")
+    with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_SHARE_GAP|share_gap"):
+        build("release")
+    monkeypatch.delenv("QEFFECT_OFFLOAD_SHARE_GAP")
+    monkeypatch.setenv("QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD", "1")
+    assert build("release")[1].release_at_backward is True
+    assert build("release", release_at_backward=False)[1].release_at_backward is False
 
 
 # ------------------------------------------------------------------ driver stream operations (no GPU)

@@ -53,14 +53,17 @@ def test_events_must_be_complete() -> None:
 
 def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0, *, plan: bool = False,
          skip: bool = True, mode: str = "resident", min_window: int = 0,
-         share: bool = False, reap: bool = True, members: int = 2) -> tuple[OffloadStats, set, set]:
+         share: bool = False, reap: bool = True, members: int = 2,
+         at_backward: bool = True) -> tuple[OffloadStats, set, set]:
     """`mode` (resident by default) on the fake device: F writes a pattern into its group's view; E checks
     it. `plan`: the manager gets the events (resident: kept groups, with `skip`; release: groups not
-    offloaded, with `min_window`; both modes). Returns the stats, the groups the manager keeps (resident) or does not
+    offloaded, with `min_window`; both modes). `at_backward`: release's `release_at_backward` (a backward before
+    its slot went waits and restores: every group goes out and back). Returns the stats, the groups the manager keeps (resident) or does not
     offload (release), and the groups found not evicted (d2h pending or kept) at their backward in every step."""
     dev = FakeDevice(seed, granularity=64 * 1024, progress=2)
     mgr = OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, skip_kept_d2h=skip,
-                         min_window=min_window, share_slots=share, release_consumed=reap, slot_members=members)
+                         min_window=min_window, share_slots=share, release_consumed=reap, slot_members=members,
+                         release_at_backward=at_backward)
     names = sorted({g for _, g in events})
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in names}
     for k, g in enumerate(names):
@@ -568,6 +571,29 @@ def test_shared_slots_hand_examples() -> None:
         shared_slots(stack[:-1])
 
 
+def test_shared_slots_min_gap() -> None:
+    """`min_gap`: a run needs that many events between its last forward and its first backward (the time its
+    last D2H has to finish and be seen), else its members get slots of their own."""
+    fifo = [("F", "a"), ("F", "b"), ("F", "c"), ("B", "a"), ("E", "a"), ("B", "b"), ("E", "b"), ("B", "c"), ("E", "c")]
+    assert shared_slots(fifo) == shared_slots(fifo, min_gap=1) == [["a", "b"]]  # [a, b]: F c between
+    assert shared_slots(fifo, min_gap=2) == [["b", "c"]]  # [b, c]: B a and E a between
+    assert shared_slots(fifo, min_gap=3) == []
+    assert shared_slots(fifo, groups={"a", "b"}, min_gap=1) == [["a", "b"]]  # (F c counts, offloaded or not)
+    with pytest.raises(ValueError, match="min_gap"):
+        shared_slots(fifo, min_gap=-1)
+    # h2048 Interleaved (PP=2 x 2 chunks, M=4, the last stage left on the device): stage 2's microbatches 0 and
+    # 1 share a slot with three actions between the second's forward and the first's backward; with
+    # min_gap=4 they do not, and the plan takes one slot more
+    events = schedule_events("interleaved", 4)
+    keep = {g for _, g in events} - short_window_groups(events, 2)
+    assert [(2, 0), (2, 1)] in shared_slots(events, keep)
+    gapped = shared_slots(events, keep, min_gap=4)
+    assert all((2, 0) not in run for run in gapped) and len(gapped) == len(shared_slots(events, keep)) - 1
+    first = {g: i for i, (k, g) in enumerate(events) if k == "F"}
+    start = {g: i for i, (k, g) in enumerate(events) if k == "B"}
+    assert all(start[run[0]] - max(first[g] for g in run) - 1 >= 4 for run in gapped)
+
+
 def test_shared_slots_prefer_the_closer_forwards() -> None:
     """Of two partitions with as many slots, the one whose members' forwards are closer together (the shared
     slot waits less for its last forward before it can go)."""
@@ -607,7 +633,8 @@ def test_shared_slots_run_the_schedule(schedule: str, microbatches: int, members
     """Release over the real F / dI / dW order with shared slots (consumed slots kept mapped, the config's
     default), 3 steps, several interleavings: every backward reads its own forward's bytes (checked at each
     dW), each group is copied out and back once a step, and each slot, not each group, is unmapped and
-    mapped once a step. With consumed slots reaped too, the bytes are still right."""
+    mapped once a step (with `release_at_backward`). With consumed slots reaped too, the bytes are still right;
+    without `release_at_backward` too (a backward before its slot went reads the bytes in place)."""
     events, steps = schedule_events(schedule, microbatches), 3
     n = len({g for _, g in events}) - len(short_window_groups(events, 2))
     runs = shared_slots(events, {g for _, g in events} - short_window_groups(events, 2), members)
@@ -621,5 +648,9 @@ def test_shared_slots_run_the_schedule(schedule: str, microbatches: int, members
         st, _, _ = _run(events, None, steps, seed, plan=True, mode="release", min_window=2, share=True,
                         members=members)
         assert st.d2h_copies == st.h2d_copies == steps * n
+        st, _, _ = _run(events, None, steps, seed, plan=True, mode="release", min_window=2, share=True, reap=False,
+                        members=members, at_backward=False)
+        assert st.d2h_copies == st.h2d_copies + st.kept_at_backward == steps * n
+        assert st.maps == st.unmaps <= steps * slots
     st, _, _ = _run(events, None, steps, plan=True, mode="release", min_window=2, reap=False)
     assert st.maps == st.unmaps == steps * n

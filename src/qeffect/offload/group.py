@@ -19,8 +19,10 @@ microbatch slot) of a captured stage):
    static plan keeps (`allocate(events=...)`, `offload.plan.kept_groups`: no other group claims its
    bank before its backward) only records `forward_done`, with no D2H (-> `resident_kept`).
 5. backward restore (`before_backward`): release: remap at the same VA and H2D on the H2D stream (a
-   group still in `release_d2h_pending` is released first: the host waits for its D2H alone, which
-   was queued a whole window earlier; release mode promises the memory is returned between F and B);
+   group still in `release_d2h_pending`, its D2H not yet seen done by any hook, keeps its slot mapped and
+   its backward reads the bytes in place: no release, map or H2D, `kept_at_backward`; with
+   `release_at_backward`, QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD=1, the host waits for that D2H, releases the
+   slot and restores it at once, as before);
    resident: H2D into the group's bank only if another group took the bank meanwhile
    (`resident_reload_pending`); then the compute stream waits on `restore_done` (-> `mapped`); from
    `resident_d2h_pending` or `resident_kept` nothing to do (-> `mapped`).
@@ -42,14 +44,16 @@ without blocking at every hook) and remapped, without H2D, before the next forwa
 default keeps it mapped from the backward to the next forward, which writes it anyway (half the driver
 calls; the memory still comes back between every forward and its backward). Driver calls run on the
 hot path, but the host does not wait for a D2H after the forward (that would keep it from running ahead
-of the device and serialize every copy with the step): the slot is released at the first hook whose event query finds the copy done, and only a
-backward that comes before that waits for the copy (its own group's, queued a window earlier).
+of the device and serialize every copy with the step): the slot is released at the first hook whose event
+query finds the copy done; a backward that comes before that reads the bytes where they are (a host far
+ahead of the device sees a short window's copy done only after it queued the backward).
 With the schedule's events and `share_slots` (the default; QEFFECT_OFFLOAD_SHARE_SLOTS=0 turns it off),
 groups whose backwards follow one another and whose forwards all come before the first of those backwards
 (`offload.plan.shared_slots`; up to `slot_members`, QEFFECT_OFFLOAD_SLOT_MEMBERS, 2 by default) share one
 slot, one after another in it: the slot goes once every member's D2H is done and no member's bytes are
 still needed in it, and comes back (one map) at the first member's restore, which restores every member
-whose bytes are on the host. A step then unmaps and maps each slot once, not each group (h2048: 12 groups
+whose bytes are on the host. `share_gap` (QEFFECT_OFFLOAD_SHARE_GAP) asks that many actions between a
+run's last forward and its first backward, the time for the last member's D2H to finish and be seen. A step then unmaps and maps each slot once, not each group (h2048: 12 groups
 in 6 slots).
 `resident` (ping-pong): at least `num_banks` (2) slots mapped for the whole run; group i of the
 backward order uses bank i % num_banks (or the bank its plan gives it: `offload.timing.search_banks`,
@@ -231,6 +235,8 @@ class OffloadStats:
     unmaps: int = 0
     released_live: int = 0  # release mode: slots released between forward and backward once a query found the D2H done
     released_at_backward: int = 0  # release mode: slots whose backward came first, released by its wait, then restored
+    # release mode: backwards that came before any hook saw their D2H done; the slot stayed mapped, read in place
+    kept_at_backward: int = 0
     reaped: int = 0  # release mode: consumed slots released
     prefetches: int = 0  # restores started by look-ahead
     prefetches_wasted: int = 0  # resident: a prefetched restore evicted before its backward
@@ -509,13 +515,14 @@ class OffloadGroup:
             return
         if not m.launch_first:
             m._maybe_reap(exclude=self)
-        if self.state is GroupState.RELEASE_D2H_PENDING:  # no hook found its D2H done yet: release it now,
-            m._release(self, block=True, at_backward=True)  # unless another member of its shared slot can't go
+        if self.state is GroupState.RELEASE_D2H_PENDING and m.release_at_backward:  # no hook found its D2H done
+            m._release(self, block=True, at_backward=True)  # yet: release it now, unless a shared member can't go
         if self.state in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
             m._restore(self, under=None)
         elif self.state in (GroupState.RESIDENT_D2H_PENDING, GroupState.RESIDENT_KEPT, GroupState.RELEASE_D2H_PENDING):
-            if self.state is GroupState.RELEASE_D2H_PENDING:  # its shared slot stayed mapped
+            if self.state is GroupState.RELEASE_D2H_PENDING:  # its D2H not seen done (or a shared member's)
                 m._d2h_fifo.remove(self)
+                m.stats.kept_at_backward += 1
             self.state = GroupState.MAPPED  # nobody took the bank (or slot): the forward's bytes are still there
             m.stats.reloads_skipped += 1
         elif not (self.state is GroupState.MAPPED and self._restore_pending):
@@ -685,7 +692,8 @@ class OffloadManager:
                  store_batch_bytes: int | None = None,
                  bank_plan: Literal["colour", "search"] = "colour", search_banks: int = 6,
                  search_prefer: Literal["memory", "copies"] = "copies", launch_first: bool | None = None,
-                 share_slots: bool | Literal["nested"] | None = None, slot_members: int | None = None) -> None:
+                 share_slots: bool | Literal["nested"] | None = None, slot_members: int | None = None,
+                 share_gap: int | None = None, release_at_backward: bool | None = None) -> None:
         if copy_chunk_bytes is None:
             copy_chunk_bytes = _bytes_from_env("QEFFECT_OFFLOAD_CHUNK_MIB", DEFAULT_CHUNK_MIB, "one copy")
         if copy_chunk_bytes < 0:
@@ -734,7 +742,20 @@ class OffloadManager:
             slot_members = count_from_env("QEFFECT_OFFLOAD_SLOT_MEMBERS", 2)
         if slot_members < 1:
             raise ValueError(f"slot_members must be >= 1 (groups per shared slot), got {slot_members}")
-        self.share_slots, self.slot_members = share_slots, slot_members
+        # release: a shared slot's run needs this many actions between its last forward and its first backward
+        # (`shared_slots(min_gap=)`). None: QEFFECT_OFFLOAD_SHARE_GAP (default 0)
+        if share_gap is None:
+            share_gap = count_from_env("QEFFECT_OFFLOAD_SHARE_GAP", 0)
+        if share_gap < 0:
+            raise ValueError(f"share_gap must be >= 0 (actions), got {share_gap}")
+        # release: a backward that finds its slot's D2H not yet seen done keeps the slot mapped (its bytes are
+        # still there: no unmap, map or H2D; `kept_at_backward`). True: the host waits for the D2H, releases the
+        # slot and restores it at once (the behaviour before; its memory comes back only for that moment).
+        # None: QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD=1 for True
+        if release_at_backward is None:
+            release_at_backward = os.environ.get("QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD", "0") == "1"
+        self.share_slots, self.slot_members, self.share_gap = share_slots, slot_members, share_gap
+        self.release_at_backward = release_at_backward
         self.shared: list[list[OffloadGroup]] = []  # release: the runs of groups sharing a slot (backward order)
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
@@ -858,7 +879,7 @@ class OffloadManager:
                 g.offloaded = False
             if self.mode == "release" and self.share_slots:
                 self.shared = shared_slots(events, [g for g in order if g.offloaded and g.nbytes], self.slot_members,
-                                           nested=self.share_slots == "nested")
+                                           nested=self.share_slots == "nested", min_gap=self.share_gap)
                 for run in self.shared:
                     for g in run:
                         g.members = run

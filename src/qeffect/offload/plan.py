@@ -187,7 +187,7 @@ def short_window_groups(events: Sequence[Event], min_window: int) -> set[Hashabl
 
 
 def shared_slots(events: Sequence[Event], groups: Collection[Hashable] | None = None,
-                 max_members: int = 2, *, nested: bool = False) -> list[list[Hashable]]:
+                 max_members: int = 2, *, nested: bool = False, min_gap: int = 0) -> list[list[Hashable]]:
     """Release mode: runs of groups that can share one VMM slot, each in backward order (runs of one left out).
 
     Why: every slot a release step unmaps and maps again costs five driver calls on the host's hot path
@@ -202,10 +202,14 @@ def shared_slots(events: Sequence[Event], groups: Collection[Hashable] | None = 
     memory about as long as the look-ahead's restore would. The price: the slot goes back to the driver
     only once the last member's forward is copied out. Of the partitions of the backward order into such
     runs, the one with the fewest runs (fewest slots), then the shortest waits for the last forward (event
-    positions from a run's first forward to its last)."""
+    positions from a run's first forward to its last). `min_gap`: a run also needs at least this many events
+    between its last forward and its first backward, the time in which the last member's D2H must finish and
+    the host must see it for the slot to go before that backward (0: any run whose forwards come first)."""
     check_events(events)
     if max_members < 1:
         raise ValueError(f"max_members must be >= 1, got {max_members}")
+    if min_gap < 0:
+        raise ValueError(f"min_gap must be >= 0, got {min_gap}")
     keep = set(groups) if groups is not None else {g for _, g in events}
     first, start = _windows(events)
     order = [g for g in backward_order(events) if g in keep]
@@ -219,7 +223,7 @@ def shared_slots(events: Sequence[Event], groups: Collection[Hashable] | None = 
             forwards = [first[g] for g in run]
             fits = (all(b < a for a, b in zip(forwards, forwards[1:], strict=False)) if nested
                     else max(forwards) < start[run[0]])
-            if fits:
+            if fits and (k == 1 or start[run[0]] - max(forwards) - 1 >= min_gap):
                 runs, waits, plan = best[i - k]
                 options.append((runs + 1, waits + max(forwards) - min(forwards), plan + [run]))
         best.append(min(options, key=lambda o: o[:2]))
