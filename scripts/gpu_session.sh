@@ -69,6 +69,7 @@
 # offload-repeat: issue 7's h2048 off / release / resident, both schedules (about 2 minutes).
 # resident-chunks: issue 7's h2048 modes with resident's copies in one piece per group against 2 MiB chunks.
 # suite-chunks: the whole GPU suite, then resident-chunks.
+# share-gap: the whole GPU suite, h2048 off / release / release any run / resident, h4096 off / release / resident.
 # release-in-place: the whole GPU suite, then h2048 release reading late groups in place / waiting / share gap 4, resident chunks.
 # share-runs: the whole GPU suite, then h2048 off / release with a slot per group / nested groups sharing / any run of two (the default) / of three / resident.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
@@ -541,6 +542,14 @@ release-in-place)
     # per group (CHUNK_MIB=0) against 2 MiB chunks: the whole GPU suite, then h2048 both schedules (about 7 minutes)
     gpu_suite pytest-gpu
     h2048_modes release-in-place "off,release,release+QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD=1,release+QEFFECT_OFFLOAD_SHARE_GAP=4,resident,resident+QEFFECT_OFFLOAD_CHUNK_MIB=0"
+    ;;
+share-gap)
+    # the share gap of 4 actions as the default, backwards before their slot went reading in place: the whole
+    # GPU suite, then h2048 off / release / release with any run sharing (SHARE_GAP=0) / resident, both schedules,
+    # then h4096 Interleaved off / release / resident (about 8 minutes)
+    gpu_suite pytest-gpu
+    h2048_modes share-gap off,release,release+QEFFECT_OFFLOAD_SHARE_GAP=0,resident
+    h4096_modes off,release,resident
     ;;
 offload-repeat)
     # issue 7's h2048 modes again, on another lease (about 2 minutes)

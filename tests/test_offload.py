@@ -28,7 +28,7 @@ from qeffect.offload import (
     wrap_pointer,
 )
 from qeffect.offload.fake import MIB, POISON, CUcontext, CUresult, FakeDevice, FakeDeviceFault
-from qeffect.offload.group import DEFAULT_CHUNK_MIB, DEFAULT_STORE_BATCH_MIB, OffloadGroup
+from qeffect.offload.group import DEFAULT_CHUNK_MIB, DEFAULT_SHARE_GAP, DEFAULT_STORE_BATCH_MIB, OffloadGroup
 
 KIB = 1 << 10
 GRAN = 64 * KIB  # a small fake granularity keeps the simulated memory cheap
@@ -345,8 +345,10 @@ def pattern(step: int, k: int, i: int, v: torch.Tensor) -> torch.Tensor:
 
 
 def build(mode: str, seed: int = 0, layers: int = 4, order: list[int] | None = None, program=None, **kw):
-    """`program` (a `run_program` program): the manager gets its events (resident: kept groups skip the D2H)."""
+    """`program` (a `run_program` program): the manager gets its events (resident: kept groups skip the D2H).
+    Shared slots take any run (`share_gap` 0: these programs are short; the gap rule has its own tests)."""
     dev, drv = fake(seed, progress=kw.pop("progress", 2))
+    kw.setdefault("share_gap", 0)
     mgr = OffloadManager(mode, device="cpu", driver=drv, streams=dev, **kw)
     groups = [mgr.group(f"G{k}") for k in range(layers)]
     for k, g in enumerate(groups):
@@ -1709,14 +1711,16 @@ def test_slot_sharing_defaults_to_its_environment_switch(monkeypatch: pytest.Mon
 
 def test_share_gap_and_release_at_backward_default_to_their_environment_switches(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    assert build("release")[1].share_gap == 0 and build("release")[1].release_at_backward is False
+    env = {"share_gap": None}  # (build's default is 0)
+    assert build("release", **env)[1].share_gap == DEFAULT_SHARE_GAP == 4
+    assert build("release")[1].release_at_backward is False
     monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_GAP", "1")  # STACK: G2's forward, then G3's backward at once
-    _, mgr, _ = build("release", order=[3, 2, 1, 0], program=STACK[0])
+    _, mgr, _ = build("release", order=[3, 2, 1, 0], program=STACK[0], **env)
     assert mgr.share_gap == 1 and [[g.name for g in run] for run in mgr.shared] == [["G2", "G1"]]
     assert build("release", order=[3, 2, 1, 0], program=STACK[0], share_gap=0)[1].share_gap == 0
     monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_GAP", "-1")
     with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_SHARE_GAP|share_gap"):
-        build("release")
+        build("release", **env)
     monkeypatch.delenv("QEFFECT_OFFLOAD_SHARE_GAP")
     monkeypatch.setenv("QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD", "1")
     assert build("release")[1].release_at_backward is True

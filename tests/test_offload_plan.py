@@ -63,7 +63,7 @@ def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0, *, plan
     dev = FakeDevice(seed, granularity=64 * 1024, progress=2)
     mgr = OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, skip_kept_d2h=skip,
                          min_window=min_window, share_slots=share, release_consumed=reap, slot_members=members,
-                         release_at_backward=at_backward)
+                         release_at_backward=at_backward, share_gap=0)
     names = sorted({g for _, g in events})
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in names}
     for k, g in enumerate(names):

@@ -52,9 +52,9 @@ groups whose backwards follow one another and whose forwards all come before the
 (`offload.plan.shared_slots`; up to `slot_members`, QEFFECT_OFFLOAD_SLOT_MEMBERS, 2 by default) share one
 slot, one after another in it: the slot goes once every member's D2H is done and no member's bytes are
 still needed in it, and comes back (one map) at the first member's restore, which restores every member
-whose bytes are on the host. `share_gap` (QEFFECT_OFFLOAD_SHARE_GAP) asks that many actions between a
-run's last forward and its first backward, the time for the last member's D2H to finish and be seen. A step then unmaps and maps each slot once, not each group (h2048: 12 groups
-in 6 slots).
+whose bytes are on the host. A run needs `share_gap` (QEFFECT_OFFLOAD_SHARE_GAP, 4 by default) actions
+between its last forward and its first backward, the time for the last member's D2H to finish and be seen.
+A step then unmaps and maps each slot once, not each group (h2048: 12 groups in 7 slots Interleaved, 6 ZB-V).
 `resident` (ping-pong): at least `num_banks` (2) slots mapped for the whole run; group i of the
 backward order uses bank i % num_banks (or the bank its plan gives it: `offload.timing.search_banks`,
 the default in a captured pipeline, or `offload.plan.assign_banks`), so the
@@ -136,6 +136,13 @@ ALIGNMENT = 256  # what cudaMalloc guarantees; vectorized kernels may rely on it
 # driver stream operations) interleaved resident ran 11.95 ms against 12.60 ms with one copy per group,
 # ZB-V 11.19 against 11.45; 4 MiB chunks 12.06 and 11.21
 DEFAULT_CHUNK_MIB = 2
+# release: a run of groups shares a slot only with at least this many actions between its last forward and
+# its first backward (`offload.plan.shared_slots(min_gap=)`), else its last D2H is rarely seen done before that
+# backward and the slot is not released that step. H200, h2048 Interleaved (d58871e, alternating rounds): with
+# any run (0) stage 2's microbatches 0 and 1 shared a slot three actions apart and its backward came first in
+# 110 of 528 forwards, 0.844 of the slot bytes returned before the backward; with 4, 41 and 1.000, one slot
+# more (7), the step x1.072 of no offload against x1.071. ZB-V: the same 6 slots either way
+DEFAULT_SHARE_GAP = 4
 # a captured forward copies its saved tensors smaller than this many MiB into the slot together, with one
 # multi-tensor kernel per batch instead of one copy node each (h2048: about 22 tensors per group, many of a
 # few KiB, each a device-to-device copy node of ~1 us); larger ones are copied at once (a multi-tensor
@@ -743,9 +750,9 @@ class OffloadManager:
         if slot_members < 1:
             raise ValueError(f"slot_members must be >= 1 (groups per shared slot), got {slot_members}")
         # release: a shared slot's run needs this many actions between its last forward and its first backward
-        # (`shared_slots(min_gap=)`). None: QEFFECT_OFFLOAD_SHARE_GAP (default 0)
+        # (`shared_slots(min_gap=)`). None: QEFFECT_OFFLOAD_SHARE_GAP, else DEFAULT_SHARE_GAP
         if share_gap is None:
-            share_gap = count_from_env("QEFFECT_OFFLOAD_SHARE_GAP", 0)
+            share_gap = count_from_env("QEFFECT_OFFLOAD_SHARE_GAP", DEFAULT_SHARE_GAP)
         if share_gap < 0:
             raise ValueError(f"share_gap must be >= 0 (actions), got {share_gap}")
         # release: a backward that finds its slot's D2H not yet seen done keeps the slot mapped (its bytes are
