@@ -241,7 +241,8 @@ class OffloadStats:
     maps: int = 0  # physical mappings created on the hot path (not counting allocate)
     unmaps: int = 0
     released_live: int = 0  # release mode: slots released between forward and backward once a query found the D2H done
-    released_at_backward: int = 0  # release mode: slots whose backward came first, released by its wait, then restored
+    # release mode, `release_at_backward`: slots whose backward came first, released by its wait, then restored
+    released_at_backward: int = 0
     # release mode: backwards that came before any hook saw their D2H done; the slot stayed mapped, read in place
     kept_at_backward: int = 0
     reaped: int = 0  # release mode: consumed slots released
@@ -251,8 +252,9 @@ class OffloadStats:
     prefetches_futile: int = 0  # resident, with the plan's events: a forward would evict it before its backward
     reloads_skipped: int = 0  # resident: the bank still held the group's bytes at its backward
     evictions: int = 0  # resident: a group's bytes left its bank (they are on the host)
-    # release: host time the main thread spent blocked on offload (a backward waiting for its D2H to release
-    # the slot): where the host lost its lead over the device
+    # release: host time the main thread spent blocked on offload (the event synchronizations before each unmap:
+    # events a query found done, unless `reap(block=True)` or, with `release_at_backward`, a backward waits for
+    # its D2H to release the slot): where the host lost its lead over the device
     host_wait_seconds: float = 0.0
     restores: list[RestoreRecord] = field(default_factory=list)
 
@@ -1040,7 +1042,8 @@ class OffloadManager:
     def _prefetch(self, g: OffloadGroup, *, under: OffloadGroup | None, evict: bool = True) -> bool:
         if g._inactive() or not g.live or g.phase is not None:
             return False
-        if g.state is GroupState.RELEASE_D2H_PENDING:  # release it if its D2H is done; else its backward will
+        if g.state is GroupState.RELEASE_D2H_PENDING:  # release it if its D2H is done, else its backward reads it
+            # where it is
             if not self._release(g, block=False):
                 return False
         if g.state not in (GroupState.UNMAPPED, GroupState.RESIDENT_RELOAD_PENDING):
