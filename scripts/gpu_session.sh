@@ -69,6 +69,7 @@
 # offload-repeat: issue 7's h2048 off / release / resident, both schedules (about 2 minutes).
 # resident-chunks: issue 7's h2048 modes with resident's copies in one piece per group against 2 MiB chunks.
 # suite-chunks: the whole GPU suite, then resident-chunks.
+# repeat-host: issue 7's h2048 modes, then host-python.
 # share-gap: the whole GPU suite, h2048 off / release / release any run / resident, h4096 off / release / resident.
 # release-in-place: the whole GPU suite, then h2048 release reading late groups in place / waiting / share gap 4, resident chunks.
 # share-runs: the whole GPU suite, then h2048 off / release with a slot per group / nested groups sharing / any run of two (the default) / of three / resident.
@@ -550,6 +551,11 @@ share-gap)
     gpu_suite pytest-gpu
     h2048_modes share-gap off,release,release+QEFFECT_OFFLOAD_SHARE_GAP=0,resident
     h4096_modes off,release,resident
+    ;;
+repeat-host)
+    # issue 7's h2048 modes on another lease, then where release's and resident's host time goes (about 5 minutes)
+    h2048_modes repeat off,release,resident
+    host_python 200
     ;;
 offload-repeat)
     # issue 7's h2048 modes again, on another lease (about 2 minutes)
