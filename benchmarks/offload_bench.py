@@ -38,7 +38,9 @@ included (`train.offload_min_window = 0`; the A/B of not offloading them), `resi
 `resident-memory@K`) for the search preferring less bank memory to fewer bytes copied among plans as fast
 (`train.offload_search_prefer = "memory"`; the A/B); `VARIANTS` lists them. Any mode
 takes a `/laN` suffix (`release/la2`, `resident@6/la3`): `train.offload_lookahead = N`, the offloaded
-groups each backward restores ahead (0: none; the A/B).
+groups each backward restores ahead (0: none; the A/B), and a `/mwN` suffix (`resident/mw12`):
+`train.offload_min_window = N`, groups with fewer other actions between their forward and backward stay
+on the device (the trade of memory for time).
 A `+VAR=VALUE` suffix (repeatable) sets an environment switch while that mode is built and timed
 (`resident+QEFFECT_SKIP_FUTILE_RESTORES=0`: look-ahead restores a forward evicts before their backward are
 started anyway). A `#N` suffix repeats a mode under its own name (`off#2` at the end: did the step time drift while the
@@ -116,7 +118,16 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
 
 def mode_config(cfg, label: str):
     """(train.offload, `cfg` with the overrides `label` stands for); `label` without its `+VAR=VALUE` parts."""
-    base, _, depth = label.partition("#")[0].partition("/la")  # "#N": a repeat; "/laN": train.offload_lookahead = N
+    # "#N": a repeat; "/laN": train.offload_lookahead = N; "/mwN": train.offload_min_window = N
+    base, *suffixes = label.partition("#")[0].split("/")
+    depth = window = None
+    for suffix in suffixes:
+        if suffix[:2] not in ("la", "mw") or not suffix[2:].isdigit():
+            raise ValueError(f"mode {label!r}: unknown suffix /{suffix} (expected /laN or /mwN)")
+        if suffix.startswith("la"):
+            depth = int(suffix[2:])
+        else:
+            window = int(suffix[2:])
     name, _, banks = base.partition("@")
     mode, overrides = VARIANTS.get(name, (name, {}))
     # @K: the search's memory budget (resident with the searched plan), else the colouring's bank count
@@ -124,7 +135,8 @@ def mode_config(cfg, label: str):
     return mode, cfg.with_overrides(**{"train.offload": mode, **overrides,
                                        "train.offload_banks": int(banks) if banks and not searched else None,
                                        "train.offload_search_banks": int(banks) if banks and searched else None,
-                                       "train.offload_lookahead": int(depth) if depth else None})
+                                       "train.offload_lookahead": depth,
+                                       **({"train.offload_min_window": window} if window is not None else {})})
 
 
 class ModeRun:
@@ -382,7 +394,8 @@ def main() -> int:
                          "resident-colour@K (the colouring, at least K banks), resident-copyall, resident-copyall@K "
                          "(no D2H skipped), resident-all, resident-all@K (short windows offloaded too), resident-memory, "
                          "resident-memory@K (the search preferring less memory to fewer copies); "
-                         "any with /laN (train.offload_lookahead = N) and #N (a repeat under its own name)")
+                         "any with /laN (train.offload_lookahead = N), /mwN (train.offload_min_window = N) and #N "
+                         "(a repeat under its own name)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--interleave", type=int, default=0, metavar="BLOCK",

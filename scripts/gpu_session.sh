@@ -70,6 +70,7 @@
 # resident-chunks: issue 7's h2048 modes with resident's copies in one piece per group against 2 MiB chunks.
 # suite-chunks: the whole GPU suite, then resident-chunks.
 # repeat-host: issue 7's h2048 modes, then host-python.
+# min-window: h2048 release and resident with train.offload_min_window 6 / 12 against 2, off#2.
 # share-gap: the whole GPU suite, h2048 off / release / release any run / resident, h4096 off / release / resident.
 # release-in-place: the whole GPU suite, then h2048 release reading late groups in place / waiting / share gap 4, resident chunks.
 # share-runs: the whole GPU suite, then h2048 off / release with a slot per group / nested groups sharing / any run of two (the default) / of three / resident.
@@ -556,6 +557,12 @@ repeat-host)
     # issue 7's h2048 modes on another lease, then where release's and resident's host time goes (about 5 minutes)
     h2048_modes repeat off,release,resident
     host_python 200
+    ;;
+min-window)
+    # the trade of memory for time: release and resident leaving more short-window groups on the device
+    # (train.offload_min_window 6 / 12 against the default 2), with off#2 as the noise control, h2048 both
+    # schedules (about 4 minutes)
+    h2048_modes min-window "off,release,release/mw12,resident,resident/mw6,resident/mw12,off#2"
     ;;
 offload-repeat)
     # issue 7's h2048 modes again, on another lease (about 2 minutes)

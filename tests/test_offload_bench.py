@@ -106,6 +106,13 @@ def test_mode_names_map_to_the_config_they_stand_for(bench) -> None:
     assert c.train.offload_bank_plan == "colour" and c.train.offload_banks == 4
     mode, c = bench.mode_config(cfg, "release/la0")
     assert mode == "release" and c.train.offload_lookahead == 0 and c.train.offload_search_prefer == "copies"
+    assert c.train.offload_min_window == cfg.train.offload_min_window
+    mode, c = bench.mode_config(cfg, "resident/mw12/la2#3")  # `/mwN`: train.offload_min_window
+    assert mode == "resident" and c.train.offload_min_window == 12 and c.train.offload_lookahead == 2
+    assert bench.mode_config(cfg, "resident-all/mw0")[1].train.offload_min_window == 0
+    for bad in ("resident/x3", "resident/mw", "resident/la-1"):
+        with pytest.raises(ValueError, match="unknown suffix"):
+            bench.mode_config(cfg, bad)
 
 
 def test_a_chain_keeps_each_step_s_loss_though_the_step_rewrites_one_buffer(bench, monkeypatch) -> None:
