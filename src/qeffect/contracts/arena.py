@@ -495,6 +495,8 @@ class GradientArena:
 
 def _binding_mismatch(view: torch.Tensor, dest: object) -> tuple[str, object, object] | None:
     """First property in which ``dest`` differs from ``view`` as (property, expected, found)."""
+    if dest is view:  # the usual case (a dW writes the view it was bound): every property the same, no calls
+        return None
     if not isinstance(dest, torch.Tensor):
         return ("type", "torch.Tensor", type(dest).__name__)
     if tuple(dest.shape) != tuple(view.shape):
