@@ -135,8 +135,7 @@ def mode_config(cfg, label: str):
     return mode, cfg.with_overrides(**{"train.offload": mode, **overrides,
                                        "train.offload_banks": int(banks) if banks and not searched else None,
                                        "train.offload_search_banks": int(banks) if banks and searched else None,
-                                       "train.offload_lookahead": depth,
-                                       **({"train.offload_min_window": window} if window is not None else {})})
+                                       "train.offload_lookahead": depth, "train.offload_min_window": window})
 
 
 class ModeRun:
@@ -198,8 +197,7 @@ class ModeRun:
             for i, b in enumerate(batches):
                 loss = self.pipe.step(b).detach().float().reshape(1)
                 losses.append(loss.clone() if i < n - 1 else loss)
-                self.pipe.manager.mark_step()
-                allocated.append(torch.cuda.memory_allocated(self.dev))
+                allocated.append(self.pipe.manager.mark_step())  # (the allocator's count, read once)
             t_host = time.perf_counter()  # the host has queued the chain (what it waited for inside included)
             torch.cuda.synchronize(self.dev)
             t_end = time.perf_counter()  # before the switches are put back: not part of the step

@@ -250,7 +250,8 @@ class OffloadStats:
     prefetches_wasted: int = 0  # resident: a prefetched restore evicted before its backward
     prefetches_skipped: int = 0  # resident: the target bank was being read by a running backward
     prefetches_futile: int = 0  # resident, with the plan's events: a forward would evict it before its backward
-    reloads_skipped: int = 0  # resident: the bank still held the group's bytes at its backward
+    # resident: the bank still held the group's bytes at its backward; release: the slot did (`kept_at_backward`)
+    reloads_skipped: int = 0
     evictions: int = 0  # resident: a group's bytes left its bank (they are on the host)
     # release: host time the main thread spent blocked on offload (the event synchronizations before each unmap:
     # events a query found done, unless `reap(block=True)` or, with `release_at_backward`, a backward waits for
