@@ -564,6 +564,16 @@ min-window)
     # schedules (about 4 minutes)
     h2048_modes min-window "off,release,release/mw12,resident,resident/mw6,resident/mw12,off#2"
     ;;
+default-window)
+    # train.offload_min_window's default of 12: the whole GPU suite, then h2048 off / release / resident
+    # against both at the old default of 2 (/mw2), off#2 the noise control, both schedules (about 7 minutes)
+    gpu_suite pytest-gpu
+    h2048_modes default-window "off,release,resident,release/mw2,resident/mw2,off#2"
+    ;;
+default-window-h4096)
+    # the same at h4096 Interleaved: off / release / resident, resident at the old default (about 3 minutes)
+    h4096_modes off,release,resident,resident/mw2
+    ;;
 offload-repeat)
     # issue 7's h2048 modes again, on another lease (about 2 minutes)
     h2048_modes repeat off,release,resident

@@ -11,8 +11,9 @@ The simulation (see `qeffect.offload.timing`) runs the real `OffloadManager` wit
 what it reports is the floor that the stream dependencies and the copy bandwidth set, not the GPU's
 step. Its durations are inputs (`--f-ms` etc.; the defaults split h2048's measured 9.75 ms step without
 offload: 7.1 ms of actions, the rest optimizer and embedding), and so are its answers. `--min-window N`
-(default 2, as `train.offload_min_window`) leaves the groups with fewer than N other actions between their
-forward and their backward (the last stage's) on the device: they count as empty; 0 offloads every group.
+(default 2: the last stage's; `train.offload_min_window` defaults to 12 since the H200 A/B of b21ab02) leaves
+the groups with fewer than N other actions between their forward and their backward on the device: they
+count as empty; 0 offloads every group.
 
 `--robustness CONFIG`: plans searched as `qeffect train` searches them at capture (durations estimated from
 the config's matrix FLOPs, `runtime.build.estimate_costs`'s constants, its `train.offload_search_prefer`),
@@ -143,7 +144,8 @@ def main() -> int:
     ap.add_argument("--tail-ms", type=float, default=2.65, help="per step, outside the actions: the optimizer and the rest")
     ap.add_argument("--min-window", type=int, default=2, metavar="N",
                     help="groups with fewer than N other actions between their F and B stay on the device, as "
-                         "train.offload_min_window (default 2: the last stage's); 0 offloads every group")
+                         "train.offload_min_window does (default 2: the last stage's; the config's default is "
+                         "12); 0 offloads every group")
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="also search N tries for a better plan within the colouring's memory with each --banks")
     ap.add_argument("--prefer", choices=("memory", "copies"), default="copies",

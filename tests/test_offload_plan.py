@@ -353,14 +353,19 @@ def test_short_window_hand_examples() -> None:
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
-def test_the_default_window_leaves_the_last_stage_on_the_device(schedule: str) -> None:
+def test_the_windows_name_the_late_stages_groups(schedule: str) -> None:
     """PP=2 x 2 chunks, M=4 (the default and h2048 shapes): the last virtual stage's input gradient comes
-    within one action of its forward, every other group's after many; the default (2) names exactly the
-    last stage's groups, 0 names none."""
+    within one action of its forward, every other group's after many; 2 names exactly the last stage's
+    groups, 0 names none. The default (12) also names the third virtual stage's short ones: all four in
+    Interleaved (5 to 11 actions between forward and input gradient), microbatches 0 and 3 in ZB-V (5 and
+    7; 1 and 2 have 13)."""
     events = schedule_events(schedule, 4)
-    assert load_config().train.offload_min_window == 2
-    assert short_window_groups(events, 2) == {(3, m) for m in range(4)}
+    last = {(3, m) for m in range(4)}
+    assert short_window_groups(events, 2) == last
     assert short_window_groups(events, 0) == set()
+    assert load_config().train.offload_min_window == 12
+    third = {(2, m) for m in (range(4) if schedule == "interleaved" else (0, 3))}
+    assert short_window_groups(events, 12) == last | third
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
@@ -424,9 +429,14 @@ def test_resident_with_a_window_leaves_the_short_groups_on_the_device(schedule: 
 
 
 def test_the_resident_window_comes_from_the_config(monkeypatch) -> None:
-    """`train.offload_min_window` (default 2) reaches the resident manager `capture_ranks` builds: the last
-    stage's groups are not offloaded; 0 offloads every group (the A/B)."""
+    """`train.offload_min_window` (default 12) reaches the resident manager `capture_ranks` builds: the last
+    two stages' groups are not offloaded (Interleaved, M=4), with 2 the last stage's; 0 offloads every group
+    (the A/B)."""
     mgr, made, _, _ = _captured(monkeypatch, load_config())
+    late = {f"s{s}.m{m}" for s in (2, 3) for m in range(4)}
+    assert made["min_window"] == 12 and {g.name for g in mgr.not_offloaded} == late
+    mgr.close()
+    mgr, made, _, _ = _captured(monkeypatch, load_config().with_overrides(**{"train.offload_min_window": 2}))
     assert made["min_window"] == 2 and {g.name for g in mgr.not_offloaded} == {f"s3.m{m}" for m in range(4)}
     mgr.close()
     mgr, made, _, _ = _captured(monkeypatch, load_config().with_overrides(**{"train.offload_min_window": 0}))
@@ -462,7 +472,7 @@ def test_the_search_leaves_the_short_groups_out_of_the_banks(monkeypatch) -> Non
     from qeffect.runtime.build import estimate_costs, offload_events
 
     mgr, _, acts, order = _captured(monkeypatch, load_config())
-    assert {g.name for g in mgr.not_offloaded} == {f"s3.m{m}" for m in range(4)}
+    assert {g.name for g in mgr.not_offloaded} == {f"s{s}.m{m}" for s in (2, 3) for m in range(4)}
     assert mgr.bank_search is not None and mgr.banks and all(g.bank is None for g in mgr.not_offloaded)
     ranks = [type("R", (), {"actions": acts})()]
     costs = estimate_costs(ranks, mgr, offload_events([(0, a) for _, a in order], ranks), 8)
