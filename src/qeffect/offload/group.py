@@ -73,10 +73,10 @@ the two copies overlap instead of running one after the other (the forward that 
 runs one or two actions before that group's backward). A forward still waits for the whole D2H.
 With the schedule's events and `min_window` > 0 (`train.offload_min_window`), neither mode offloads a
 group whose backward comes within fewer than `min_window` other actions of its forward
-(`offload.plan.short_window_groups`: the last virtual stage's groups). In release mode its D2H could not
-finish before the backward, so no memory would come back, and the copies and driver calls would be spent
-for nothing; in resident mode the plan would keep it in its bank anyway, so it would only add bank memory
-and slot copies inside its forward graph. Such a group gets no slot and no bank: its saved tensors stay
+(`offload.plan.short_window_groups`: with 2 the last virtual stage's groups; the config's default, 12,
+also leaves the third stage's short ones). In release mode its D2H could hardly finish before the backward,
+so little memory would come back for the copies and driver calls; in resident mode the plan would mostly
+keep it in its bank anyway, so it would add bank memory and slot copies inside its forward graph. Such a group gets no slot and no bank: its saved tensors stay
 where autograd puts them (the graph's memory pool), as with `off`, and its hooks only check the call order
 (`offloaded` False; the manager's `not_offloaded`).
 `off`: hooks only check the call order.

@@ -20,11 +20,12 @@ would start one and the backward that reads it, another group of the same bank r
 the restored bytes again. Such a restore is a wasted copy, and the forward that evicts it waits for it.
 
 `short_window_groups` says which groups neither mode should offload at all: their backward comes
-within fewer than `min_window` other actions of their forward (the last virtual stage's groups: their
-input gradient follows their forward at once). In release mode their D2H cannot finish, and their memory
-cannot come back, before the backward needs them again: offloading them costs copies and driver calls for
-nothing. In resident mode the plan keeps them in their bank anyway: they would only add bank memory and
-slot copies inside their forward graphs.
+within fewer than `min_window` other actions of their forward (with 2 the last virtual stage's groups,
+whose input gradient follows their forward at once; with `train.offload_min_window`'s default of 12 at
+M = 4 also the third stage's in Interleaved, two of them in ZB-V). In release mode their D2H can hardly
+finish, and their memory come back, before the backward needs them again: offloading them costs copies
+and driver calls for little. In resident mode the plan mostly keeps them in their bank anyway: they would
+add bank memory and slot copies inside their forward graphs.
 """
 
 from __future__ import annotations
