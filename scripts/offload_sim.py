@@ -37,8 +37,8 @@ from qeffect.graphs.handshake import script_provenance
 from qeffect.offload.plan import Event, explicit_banks, short_window_groups
 from qeffect.offload.timing import DEFAULT_TRIES, MIB, SimResult, StepCosts, search_banks, simulate
 from qeffect.profile.flops import HEAD, linear_shapes
-from qeffect.runtime.build import OFFLOAD_EVENT_KINDS
 from qeffect.runtime.build import estimated_costs as build_estimated_costs
+from qeffect.runtime.build import named_events
 from qeffect.schedule.adapter import build_schedule
 from qeffect.schedule.order import global_order
 
@@ -51,8 +51,7 @@ H2048_STAGE_WEIGHT = (1.0, 1.0, 1.0, 2.0)
 
 def step_events(schedule: str, microbatches: int, pp: int = 2, chunks: int = 2) -> list[Event]:
     """One step's offload events, the groups named (stage, microbatch)."""
-    order = global_order(build_schedule(schedule, pp, chunks, microbatches))
-    return [(OFFLOAD_EVENT_KINDS[a.kind], (a.stage, a.microbatch)) for _, a in order]
+    return named_events(global_order(build_schedule(schedule, pp, chunks, microbatches)))
 
 
 def given_costs(events: list[Event], group_mib: tuple[float, ...], stage_weight: tuple[float, ...],

@@ -198,10 +198,10 @@ def offload_plan(cfg) -> tuple[list, set, list]:  # noqa: ANN001 - a qeffect Con
     window leaves on the device, and the runs of the others that share a slot by default."""
     from qeffect.offload.group import DEFAULT_SHARE_GAP
     from qeffect.offload.plan import shared_slots, short_window_groups
-    from qeffect.runtime.build import OFFLOAD_EVENT_KINDS, schedule_of
+    from qeffect.runtime.build import named_events, schedule_of
     from qeffect.schedule import global_order
 
-    events = [(OFFLOAD_EVENT_KINDS[a.kind], (a.stage, a.microbatch)) for _, a in global_order(schedule_of(cfg))]
+    events = named_events(global_order(schedule_of(cfg)))
     short = short_window_groups(events, cfg.train.offload_min_window)
     offloaded = [g for g in dict.fromkeys(g for _, g in events) if g not in short]
     return events, short, shared_slots(events, offloaded, min_gap=DEFAULT_SHARE_GAP)

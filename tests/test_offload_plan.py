@@ -23,15 +23,13 @@ from qeffect.offload.plan import (
     shared_slots,
     short_window_groups,
 )
-from qeffect.runtime.build import schedule_of
-from qeffect.schedule import ActionKind, global_order
-
-KINDS = {ActionKind.F: "F", ActionKind.DI: "B", ActionKind.DW: "E"}
+from qeffect.runtime.build import named_events, schedule_of
+from qeffect.schedule import global_order
 
 
 def schedule_events(schedule: str, microbatches: int) -> list[tuple[str, tuple[int, int]]]:
     cfg = load_config().with_overrides(**{"pipeline.schedule": schedule, "pipeline.microbatches": microbatches})
-    return [(KINDS[a.kind], (a.stage, a.microbatch)) for _, a in global_order(schedule_of(cfg))]
+    return named_events(global_order(schedule_of(cfg)))
 
 
 def test_hand_example() -> None:
@@ -239,7 +237,7 @@ def test_config_switch_reaches_the_manager_and_capture_passes_the_events(monkeyp
     assert load_config().train.offload_skip_kept_d2h is True
     mgr, made, acts, order = _captured(monkeypatch, cfg)
     assert made["skip_kept_d2h"] is skip and mgr.skip_kept_d2h is skip and made["num_banks"] == 3
-    events = [(KINDS[a.kind], (a.stage, a.microbatch)) for _, a in order]
+    events = named_events(order)
     plan = assign_banks(events, min_banks=3)
     names = {g.name for g in mgr.kept}
     want = {f"s{s}.m{m}" for s, m in kept_groups(events, plan)} if skip else set()

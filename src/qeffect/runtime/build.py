@@ -150,6 +150,12 @@ def make_offload_manager(mode: str, device: str | torch.device, banks: int = 2, 
 OFFLOAD_EVENT_KINDS = {ActionKind.F: "F", ActionKind.DI: "B", ActionKind.DW: "E"}
 
 
+def named_events(order: Sequence[tuple[int, Action]]) -> list[tuple[str, tuple[int, int]]]:
+    """One step's offload events as `offload_events` gives them, each group named (stage, microbatch): for
+    the plans made from a schedule alone (tests, `scripts/offload_sim.py`), before any pipeline exists."""
+    return [(OFFLOAD_EVENT_KINDS[a.kind], (a.stage, a.microbatch)) for _, a in order]
+
+
 def offload_events(order: Sequence[tuple[int, Action]], ranks: Sequence[BaseRank]) -> list[tuple[str, object]]:
     """One step's offload events in execution order: F, backward start (dI) and last reader (dW) per group."""
     events = []
