@@ -166,8 +166,9 @@ def test_given_banks_are_timed_and_bad_ones_are_refused(sim, tmp_path, monkeypat
 
 
 def test_the_window_leaves_the_last_stages_groups_out(sim, tmp_path, monkeypatch, capsys) -> None:
-    """`--min-window 2` (the script's default; `train.offload_min_window` does the same): the last stage's groups are empty, so
-    the banks shrink; 0 offloads every group; a negative window is a usage error."""
+    """`--min-window 2` (the script's default; `train.offload_min_window = 2` does the same): the last
+    stage's groups are empty, so the banks shrink; 0 offloads every group; a negative window is a usage
+    error."""
     rows = {}
     for window in (0, 2):
         out = tmp_path / f"w{window}.json"

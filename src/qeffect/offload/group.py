@@ -76,9 +76,9 @@ group whose backward comes within fewer than `min_window` other actions of its f
 (`offload.plan.short_window_groups`: with 2 the last virtual stage's groups; the config's default, 12,
 also leaves the third stage's short ones). In release mode its D2H could hardly finish before the backward,
 so little memory would come back for the copies and driver calls; in resident mode the plan would mostly
-keep it in its bank anyway, so it would add bank memory and slot copies inside its forward graph. Such a group gets no slot and no bank: its saved tensors stay
-where autograd puts them (the graph's memory pool), as with `off`, and its hooks only check the call order
-(`offloaded` False; the manager's `not_offloaded`).
+keep it in its bank anyway, so it would add bank memory and slot copies inside its forward graph. Such a
+group gets no slot and no bank: its saved tensors stay where autograd puts them (the graph's memory pool),
+as with `off`, and its hooks only check the call order (`offloaded` False; the manager's `not_offloaded`).
 `off`: hooks only check the call order.
 
 Resident states of a group in one step (F: before/after_forward, B: before_backward):
