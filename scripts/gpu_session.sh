@@ -570,6 +570,13 @@ default-window)
     gpu_suite pytest-gpu
     h2048_modes default-window "off,release,resident,release/mw2,resident/mw2,off#2"
     ;;
+suite-profile-h2048)
+    # a session's closing check: the whole GPU suite, then the h2048 te profile matrix with traces and the M
+    # analysis (issue 8's figures at the revision that lands; about 6 minutes)
+    gpu_suite pytest-gpu
+    step 200 profile-h2048-te python3 benchmarks/profile_matrix.py --out "$out" --only h2048:te \
+        --steps 20 --warmup 3 --trace 2 --microbatches 2,4,8,16
+    ;;
 default-window-h4096)
     # the same at h4096 Interleaved: off / release / resident, resident at the old default (about 3 minutes)
     h4096_modes off,release,resident,resident/mw2
