@@ -74,6 +74,9 @@
 # share-gap: the whole GPU suite, h2048 off / release / release any run / resident, h4096 off / release / resident.
 # release-in-place: the whole GPU suite, then h2048 release reading late groups in place / waiting / share gap 4, resident chunks.
 # share-runs: the whole GPU suite, then h2048 off / release with a slot per group / nested groups sharing / any run of two (the default) / of three / resident.
+# default-window: the whole GPU suite, then h2048 off / release / resident with train.offload_min_window 12 against 2 (/mw2), off#2.
+# default-window-h4096: h4096 off / release / resident / resident/mw2 (Interleaved).
+# suite-profile-h2048: the whole GPU suite, then the h2048 te profile matrix.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -148,6 +151,13 @@ host_python() {  # scripts/host_python_profile.py: h2048 Interleaved host time b
 profile_h4096_te() {  # the h4096 te matrix with traces and the M analysis
     step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+}
+profile_h2048_te() {  # the h2048 te matrix with traces and the M analysis
+    step 200 profile-h2048-te python3 benchmarks/profile_matrix.py --out "$out" --only h2048:te \
+        --steps 20 --warmup 3 --trace 2 --microbatches 2,4,8,16
+}
+resident_chunks() {  # issue 7's h2048 modes with resident's one copy per group (CHUNK_MIB=0) against 2 MiB chunks
+    h2048_modes resident-chunks off,release,resident,resident+QEFFECT_OFFLOAD_CHUNK_MIB=0
 }
 keep_merged() {  # only 8 files come back: keep each matrix's merged report, drop the per-cell ones
     for d in "$@"; do
@@ -304,8 +314,7 @@ accumulate)
     if step 240 pytest-gpu python3 -m pytest -m gpu -q; then
         gaps_ab QEFFECT_FUSED_ACCUMULATE=0 one-by-one batched
         profile_h4096_te
-        step 150 profile-h2048-te python3 benchmarks/profile_matrix.py --out "$out" --only h2048:te \
-            --steps 20 --warmup 3 --trace 2 --microbatches 2,4,8,16
+        profile_h2048_te
     fi
     ;;
 refresh)
@@ -530,12 +539,12 @@ resident-chunks)
     # resident's host cost: its 2 MiB chunks make ~9 copies and 9 event records per h2048 group, each a driver
     # call on the host; one copy per group (QEFFECT_OFFLOAD_CHUNK_MIB=0) against them, with off and release,
     # both schedules (about 3 minutes)
-    h2048_modes resident-chunks off,release,resident,resident+QEFFECT_OFFLOAD_CHUNK_MIB=0
+    resident_chunks
     ;;
 suite-chunks)
     # the whole GPU suite, then resident-chunks' A/B (about 7 minutes)
     gpu_suite pytest-gpu
-    h2048_modes resident-chunks off,release,resident,resident+QEFFECT_OFFLOAD_CHUNK_MIB=0
+    resident_chunks
     ;;
 release-in-place)
     # release's backward that comes before any hook saw its D2H done reads the bytes in place (the default)
@@ -574,8 +583,7 @@ suite-profile-h2048)
     # a session's closing check: the whole GPU suite, then the h2048 te profile matrix with traces and the M
     # analysis (issue 8's figures at the revision that lands; about 6 minutes)
     gpu_suite pytest-gpu
-    step 200 profile-h2048-te python3 benchmarks/profile_matrix.py --out "$out" --only h2048:te \
-        --steps 20 --warmup 3 --trace 2 --microbatches 2,4,8,16
+    profile_h2048_te
     ;;
 default-window-h4096)
     # the same at h4096 Interleaved: off / release / resident, resident at the old default (about 3 minutes)
