@@ -362,11 +362,16 @@ TARGETS = {  # issue 7: (mode label, value of that mode's result, threshold, "ma
 }
 
 
+def round_ratios(times: list[float], off_times: list[float], block: int) -> list[float]:
+    """Each round's (this mode's median step / off's median step in the same round), the rounds `block`
+    steps long (`--interleave`)."""
+    return [statistics.median(times[i:i + block]) / statistics.median(off_times[i:i + block])
+            for i in range(0, len(times), block)]
+
+
 def paired_ratio(times: list[float], off_times: list[float], block: int) -> float:
-    """The median over rounds of (this mode's median step / off's median step in the same round)."""
-    rounds = range(0, len(times), block)
-    return statistics.median(statistics.median(times[i:i + block]) / statistics.median(off_times[i:i + block])
-                             for i in rounds)
+    """The median over rounds of `round_ratios`."""
+    return statistics.median(round_ratios(times, off_times, block))
 
 
 def targets(modes: dict) -> dict:

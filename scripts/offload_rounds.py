@@ -26,16 +26,26 @@ from qeffect.graphs.handshake import script_provenance
 DEFAULT_EDGES = (4.0, 4.5, 5.0, 5.5, 6.0, 7.0)
 
 
+def round_ratios(times: list[float], off_times: list[float], block: int) -> list[float]:
+    """`benchmarks/offload_bench.py`'s pairing of a mode's rounds with off's (the one its
+    `paired_step_ratio_vs_off` takes the median of)."""
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from offload_bench import round_ratios as bench_round_ratios
+
+    return bench_round_ratios(times, off_times, block)
+
+
 def rounds(report: dict, mode: str) -> list[tuple[float, float]]:
     """(off's median host queue in ms, the mode's median step / off's) for each round of an interleaved run."""
     block = report.get("interleave")
     if not block:
         raise ValueError("not an interleaved run (--interleave): its modes were not timed in the same rounds")
     off, this = report["modes"]["off"], report["modes"][mode]
-    n = min(len(off["step_seconds"]), len(this["step_seconds"]))
-    return [(1e3 * statistics.median(off["host_step_seconds"][i:i + block]),
-             statistics.median(this["step_seconds"][i:i + block]) / statistics.median(off["step_seconds"][i:i + block]))
-            for i in range(0, n, block)]
+    hosts = off["host_step_seconds"]
+    ratios = round_ratios(this["step_seconds"], off["step_seconds"], block)
+    return [(1e3 * statistics.median(hosts[i * block:(i + 1) * block]), r) for i, r in enumerate(ratios)]
 
 
 def binned(points: list[tuple[float, float]], edges: tuple[float, ...]) -> list[dict[str, Any]]:
