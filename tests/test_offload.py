@@ -1604,12 +1604,12 @@ def test_a_discarded_pending_group_leaves_the_reap_queue_at_its_next_forward() -
 def schedule_program(name: str, microbatches: int = 4) -> tuple[list[tuple[str, int]], list[int]]:
     """One step of a real pipeline schedule (PP=2, two virtual stages per rank) as a `run_program` program:
     group k = stage * microbatches + microbatch, its dI the backward ("B"); the groups in backward order."""
+    from qeffect.runtime.build import named_events
     from qeffect.schedule.adapter import build_schedule
-    from qeffect.schedule.ir import ActionKind
     from qeffect.schedule.order import global_order
 
-    program = [("F" if a.kind is ActionKind.F else "B", a.stage * microbatches + a.microbatch)
-               for _, a in global_order(build_schedule(name, 2, 2, microbatches)) if a.kind is not ActionKind.DW]
+    events = named_events(global_order(build_schedule(name, 2, 2, microbatches)))
+    program = [(kind, stage * microbatches + mb) for kind, (stage, mb) in events if kind != "E"]
     return program, [k for op, k in program if op == "B"]
 
 
