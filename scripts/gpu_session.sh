@@ -77,6 +77,7 @@
 # default-window: the whole GPU suite, then h2048 off / release / resident with train.offload_min_window 12 against 2 (/mw2), off#2.
 # default-window-h4096: h4096 off / release / resident / resident/mw2 (Interleaved).
 # suite-profile-h2048: the whole GPU suite, then the h2048 te profile matrix.
+# suite-profile-h4096: the whole GPU suite, then the h4096 te profile matrix (setups by build phase).
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -584,6 +585,12 @@ suite-profile-h2048)
     # analysis (issue 8's figures at the revision that lands; about 6 minutes)
     gpu_suite pytest-gpu
     profile_h2048_te
+    ;;
+suite-profile-h4096)
+    # the whole GPU suite, then the h4096 te profile matrix (issue 8's figures, with each configuration's
+    # setup by build phase; about 7 minutes)
+    gpu_suite pytest-gpu
+    profile_h4096_te
     ;;
 default-window-h4096)
     # the same at h4096 Interleaved: off / release / resident, resident at the old default (about 3 minutes)

@@ -84,6 +84,11 @@ def render(report, console: Console) -> None:
                       "arena are summed over ranks (by-rank values in the JSON)", highlight=False)
     for n in sorted({c.memory_note for c in report.configs if c.memory_note}):
         console.print(f"memory: {n}", highlight=False)
+    setups = [(c.name, c.setup_line()) for c in report.configs if c.status == "ok" and c.setup_phases]
+    if setups:
+        console.print("setup (build phases, then the first step; seconds):", highlight=False)
+        for name, line in setups:
+            console.print(f"  {name}: {line}", highlight=False)
     if report.init_draw_seconds is not None:
         console.print(f"setup: the initial weights were drawn once ({report.init_draw_seconds:.2f} s, before any "
                       "timer) and copied into every configuration's build", highlight=False)

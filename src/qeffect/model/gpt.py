@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -328,6 +328,7 @@ def build_chunks(
     dtype: torch.dtype = torch.float32,
     stages: Sequence[int] | None = None,
     head: str = "backend",
+    phase: Callable[[str], contextlib.AbstractContextManager] | None = None,
 ) -> list[StageChunk]:
     """Build the model's chunks with a deterministic init; `stages` keeps only those (ascending).
 
@@ -338,6 +339,9 @@ def build_chunks(
 
     `head`: "backend" (the backend's linear) or "torchao" (a dynamic-scaling torchao `Float8Linear`;
     UserError when torchao is missing or the shape does not suit it). Both heads draw the same numbers.
+
+    `phase` (`runtime.phases.Phase`): times "modules" (built and given their values on the CPU) and
+    "to-device" for `qeffect profile`'s setup breakdown.
     """
     keep = set(range(shape.num_stages) if stages is None else stages)
     if not keep <= set(range(shape.num_stages)):
@@ -353,21 +357,24 @@ def build_chunks(
     drawn = None if _DRAWS is None else _DRAWS.get(key)  # a complete earlier draw of this model
     fresh: dict[tuple[int, str], Tensor] = {}
     chunks = []
+    phase = phase or (lambda name: contextlib.nullcontext())
     for stage in range(shape.num_stages):
-        # Module constructors may draw from the global RNG (embedding init): fork it, then overwrite.
-        with torch.random.fork_rng(devices=[]):
-            chunk = StageChunk(shape, backend, stage, device="cpu", dtype=dtype, head=head)
-        with torch.no_grad():
-            for name, p in chunk.named_parameters():
-                if drawn is not None:
-                    p.copy_(drawn[(stage, name)])
-                    continue
-                value = _init_value(name, p.shape, residual_std, gen)
-                p.copy_(value)
-                if _DRAWS is not None:
-                    fresh[(stage, name)] = value
+        with phase("modules"):
+            # Module constructors may draw from the global RNG (embedding init): fork it, then overwrite.
+            with torch.random.fork_rng(devices=[]):
+                chunk = StageChunk(shape, backend, stage, device="cpu", dtype=dtype, head=head)
+            with torch.no_grad():
+                for name, p in chunk.named_parameters():
+                    if drawn is not None:
+                        p.copy_(drawn[(stage, name)])
+                        continue
+                    value = _init_value(name, p.shape, residual_std, gen)
+                    p.copy_(value)
+                    if _DRAWS is not None:
+                        fresh[(stage, name)] = value
         if stage in keep:
-            chunks.append(chunk.to(device))
+            with phase("to-device"):
+                chunks.append(chunk.to(device))
     if _DRAWS is not None and drawn is None:
         _DRAWS[key] = fresh
     return chunks

@@ -50,6 +50,7 @@ from qeffect.profile.report import ConfigResult, ProfileReport, Spread, break_ev
 from qeffect.profile.resources import resource_rows
 from qeffect.profile.trace import sync_device
 from qeffect.runtime.build import build_chunks_for, build_single_process, dtype_of
+from qeffect.runtime.phases import SetupClock
 from qeffect.schedule import build_schedule
 from qeffect.verify.state import synthetic_batches
 
@@ -90,6 +91,7 @@ class Runner(Protocol):
     graphs_per_rank: int | None
     capture_host_seconds: float | None
     arena_bytes: int | None
+    setup_phases: dict[str, float] | None  # seconds per build phase (`runtime.phases.SetupClock`)
 
     def data(self, step: int) -> Any: ...
     def step(self, data: Any) -> torch.Tensor | None: ...
@@ -99,6 +101,8 @@ class Runner(Protocol):
 class GraphCounters:
     """The `Runner` statistics of a pipeline built with `manager` (None: not captured): graphs, capture
     host time and arena bytes at build, replays and handoffs as it runs. Shared by both runners."""
+
+    setup_phases: dict[str, float] | None = None
 
     def _take_stats(self, manager: Any, ranks_here: int, arena_bytes: int | None) -> None:
         self.manager = manager
@@ -121,7 +125,9 @@ class PipelineRunner(GraphCounters):
         if spec.schedule is not None:
             cfg = cfg.with_overrides(**{"pipeline.schedule": spec.schedule})
         self.cfg, self.device = cfg, device
-        self.pipe = build_single_process(cfg, native=spec.native, device=device, path=spec.path)
+        clock = SetupClock(device)
+        self.pipe = build_single_process(cfg, native=spec.native, device=device, path=spec.path, clock=clock)
+        self.setup_phases = clock.seconds
         self._take_stats(self.pipe.manager, cfg.pipeline.pp,
                          None if spec.native else sum(r.arena.nbytes for r in self.pipe.ranks))
 
@@ -192,6 +198,8 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
     result.capture_host_seconds = runner.capture_host_seconds
     result.graph_count, result.graphs_per_rank = runner.graph_count, runner.graphs_per_rank
     result.arena_bytes = runner.arena_bytes
+    phases = getattr(runner, "setup_phases", None)  # a runner that does not time its build: not measured
+    result.setup_phases = dict(phases) if phases is not None else None
 
     def one(i: int) -> float:
         data = runner.data(i)  # made (and moved to the device) before the timer starts

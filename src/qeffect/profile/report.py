@@ -17,9 +17,9 @@ from qeffect.profile.flops import Floor, GemmRate, MatrixFlops
 from qeffect.profile.targets import TargetCheck
 
 # 2: optional per-configuration `trace`; 3: `world_size` and per-rank memory (torchrun); 4: `targets`;
-# 5: `trace_by_rank` (traces under torchrun)
-SCHEMA_VERSION = 5
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)  # older reports are newer ones of one process without traces or
+# 5: `trace_by_rank` (traces under torchrun); 6: per-configuration `setup_phases`
+SCHEMA_VERSION = 6
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)  # older reports are newer ones of one process without traces or
 # targets (a reader evaluates the targets from the measurements: `qeffect.profile.targets`)
 Status = Literal["ok", "not run", "failed"]
 
@@ -128,6 +128,10 @@ class ConfigResult(BaseModel):
     build_seconds: float | None = None  # initialization + capture
     first_step_seconds: float | None = None
     setup_seconds: float | None = None  # build + first step
+    # where the build went (seconds, in build order; null: not measured, e.g. under torchrun): "modules" (built and
+    # given their initial values on the CPU), "to-device", "ranks" (arena, optimizer, actions), "capture"
+    # (warm-up and capture of every action); Transformer Engine's anchor: "modules", "capture", "optimizer"
+    setup_phases: dict[str, float] | None = None
     speedup_vs_native: float | None = None  # native median / this median
     break_even_steps: float | None = None
     break_even_note: str | None = None
@@ -156,6 +160,20 @@ class ConfigResult(BaseModel):
     trace_by_rank: list[TraceSummary | None] | None = None  # under torchrun: every rank's (rank order)
     trace_error: str | None = None
     error: str | None = None  # traceback tail of a failed configuration
+
+    def setup_line(self) -> str | None:
+        """The setup as its parts, e.g. "9.96 s = modules 3.10 + to-device 1.20 + ... + first step 0.58"
+        (build time outside the named phases is "other"); None before a setup was measured."""
+        if self.setup_seconds is None or self.build_seconds is None or self.first_step_seconds is None:
+            return None
+        parts = dict(self.setup_phases or {})
+        other = self.build_seconds - sum(parts.values())
+        if not parts:
+            parts["build"] = self.build_seconds
+        elif other >= 0.005:
+            parts["other"] = other
+        parts["first step"] = self.first_step_seconds
+        return f"{self.setup_seconds:.2f} s = " + " + ".join(f"{k} {v:.2f}" for k, v in parts.items())
 
     def labelled_traces(self) -> list[tuple[str, TraceSummary | None]]:
         """(label, summary) per trace: one per rank under torchrun ("name rank k"), else one ("name")."""

@@ -8,6 +8,7 @@ run is "not measured" (`met` is None) with the reason, never passed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel
@@ -42,7 +43,10 @@ class TargetCheck(BaseModel):
 
 
 def _check(name: str, description: str, value: float | None, threshold: float, comparison: str, *,
-           note: str | None = None, needed: str | None = None, about: ConfigResult | None = None) -> TargetCheck:
+           note: str | None = None, needed: str | None = None, about: ConfigResult | None = None,
+           setup_of: Sequence[ConfigResult] = ()) -> TargetCheck:
+    """`about`: the configuration whose trace says where a missed target's time goes; `setup_of`: the
+    configurations whose setups it also spells out (break-even compares setups, not only steps)."""
     base = {"name": name, "description": description, "threshold": threshold, "comparison": comparison}
     if value is None:
         return TargetCheck(**base, value=None, met=None, note=note or "not measured")
@@ -54,8 +58,10 @@ def _check(name: str, description: str, value: float | None, threshold: float, c
     if not met and about is not None:
         from qeffect.profile.trace import trace_line
 
-        lines = [f"{label}: {trace_line(t)}" for label, t in about.labelled_traces() if t is not None]
-        where = "; ".join(lines) or f"{about.name}: no trace (run with --trace N for where the time goes)"
+        lines = [f"{c.name} setup {c.setup_line()}" for c in setup_of if c.setup_line() is not None]
+        traces = [f"{label}: {trace_line(t)}" for label, t in about.labelled_traces() if t is not None]
+        lines += traces or [f"{about.name}: no trace (run with --trace N for where the time goes)"]
+        where = "; ".join(lines)
     return TargetCheck(**base, value=value, met=met, shortfall=shortfall, needed=None if met else needed,
                        where=where, note=note)
 
@@ -148,9 +154,11 @@ def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
                                note="never breaks even: " + ", ".join(never)))
         else:
             worst = max(captured, key=lambda c: c.break_even_steps)
+            saving = native.median_step_seconds - worst.median_step_seconds
             out.append(_check("break-even", f"{description} (worst: {worst.name})", worst.break_even_steps,
-                              BREAK_EVEN_STEPS, "<=", needed=f"{worst.name}: less setup or a faster step",
-                              about=worst))
+                              BREAK_EVEN_STEPS, "<=", about=worst, setup_of=(worst, native),
+                              needed=f"{worst.name}: setup <= {native.setup_seconds + BREAK_EVEN_STEPS * saving:.2f} s "
+                                     f"(now {worst.setup_seconds:.2f} s) or a faster step"))
     else:
         out.append(_check("break-even", "captured configurations vs native eager", None, BREAK_EVEN_STEPS, "<=",
                           note="needs native-eager and a captured configuration"))

@@ -15,13 +15,12 @@ is imported only here and only when the anchor runs.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from qeffect.config import RunConfig
 from qeffect.fp8.te import make_te_recipe
 from qeffect.runtime.build import dtype_of, recipe_of
+from qeffect.runtime.phases import SetupClock
 from qeffect.runtime.rank import make_optimizer
 
 
@@ -40,7 +39,8 @@ class TEGraphedLayers:
         self.shape = (mc.seq_len, mc.microbatch_size, mc.hidden)  # TE's default sbhd layout
         self.recipe = make_te_recipe(recipe_of(cfg))
         index = device.index if device.index is not None else torch.cuda.current_device()
-        with torch.random.fork_rng(devices=[index]):
+        clock = SetupClock(device)
+        with clock.phase("modules"), torch.random.fork_rng(devices=[index]):
             torch.manual_seed(cfg.train.seed)
             layers = [te.TransformerLayer(mc.hidden, mc.ffn, mc.heads, hidden_dropout=0.0, attention_dropout=0.0,
                                           self_attn_mask_type="causal", fuse_qkv_params=True,
@@ -48,14 +48,14 @@ class TEGraphedLayers:
                                           micro_batch_size=mc.microbatch_size, device=device)
                       for _ in range(self.layers_count)]
         self.params = [p for layer in layers for p in layer.parameters()]
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        self.graphed = [te.make_graphed_callables(
-            layer, (torch.ones(self.shape, device=device, dtype=self.dtype, requires_grad=True),),
-            num_warmup_iters=num_warmup_iters, enabled=True, recipe=self.recipe) for layer in layers]
-        torch.cuda.synchronize(device)
-        self.capture_host_seconds = time.perf_counter() - t0
-        self.optimizer = make_optimizer(self.params, cfg.optim)
+        with clock.phase("capture"):  # synchronized at both ends: the capture host time is this phase's
+            self.graphed = [te.make_graphed_callables(
+                layer, (torch.ones(self.shape, device=device, dtype=self.dtype, requires_grad=True),),
+                num_warmup_iters=num_warmup_iters, enabled=True, recipe=self.recipe) for layer in layers]
+        self.capture_host_seconds = clock.seconds["capture"]
+        with clock.phase("optimizer"):
+            self.optimizer = make_optimizer(self.params, cfg.optim)
+        self.setup_phases = clock.seconds
         self.graph_count = 2 * self.layers_count  # one forward and one backward graph per layer
         self.graphs_per_rank = None
         self.arena_bytes = None

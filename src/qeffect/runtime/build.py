@@ -16,6 +16,7 @@ from qeffect.model import GPTShape, build_chunks
 from qeffect.offload.group import OffloadManager, count_from_env
 from qeffect.offload.plan import assign_banks, backward_order, explicit_banks
 from qeffect.offload.timing import DEFAULT_TRIES, StepCosts, search_banks
+from qeffect.runtime.phases import Phase, SetupClock, no_phase, phase_of
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.schedule import Action, ActionKind, Schedule, build_native_schedule, build_schedule, dw_in_order
@@ -45,10 +46,10 @@ def schedule_of(cfg: RunConfig, native: bool = False) -> Schedule:
         raise UserError(f"pipeline: {err}") from None
 
 
-def build_chunks_for(cfg: RunConfig, device: str | torch.device) -> list[torch.nn.Module]:
+def build_chunks_for(cfg: RunConfig, device: str | torch.device, phase: Phase = no_phase) -> list[torch.nn.Module]:
     backend = get_backend(cfg.fp8.backend, recipe_of(cfg))
     return build_chunks(GPTShape.from_config(cfg), backend, seed=cfg.train.seed, device=device,
-                        dtype=dtype_of(cfg), head=cfg.fp8.head)
+                        dtype=dtype_of(cfg), head=cfg.fp8.head, phase=phase)
 
 
 def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: list[torch.nn.Module], *,
@@ -85,26 +86,31 @@ def check_path(path: str, device: str | torch.device, offload: str = "off") -> N
 def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
                          fixed_order_sum: bool = True, device: str | torch.device | None = None,
                          path: ActionPath = "eager", capture: bool = True,
-                         accumulate: bool | None = None) -> SingleProcessPipeline:
+                         accumulate: bool | None = None, clock: SetupClock | None = None) -> SingleProcessPipeline:
     """All ranks of the configured pipeline in this process, parameters from `cfg.train.seed`.
 
     `path`: "eager" runs the checked actions eagerly; "captured-copy" / "captured-direct" capture every
-    action as a CUDA graph (copied gradients / direct placement into the arena). `capture=False` defers
-    the capture to `capture_graphs(cfg, pipe)`, so a resume can restore numerical state before any graph
-    is built.
+    action as a CUDA graph (copied gradients / direct placement into the arena), once every rank is built.
+    `capture=False` defers the capture to `capture_graphs(cfg, pipe)`, so a resume can restore numerical
+    state before any graph is built. `clock`: times the build's phases ("modules", "to-device", "ranks",
+    "capture") for `qeffect profile`'s setup breakdown.
     """
     device = device or cfg.train.device
+    phase = phase_of(clock)
     manager, offload, direct = path_runtime(cfg, path, device, native=native, direct=direct)
     schedule = schedule_of(cfg, native=native)
-    chunks = build_chunks_for(cfg, device)
-    ranks = [build_rank(cfg, schedule, r, chunks, native=native, direct=direct, fixed_order_sum=fixed_order_sum,
-                        manager=manager, capture=capture, offload=offload, accumulate=accumulate)
-             for r in range(schedule.pp)]
+    chunks = build_chunks_for(cfg, device, phase)
+    with phase("ranks"):
+        ranks = [build_rank(cfg, schedule, r, chunks, native=native, direct=direct,
+                            fixed_order_sum=fixed_order_sum, manager=manager, capture=False, offload=offload,
+                            accumulate=accumulate)
+                 for r in range(schedule.pp)]
     pipe = SingleProcessPipeline(ranks, schedule)
     pipe.manager = manager
     pipe.offload = offload
-    if offload is not None and capture:
-        capture_graphs(cfg, pipe)
+    if capture and manager is not None:
+        with phase("capture"):
+            capture_graphs(cfg, pipe)
     return pipe
 
 
@@ -254,7 +260,8 @@ def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]]
 
 
 def capture_graphs(cfg: RunConfig, pipe: SingleProcessPipeline) -> None:
-    """Capture every action of a pipeline built with `capture=False` (after a checkpoint was loaded)."""
+    """Capture every action of a pipeline, all ranks built (`build_single_process` calls it; after a
+    checkpoint was loaded, whoever built with `capture=False`)."""
     if pipe.manager is None:
         return  # eager path: nothing to capture
     capture_ranks(pipe.ranks, pipe.order, pipe.offload, cfg.model.microbatch_size,
