@@ -78,6 +78,7 @@
 # default-window-h4096: h4096 off / release / resident / resident/mw2 (Interleaved).
 # suite-profile-h2048: the whole GPU suite, then the h2048 te profile matrix.
 # suite-profile-h4096: the whole GPU suite, then the h4096 te profile matrix (setups by build phase).
+# suite-profiles: the whole GPU suite, then the h4096 and h2048 te profile matrices.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -591,6 +592,12 @@ suite-profile-h4096)
     # setup by build phase; about 7 minutes)
     gpu_suite pytest-gpu
     profile_h4096_te
+    ;;
+suite-profiles)
+    # the whole GPU suite, then both te profile matrices (about 7 minutes)
+    gpu_suite pytest-gpu
+    profile_h4096_te
+    profile_h2048_te
     ;;
 default-window-h4096)
     # the same at h4096 Interleaved: off / release / resident, resident at the old default (about 3 minutes)

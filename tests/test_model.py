@@ -80,6 +80,30 @@ def test_build_chunks_deterministic_per_seed():
         build_chunks(s, BACKEND, seed=7, stages=[3])
 
 
+def test_a_stage_the_build_does_not_keep_is_built_on_the_meta_device(monkeypatch):
+    """Its draws need only names and shapes; with the draws shared it is not built at all."""
+    import qeffect.model.gpt as gpt
+
+    built = []
+    real = gpt.StageChunk
+
+    def spy(shape, backend, stage, *, device=None, **kw):
+        built.append((stage, torch.device(device).type))
+        return real(shape, backend, stage, device=device, **kw)
+
+    monkeypatch.setattr(gpt, "StageChunk", spy)
+    s = _shape(num_stages=3)
+    (mid,) = build_chunks(s, BACKEND, seed=7, stages=[1])
+    assert built == [(0, "meta"), (1, "cpu"), (2, "meta")]
+    assert all(p.device.type == "cpu" for p in mid.parameters())
+    built.clear()
+    with gpt.shared_init_draws():
+        build_chunks(s, BACKEND, seed=7)
+        built.clear()
+        build_chunks(s, BACKEND, seed=7, stages=[2])
+    assert built == [(2, "cpu")]
+
+
 def test_init_values():
     s = _shape(num_stages=2, layers_per_chunk=2)
     first, last = build_chunks(s, BACKEND, seed=0)

@@ -106,7 +106,7 @@ def test_ran_configurations_have_raw_timings_and_summaries(profiled) -> None:
         assert c.first_step_seconds == c.warmup_seconds[0]
         assert c.setup_seconds == c.build_seconds + c.first_step_seconds
         # where the build went, in build order, inside the build's own time
-        assert list(c.setup_phases) == ["modules", "to-device", "ranks"]  # eager: nothing captured
+        assert list(c.setup_phases) == ["modules", "values", "ranks"]  # eager: nothing captured
         assert all(v >= 0 for v in c.setup_phases.values()) and sum(c.setup_phases.values()) <= c.build_seconds
         assert c.setup_line().startswith(f"{c.setup_seconds:.2f} s = modules ")
         assert c.setup_line().endswith(f" + first step {c.first_step_seconds:.2f}")
@@ -334,7 +334,7 @@ def test_profile_on_cuda(capsys, tmp_path) -> None:
         assert c.persistent_growth_bytes_per_step == 0
         assert c.losses == report.result("native-eager").losses
         # the capture is a phase of its own, after every rank is built; it holds the graphs' capture host time
-        assert list(c.setup_phases) == ["modules", "to-device", "ranks", "capture"]
+        assert list(c.setup_phases) == ["modules", "values", "ranks", "capture"]
         assert c.setup_phases["capture"] >= c.capture_host_seconds > 0
     for c in report.configs:
         if c.status == "ok":
@@ -600,10 +600,10 @@ def test_a_missed_break_even_names_the_setup_that_would_meet_it_and_where_the_se
     r = _hand_report(profiled, base)
     native, copy = r.result("native-eager"), r.result("captured-copy")
     native.build_seconds, native.first_step_seconds, native.setup_seconds = 6.0, 1.5, 7.5
-    native.setup_phases = {"modules": 4.0, "to-device": 1.0, "ranks": 1.0}
+    native.setup_phases = {"modules": 4.0, "values": 1.0, "ranks": 1.0}
     # 10 steps save 10 x 95 ms = 0.95 s: captured-copy breaks even within 10 steps with setup <= 8.45 s
     copy.build_seconds, copy.first_step_seconds, copy.setup_seconds = 9.0, 0.5, 9.5
-    copy.setup_phases = {"modules": 4.0, "to-device": 1.0, "ranks": 2.5, "capture": 1.5}
+    copy.setup_phases = {"modules": 4.0, "values": 1.0, "ranks": 2.5, "capture": 1.5}
     from qeffect.profile.matrix import derive_ratios
 
     derive_ratios([c for c in r.configs if c.status == "ok"], r.floor.seconds, r.floor.seconds_layers_only)
@@ -611,9 +611,9 @@ def test_a_missed_break_even_names_the_setup_that_would_meet_it_and_where_the_se
     assert t.met is False and t.value == pytest.approx((9.5 - 7.5) / 0.095, rel=1e-12)
     assert "(worst: captured-copy)" in t.description
     assert t.needed == "captured-copy: setup <= 8.45 s (now 9.50 s) or a faster step"
-    assert t.where.startswith("captured-copy setup 9.50 s = modules 4.00 + to-device 1.00 + ranks 2.50 + "
+    assert t.where.startswith("captured-copy setup 9.50 s = modules 4.00 + values 1.00 + ranks 2.50 + "
                               "capture 1.50 + first step 0.50; native-eager setup 7.50 s = modules 4.00 + "
-                              "to-device 1.00 + ranks 1.00 + first step 1.50; ")
+                              "values 1.00 + ranks 1.00 + first step 1.50; ")
     copy.setup_seconds = 8.45  # at the threshold: met, nothing to explain
     derive_ratios([c for c in r.configs if c.status == "ok"], r.floor.seconds, r.floor.seconds_layers_only)
     t = {t.name: t for t in r.with_targets().targets}["break-even"]

@@ -43,6 +43,6 @@ def test_a_build_reports_its_phases_in_order(native: bool) -> None:
     t0 = time.perf_counter()
     pipe = build_single_process(load_config(), native=native, device="cpu", clock=clock)
     total = time.perf_counter() - t0
-    assert list(clock.seconds) == ["modules", "to-device", "ranks"]  # eager: no capture phase
+    assert list(clock.seconds) == ["modules", "values", "ranks"]  # eager: no capture phase
     assert sum(clock.seconds.values()) <= total
     assert len(pipe.ranks) == load_config().pipeline.pp

@@ -319,6 +319,13 @@ def shared_init_draws() -> Iterator[None]:
         _DRAWS = outer
 
 
+def _rng_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose RNG a constructor on `device` may draw from (`torch.random.fork_rng`)."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
 def build_chunks(
     shape: GPTShape,
     backend: FP8Backend,
@@ -340,8 +347,11 @@ def build_chunks(
     `head`: "backend" (the backend's linear) or "torchao" (a dynamic-scaling torchao `Float8Linear`;
     UserError when torchao is missing or the shape does not suit it). Both heads draw the same numbers.
 
-    `phase` (`runtime.phases.Phase`): times "modules" (built and given their values on the CPU) and
-    "to-device" for `qeffect profile`'s setup breakdown.
+    Each kept stage is built on `device` and its parameters overwritten there; a stage the build does
+    not keep is built on the meta device, since its draws need only its parameters' names and shapes.
+
+    `phase` (`runtime.phases.Phase`): times "modules" (the modules built) and "values" (the initial
+    values drawn and copied in) for `qeffect profile`'s setup breakdown.
     """
     keep = set(range(shape.num_stages) if stages is None else stages)
     if not keep <= set(range(shape.num_stages)):
@@ -359,22 +369,27 @@ def build_chunks(
     chunks = []
     phase = phase or (lambda name: contextlib.nullcontext())
     for stage in range(shape.num_stages):
+        kept = stage in keep
+        if not kept and drawn is not None:
+            continue  # nothing to draw, nothing to build
+        where = torch.device(device) if kept else torch.device("meta")
         with phase("modules"):
-            # Module constructors may draw from the global RNG (embedding init): fork it, then overwrite.
-            with torch.random.fork_rng(devices=[]):
-                chunk = StageChunk(shape, backend, stage, device="cpu", dtype=dtype, head=head)
-            with torch.no_grad():
-                for name, p in chunk.named_parameters():
-                    if drawn is not None:
-                        p.copy_(drawn[(stage, name)])
-                        continue
-                    value = _init_value(name, p.shape, residual_std, gen)
+            # Module constructors may draw from the global RNGs (embedding init, Transformer Engine's weight
+            # init on the GPU): fork them, then overwrite every parameter.
+            with torch.random.fork_rng(devices=_rng_devices(where)):
+                chunk = StageChunk(shape, backend, stage, device=where, dtype=dtype, head=head)
+        with phase("values"), torch.no_grad():
+            for name, p in chunk.named_parameters():
+                if drawn is not None:
+                    p.copy_(drawn[(stage, name)])
+                    continue
+                value = _init_value(name, p.shape, residual_std, gen)
+                if kept:
                     p.copy_(value)
-                    if _DRAWS is not None:
-                        fresh[(stage, name)] = value
-        if stage in keep:
-            with phase("to-device"):
-                chunks.append(chunk.to(device))
+                if _DRAWS is not None:
+                    fresh[(stage, name)] = value
+        if kept:
+            chunks.append(chunk)
     if _DRAWS is not None and drawn is None:
         _DRAWS[key] = fresh
     return chunks

@@ -128,8 +128,8 @@ class ConfigResult(BaseModel):
     build_seconds: float | None = None  # initialization + capture
     first_step_seconds: float | None = None
     setup_seconds: float | None = None  # build + first step
-    # where the build went (seconds, in build order; null: not measured, e.g. under torchrun): "modules" (built and
-    # given their initial values on the CPU), "to-device", "ranks" (arena, optimizer, actions), "capture"
+    # where the build went (seconds, in build order; null: not measured, e.g. under torchrun): "modules" (built on
+    # the device), "values" (initial values drawn and copied in), "ranks" (arena, optimizer, actions), "capture"
     # (warm-up and capture of every action); Transformer Engine's anchor: "modules", "capture", "optimizer"
     setup_phases: dict[str, float] | None = None
     speedup_vs_native: float | None = None  # native median / this median
@@ -162,7 +162,7 @@ class ConfigResult(BaseModel):
     error: str | None = None  # traceback tail of a failed configuration
 
     def setup_line(self) -> str | None:
-        """The setup as its parts, e.g. "9.96 s = modules 3.10 + to-device 1.20 + ... + first step 0.58"
+        """The setup as its parts, e.g. "9.96 s = modules 0.30 + values 0.55 + ... + first step 0.58"
         (build time outside the named phases is "other"); None before a setup was measured."""
         if self.setup_seconds is None or self.build_seconds is None or self.first_step_seconds is None:
             return None

@@ -92,7 +92,7 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
     `path`: "eager" runs the checked actions eagerly; "captured-copy" / "captured-direct" capture every
     action as a CUDA graph (copied gradients / direct placement into the arena), once every rank is built.
     `capture=False` defers the capture to `capture_graphs(cfg, pipe)`, so a resume can restore numerical
-    state before any graph is built. `clock`: times the build's phases ("modules", "to-device", "ranks",
+    state before any graph is built. `clock`: times the build's phases ("modules", "values", "ranks",
     "capture") for `qeffect profile`'s setup breakdown.
     """
     device = device or cfg.train.device
