@@ -43,7 +43,7 @@ def shapes_of(cfg) -> tuple[list[torch.Size], list[bool]]:
     """Every parameter's shape, and whether it is a matrix weight (staged), from the model on `meta`."""
     chunks = build_chunks_for(cfg.with_overrides(**{"fp8.backend": "reference"}), "meta")
     shapes, matrix = [], []
-    for chunk in chunks:
+    for chunk in chunks.values():
         staged = {id(p) for p in chunk.matrix_params().values()}
         for p in chunk.parameters():
             shapes.append(p.shape)

@@ -38,6 +38,9 @@ def test_profile_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     assert by["captured-direct"]["status"] == "not run" and "CUDA" in by["captured-direct"]["reason"]
     assert by["te-graphed"]["status"] == "not run" and "single-process" in by["te-graphed"]["reason"]
     assert by["qeffect-eager"]["arena_bytes"] > 0
+    for name in ("native-eager", "qeffect-eager"):  # the slowest rank's build, by phase
+        phases = by[name]["setup_phases"]
+        assert list(phases) == ["modules", "values", "ranks"] and sum(phases.values()) <= by[name]["build_seconds"]
     assert "2 x" in proc.stdout and proc.stdout.count("native-eager") >= 1  # rank 0 rendered, once
     assert proc.stdout.count("profile: h64") == 1
 
@@ -69,7 +72,8 @@ def test_merge_ranks_sums_resources_and_maxes_memory() -> None:
                             warmup_seconds=[1.0], first_step_seconds=1.0, build_seconds=2.0 + peak,
                             peak_allocated_bytes=peak, peak_reserved_bytes=peak + 1, graph_count=24,
                             graphs_per_rank=24, arena_bytes=arena, replays_per_step=24.0, handoffs_per_step=48.0,
-                            persistent_growth_bytes_per_step=growth, capture_host_seconds=0.1 * peak).model_dump()
+                            persistent_growth_bytes_per_step=growth, capture_host_seconds=0.1 * peak,
+                            setup_phases={"modules": float(peak)}).model_dump()
 
     m = merge_ranks([res(5, 100, 0.0), res(7, 50, 3.0)])
     assert m.step_seconds == [0.1, 0.2]  # rank 0's (every step ends with a barrier)
@@ -79,6 +83,7 @@ def test_merge_ranks_sums_resources_and_maxes_memory() -> None:
     assert (m.graph_count, m.graphs_per_rank, m.arena_bytes) == (48, 24, 150)
     assert (m.replays_per_step, m.handoffs_per_step) == (48.0, 96.0)
     assert m.build_seconds == 9.0 and m.setup_seconds == 10.0
+    assert m.setup_phases == {"modules": 7.0}  # the phases of the rank whose build took 9.0 s
     assert m.trace is None and m.trace_by_rank is None and m.trace_error is None
 
 

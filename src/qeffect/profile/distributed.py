@@ -39,6 +39,7 @@ from qeffect.profile.report import ConfigResult, ProfileReport
 from qeffect.profile.trace import sync_device
 from qeffect.runtime.build import dtype_of
 from qeffect.runtime.distributed import DistributedPipeline, check_world
+from qeffect.runtime.phases import SetupClock
 from qeffect.verify.state import synthetic_batches
 
 ANCHOR_NOT_RUN = ("single-process anchor (make_graphed_callables over every layer on one GPU); "
@@ -58,7 +59,9 @@ class DistributedRunner(GraphCounters):
         if spec.schedule is not None:
             cfg = cfg.with_overrides(**{"pipeline.schedule": spec.schedule})
         self.cfg = cfg
-        self.pipe = DistributedPipeline(cfg, native=spec.native, path=spec.path)
+        clock = SetupClock(cfg.train.device)  # "cuda": this process's device, set when the group was made
+        self.pipe = DistributedPipeline(cfg, native=spec.native, path=spec.path, clock=clock)
+        self.setup_phases = clock.seconds
         self.device = self.pipe.device
         arena = getattr(self.pipe.rank, "arena", None)
         self._take_stats(self.pipe.manager, 1, None if spec.native or arena is None else arena.nbytes)
@@ -81,6 +84,9 @@ def merge_ranks(results: list[dict]) -> ConfigResult:
     def nonnull(attr: str) -> list:
         return [getattr(r, attr) for r in rs if getattr(r, attr) is not None]
 
+    built = [r for r in rs if r.build_seconds is not None]
+    if built:  # the build phases of the rank whose build was the longest (the `build_seconds` kept below)
+        out.setup_phases = max(built, key=lambda r: r.build_seconds).setup_phases
     for attr in ("peak_allocated_bytes", "peak_reserved_bytes", "persistent_growth_bytes_per_step",
                  "capture_host_seconds", "build_seconds", "graphs_per_rank"):
         vals = nonnull(attr)

@@ -46,13 +46,17 @@ def schedule_of(cfg: RunConfig, native: bool = False) -> Schedule:
         raise UserError(f"pipeline: {err}") from None
 
 
-def build_chunks_for(cfg: RunConfig, device: str | torch.device, phase: Phase = no_phase) -> list[torch.nn.Module]:
+def build_chunks_for(cfg: RunConfig, device: str | torch.device, phase: Phase = no_phase,
+                     stages: Sequence[int] | None = None) -> dict[int, torch.nn.Module]:
+    """The configured model's chunks by stage: all of them, or only `stages` (one process's ranks)."""
     backend = get_backend(cfg.fp8.backend, recipe_of(cfg))
-    return build_chunks(GPTShape.from_config(cfg), backend, seed=cfg.train.seed, device=device,
-                        dtype=dtype_of(cfg), head=cfg.fp8.head, phase=phase)
+    chunks = build_chunks(GPTShape.from_config(cfg), backend, seed=cfg.train.seed, device=device,
+                          dtype=dtype_of(cfg), head=cfg.fp8.head, phase=phase,
+                          stages=None if stages is None else sorted(stages))
+    return {c.stage: c for c in chunks}
 
 
-def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: list[torch.nn.Module], *,
+def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, torch.nn.Module], *,
                native: bool, direct: bool = True, fixed_order_sum: bool = True, reductions=None,
                manager: GraphManager | None = None, capture: bool = True,
                offload: OffloadManager | None = None, accumulate: bool | None = None) -> BaseRank:

@@ -30,6 +30,7 @@ from qeffect.runtime.build import (
     path_runtime,
     schedule_of,
 )
+from qeffect.runtime.phases import SetupClock, phase_of
 from qeffect.runtime.rank import BaseRank, Batch, Observer, QEffectRank
 from qeffect.schedule import ActionKind, Schedule, native_with_placement
 from qeffect.stage.actions import arena_name
@@ -177,9 +178,10 @@ class DistributedPipeline:
     """This process's pipeline rank, its transport and its data-parallel group."""
 
     def __init__(self, cfg: RunConfig, *, native: bool = False, direct: bool = True, path: str = "eager",
-                 capture: bool = True) -> None:
+                 capture: bool = True, clock: SetupClock | None = None) -> None:
         """`path`: eager, or captured-copy / captured-direct (this rank's actions as CUDA graphs on its
-        GPU, with `cfg.train.offload`). `capture=False` defers capture to `capture()` (resume)."""
+        GPU, with `cfg.train.offload`). `capture=False` defers capture to `capture()` (resume). Only this
+        rank's stages are built. `clock`: times the build's phases, as `build_single_process`'s."""
         if not dist.is_initialized():
             raise RuntimeError("DistributedPipeline needs an initialized process group (use init_from_env)")
         p = cfg.pipeline
@@ -194,12 +196,14 @@ class DistributedPipeline:
         self.device = torch.device(cfg.train.device, _local_rank()) if cfg.train.device == "cuda" else torch.device("cpu")
         self.manager: GraphManager | None
         self.manager, self.offload, direct = path_runtime(cfg, path, self.device, native=native, direct=direct)
-        chunks = build_chunks_for(cfg, self.device)
+        phase = phase_of(clock)
+        chunks = build_chunks_for(cfg, self.device, phase, stages=self.schedule.stages_of(self.topo.pp_rank))
         self.reductions = ReductionTracker(f"rank{self.topo.rank}.reductions")
         self.reductions_run = 0
-        self.rank: BaseRank = build_rank(cfg, self.schedule, self.topo.pp_rank, chunks, native=native,
-                                         direct=direct, reductions=self.reductions, manager=self.manager,
-                                         capture=False, offload=self.offload)
+        with phase("ranks"):
+            self.rank: BaseRank = build_rank(cfg, self.schedule, self.topo.pp_rank, chunks, native=native,
+                                             direct=direct, reductions=self.reductions, manager=self.manager,
+                                             capture=False, offload=self.offload)
         # Every process creates every group in the same order (a torch.distributed requirement).
         self.dp_group = None
         for pr in range(p.pp):
@@ -210,8 +214,9 @@ class DistributedPipeline:
         mc = cfg.model
         self.transport = P2PTransport(self.topo, self.schedule, (mc.microbatch_size, mc.seq_len, mc.hidden),
                                       dtype_of(cfg), self.device)
-        if capture:
-            self.capture()
+        if capture and self.manager is not None:
+            with phase("capture"):
+                self.capture()
 
     def capture(self) -> None:
         """Capture this rank's actions (captured paths; a no-op on the eager path). Each process captures
