@@ -122,8 +122,7 @@ def test_rank_hands_its_offload_manager_to_every_captured_action() -> None:
     cfg = load_config()
     mgr = OffloadManager("off", device="cpu")
     chunks = build_chunks_for(cfg, "cpu")
-    r = build_rank(cfg, schedule_of(cfg), 0, chunks, native=False, manager=FakeManager(), capture=False,
-                   offload=mgr)
+    r = build_rank(cfg, schedule_of(cfg), 0, chunks, native=False, manager=FakeManager(), offload=mgr)
     assert r.actions and all(a.offload is mgr for a in r.actions.values())
 
 

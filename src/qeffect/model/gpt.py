@@ -348,7 +348,8 @@ def build_chunks(
     UserError when torchao is missing or the shape does not suit it). Both heads draw the same numbers.
 
     Each kept stage is built on `device` and its parameters overwritten there; a stage the build does
-    not keep is built on the meta device, since its draws need only its parameters' names and shapes.
+    not keep is built on the meta device, since its draws need only its parameters' names and shapes
+    (and not at all once `shared_init_draws` holds the draws).
 
     `phase` (`runtime.phases.Phase`): times "modules" (the modules built) and "values" (the initial
     values drawn and copied in) for `qeffect profile`'s setup breakdown.

@@ -128,9 +128,10 @@ class ConfigResult(BaseModel):
     build_seconds: float | None = None  # initialization + capture
     first_step_seconds: float | None = None
     setup_seconds: float | None = None  # build + first step
-    # where the build went (seconds, in build order; null: not measured, e.g. under torchrun): "modules" (built on
-    # the device), "values" (initial values drawn and copied in), "ranks" (arena, optimizer, actions), "capture"
-    # (warm-up and capture of every action); Transformer Engine's anchor: "modules", "capture", "optimizer"
+    # where the build went (seconds, in build order; null: not measured, as before schema 6; under torchrun the
+    # slowest rank's): "modules" (built on the device), "values" (initial values drawn and copied in), "ranks"
+    # (arena, optimizer, actions), "capture" (warm-up and capture of every action); Transformer Engine's anchor:
+    # "modules", "capture", "optimizer"
     setup_phases: dict[str, float] | None = None
     speedup_vs_native: float | None = None  # native median / this median
     break_even_steps: float | None = None

@@ -58,10 +58,12 @@ def build_chunks_for(cfg: RunConfig, device: str | torch.device, phase: Phase = 
 
 def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, torch.nn.Module], *,
                native: bool, direct: bool = True, fixed_order_sum: bool = True, reductions=None,
-               manager: GraphManager | None = None, capture: bool = True,
-               offload: OffloadManager | None = None, accumulate: bool | None = None) -> BaseRank:
-    """`accumulate`: the gradient arena's layout (None: accumulating when `dw_in_order`, and never with
-    the deliberately wrong `fixed_order_sum=False`, which needs one view per microbatch)."""
+               manager: GraphManager | None = None, offload: OffloadManager | None = None,
+               accumulate: bool | None = None) -> BaseRank:
+    """One rank of the pipeline over its stages of `chunks`, not yet captured (`capture_ranks` captures
+    once every rank is built). `accumulate`: the gradient arena's layout (None: accumulating when
+    `dw_in_order`, and never with the deliberately wrong `fixed_order_sum=False`, which needs one view per
+    microbatch)."""
     owned = {s: chunks[s] for s in schedule.stages_of(rank)}
     if accumulate is None:
         accumulate = fixed_order_sum and dw_in_order(schedule, rank)
@@ -69,13 +71,10 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, 
     if native:
         return NativeRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim)
     activation = ((mc.microbatch_size, mc.seq_len, mc.hidden), dtype_of(cfg))
-    r = QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
-                    fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
-                    activation=activation, offload=offload, accumulate=accumulate,
-                    staging=p.wgrad_staging if accumulate else 0)
-    if manager is not None and capture and offload is None:
-        r.capture(mc.microbatch_size, mc.seq_len)
-    return r
+    return QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
+                       fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
+                       activation=activation, offload=offload, accumulate=accumulate,
+                       staging=p.wgrad_staging if accumulate else 0)
 
 
 def check_path(path: str, device: str | torch.device, offload: str = "off") -> None:
@@ -106,7 +105,7 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
     chunks = build_chunks_for(cfg, device, phase)
     with phase("ranks"):
         ranks = [build_rank(cfg, schedule, r, chunks, native=native, direct=direct,
-                            fixed_order_sum=fixed_order_sum, manager=manager, capture=False, offload=offload,
+                            fixed_order_sum=fixed_order_sum, manager=manager, offload=offload,
                             accumulate=accumulate)
                  for r in range(schedule.pp)]
     pipe = SingleProcessPipeline(ranks, schedule)

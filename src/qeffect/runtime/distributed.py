@@ -203,7 +203,7 @@ class DistributedPipeline:
         with phase("ranks"):
             self.rank: BaseRank = build_rank(cfg, self.schedule, self.topo.pp_rank, chunks, native=native,
                                              direct=direct, reductions=self.reductions, manager=self.manager,
-                                             capture=False, offload=self.offload)
+                                             offload=self.offload)
         # Every process creates every group in the same order (a torch.distributed requirement).
         self.dp_group = None
         for pr in range(p.pp):
