@@ -185,7 +185,8 @@ def profile(
     """Time native eager, qeffect eager, captured (copy, direct, ZB-V direct) and the TE anchor.
 
     One model, one synthetic data sequence, one process. For each configuration: median step time
-    after warm-up and its spread, setup time (build + capture + first step), break-even steps against
+    after warm-up and its spread, setup time (build + capture + first step, the build split by phase:
+    modules, values, ranks, capture), break-even steps against
     native eager, peak and persistent memory (CUDA), graphs, replays and handoffs per step, arena bytes,
     capture host time, and the ratio to the step's matrix-FLOP floor at the FP8 GEMM rate measured in
     the same run; with --trace N, a profiler summary of N more steps. Configurations this machine cannot run are reported as not run, with the reason.
