@@ -487,7 +487,7 @@ def test_kernel_categories(name: str, bucket: str) -> None:
 class _FakeRunner:
     """A `Runner` whose step is a few aten ops; it records which data steps it was asked for."""
 
-    graph_count, graphs_per_rank, capture_host_seconds, arena_bytes = 0, None, None, None
+    graph_count, graphs_per_rank, capture_host_seconds, arena_bytes, setup_phases = 0, None, None, None, None
 
     def __init__(self) -> None:
         self.asked: list[int] = []

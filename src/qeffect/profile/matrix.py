@@ -198,8 +198,7 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
     result.capture_host_seconds = runner.capture_host_seconds
     result.graph_count, result.graphs_per_rank = runner.graph_count, runner.graphs_per_rank
     result.arena_bytes = runner.arena_bytes
-    phases = getattr(runner, "setup_phases", None)  # a runner that does not time its build: not measured
-    result.setup_phases = dict(phases) if phases is not None else None
+    result.setup_phases = dict(runner.setup_phases) if runner.setup_phases is not None else None
 
     def one(i: int) -> float:
         data = runner.data(i)  # made (and moved to the device) before the timer starts

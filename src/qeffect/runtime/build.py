@@ -51,8 +51,7 @@ def build_chunks_for(cfg: RunConfig, device: str | torch.device, phase: Phase = 
     """The configured model's chunks by stage: all of them, or only `stages` (one process's ranks)."""
     backend = get_backend(cfg.fp8.backend, recipe_of(cfg))
     chunks = build_chunks(GPTShape.from_config(cfg), backend, seed=cfg.train.seed, device=device,
-                          dtype=dtype_of(cfg), head=cfg.fp8.head, phase=phase,
-                          stages=None if stages is None else sorted(stages))
+                          dtype=dtype_of(cfg), head=cfg.fp8.head, phase=phase, stages=stages)
     return {c.stage: c for c in chunks}
 
 
