@@ -111,3 +111,20 @@ def test_first_chunk_with_sparse_token_grad_matches_autograd() -> None:
         with torch.no_grad():
             got = acc.accumulate(m, x, gs[EXTRA])
     assert bitwise_equal(got, ref)
+
+
+def test_accumulate_skips_the_zero_pass_only_where_torch_adds_into_zeros(monkeypatch) -> None:
+    """Up to `ZERO_FILLED_TOKENS` indices torch's backward adds into a zero-filled table (no -0.0 rows):
+    `accumulate` promises that to `add_rows`, which then skips the +0.0 pass; above, the pass runs."""
+    from qeffect.stage import embedding_grad
+
+    seen = []
+    real = TokenEmbeddingGrad.add_rows
+    monkeypatch.setattr(TokenEmbeddingGrad, "add_rows",
+                        lambda self, m, rows, g, **kw: seen.append(kw["signed_zeros"]) or real(self, m, rows, g, **kw))
+    limit = embedding_grad.ZERO_FILLED_TOKENS
+    for n in (limit, limit + 1):
+        acc = TokenEmbeddingGrad(torch.zeros(5, 2), n, 2)
+        for m in range(2):
+            acc.accumulate(m, torch.randint(0, 5, (n,)), torch.randn(n, 2))
+    assert seen == [False, False, True, True]

@@ -142,3 +142,78 @@ def test_the_model_uses_them_on_cuda_16_bit_unless_disabled(monkeypatch):
     monkeypatch.setenv("QEFFECT_FUSED_LAYERNORM", "0")
     gpt.layer_norm(ln, x)
     assert calls == [1]
+
+
+def _outputs_backward(fn, ln, x, r, grads):
+    """Run `fn(ln, x, r)` (two outputs), back-propagate `grads` into them (None: that output unused)."""
+    ln.zero_grad(set_to_none=True)
+    xi = x.detach().clone().requires_grad_(True)
+    ri = r.detach().clone().requires_grad_(True) if r is not None else None
+    outs = fn(ln, xi, ri)
+    used = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None]
+    torch.autograd.backward([o for o, _ in used], [g for _, g in used])
+    return ([o.detach().clone() for o in outs]
+            + [xi.grad, ri.grad if ri is not None else None, ln.weight.grad, ln.bias.grad])
+
+
+def _add_apart(ln, x, r):
+    s = x + r
+    return s, layernorm.triton_layer_norm(ln, s)
+
+
+def _fork_apart(ln, x, r):
+    return x.view_as(x), layernorm.triton_layer_norm(ln, x)  # autograd adds x's two gradients
+
+
+def _equal(a, b):
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b, strict=True)):
+        assert (u is None) == (v is None), i
+        assert u is None or (u.dtype == v.dtype and torch.equal(u, v)), i
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("tokens,hidden", [(256, 4096), (254, 2048), (33, 100)])
+def test_the_residual_adds_in_the_norm_passes_have_the_bits_of_the_add_and_the_norm_apart(tokens, hidden):
+    ln, x, dy = _ln_case(seed=2, tokens=tokens, hidden=hidden)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    r = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
+    ds = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
+    for grads in ((ds, dy), (None, dy), (ds, None)):
+        fused = _outputs_backward(lambda ln, x, r: layernorm.triton_add_layer_norm(ln, x, r), ln, x, r, grads)
+        apart = _outputs_backward(_add_apart, ln, x, r, grads)
+        _equal(fused, apart)
+        fused = _outputs_backward(lambda ln, x, r: layernorm.triton_fork_layer_norm(ln, x), ln, x, None, grads)
+        apart = _outputs_backward(_fork_apart, ln, x, None, grads)
+        _equal(fused, apart)
+    # the case is real: the add in the backward changed the norm's input gradient
+    fork = lambda ln, x, r: layernorm.triton_fork_layer_norm(ln, x)  # noqa: E731
+    added, plain = (_outputs_backward(fork, ln, x, None, g)[2] for g in ((ds, dy), (None, dy)))
+    assert not torch.equal(added, plain)
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_block_has_the_same_bits_with_the_residual_adds_fused_or_apart(monkeypatch):
+    from qeffect.fp8 import DelayedScalingRecipe, ReferenceBackend
+    from qeffect.model import GPTShape, build_chunks
+
+    shape = GPTShape(vocab_size=64, hidden=256, ffn=512, heads=4, layers_per_chunk=2, seq_len=32,
+                     microbatch_size=2, num_stages=1)
+    calls = []
+    real = layernorm.triton_add_layer_norm
+    monkeypatch.setattr(gpt, "triton_add_layer_norm", lambda *a: calls.append(1) or real(*a))
+    runs = []
+    for fused in ("1", "0"):
+        monkeypatch.setenv("QEFFECT_FUSED_RESIDUAL", fused)
+        (chunk,) = build_chunks(shape, ReferenceBackend(DelayedScalingRecipe()), seed=0, device="cuda",
+                                dtype=torch.bfloat16)
+        gen = torch.Generator().manual_seed(5)
+        tokens = torch.randint(0, 64, (2, 32), generator=gen).cuda()
+        targets = torch.randint(0, 64, (2, 32), generator=gen).cuda()
+        loss = chunk(tokens, is_first_microbatch=True, targets=targets)
+        loss.backward()
+        runs.append([loss.detach()] + [p.grad for _, p in sorted(chunk.named_parameters())])
+    assert calls == [1, 1]  # two blocks fused, none apart
+    _equal(runs[0], runs[1])

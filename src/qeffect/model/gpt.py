@@ -8,7 +8,8 @@ the head is instead a stateless dynamic-scaling torchao `Float8Linear` (fp8/torc
 backend linear, so its weight is a non-matrix parameter whose gradient also comes in `dI`.
 
 Parameters are fp32 masters; activations run in the chunk's `dtype`; the loss and the norms' statistics
-are fp32 (the torch form upcasts; on CUDA `model/layernorm.py` reads and writes 16-bit activations).
+are fp32 (the torch form upcasts; on CUDA `model/layernorm.py` reads and writes 16-bit activations and
+`model/cross_entropy.py` reads the 16-bit logits).
 `build_chunks` initializes every chunk from one CPU generator in stage order, so a seed gives the same
 parameters on any device and for any mapping of stages to ranks.
 """
@@ -27,8 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qeffect.fp8.base import FP8Backend, is_backend_linear
+from qeffect.model import cross_entropy as fused_ce
 from qeffect.model.layernorm import available as fused_layer_norm_available
-from qeffect.model.layernorm import triton_layer_norm
+from qeffect.model.layernorm import triton_add_layer_norm, triton_fork_layer_norm, triton_layer_norm
 
 if TYPE_CHECKING:
     from qeffect.config import RunConfig
@@ -101,6 +103,39 @@ def _fused_norm_enabled() -> bool:
     return os.environ.get("QEFFECT_FUSED_LAYERNORM", "1") != "0"
 
 
+def _fused_residual(ln: nn.LayerNorm, x: Tensor) -> bool:
+    """The residual adds ride in the Triton LayerNorm's passes (`add_layer_norm`, `fork_layer_norm`):
+    the same bits as the add and the norm apart. ``QEFFECT_FUSED_RESIDUAL=0`` keeps them apart (A/B)."""
+    return (os.environ.get("QEFFECT_FUSED_RESIDUAL", "1") != "0" and ln.bias is not None and _fused_norm_enabled()
+            and fused_layer_norm_available(x, ln.weight))
+
+
+def add_layer_norm(ln: nn.LayerNorm, x: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+    """``s = x + r`` and ``layer_norm(ln, s)``: on the Triton LayerNorm one pass each way."""
+    if _fused_residual(ln, x) and r.dtype == x.dtype and r.shape == x.shape:
+        return triton_add_layer_norm(ln, x, r)
+    s = x + r
+    return s, layer_norm(ln, s)
+
+
+def fork_layer_norm(ln: nn.LayerNorm, x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` and ``layer_norm(ln, x)`` for an x used again (the residual): on the Triton LayerNorm the
+    backward adds x's two gradients in the norm's pass."""
+    if _fused_residual(ln, x):
+        return triton_fork_layer_norm(ln, x)
+    return x, layer_norm(ln, x)
+
+
+def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """The model's loss, mean fp32 cross-entropy: on 16-bit CUDA logits the Triton passes of
+    `model/cross_entropy.py` (no fp32 copy of the logits), else the torch form below.
+    ``QEFFECT_FUSED_CE=0`` keeps the torch form (for A/B runs; the numbers differ, so native and
+    qeffect runs must agree on it)."""
+    if fused_ce.enabled() and fused_ce.available(logits, targets):
+        return fused_ce.triton_cross_entropy(logits, targets)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class _SplitHeads(torch.autograd.Function):
     """q, k, v as [b, heads, t, d] views of the fused projection [b, t, 3h], as autograd's own route
     (view, permute, unbind). Its backward writes the three gradients into one [b, t, 3, heads, d] tensor
@@ -147,12 +182,13 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, is_first_microbatch: bool) -> Tensor:
         b, t, h = x.shape
-        qkv = self.qkv(layer_norm(self.ln1, x), is_first_microbatch)
+        x, n1 = fork_layer_norm(self.ln1, x)
+        qkv = self.qkv(n1, is_first_microbatch)
         q, k, v = split_heads(qkv, self.heads)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         a = a.transpose(1, 2).reshape(b, t, h)
-        x = x + self.proj(a, is_first_microbatch)
-        m = F.gelu(self.fc1(layer_norm(self.ln2, x), is_first_microbatch), approximate="tanh")
+        x, n2 = add_layer_norm(self.ln2, x, self.proj(a, is_first_microbatch))
+        m = F.gelu(self.fc1(n2, is_first_microbatch), approximate="tanh")
         return x + self.fc2(m, is_first_microbatch)
 
 
@@ -230,7 +266,7 @@ class StageChunk(nn.Module):
         logits = self.head(layer_norm(self.ln_f, x), is_first_microbatch)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return cross_entropy(logits, targets)
 
     # -- parameter classification -----------------------------------------------------------------
     def matrix_linears(self) -> dict[str, nn.Module]:

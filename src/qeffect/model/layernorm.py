@@ -30,11 +30,19 @@ MAX_HIDDEN = 16384
 @triton_kernel
 def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
     @triton.jit
-    def forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n, eps, BLOCK: tl.constexpr):
+    def forward(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n, eps, RESIDUAL: tl.constexpr,
+                BLOCK: tl.constexpr):
+        """With ``RESIDUAL``: s = x + r rounded to the activation dtype (torch's 16-bit add: an fp32
+        sum, one rounding), stored, and normalized in place of x."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        if RESIDUAL:
+            r = tl.load(r_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+            sq = (x + r).to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * n + cols, sq, mask=mask)
+            x = sq.to(tl.float32)
         mean = tl.sum(x, axis=0) / n
         xc = tl.where(mask, x - mean, 0.0)
         var = tl.sum(xc * xc, axis=0) / n
@@ -47,8 +55,10 @@ def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
         tl.store(rstd_ptr + row, rstd)
 
     @triton.jit
-    def backward(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, rows, n,
-                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def backward(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dres_ptr, part_ptr, rows, n,
+                 RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """With ``RESIDUAL``: dx = (LayerNorm's dx rounded to the activation dtype) + dres, rounded again:
+        what autograd's 16-bit add of the two gradients of a tensor with two uses makes."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -66,8 +76,11 @@ def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
                 wdy = w * dy
                 c1 = tl.sum(xhat * wdy, axis=0) / n
                 c2 = tl.sum(wdy, axis=0) / n
-                dx = (wdy - (xhat * c1 + c2)) * rstd
-                tl.store(dx_ptr + row * n + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                dx = ((wdy - (xhat * c1 + c2)) * rstd).to(dx_ptr.dtype.element_ty)
+                if RESIDUAL:
+                    dres = tl.load(dres_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+                    dx = (dx.to(tl.float32) + dres).to(dx_ptr.dtype.element_ty)
+                tl.store(dx_ptr + row * n + cols, dx, mask=mask)
                 dw += dy * xhat
                 db += dy
         tl.store(part_ptr + pid * 2 * n + cols, dw, mask=mask)  # part[pid, 0] = dw, part[pid, 1] = db
@@ -90,36 +103,107 @@ def _warps(block: int) -> int:
     return min(16, max(4, block // 512))
 
 
+def _forward(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor,
+             eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, the normalized input (x, or x + residual stored), mean, rstd), all [rows, n]."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    rows = x2.shape[0]
+    y = torch.empty_like(x2)
+    if residual is not None:
+        r2 = residual.reshape(rows, n).contiguous()
+        s2 = torch.empty_like(x2)
+    else:
+        r2 = s2 = x2  # not read
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    block = _block(n)
+    _kernels()[0][(rows,)](x2, r2, s2, weight.contiguous(), bias.contiguous(), y, mean, rstd, n, eps,
+                           RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block))
+    return y, (s2 if residual is not None else x2), mean, rstd
+
+
+def _backward(grad: Tensor, dres: Tensor | None, x2: Tensor, weight: Tensor, mean: Tensor,
+              rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx [rows, n], plus `dres` where given; dw, db), the parameter gradients one fixed-order sum."""
+    rows, n = x2.shape
+    dy = grad.reshape(rows, n).contiguous()
+    dr = dres.reshape(rows, n).contiguous() if dres is not None else dy  # not read without
+    dx = torch.empty_like(x2)
+    programs = -(-rows // ROWS_PER_PROGRAM)
+    part = torch.empty(programs, 2, n, dtype=torch.float32, device=x2.device)
+    block = _block(n)
+    _kernels()[1][(programs,)](dy, x2, weight.contiguous(), mean, rstd, dx, dr, part, rows, n,
+                               RESIDUAL=dres is not None, ROWS=ROWS_PER_PROGRAM, BLOCK=block,
+                               num_warps=_warps(block))
+    dw, db = part.sum(0)  # one fixed-order reduction over the groups for both
+    return dx, dw, db
+
+
 class _TritonLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-        n = x.shape[-1]
-        x2 = x.reshape(-1, n).contiguous()
-        rows = x2.shape[0]
-        y = torch.empty_like(x2)
-        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        block = _block(n)
-        _kernels()[0][(rows,)](x2, weight.contiguous(), bias.contiguous(), y, mean, rstd, n, eps, BLOCK=block,
-                               num_warps=_warps(block))
+        y, x2, mean, rstd = _forward(x, None, weight, bias, eps)
         ctx.save_for_backward(x2, weight, mean, rstd)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
-        x2, weight, mean, rstd = ctx.saved_tensors
-        rows, n = x2.shape
-        dy = grad.reshape(rows, n).contiguous()
-        dx = torch.empty_like(x2)
-        programs = -(-rows // ROWS_PER_PROGRAM)
-        part = torch.empty(programs, 2, n, dtype=torch.float32, device=x2.device)
-        block = _block(n)
-        _kernels()[1][(programs,)](dy, x2, weight.contiguous(), mean, rstd, dx, part, rows, n,
-                                   ROWS=ROWS_PER_PROGRAM, BLOCK=block, num_warps=_warps(block))
-        dw, db = part.sum(0)  # one fixed-order reduction over the groups for both
+        dx, dw, db = _backward(grad, None, *ctx.saved_tensors)
         return dx.view(grad.shape), dw, db, None
+
+
+class _TritonAddLayerNorm(torch.autograd.Function):
+    """(s, LayerNorm(s)) for s = x + r: the pre-norm block's residual add and the norm after it, one pass
+    each way. Backward: s's two gradients (its own use, the norm's) added as autograd adds them, and
+    that sum is x's and r's gradient, as the add's backward hands it to both."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, r: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        y, s2, mean, rstd = _forward(x, r, weight, bias, eps)
+        ctx.save_for_backward(s2, weight, mean, rstd)
+        ctx.set_materialize_grads(False)  # an unused output's gradient is no gradient, not +0.0 added
+        return s2.view(x.shape), y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, ds: Tensor | None, dy: Tensor | None) -> tuple[Tensor | None, ...]:
+        if dy is None:
+            return ds, ds, None, None, None
+        dx, dw, db = _backward(dy, ds, *ctx.saved_tensors)
+        dx = dx.view(dy.shape)
+        return dx, dx, dw, db, None
+
+
+class _TritonForkLayerNorm(torch.autograd.Function):
+    """(x, LayerNorm(x)) for an x that is also used elsewhere (the block input: the residual): backward
+    adds x's two gradients in the norm's pass, as autograd's 16-bit add of them would."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        y, x2, mean, rstd = _forward(x, None, weight, bias, eps)
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.set_materialize_grads(False)  # an unused output's gradient is no gradient, not +0.0 added
+        return x, y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, dpass: Tensor | None, dy: Tensor | None) -> tuple[Tensor | None, ...]:
+        if dy is None:
+            return dpass, None, None, None
+        dx, dw, db = _backward(dy, dpass, *ctx.saved_tensors)
+        return dx.view(dy.shape), dw, db, None
 
 
 def triton_layer_norm(ln: torch.nn.LayerNorm, x: Tensor) -> Tensor:
     """`ln` applied to 16-bit CUDA `x` (see the module docstring); `available(x, ln.weight)` must hold."""
     return _TritonLayerNorm.apply(x, ln.weight, ln.bias, ln.eps)
+
+
+def triton_add_layer_norm(ln: torch.nn.LayerNorm, x: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+    """``s = x + r`` and ``ln(s)`` in one pass each way, the bits of the add then `triton_layer_norm`."""
+    return _TritonAddLayerNorm.apply(x, r, ln.weight, ln.bias, ln.eps)
+
+
+def triton_fork_layer_norm(ln: torch.nn.LayerNorm, x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` and ``ln(x)``, for an x used again: its two gradients are added in the norm's backward pass,
+    the bits of autograd's add."""
+    return _TritonForkLayerNorm.apply(x, ln.weight, ln.bias, ln.eps)

@@ -18,9 +18,12 @@ rows (about 1 ms of a 13 ms captured h2048 step on the H200).
 - a later microbatch m adds its rows: acc[r] + G[r] for its rows, and acc[r] + 0.0 for the rows only
   earlier microbatches touched, which is what the dense add does there (-0.0 + +0.0 = +0.0; every other
   value is unchanged). New values for m's rows are computed from the accumulator BEFORE the +0.0 pass
-  and written after it, so no row gets both. Rows nobody touched stay +0.0 in both. (With at most
-  3072 tokens per microbatch torch's kernels add into a zero-filled table, so a row's gradient is
-  never -0.0 and the pass changes nothing; with more they write sums, which can be: it stays.)
+  and written after it, so no row gets both. Rows nobody touched stay +0.0 in both. With at most
+  3072 tokens per microbatch (`ZERO_FILLED_TOKENS`) torch's kernels add into a zero-filled table, so
+  a row's gradient is never -0.0 (nor a NaN other than the one its adds make); no accumulated row is
+  then -0.0 either, and the pass would change nothing: `accumulate` skips it (at h4096 it was seven
+  gathers, adds and scatters per step over up to 1,792 rows). With more tokens torch writes sums, which
+  can be -0.0: the pass runs.
 
 Unused compact slots point at a scratch row V of the accumulator ([V + 1, H]); `.grad` is its first
 V rows. Microbatches must come in order 0, 1, ... (the captured dI graphs run in microbatch order).
@@ -30,6 +33,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+ZERO_FILLED_TOKENS = 3072  # up to this many indices torch's embedding backward adds into a zero-filled table
 
 
 class TokenEmbeddingGrad:
@@ -64,11 +69,13 @@ class TokenEmbeddingGrad:
         the accumulator; returns `.grad`'s tensor. Inside a capture this is all device work."""
         cid, rows = self.compact(tokens)
         g = torch.ops.aten.embedding_dense_backward(grad_out.reshape(self.n, self.hidden), cid, self.n, -1, False)
-        return self.add_rows(m, rows, g)
+        return self.add_rows(m, rows, g, signed_zeros=self.n > ZERO_FILLED_TOKENS)
 
-    def add_rows(self, m: int, rows: Tensor, g: Tensor) -> Tensor:
+    def add_rows(self, m: int, rows: Tensor, g: Tensor, *, signed_zeros: bool = True) -> Tensor:
         """Microbatch `m`'s dense add, on its rows (`g[k]` belongs to row `rows[k]`; unique rows, V
-        where unused) and the rows earlier microbatches touched; returns `.grad`'s tensor."""
+        where unused) and the rows earlier microbatches touched; returns `.grad`'s tensor.
+        `signed_zeros=False` promises that no row of `g` is -0.0 (torch's zero-filled backward): the
+        +0.0 pass over the earlier rows is then skipped."""
         self.rows[m].copy_(rows)
         buf = self.buffer
         if m == 0:
@@ -76,7 +83,8 @@ class TokenEmbeddingGrad:
             buf.index_copy_(0, rows, g)  # only the scratch row repeats: its value does not matter
             return self.grad
         new = buf.index_select(0, rows) + g  # from the accumulator before the +0.0 pass
-        earlier = torch.cat(self.rows[:m])
-        buf.index_copy_(0, earlier, buf.index_select(0, earlier) + 0.0)  # repeats write equal values
+        if signed_zeros:
+            earlier = torch.cat(self.rows[:m])
+            buf.index_copy_(0, earlier, buf.index_select(0, earlier) + 0.0)  # repeats write equal values
         buf.index_copy_(0, rows, new)
         return self.grad
