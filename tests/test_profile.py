@@ -638,6 +638,28 @@ def test_ratio_targets_say_how_they_stand_against_the_baselines_fastest_step(pro
     assert {t.name: t for t in r.with_targets().targets}["speedup-vs-native"].note is None
 
 
+def test_ratio_targets_give_the_ratio_on_device_work_alone_when_both_were_traced(profiled) -> None:
+    """A host-bound baseline's ratio follows the lent host: with both traces (CUDA) a ratio target also
+    says what it is on the traced GPU busy time alone; without a CUDA trace it says nothing of it."""
+    base = {"native-eager": 120.0, "qeffect-eager": 200.0, "captured-copy": 25.0, "captured-direct": 20.0,
+            "captured-zbv-direct": 15.0, "te-graphed": 30.0}
+    r = _hand_report(profiled, base)
+    r.result("te-graphed").step_seconds = []  # no spread note: this one alone
+
+    def trace(wall_ms: float, busy_ms: float | None) -> TraceSummary:
+        return TraceSummary(steps=2, wall_seconds_per_step=wall_ms / 1e3, cpu_op_seconds_per_step=0.001,
+                            cpu_ops_per_step=10, gpu_busy_seconds_per_step=None if busy_ms is None else busy_ms / 1e3,
+                            top_kernels=[], categories={})
+
+    r.result("te-graphed").trace = trace(32.0, 18.0)
+    r.result("captured-direct").trace = trace(21.0, 15.0)
+    note = {t.name: t for t in r.with_targets().targets}["vs-te-anchor"].note
+    assert note == ("traced GPU busy per step: te-graphed 18.00 ms of 32.00 wall, captured-direct 15.00 of 21.00: "
+                    "on device work alone captured-direct is 1.20x")
+    r.result("captured-direct").trace = trace(21.0, None)  # a CPU trace: no device time
+    assert {t.name: t for t in r.with_targets().targets}["vs-te-anchor"].note is None
+
+
 def test_targets_render_in_the_table(capsys, profiled) -> None:
     path, _ = profiled
     rc, out, _ = run(capsys, "profile", "--report", str(path))

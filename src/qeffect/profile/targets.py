@@ -84,6 +84,23 @@ def _against_fastest(baseline: ConfigResult, ours: ConfigResult) -> str | None:
             f"{baseline.median_step_seconds * 1e3:.2f}); against its fastest step {ours.name} is {lo / med:.2f}x")
 
 
+def _device_work(baseline: ConfigResult, ours: ConfigResult) -> str | None:
+    """The ratio on device work alone, from both traces (CUDA, --trace): how much of a ratio to a
+    host-bound baseline is the baseline's host, which a faster host takes away."""
+    tb, to = baseline.trace, ours.trace
+    if tb is None or to is None or not tb.gpu_busy_seconds_per_step or not to.gpu_busy_seconds_per_step:
+        return None
+    b, o = tb.gpu_busy_seconds_per_step, to.gpu_busy_seconds_per_step
+    return (f"traced GPU busy per step: {baseline.name} {b * 1e3:.2f} ms of {tb.wall_seconds_per_step * 1e3:.2f} "
+            f"wall, {ours.name} {o * 1e3:.2f} of {to.wall_seconds_per_step * 1e3:.2f}: on device work alone "
+            f"{ours.name} is {b / o:.2f}x")
+
+
+def _baseline_notes(baseline: ConfigResult, ours: ConfigResult) -> str | None:
+    notes = [n for n in (_against_fastest(baseline, ours), _device_work(baseline, ours)) if n]
+    return "; ".join(notes) or None
+
+
 def _ok(report: ProfileReport, name: str) -> ConfigResult | None:
     c = report.result(name)
     return c if c is not None and c.status == "ok" else None
@@ -100,7 +117,7 @@ def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
             f"({report.backend} backend)", direct.speedup_vs_native, SPEEDUP_VS_NATIVE, ">=",
             needed=f"captured-direct step <= {native.median_step_seconds / SPEEDUP_VS_NATIVE * ms:.2f} ms "
                    f"(now {direct.median_step_seconds * ms:.2f} ms)", about=direct,
-            note=_against_fastest(native, direct)))
+            note=_baseline_notes(native, direct)))
     else:
         out.append(_check("speedup-vs-native", "captured-direct vs native eager", None, SPEEDUP_VS_NATIVE,
                           ">=", note="needs native-eager and captured-direct"))
@@ -119,7 +136,7 @@ def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
                 "make_graphed_callables per layer", a / direct.median_step_seconds, VS_TE_ANCHOR, ">=",
                 needed=f"captured-direct step <= {a / VS_TE_ANCHOR * ms:.2f} ms "
                        f"(now {direct.median_step_seconds * ms:.2f} ms)", about=direct,
-                note=_against_fastest(anchor, direct)))
+                note=_baseline_notes(anchor, direct)))
             ours = [c for c in (_ok(report, n) for n in QEFFECT_CONFIGS) if c is not None]
             fastest = min(ours, key=lambda c: c.median_step_seconds)
             out.append(_check(
@@ -128,7 +145,7 @@ def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
                 a / fastest.median_step_seconds, FASTEST_VS_TE_ANCHOR, ">=",
                 needed=f"{fastest.name} step <= {a / FASTEST_VS_TE_ANCHOR * ms:.2f} ms "
                        f"(now {fastest.median_step_seconds * ms:.2f} ms)", about=fastest,
-                note=_against_fastest(anchor, fastest)))
+                note=_baseline_notes(anchor, fastest)))
     if report.config.get("model", {}).get("hidden") == FLOOR_RATIO_HIDDEN:
         value = direct.floor_ratio if direct is not None else None
         needed = None
