@@ -3,16 +3,17 @@
 Why: the model's torch form (`F.cross_entropy(logits.float(), ...)`) copies the [tokens, vocab] logits
 to fp32, runs log-softmax (whose fp32 output autograd keeps for the backward), then the NLL; its
 backward runs the NLL's and log-softmax's backward kernels in fp32 and copies the gradient back to the
-activation dtype. At h4096's 256 tokens x 32,768 vocabulary that is seven kernels and 0.7 ms of a
-captured step on the H200. Here the forward is one pass over each row (a per-lane online max and
-sum of exponentials, in fp32) plus one program for the mean, and the backward one pass that writes the
-gradient in the logits' dtype. What it keeps for the backward: the fp32 log-sum-exp per row, not an
+activation dtype. At h4096's 256 tokens x 32,768 vocabulary that is seven kernels per microbatch and
+0.7 ms of a captured step on the H200 (`step-gaps-h4096-te-{1559970,2dae921}-h200.json`). Here the
+forward is one pass over each row (a per-lane online max and sum of exponentials, in fp32) plus one
+program for the mean, and the backward one pass that writes the gradient in the logits' dtype. What it keeps for the backward: the fp32 log-sum-exp per row, not an
 fp32 copy of the logits.
 
 Bits: deterministic (fixed block order, no atomics). Native eager and every qeffect path share the model
 code, so they keep identical bits; the numbers differ from the torch form's by rounding (a different
 summation order, Triton's `exp`/`log`). Same semantics as `F.cross_entropy(..., reduction="mean")`:
-targets equal to ``ignore_index`` (-100) add nothing and are not counted (all ignored: NaN, as torch).
+targets equal to ``ignore_index`` (-100) add nothing and are not counted (all ignored: NaN, as torch);
+a target outside [0, V) makes the loss and its row's gradient NaN (torch stops on a device assert).
 ``QEFFECT_FUSED_CE=0`` keeps the torch form (for A/B runs; native and qeffect runs must agree on it).
 """
 
