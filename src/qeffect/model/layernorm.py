@@ -12,6 +12,12 @@ Backward: one program per group of rows writes fp32 partial weight and bias grad
 groups by torch in a fixed order; the input gradient is per row. Native eager and every qeffect path
 share the model code, so they keep identical bits; the numbers differ from the torch form's by the
 rounding of a different summation order.
+
+The pre-norm block's residual adds ride in these passes (`triton_add_layer_norm`: s = x + r and its
+norm; `triton_fork_layer_norm`: a norm whose input is used again): the forward adds in the activation
+dtype as torch's add does (an fp32 sum, one rounding), and the backward adds the input's other gradient
+to the rounded input gradient as autograd's add does, so the bits are those of the add and the norm
+apart (GPU-tested), with one kernel and one read and write of the activation fewer per add.
 """
 
 from __future__ import annotations
