@@ -74,8 +74,8 @@ INTERPRETED = textwrap.dedent("""
 
 
 def test_kernels_compute_a_cross_entropy_under_the_interpreter():
-    # the rows' loops take their bound from a runtime argument, which older interpreters reject (the GPU
-    # machine's Triton 3.6 with NumPy 2: "only 0-dimensional arrays can be converted"); 3.9's runs them
+    # the rows' loops take their bound from a runtime argument, which an older interpreter rejects (the
+    # GPU machine's: "only 0-dimensional arrays can be converted"); Triton 3.9's runs them
     pytest.importorskip("triton", minversion="3.9")
     out = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
