@@ -677,6 +677,17 @@ layernorm)
             --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     fi
     ;;
+ln-embedding)
+    # the LayerNorm partial sums as a Triton pass and the token table's pairwise renumbering: their GPU
+    # tests, the LayerNorm backward's rows-per-program sweep, then (only if the tests pass) the whole GPU
+    # suite and h4096's per-kernel step table
+    if step 150 ln-embedding-tests python3 -m pytest -m gpu -q tests/test_layernorm.py tests/test_embedding_grad.py; then
+        step 90 layernorm-backward python3 benchmarks/layernorm_backward.py --json "$out/layernorm-backward-h200.json"
+        step 300 pytest-gpu python3 -m pytest -m gpu -q
+        step 120 step-gaps-h4096 python3 scripts/step_gaps.py --config examples/configs/h4096.toml \
+            --json "$out/step-gaps-h4096-te-h200.json"
+    fi
+    ;;
 gil)
     # do the VMM driver calls release the GIL (a driver thread for release offload needs them to)?
     step 30 gil-control python3 scripts/gil_check.py --control

@@ -34,17 +34,59 @@ def sparse(weight: torch.Tensor, tokens: list[torch.Tensor], grads: list[torch.T
     return out
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), vocab=st.integers(1, 40), microbatches=st.integers(1, 4),
-       tokens=st.integers(1, 24))
-def test_sparse_accumulation_has_the_dense_bits(device: str, seed: int, vocab: int, microbatches: int,
-                                                tokens: int) -> None:
+def random_case(device: str, seed: int, vocab: int, microbatches: int, tokens: int) -> tuple:
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(vocab, 8, generator=g).to(device)
     toks = [torch.randint(0, vocab, (1, tokens), generator=g).to(device) for _ in range(microbatches)]
     grads = [torch.randn(1, tokens, 8, generator=g).to(device) for _ in range(microbatches)]
+    return weight, toks, grads
+
+
+@pytest.mark.parametrize("pairwise", [True, False], ids=["pairwise", "sorted"])
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), vocab=st.integers(1, 40), microbatches=st.integers(1, 4),
+       tokens=st.integers(1, 24))
+def test_sparse_accumulation_has_the_dense_bits(device: str, pairwise: bool, seed: int, vocab: int,
+                                                microbatches: int, tokens: int) -> None:
+    from qeffect.stage import embedding_grad
+
+    weight, toks, grads = random_case(device, seed, vocab, microbatches, tokens)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(embedding_grad, "PAIRWISE_TOKENS", tokens if pairwise else tokens - 1)
+        got = sparse(weight, toks, grads)
+    assert bitwise_equal(got, dense_reference(weight, toks, grads))
+
+
+@pytest.mark.parametrize("tokens", [256, 4096, 4097])
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_tokens_have_the_dense_bits(device: str, tokens: int) -> None:
+    """Microbatches of many chunks of 32 positions (the CUDA backward's unit of ordering), a token
+    repeated across and within chunks, on both sides of `PAIRWISE_TOKENS` (4,096: pairwise; 4,097:
+    sorted)."""
+    weight, toks, grads = random_case(device, tokens, 50, 3, tokens)
     assert bitwise_equal(sparse(weight, toks, grads), dense_reference(weight, toks, grads))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_both_renumberings_group_the_same_tokens(device: str) -> None:
+    """`compact`'s ids: equal tokens share one, different tokens do not, and each id's row is its
+    token (V on unused ids), whichever form runs; the pairwise ids are first positions."""
+    from qeffect.stage import embedding_grad
+
+    tokens = torch.tensor([5, 3, 5, 9, 3, 3, 0, 5], device=device)
+    acc = TokenEmbeddingGrad(torch.zeros(10, 2, device=device), tokens.numel(), 1)
+    for limit in (tokens.numel(), 0):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(embedding_grad, "PAIRWISE_TOKENS", limit)
+            cid, rows = acc.compact(tokens)
+        assert torch.equal(cid[:, None] == cid[None, :], tokens[:, None] == tokens[None, :])
+        assert torch.equal(rows[cid], tokens)
+        unused = torch.ones(tokens.numel(), dtype=torch.bool, device=device)
+        unused[cid] = False
+        assert (rows[unused] == 10).all()
+        if limit:
+            assert cid.tolist() == [0, 1, 0, 3, 1, 1, 6, 0]
 
 
 @pytest.mark.parametrize("device", DEVICES)
