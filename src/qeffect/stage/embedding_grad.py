@@ -8,13 +8,16 @@ rows (about 1 ms of a 13 ms captured h2048 step on the H200).
 
 `TokenEmbeddingGrad` gets the same numbers from the touched rows only:
 
-- per microbatch, each token is renumbered by the position of its first occurrence (up to
-  `PAIRWISE_TOKENS` tokens: all pairs compared, then the first match; above, by value: a stable sort,
-  the run starts, a cumsum), with no host synchronization, so it runs inside a CUDA graph, and
-  `embedding_dense_backward` runs on the compact [n, H] table. Its kernels order the additions into a
-  row by token positions and token equality only, never by the token's id, so every touched row gets
-  the bits the dense call gives it (the GPU and CPU tests compare them bitwise). The pairwise form is
-  four kernels where the sort was eleven, one of them a 64-bit radix sort of 27 us (h4096 on the H200);
+- per microbatch the tokens are renumbered, with no host synchronization, so it runs inside a CUDA
+  graph, and `embedding_dense_backward` runs on the compact table. Up to `PAIRWISE_TOKENS` (3,072)
+  torch's CUDA backward is one kernel that orders the additions into a row by token positions and token
+  equality only, so any ids that keep equality will do: each token gets the position of its first
+  occurrence (all pairs compared, then the first match: four kernels where a sort took eleven, one of
+  them a 64-bit radix sort of 27 us at h4096 on the H200), on an [n, H] table. Above, torch sorts and
+  sizes its grids, and picks between a two-pass and an atomic kernel, by min(n, number of rows): the
+  ids are then ranks by value (a stable sort, the run starts, a cumsum) on a [min(n, V), H] table, which
+  gives that choice the dense call's operands. Either way every touched row gets the bits the dense
+  call gives it (the GPU and CPU tests compare them bitwise);
 - the first microbatch zero-fills the accumulator and writes its rows (AccumulateGrad's copy: the other
   rows of g0 are +0.0);
 - a later microbatch m adds its rows: acc[r] + G[r] for its rows, and acc[r] + 0.0 for the rows only
@@ -37,7 +40,7 @@ import torch
 from torch import Tensor
 
 ZERO_FILLED_TOKENS = 3072  # up to this many indices torch's embedding backward adds into a zero-filled table
-PAIRWISE_TOKENS = 4096  # up to this many tokens per microbatch `compact` compares all pairs (n * n bytes)
+PAIRWISE_TOKENS = 3072  # up to this many tokens `compact` compares all pairs (torch's one-kernel backward)
 
 
 class TokenEmbeddingGrad:
@@ -78,15 +81,16 @@ class TokenEmbeddingGrad:
         """Add microbatch `m`'s gradient (`grad_out`: the embedding output's gradient, [..., H]) into
         the accumulator; returns `.grad`'s tensor. Inside a capture this is all device work."""
         cid, rows = self.compact(tokens)
-        g = torch.ops.aten.embedding_dense_backward(grad_out.reshape(self.n, self.hidden), cid, self.n, -1, False)
-        return self.add_rows(m, rows, g, signed_zeros=self.n > ZERO_FILLED_TOKENS)
+        rows_out = self.n if self.n <= PAIRWISE_TOKENS else min(self.n, self.vocab)  # see the module docstring
+        g = torch.ops.aten.embedding_dense_backward(grad_out.reshape(self.n, self.hidden), cid, rows_out, -1, False)
+        return self.add_rows(m, rows[:rows_out], g, signed_zeros=self.n > ZERO_FILLED_TOKENS)
 
     def add_rows(self, m: int, rows: Tensor, g: Tensor, *, signed_zeros: bool = True) -> Tensor:
         """Microbatch `m`'s dense add, on its rows (`g[k]` belongs to row `rows[k]`; unique rows, V
         where unused) and the rows earlier microbatches touched; returns `.grad`'s tensor.
         `signed_zeros=False` promises that no row of `g` is -0.0 (torch's zero-filled backward): the
         +0.0 pass over the earlier rows is then skipped."""
-        self.rows[m].copy_(rows)
+        self.rows[m][: rows.numel()].copy_(rows)  # any slots after: the scratch row, as initialized
         buf = self.buffer
         if m == 0:
             buf.zero_()
