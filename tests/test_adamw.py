@@ -272,6 +272,7 @@ def test_training_steps_with_the_fold_in_the_pass_equal_native_eager(backend, mo
     matrix = sum(len(c.matrix_params()) for r in qeff.ranks for c in r.chunks.values())
     assert len(fused) == 3 * matrix and not unfused  # every matrix weight, every step, in the fused pass
     assert set(fused) == {cfg.pipeline.microbatches}  # one staging group of all microbatches
+    qeff.settle()  # the row-lazy token table (runtime/lazy_rows.py) up to date before reading it
     for rn, rq in zip(native.ranks, qeff.ranks, strict=True):
         for cn, cq in zip(rn.chunks.values(), rq.chunks.values(), strict=True):
             for (name, pn), (_, pq) in zip(cn.named_parameters(), cq.named_parameters(), strict=True):

@@ -187,6 +187,7 @@ def test_the_captured_optimizer_step_replays_from_a_graph_with_natives_bits(monk
 def _params_and_moments(pipe) -> dict[tuple, torch.Tensor]:
     """Every parameter and its AdamW state by (stage, name, what), from each rank's chunks and optimizer."""
     out: dict[tuple, torch.Tensor] = {}
+    pipe.settle()  # a row-lazy token table (runtime/lazy_rows.py) up to date before reading it
     for r in pipe.ranks:
         for stage, chunk in r.chunks.items():
             for name, p in chunk.named_parameters():

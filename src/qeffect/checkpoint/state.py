@@ -186,6 +186,7 @@ def tensor_state(view: LocalView) -> dict[str, torch.Tensor]:
     """Live tensors of this process by checkpoint key (no copies: DCP reads them while saving)."""
     out: dict[str, torch.Tensor] = {}
     for r in view.ranks:
+        r.settle()  # a row-lazy token table: every row and moment up to date first
         owner: dict[int, tuple[int, str]] = {}
         for s, chunk in r.chunks.items():
             for name, p in chunk.named_parameters():

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -51,6 +53,9 @@ from qeffect.stage.actions import (
     take_wgrad_work,
 )
 from qeffect.stage.embedding_grad import TokenEmbeddingGrad
+
+if TYPE_CHECKING:  # given by the runtime above (`QEffectRank`); only its methods are called here
+    from qeffect.runtime.lazy_rows import LazyRows
 
 TOKEN_TABLE = "tok_emb.weight"
 
@@ -77,6 +82,10 @@ class CapturedStageActions(StageActions):
     _di_next: int = 0
     # the first stage's token table: its gradient over the touched rows only (stage/embedding_grad.py)
     _token_grad: TokenEmbeddingGrad | None = None
+    # given (by `QEffectRank`): makes the optimizer update the token table row-lazily over the rows
+    # `_token_grad` records (`runtime.lazy_rows`); the F graphs then catch up their tokens' rows first
+    lazy_rows: Callable[[torch.Tensor, torch.Tensor], LazyRows | None] | None = field(default=None, repr=False)
+    _lazy: LazyRows | None = field(default=None, repr=False)
     # effect token on the device: False (default) one buffer per chunk, incremented in place by every graph;
     # True: a token input per slot, copied in before each replay (one more copy per replay; the A/B)
     token_copy: bool = field(default_factory=lambda: os.environ.get("QEFFECT_TOKEN_COPY", "0") == "1")
@@ -114,6 +123,8 @@ class CapturedStageActions(StageActions):
             chunk.sparse_token_grad = True
             self._token_grad = TokenEmbeddingGrad(self._nonmatrix[TOKEN_TABLE], microbatch_size * seq_len,
                                                   microbatches)
+            if self.lazy_rows is not None:
+                self._lazy = self.lazy_rows(self._nonmatrix[TOKEN_TABLE], self._token_grad.rows_all.view(-1))
         for m in range(microbatches):
             if first:
                 self._x[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
@@ -128,6 +139,8 @@ class CapturedStageActions(StageActions):
         self._warm_up(dev)
 
     def _f_body(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._lazy is not None:  # the rows the lookup reads, up to the optimizer's last step
+            self._lazy.catch_up(self._x[m], launch=m)
         with batched_scaling_updates():  # te: one scaling-update kernel per F graph, not one per linear
             out = self.chunk(self._x[m], is_first_microbatch=(m == 0), targets=self._tgt.get(m))
         self._out[m] = out

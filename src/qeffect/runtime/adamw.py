@@ -39,14 +39,19 @@ non-contiguous tensors, no Triton) runs torch's own step.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
+from torch.optim.optimizer import _get_scalar_dtype
 
 from qeffect.fp8.fused_quantize import transpose_bytes
 from qeffect.fp8.recipe import fp8_max
 from qeffect.fp8.weight_cast import WeightCastTarget
 from qeffect.stage.accumulate import fold_staged
 from qeffect.triton_lazy import triton_kernel
+
+if TYPE_CHECKING:
+    from qeffect.runtime.lazy_rows import LazyRows
 
 BLOCK = 4096
 NUM_WARPS = 16  # best of an ad-hoc sweep (BLOCK 1024-8192 x 4-16 warps, one 50M-element tensor, H200): all within 5%
@@ -79,26 +84,35 @@ def _math(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
         p = tl.load(p_ptr + offs, mask=mask)
         m = tl.load(m_ptr + offs, mask=mask)
         v = tl.load(v_ptr + offs, mask=mask)
-        if DECAY:
-            p = p - lr * weight_decay * p
-        m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
-        gg = g * g
-        v = tl.fma(beta2, v, tl.fma(-beta2, gg, gg))
-        step_size = tl.div_rn(lr, tl.load(bc1_ptr))
-        denom = tl.div_rn(tl.sqrt_rn(v), tl.load(bc2_sqrt_ptr)) + eps
-        p = p - tl.div_rn(step_size * m, denom)
+        p, m, v = _adamw_step(p, g, m, v, lr, beta1, beta2, weight_decay, eps, tl.load(bc1_ptr),
+                              tl.load(bc2_sqrt_ptr), DECAY)
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         return p
 
-    globals()["_adamw_update"] = _adamw_update  # a module global: every Triton version resolves those
-    return _adamw_update
+    @triton.jit
+    def _adamw_step(p, g, m, v, lr, beta1, beta2, weight_decay, eps, bc1, bc2_sqrt, DECAY: tl.constexpr):
+        """The arithmetic of one update on loaded values (torch's fused kernel's): (p, m, v) after it.
+        Shared by every pass that updates, so each gives the bits of the others (`runtime.lazy_rows`)."""
+        if DECAY:
+            p = p - lr * weight_decay * p
+        m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+        gg = g * g
+        v = tl.fma(beta2, v, tl.fma(-beta2, gg, gg))
+        step_size = tl.div_rn(lr, bc1)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - tl.div_rn(step_size * m, denom)
+        return p, m, v
+
+    globals()["_adamw_update"] = _adamw_update  # module globals: every Triton version resolves those
+    globals()["_adamw_step"] = _adamw_step
+    return _adamw_update, _adamw_step
 
 
 @triton_kernel
 def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
-    _adamw_update = _math()  # also a module global (see `_math`)
+    _adamw_update, _adamw_step = _math()  # module globals too (see `_math`)
 
     @triton.jit
     def adamw(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, n, lr, beta1, beta2,
@@ -156,6 +170,7 @@ class TritonAdamW(torch.optim.AdamW):
     def __init__(self, params: Iterable, *, graph: bool = False, **kwargs) -> None:
         super().__init__(params, fused=True, **kwargs)
         self._folds: dict[torch.Tensor, tuple[torch.Tensor, int, bool]] = {}
+        self._lazy: dict[torch.Tensor, LazyRows] = {}  # row-lazy tables (`lazy_rows`)
         self._casts: dict[torch.Tensor, WeightCastTarget] = {}
         self.graph = graph  # see `use_graph`
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -197,6 +212,61 @@ class TritonAdamW(torch.optim.AdamW):
         stale = [t for t in targets if not t.fresh]
         _cast_alone(stale)
         return len(stale)
+
+    def lazy_rows(self, param: torch.Tensor, rows: torch.Tensor) -> LazyRows:
+        """Update `param` (a [V, H] table) row-lazily from now on (`runtime.lazy_rows`): each step only
+        on `rows` (the rows the step touched, V in unused slots), every other row when it is next read.
+        Its state is created now, as torch creates it, so that graphs captured before the first step can
+        take its tensors. Whoever reads the table or its moments otherwise must `settle` first."""
+        from qeffect.runtime import lazy_rows
+
+        group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
+        if group is None:
+            raise ValueError("lazy_rows: the table is not in this optimizer's groups")
+        if (group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]
+                or torch.is_tensor(group["lr"]) or not lazy_rows.available(param)):
+            raise ValueError("lazy_rows: the Triton pass does not cover this table or its group")
+        state = self.state[param]
+        if not state:  # torch's `_init_group` for a fused AdamW, ahead of the first step
+            state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=param.device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        lazy = lazy_rows.LazyRows(param, state["exp_avg"], state["exp_avg_sq"], rows, done=int(state["step"].item()))
+        self._lazy[param] = lazy
+        return lazy
+
+    def settle(self) -> None:
+        """Every row-lazy table and its moments up to date (before anything reads them)."""
+        for lazy in self._lazy.values():
+            lazy.settle()
+
+    def state_dict(self) -> dict:
+        self.settle()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, keeping a row-lazy table's moment tensors (captured graphs hold them): the loaded
+        values are copied into them, and every row counts as current at the loaded step."""
+        kept = {p: (lz.exp_avg, lz.exp_avg_sq) for p, lz in self._lazy.items()}
+        super().load_state_dict(state_dict)
+        for p, (m, v) in kept.items():
+            state = self.state[p]
+            m.copy_(state["exp_avg"])
+            v.copy_(state["exp_avg_sq"])
+            state["exp_avg"], state["exp_avg_sq"] = m, v
+            self._lazy[p].reset(int(state["step"].item()))
+
+    def reset_lazy(self) -> None:
+        """After the tables and moments were written in place (a checkpoint load): every row current."""
+        for p, lazy in self._lazy.items():
+            state = self.state.get(p)
+            if not state:  # loaded without state for it (saved before any step): fresh, in its tensors
+                lazy.exp_avg.zero_()
+                lazy.exp_avg_sq.zero_()
+                self.state[p] = state = {"step": torch.zeros((), dtype=_get_scalar_dtype(is_fused=True),
+                                                             device=p.device),
+                                         "exp_avg": lazy.exp_avg, "exp_avg_sq": lazy.exp_avg_sq}
+            lazy.reset(int(state["step"].item()))
 
     def fold_into_step(self, param: torch.Tensor, block: torch.Tensor, count: int, init: bool) -> None:
         """Let the next :meth:`step` finish `param`'s staged fold: its gradient is ``param.grad`` (the
@@ -247,6 +317,8 @@ class TritonAdamW(torch.optim.AdamW):
                             state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr()))
         for p, (block, count, init) in self._folds.items():
             key.append((id(p), block.data_ptr(), tuple(block.shape), tuple(block.stride()), count, init))
+        for p, lazy in self._lazy.items():
+            key.append((id(p), lazy.rows.data_ptr(), lazy.done.data_ptr()))
         for t in self._casts.values():
             key.append((id(t.weight), t.data.data_ptr(), None if t.transpose is None else t.transpose.data_ptr(),
                         t.scale.data_ptr(), t.scale_inv.data_ptr(), t.pending_amax.data_ptr()))
@@ -255,6 +327,12 @@ class TritonAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        out = self._step_once(closure)
+        for lazy in self._lazy.values():
+            lazy.stepped()
+        return out
+
+    def _step_once(self, closure: Callable[[], float] | None) -> float | None:
         if self.graph and closure is None:
             key = self._work_key()
             if key is not None and key == self._graph_key:
@@ -306,6 +384,9 @@ class TritonAdamW(torch.optim.AdamW):
             steps: list[torch.Tensor] = []
             live = [p for p in group["params"] if p.grad is not None]
             if closure is not None or not self._covered(group, live, [p.grad for p in live]):
+                if self._lazy:
+                    raise RuntimeError("a row-lazy table's group must take the Triton pass (CUDA, fp32, "
+                                       "no closure): torch's step would update it densely")
                 _fold_first(folds)
                 loss = super().step(closure)
                 _cast_alone(list(casts.values()), zeroed=True)
@@ -319,8 +400,8 @@ class TritonAdamW(torch.optim.AdamW):
             torch._foreach_add_(lists[-1], 1.0)  # every step count, as torch's fused step does first
             beta1, beta2 = group["betas"]
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-            large = [i for i, p in enumerate(lists[0]) if p.numel() >= MIN_NUMEL]
-            small = [i for i in range(len(lists[0])) if lists[0][i].numel() < MIN_NUMEL]
+            large = [i for i, p in enumerate(lists[0]) if p.numel() >= MIN_NUMEL or p in self._lazy]
+            small = [i for i in range(len(lists[0])) if i not in large]
             if small:
                 p, g, m, v, s = ([lst[i] for i in small] for lst in lists)
                 _fold_first({t: folds.pop(t) for t in p if t in folds})
@@ -335,6 +416,12 @@ class TritonAdamW(torch.optim.AdamW):
                     if fold is not None and not _fusable(fold[0]):
                         _fold_first({pi: fold})
                         fold = None
+                    lazy = self._lazy.get(pi)
+                    if lazy is not None:
+                        if fold is not None or pi in casts:
+                            raise RuntimeError("a row-lazy table takes no staged fold and no FP8 cast")
+                        lazy.update(gi, b1, b2, lr=lr, betas=(beta1, beta2), weight_decay=wd, eps=eps)
+                        continue
                     block, count, init = fold if fold is not None else (gi, 0, False)
                     target = casts.pop(pi, None)
                     if target is not None:

@@ -204,6 +204,8 @@ class DistributedPipeline:
             self.rank: BaseRank = build_rank(cfg, self.schedule, self.topo.pp_rank, chunks, native=native,
                                              direct=direct, reductions=self.reductions, manager=self.manager,
                                              offload=self.offload)
+        if p.dp > 1 and isinstance(self.rank, QEffectRank):  # the reduction brings rows no local token names
+            self.rank.lazy_token_rows = False
         # Every process creates every group in the same order (a torch.distributed requirement).
         self.dp_group = None
         for pr in range(p.pp):
@@ -290,6 +292,10 @@ class DistributedPipeline:
         loss = self.run_actions(batches, observer)
         self.commit()
         return loss
+
+    def settle(self) -> None:
+        """This rank's parameters and optimizer state up to date, for a reader outside the steps."""
+        self.rank.settle()
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> None:

@@ -100,6 +100,12 @@ class BaseRank:
     def fp8_state(self, stage: int) -> dict[str, torch.Tensor]:
         return self.chunks[stage].fp8_state()
 
+    def settle(self) -> None:
+        """Bring every parameter and optimizer state up to date before anything outside the step reads
+        them (a row-lazy token table: `runtime.lazy_rows`); nothing to do elsewhere."""
+        if isinstance(self.optimizer, TritonAdamW):
+            self.optimizer.settle()
+
 
 class NativeRank(BaseRank):
     """The native eager reference for one rank (F and full backward B)."""
@@ -136,6 +142,9 @@ class QEffectRank(BaseRank):
     """Checked split actions for one rank, with its tape pool, epoch clock, gradient arena and barrier."""
 
     triton_optimizer = True
+    # captured: the token table's AdamW row-lazy (`runtime.lazy_rows`); off under data parallelism (set
+    # before capture), ``QEFFECT_LAZY_TOKEN_ROWS=0`` for A/B runs
+    lazy_token_rows = os.environ.get("QEFFECT_LAZY_TOKEN_ROWS", "1") != "0"
 
     def __init__(self, rank: int, chunks: dict[int, torch.nn.Module], num_stages: int, microbatches: int,
                  optim: OptimConfig, *, direct: bool = True, tape_capacity: int | None = None,
@@ -175,7 +184,8 @@ class QEffectRank(BaseRank):
             cast = isinstance(self.optimizer, TritonAdamW) and os.environ.get("QEFFECT_WEIGHT_CAST", "1") != "0"
             self.actions = {
                 s: CapturedStageActions(c, self.pool, self.clock, self.arena, direct=direct, manager=manager,
-                                        input_shape=shape, input_dtype=dtype, offload=offload, weight_cast=cast)
+                                        input_shape=shape, input_dtype=dtype, offload=offload, weight_cast=cast,
+                                        lazy_rows=self._lazy_rows)
                 for s, c in self.chunks.items()
             }
         self.manager = manager
@@ -188,6 +198,14 @@ class QEffectRank(BaseRank):
         self.fixed_order_sum = fixed_order_sum
         self.dw_order: dict[int, list[int]] = {s: [] for s in self.chunks}
         self.grad_input: torch.Tensor | None = None
+
+    def _lazy_rows(self, table: torch.Tensor, rows: torch.Tensor):
+        """The optimizer's row-lazy state of `table` over `rows`, or None where it does not apply."""
+        from qeffect.runtime import lazy_rows
+
+        if self.lazy_token_rows and isinstance(self.optimizer, TritonAdamW) and lazy_rows.available(table):
+            return self.optimizer.lazy_rows(table, rows)
+        return None
 
     def run(self, action: Action, batches: Sequence[Batch], transport: Transport) -> None:
         s, m = action.stage, action.microbatch

@@ -47,3 +47,8 @@ class SingleProcessPipeline:
         loss = self.run_actions(batches, observer)
         self.commit()
         return loss
+
+    def settle(self) -> None:
+        """Every rank's parameters and optimizer state up to date, for a reader outside the steps."""
+        for r in self.ranks:
+            r.settle()

@@ -219,6 +219,7 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
     heldout: list[tuple[int, float]] = []
 
     def run_eval(step: int) -> float | None:
+        pipe.settle()  # a row-lazy token table: the rows evaluation reads up to date
         if distributed:
             chunks = pipe.rank.chunks
             tr = pipe.transport
@@ -272,6 +273,7 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
     finally:
         if metrics_f is not None:
             metrics_f.close()
+    pipe.settle()  # whoever reads the model after the run sees every row up to date
 
     k = min(10, len(losses))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k

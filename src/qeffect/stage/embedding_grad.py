@@ -52,8 +52,8 @@ class TokenEmbeddingGrad:
         self.buffer = torch.zeros((self.vocab + 1, self.hidden), dtype=weight.dtype, device=weight.device)
         self.grad = self.buffer[: self.vocab]  # what `.grad` is bound to
         # the rows each microbatch touched (each once; unused slots: the scratch row V)
-        self.rows = [torch.full((self.n,), self.vocab, dtype=torch.int64, device=weight.device)
-                     for _ in range(microbatches)]
+        self.rows_all = torch.full((microbatches, self.n), self.vocab, dtype=torch.int64, device=weight.device)
+        self.rows = list(self.rows_all.unbind(0))
         self._positions = torch.arange(self.n, device=weight.device)
 
     def compact(self, tokens: Tensor) -> tuple[Tensor, Tensor]:

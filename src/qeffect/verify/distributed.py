@@ -78,6 +78,7 @@ class DistVerifyReport(BaseModel):
 
 def _state(pipe: DistributedPipeline) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {"parameters": {}, "optimizer_state": {}, "fp8_state": {}}
+    pipe.settle()  # a row-lazy token table: every row and moment up to date first
     opt = pipe.rank.optimizer
     for s, chunk in pipe.rank.chunks.items():
         for n, p in chunk.named_parameters():

@@ -134,6 +134,7 @@ def _nonmatrix_grads(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _all_params(rank: BaseRank) -> dict[str, torch.Tensor]:
+    rank.settle()  # a row-lazy token table: every row and moment up to date first
     return {f"s{s}.{n}": p for s, c in rank.chunks.items() for n, p in c.named_parameters()}
 
 
