@@ -677,6 +677,15 @@ layernorm)
             --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     fi
     ;;
+lazy-rows)
+    # the token table's row-lazy AdamW: its GPU tests and the optimizer's, then (only if they pass) the
+    # whole GPU suite and the h4096 te profile
+    if step 200 lazy-rows-tests python3 -m pytest -m gpu -q tests/test_lazy_rows.py tests/test_adamw.py \
+            tests/test_weight_cast_gpu.py tests/test_embedding_grad.py; then
+        step 300 pytest-gpu python3 -m pytest -m gpu -q
+        profile_h4096_te
+    fi
+    ;;
 ln-embedding)
     # the LayerNorm partial sums as a Triton pass and the token table's pairwise renumbering: their GPU
     # tests, the LayerNorm backward's rows-per-program sweep, then (only if the tests pass) the whole GPU
