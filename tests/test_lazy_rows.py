@@ -104,7 +104,8 @@ def _steps(opt_lazy: bool, wd: float, graph: bool = False, seed: int = 0):
             rows.copy_(toks.reshape(-1))
         reads.append(table.detach()[toks.reshape(-1)].clone())  # what a forward reads
         g = torch.zeros(V + 1, H, device="cuda")  # the scratch row V, as TokenEmbeddingGrad's buffer
-        g.index_add_(0, toks.reshape(-1), torch.randn(mbs * n, H, device="cuda", generator=gen) * 1e-3)
+        touched = toks.unique()  # one value per row (index_add_ with repeats adds in no fixed order)
+        g[touched] = torch.randn(touched.numel(), H, device="cuda", generator=gen) * 1e-3
         table.grad = g[:V]
         other.grad = torch.randn(other.shape, device="cuda", generator=gen) * 1e-3
         for group in opt.param_groups:
