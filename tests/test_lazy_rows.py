@@ -97,6 +97,8 @@ def _steps(opt_lazy: bool, wd: float, graph: bool = False, seed: int = 0):
     else:
         opt = torch.optim.AdamW([table, other], weight_decay=wd, fused=True, **HYPER)
     reads = []
+    g = torch.zeros(V + 1, H, device="cuda")  # the scratch row V, as TokenEmbeddingGrad's buffer
+    g_other = torch.zeros_like(other)  # fixed gradient buffers, as the pipeline's: the graph's key holds them
     for k in range(8):
         toks = torch.randint(0, 40 + 30 * k, (mbs, n), device="cuda", generator=gen)
         if opt_lazy:
@@ -104,11 +106,12 @@ def _steps(opt_lazy: bool, wd: float, graph: bool = False, seed: int = 0):
                 lazy.catch_up(toks[m], launch=m)
             rows.copy_(toks.reshape(-1))
         reads.append(table.detach()[toks.reshape(-1)].clone())  # what a forward reads
-        g = torch.zeros(V + 1, H, device="cuda")  # the scratch row V, as TokenEmbeddingGrad's buffer
+        g.zero_()
         touched = toks.unique()  # one value per row (index_add_ with repeats adds in no fixed order)
         g[touched] = torch.randn(touched.numel(), H, device="cuda", generator=gen) * 1e-3
         table.grad = g[:V]
-        other.grad = torch.randn(other.shape, device="cuda", generator=gen) * 1e-3
+        g_other.copy_(torch.randn(other.shape, device="cuda", generator=gen) * 1e-3)
+        other.grad = g_other
         for group in opt.param_groups:
             group["lr"] = 3e-4 * (1 + (0 if graph else 0.05 * k))
         opt.step()
