@@ -39,7 +39,7 @@ INTERPRETED = textwrap.dedent("""
             lr = 2.0**-12 * (1 + k / 8)  # a schedule: each step's own learning rate
             tokens = torch.tensor(touched, dtype=torch.int64)
             if touched:  # before the forward reads them: the rows as the dense run left them
-                lazy.catch_up(tokens, launch=0)
+                lazy.catch_up(tokens)
                 assert all(torch.equal(a[tokens], b[tokens]) for a, b in zip((p, m, v), dense)), (wd, k)
             g = torch.zeros(V, H)
             for r in touched:
@@ -103,7 +103,7 @@ def _steps(opt_lazy: bool, wd: float, graph: bool = False, seed: int = 0):
         toks = torch.randint(0, 40 + 30 * k, (mbs, n), device="cuda", generator=gen)
         if opt_lazy:
             for m in range(mbs):
-                lazy.catch_up(toks[m], launch=m)
+                lazy.catch_up(toks[m])
             rows.copy_(toks.reshape(-1))
         reads.append(table.detach()[toks.reshape(-1)].clone())  # what a forward reads
         g.zero_()

@@ -140,7 +140,7 @@ class CapturedStageActions(StageActions):
 
     def _f_body(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._lazy is not None:  # the rows the lookup reads, up to the optimizer's last step
-            self._lazy.catch_up(self._x[m], launch=m)
+            self._lazy.catch_up(self._x[m])
         with batched_scaling_updates():  # te: one scaling-update kernel per F graph, not one per linear
             out = self.chunk(self._x[m], is_first_microbatch=(m == 0), targets=self._tgt.get(m))
         self._out[m] = out

@@ -17,9 +17,11 @@ have left, step by step. Rows are brought up to date (`catch_up`):
   `state_dict`, verification, checkpoints, evaluation, the end of a run: `QEffectRank.settle`), and
   every `capacity - 1` steps, because the per-step scalars live in a ring of `capacity` steps.
 
-Rows of one launch are claimed with an atomic exchange of a stamp (the step and the launch), so a
-token repeated in a microbatch is caught up once. `last[r]` is the step row r is current at; `done`
-the steps completed. Both are device tensors: everything here runs inside CUDA graphs.
+A token repeated in a catch-up's tokens is caught up by its first position only, one program per token
+and 256 columns (the catch-up is every skipped step's arithmetic: compute-bound); a row repeated in a
+step's rows is updated once, by the program that swaps the step into its claim word first. `last[r]`
+is the step row r is current at; `done` the steps completed. Both are device tensors: everything here
+runs inside CUDA graphs.
 
 Only where one process owns the whole gradient of the table (no data parallelism: a reduction would
 bring other ranks' rows the local tokens do not name).
@@ -37,9 +39,10 @@ from qeffect.runtime import adamw
 from qeffect.triton_lazy import triton_kernel
 
 CAPACITY = 1024  # steps of per-step scalars kept: a row may fall at most this many steps minus one behind
-BLOCK = 1024
-SETTLE, UPDATE = 4094, 4095  # launch ids in the stamps (a catch-up before a forward uses its microbatch)
-STAMP = 4096
+BLOCK = 1024  # `update`: columns per block (one program per touched row)
+CATCH_UP_BLOCK, CATCH_UP_WARPS = 256, 2  # `catch_up`: one program per token and 256 columns (compute-bound:
+# every skipped step's arithmetic, so as many programs as the columns allow)
+MAX_TOKENS = 16384  # per `catch_up` launch: each program compares its token with the earlier ones
 FIELDS = ("lr", "weight_decay", "eps", "beta1", "beta2", "bc1", "bc2_sqrt")
 
 
@@ -49,50 +52,63 @@ def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
     globals()["_adamw_step"] = _adamw_step  # Triton resolves module globals (see `adamw._math`)
 
     @triton.jit
-    def _catch_up_row(r, last, target, p_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap, h, BLOCK: tl.constexpr):
-        """Steps last+1..target of row r with a +0.0 gradient, each with its own scalars."""
-        for c0 in range(0, h, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            mask = cols < h
-            offs = r * h + cols
-            p = tl.load(p_ptr + offs, mask=mask)
-            m = tl.load(m_ptr + offs, mask=mask)
-            v = tl.load(v_ptr + offs, mask=mask)
-            g = tl.load(zero_ptr + cols, mask=mask)  # +0.0 from memory: what the dense pass reads there
-            for k in range(last + 1, target + 1):
-                slot = k % cap
-                lr = tl.load(tab_ptr + slot)
-                wd = tl.load(tab_ptr + cap + slot)
-                eps = tl.load(tab_ptr + 2 * cap + slot)
-                beta1 = tl.load(tab_ptr + 3 * cap + slot)
-                beta2 = tl.load(tab_ptr + 4 * cap + slot)
-                bc1 = tl.load(tab_ptr + 5 * cap + slot)
-                bc2 = tl.load(tab_ptr + 6 * cap + slot)
-                if wd != 0.0:  # the dense pass decays only with a nonzero decay (-0.0 stays -0.0 without)
-                    p, m, v = _adamw_step(p, g, m, v, lr, beta1, beta2, wd, eps, bc1, bc2, True)
-                else:
-                    p, m, v = _adamw_step(p, g, m, v, lr, beta1, beta2, wd, eps, bc1, bc2, False)
-            tl.store(p_ptr + offs, p, mask=mask)
-            tl.store(m_ptr + offs, m, mask=mask)
-            tl.store(v_ptr + offs, v, mask=mask)
+    def _catch_up_cols(r, last, target, cols, p_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap, h):
+        """Steps last+1..target of row r's columns `cols` with a +0.0 gradient, each with its own scalars."""
+        mask = cols < h
+        offs = r * h + cols
+        p = tl.load(p_ptr + offs, mask=mask)
+        m = tl.load(m_ptr + offs, mask=mask)
+        v = tl.load(v_ptr + offs, mask=mask)
+        g = tl.load(zero_ptr + cols, mask=mask)  # +0.0 from memory: what the dense pass reads there
+        for k in range(last + 1, target + 1):
+            slot = k % cap
+            lr = tl.load(tab_ptr + slot)
+            wd = tl.load(tab_ptr + cap + slot)
+            eps = tl.load(tab_ptr + 2 * cap + slot)
+            beta1 = tl.load(tab_ptr + 3 * cap + slot)
+            beta2 = tl.load(tab_ptr + 4 * cap + slot)
+            bc1 = tl.load(tab_ptr + 5 * cap + slot)
+            bc2 = tl.load(tab_ptr + 6 * cap + slot)
+            if wd != 0.0:  # the dense pass decays only with a nonzero decay (-0.0 stays -0.0 without)
+                p, m, v = _adamw_step(p, g, m, v, lr, beta1, beta2, wd, eps, bc1, bc2, True)
+            else:
+                p, m, v = _adamw_step(p, g, m, v, lr, beta1, beta2, wd, eps, bc1, bc2, False)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
 
     @triton.jit
-    def catch_up(tok_ptr, vocab, last_ptr, claim_ptr, done_ptr, p_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap, h,
-                 launch, ALL: tl.constexpr, BLOCK: tl.constexpr):
-        """Bring the rows of the tokens (``ALL``: every row) up to the steps completed."""
+    def catch_up(tok_ptr, ntok, vocab, last_ptr, done_ptr, p_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap, h,
+                 ALL: tl.constexpr, TOK_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+        """Columns ``BLOCK * program_id(1)`` on of the rows of the tokens (``ALL``: every row) up to the
+        steps completed. A repeated token is caught up by its first position only; `mark` then records
+        the rows current (a separate launch: every program here reads `last` first)."""
+        i = tl.program_id(0)
+        if ALL:
+            r = i.to(tl.int64)
+            go = r < vocab
+        else:
+            r = tl.load(tok_ptr + i)
+            idx = tl.arange(0, TOK_BLOCK)
+            toks = tl.load(tok_ptr + idx, mask=idx < ntok, other=-1)
+            go = (tl.sum(((toks == r) & (idx < i)).to(tl.int32), axis=0) == 0) & (r < vocab)
+        if go:
+            target = tl.load(done_ptr)
+            last = tl.load(last_ptr + r)
+            if last < target:
+                cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+                _catch_up_cols(r, last, target, cols, p_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap, h)
+
+    @triton.jit
+    def mark(tok_ptr, vocab, last_ptr, done_ptr, ALL: tl.constexpr):
+        """`last` of the tokens' rows (``ALL``: every row) = the steps completed."""
         i = tl.program_id(0)
         if ALL:
             r = i.to(tl.int64)
         else:
             r = tl.load(tok_ptr + i)
         if r < vocab:
-            target = tl.load(done_ptr)
-            stamp = target.to(tl.int64) * 4096 + launch
-            if tl.atomic_xchg(claim_ptr + r, stamp) != stamp:  # the first program of this launch on row r
-                last = tl.load(last_ptr + r)
-                if last < target:
-                    _catch_up_row(r, last, target, p_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap, h, BLOCK)
-                    tl.store(last_ptr + r, target)
+            tl.store(last_ptr + r, tl.load(done_ptr))
 
     @triton.jit
     def update(rows_ptr, vocab, last_ptr, claim_ptr, done_ptr, p_ptr, g_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap,
@@ -113,13 +129,13 @@ def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
             tl.store(tab_ptr + 6 * cap + slot, tl.load(bc2_sqrt_ptr))
         r = tl.load(rows_ptr + i)
         if r < vocab:
-            stamp = t.to(tl.int64) * 4096 + 4095
+            stamp = t.to(tl.int64)
             if tl.atomic_xchg(claim_ptr + r, stamp) != stamp:
                 last = tl.load(last_ptr + r)
-                if last < t - 1:  # not read since: its earlier steps first
-                    _catch_up_row(r, last, t - 1, p_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap, h, BLOCK)
                 for c0 in range(0, h, BLOCK):
                     cols = c0 + tl.arange(0, BLOCK)
+                    if last < t - 1:  # not read since: its earlier steps first
+                        _catch_up_cols(r, last, t - 1, cols, p_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap, h)
                     mask = cols < h
                     offs = r * h + cols
                     p = tl.load(p_ptr + offs, mask=mask)
@@ -133,14 +149,18 @@ def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
                     tl.store(v_ptr + offs, v, mask=mask)
                 tl.store(last_ptr + r, t)
 
-    globals()["_catch_up_row"] = _catch_up_row
-    return catch_up, update
+    globals()["_catch_up_cols"] = _catch_up_cols
+    return catch_up, update, mark
 
 
 def available(param: Tensor) -> bool:
     """A 2-D contiguous fp32 CUDA table (any device under Triton's interpreter), and Triton."""
     return ((param.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and param.dtype == torch.float32
             and param.dim() == 2 and param.is_contiguous() and _kernels() is not None)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _on(device: torch.device):
@@ -163,7 +183,7 @@ class LazyRows:
         dev = param.device
         self.done = torch.full((), done, dtype=torch.int32, device=dev)
         self.last = torch.full((self.vocab,), done, dtype=torch.int32, device=dev)
-        self.claim = torch.full((self.vocab,), -1, dtype=torch.int64, device=dev)
+        self.claim = torch.full((self.vocab,), -1, dtype=torch.int64, device=dev)  # `update`'s stamps
         self.table = torch.zeros(len(FIELDS), capacity, dtype=torch.float32, device=dev)
         self.zero = torch.zeros(self.hidden, dtype=torch.float32, device=dev)
         self.behind = 0  # steps since every row was last current (host count)
@@ -175,24 +195,26 @@ class LazyRows:
         self.claim.fill_(-1)
         self.behind = 0
 
-    def _launch(self, tokens: Tensor | None, launch: int) -> None:
+    def _launch(self, tokens: Tensor | None) -> None:
         n = self.vocab if tokens is None else tokens.numel()
         tok = self.rows if tokens is None else tokens.reshape(-1)
+        catch_up, _, mark = _kernels()
         with _on(self.param.device):
-            _kernels()[0][(n,)](tok, self.vocab, self.last, self.claim, self.done, self.param, self.exp_avg,
-                                self.exp_avg_sq, self.zero, self.table, self.capacity, self.hidden, launch,
-                                ALL=tokens is None, BLOCK=BLOCK, num_warps=4)
+            catch_up[(n, -(-self.hidden // CATCH_UP_BLOCK))](
+                tok, n, self.vocab, self.last, self.done, self.param, self.exp_avg, self.exp_avg_sq, self.zero,
+                self.table, self.capacity, self.hidden, ALL=tokens is None, TOK_BLOCK=16 if tokens is None else max(16, _pow2(n)),
+                BLOCK=CATCH_UP_BLOCK, num_warps=CATCH_UP_WARPS)
+            mark[(n,)](tok, self.vocab, self.last, self.done, ALL=tokens is None, num_warps=1)
 
-    def catch_up(self, tokens: Tensor, launch: int) -> None:
-        """Bring the rows of `tokens` (int64, any shape) up to the steps completed; `launch` (0..4093)
-        must differ between the launches of one step (a microbatch index)."""
-        if not 0 <= launch < SETTLE:
-            raise ValueError(f"launch id {launch} out of 0..{SETTLE - 1}")
-        self._launch(tokens, launch)
+    def catch_up(self, tokens: Tensor) -> None:
+        """Bring the rows of `tokens` (int64, any shape; at most `MAX_TOKENS`) up to the steps completed."""
+        if tokens.numel() > MAX_TOKENS:
+            raise ValueError(f"catch_up takes at most {MAX_TOKENS} tokens per launch, got {tokens.numel()}")
+        self._launch(tokens)
 
     def settle(self) -> None:
         """Every row up to the steps completed."""
-        self._launch(None, SETTLE)
+        self._launch(None)
         self.behind = 0
 
     def update(self, grad: Tensor, bc1: Tensor, bc2_sqrt: Tensor, *, lr: float, betas: tuple[float, float],
