@@ -58,6 +58,23 @@ INTERPRETED = textwrap.dedent("""
         for a, b in zip((p, m, v), dense):
             assert torch.equal(a, b), wd
         assert int(lazy.done) == len(touched_each) and bool((lazy.last == lazy.done).all())
+    # the optimizer's side: state created at registration, kept across load_state_dict, rows current
+    from qeffect.runtime.adamw import TritonAdamW
+    table = torch.nn.Parameter(torch.zeros(V, 8))
+    opt = TritonAdamW([table], lr=1e-3)
+    lz = opt.lazy_rows(table, torch.full((4,), V, dtype=torch.int64))
+    assert opt.state[table]["exp_avg"] is lz.exp_avg and int(lz.done) == 0
+    sd = opt.state_dict()
+    sd["state"][0] = {"step": torch.tensor(5.0), "exp_avg": torch.full((V, 8), 2.0),
+                      "exp_avg_sq": torch.full((V, 8), 3.0)}
+    opt.load_state_dict(sd)
+    st = opt.state[table]
+    assert st["exp_avg"] is lz.exp_avg and st["exp_avg_sq"] is lz.exp_avg_sq and bool((lz.exp_avg == 2).all())
+    assert int(lz.done) == 5 and bool((lz.last == 5).all())
+    sd["state"] = {}
+    opt.load_state_dict(sd)  # saved before any step: fresh state, in the same tensors
+    st = opt.state[table]
+    assert st["exp_avg"] is lz.exp_avg and bool((lz.exp_avg == 0).all()) and int(lz.done) == 0
     print("ok")
 """)
 

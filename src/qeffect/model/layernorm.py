@@ -9,9 +9,9 @@ statistic, parameter and parameter gradient in fp32.
 
 Bits: deterministic. Forward: one program per row, mean and variance by fp32 tree sums over the row.
 Backward: one program per group of rows writes fp32 partial weight and bias gradients, summed over the
-groups by a third pass in a fixed order (one tile sum per column block); the input gradient is per row. Native eager and every qeffect path
-share the model code, so they keep identical bits; the numbers differ from the torch form's by the
-rounding of a different summation order.
+groups by a third pass in a fixed order (one tile sum per column block); the input gradient is per row.
+Native eager and every qeffect path share the model code, so they keep identical bits; the numbers
+differ from the torch form's by the rounding of a different summation order.
 
 The pre-norm block's residual adds ride in these passes (`triton_add_layer_norm`: s = x + r and its
 norm; `triton_fork_layer_norm`: a norm whose input is used again): the forward adds in the activation

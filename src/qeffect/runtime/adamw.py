@@ -250,11 +250,12 @@ class TritonAdamW(torch.optim.AdamW):
         kept = {p: (lz.exp_avg, lz.exp_avg_sq) for p, lz in self._lazy.items()}
         super().load_state_dict(state_dict)
         for p, (m, v) in kept.items():
-            state = self.state[p]
-            m.copy_(state["exp_avg"])
-            v.copy_(state["exp_avg_sq"])
-            state["exp_avg"], state["exp_avg_sq"] = m, v
-            self._lazy[p].reset(int(state["step"].item()))
+            state = self.state.get(p)
+            if state:
+                m.copy_(state["exp_avg"])
+                v.copy_(state["exp_avg_sq"])
+                state["exp_avg"], state["exp_avg_sq"] = m, v
+        self.reset_lazy()
 
     def reset_lazy(self) -> None:
         """After the tables and moments were written in place (a checkpoint load): every row current."""

@@ -199,10 +199,11 @@ class LazyRows:
         n = self.vocab if tokens is None else tokens.numel()
         tok = self.rows if tokens is None else tokens.reshape(-1)
         catch_up, _, mark = _kernels()
+        tok_block = 16 if tokens is None else max(16, _pow2(n))  # the tokens each program compares with
         with _on(self.param.device):
             catch_up[(n, -(-self.hidden // CATCH_UP_BLOCK))](
                 tok, n, self.vocab, self.last, self.done, self.param, self.exp_avg, self.exp_avg_sq, self.zero,
-                self.table, self.capacity, self.hidden, ALL=tokens is None, TOK_BLOCK=16 if tokens is None else max(16, _pow2(n)),
+                self.table, self.capacity, self.hidden, ALL=tokens is None, TOK_BLOCK=tok_block,
                 BLOCK=CATCH_UP_BLOCK, num_warps=CATCH_UP_WARPS)
             mark[(n,)](tok, self.vocab, self.last, self.done, ALL=tokens is None, num_warps=1)
 

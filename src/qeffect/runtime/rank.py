@@ -203,7 +203,9 @@ class QEffectRank(BaseRank):
         """The optimizer's row-lazy state of `table` over `rows`, or None where it does not apply."""
         from qeffect.runtime import lazy_rows
 
-        if self.lazy_token_rows and isinstance(self.optimizer, TritonAdamW) and lazy_rows.available(table):
+        per_microbatch = rows.numel() // self.microbatches  # what each F's catch-up takes
+        if (self.lazy_token_rows and isinstance(self.optimizer, TritonAdamW) and lazy_rows.available(table)
+                and per_microbatch <= lazy_rows.MAX_TOKENS):
             return self.optimizer.lazy_rows(table, rows)
         return None
 
