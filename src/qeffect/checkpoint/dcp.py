@@ -293,10 +293,8 @@ def load_checkpoint(pipe: Any, path: str | Path, cfg: RunConfig, *, stream: Any 
             opt.state[p] = st
         else:
             opt.state.pop(p, None)
-    for r in view.ranks:  # a row-lazy token table (`runtime.lazy_rows`): every row current at the loaded step
-        reset = getattr(r.optimizer, "reset_lazy", None)
-        if reset is not None:
-            reset()
+    for r in view.ranks:
+        r.state_loaded()
     device = _device(view)
     for r in view.ranks:
         e_W = payload.epochs[str(r.rank)]

@@ -147,6 +147,13 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     return adamw
 
 
+def _fresh_state(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A parameter's state as torch's fused AdamW creates it before its first step (`_init_group`), in
+    the given (zeroed) moment tensors."""
+    step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=param.device)
+    return {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
 def _fp32_contiguous_cuda(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype == torch.float32 and t.is_contiguous()
 
@@ -223,14 +230,12 @@ class TritonAdamW(torch.optim.AdamW):
         group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
         if group is None:
             raise ValueError("lazy_rows: the table is not in this optimizer's groups")
-        if (group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]
-                or torch.is_tensor(group["lr"]) or not lazy_rows.available(param)):
+        if not self._covered(group, [], []) or not lazy_rows.available(param):  # the group's flags; the table
             raise ValueError("lazy_rows: the Triton pass does not cover this table or its group")
         state = self.state[param]
-        if not state:  # torch's `_init_group` for a fused AdamW, ahead of the first step
-            state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=param.device)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if not state:  # ahead of the first step
+            state.update(_fresh_state(param, torch.zeros_like(param, memory_format=torch.preserve_format),
+                                      torch.zeros_like(param, memory_format=torch.preserve_format)))
         lazy = lazy_rows.LazyRows(param, state["exp_avg"], state["exp_avg_sq"], rows, done=int(state["step"].item()))
         self._lazy[param] = lazy
         return lazy
@@ -262,11 +267,7 @@ class TritonAdamW(torch.optim.AdamW):
         for p, lazy in self._lazy.items():
             state = self.state.get(p)
             if not state:  # loaded without state for it (saved before any step): fresh, in its tensors
-                lazy.exp_avg.zero_()
-                lazy.exp_avg_sq.zero_()
-                self.state[p] = state = {"step": torch.zeros((), dtype=_get_scalar_dtype(is_fused=True),
-                                                             device=p.device),
-                                         "exp_avg": lazy.exp_avg, "exp_avg_sq": lazy.exp_avg_sq}
+                self.state[p] = state = _fresh_state(p, lazy.exp_avg.zero_(), lazy.exp_avg_sq.zero_())
             lazy.reset(int(state["step"].item()))
 
     def fold_into_step(self, param: torch.Tensor, block: torch.Tensor, count: int, init: bool) -> None:

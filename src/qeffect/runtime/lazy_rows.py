@@ -186,7 +186,7 @@ class LazyRows:
         self.claim = torch.full((self.vocab,), -1, dtype=torch.int64, device=dev)  # `update`'s stamps
         self.table = torch.zeros(len(FIELDS), capacity, dtype=torch.float32, device=dev)
         self.zero = torch.zeros(self.hidden, dtype=torch.float32, device=dev)
-        self.behind = 0  # steps since every row was last current (host count)
+        self.behind = 0  # steps since every row was last current (host count, `stepped`)
 
     def reset(self, done: int) -> None:
         """Every row current at step `done` (after the table and its moments were loaded)."""
@@ -214,9 +214,11 @@ class LazyRows:
         self._launch(tokens)
 
     def settle(self) -> None:
-        """Every row up to the steps completed."""
-        self._launch(None)
-        self.behind = 0
+        """Every row up to the steps completed; nothing to launch when no step was counted since the
+        last settle or reset (`stepped`): a catch-up before a forward only brings rows up to date."""
+        if self.behind:
+            self._launch(None)
+            self.behind = 0
 
     def update(self, grad: Tensor, bc1: Tensor, bc2_sqrt: Tensor, *, lr: float, betas: tuple[float, float],
                weight_decay: float, eps: float) -> None:

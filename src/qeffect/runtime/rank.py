@@ -106,6 +106,12 @@ class BaseRank:
         if isinstance(self.optimizer, TritonAdamW):
             self.optimizer.settle()
 
+    def state_loaded(self) -> None:
+        """The parameters and optimizer state were written in place (a checkpoint load): a row-lazy
+        token table counts every row current at the loaded step."""
+        if isinstance(self.optimizer, TritonAdamW):
+            self.optimizer.reset_lazy()
+
 
 class NativeRank(BaseRank):
     """The native eager reference for one rank (F and full backward B)."""
@@ -142,9 +148,6 @@ class QEffectRank(BaseRank):
     """Checked split actions for one rank, with its tape pool, epoch clock, gradient arena and barrier."""
 
     triton_optimizer = True
-    # captured: the token table's AdamW row-lazy (`runtime.lazy_rows`); off under data parallelism (set
-    # before capture), ``QEFFECT_LAZY_TOKEN_ROWS=0`` for A/B runs
-    lazy_token_rows = os.environ.get("QEFFECT_LAZY_TOKEN_ROWS", "1") != "0"
 
     def __init__(self, rank: int, chunks: dict[int, torch.nn.Module], num_stages: int, microbatches: int,
                  optim: OptimConfig, *, direct: bool = True, tape_capacity: int | None = None,
@@ -152,6 +155,9 @@ class QEffectRank(BaseRank):
                  manager: GraphManager | None = None, activation: tuple[tuple[int, ...], torch.dtype] | None = None,
                  offload: OffloadManager | None = None, accumulate: bool = False, staging: int = 0) -> None:
         super().__init__(rank, chunks, num_stages, microbatches, optim)
+        # captured: the token table's AdamW row-lazy (`runtime.lazy_rows`); off under data parallelism (set
+        # before capture), ``QEFFECT_LAZY_TOKEN_ROWS=0`` for A/B runs
+        self.lazy_token_rows = os.environ.get("QEFFECT_LAZY_TOKEN_ROWS", "1") != "0"
         device = next(next(iter(self.chunks.values())).parameters()).device
         if os.environ.get("QEFFECT_ACTIVATION_BIAS", "1") != "0":  # TE's biases cast once per step
             for chunk in self.chunks.values():

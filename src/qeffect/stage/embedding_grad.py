@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 
 ZERO_FILLED_TOKENS = 3072  # up to this many indices torch's embedding backward adds into a zero-filled table
-PAIRWISE_TOKENS = 3072  # up to this many tokens `compact` compares all pairs (torch's one-kernel backward)
+PAIRWISE_TOKENS = ZERO_FILLED_TOKENS  # up to this many tokens (torch's one-kernel backward) `compact` compares
+# all pairs
 
 
 class TokenEmbeddingGrad:
@@ -53,7 +54,6 @@ class TokenEmbeddingGrad:
         self.grad = self.buffer[: self.vocab]  # what `.grad` is bound to
         # the rows each microbatch touched (each once; unused slots: the scratch row V)
         self.rows_all = torch.full((microbatches, self.n), self.vocab, dtype=torch.int64, device=weight.device)
-        self.rows = list(self.rows_all.unbind(0))
         self._positions = torch.arange(self.n, device=weight.device)
 
     def compact(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
@@ -90,7 +90,7 @@ class TokenEmbeddingGrad:
         where unused) and the rows earlier microbatches touched; returns `.grad`'s tensor.
         `signed_zeros=False` promises that no row of `g` is -0.0 (torch's zero-filled backward): the
         +0.0 pass over the earlier rows is then skipped."""
-        self.rows[m][: rows.numel()].copy_(rows)  # any slots after: the scratch row, as initialized
+        self.rows_all[m, : rows.numel()].copy_(rows)  # any slots after: the scratch row, as initialized
         buf = self.buffer
         if m == 0:
             buf.zero_()
@@ -98,7 +98,7 @@ class TokenEmbeddingGrad:
             return self.grad
         new = buf.index_select(0, rows) + g  # from the accumulator before the +0.0 pass
         if signed_zeros:
-            earlier = torch.cat(self.rows[:m])
+            earlier = self.rows_all[:m].reshape(-1)  # contiguous: a view
             buf.index_copy_(0, earlier, buf.index_select(0, earlier) + 0.0)  # repeats write equal values
         buf.index_copy_(0, rows, new)
         return self.grad
