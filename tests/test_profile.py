@@ -75,7 +75,7 @@ def test_report_schema_round_trip(profiled) -> None:
     assert q.losses_equal_native is True and q.non_finite_losses == 0 and len(q.losses) == 3
     assert report.result("native-eager").losses_equal_native is None
     assert [c.name for c in report.configs] == ["native-eager", "qeffect-eager", "captured-copy", "captured-direct",
-                                                "captured-zbv-direct", "te-graphed"]
+                                                "captured-zbv-direct", "te-graphed", "te-graphed-model"]
 
 
 def test_losses_off_native_or_not_finite_are_flagged(profiled, capsys) -> None:
@@ -132,10 +132,11 @@ def test_not_run_records_say_why(profiled) -> None:
         assert c.status == "not run" and "needs a CUDA device" in c.reason
         assert c.step_seconds == [] and c.median_step_seconds is None and c.setup_seconds is None
         assert c.break_even_steps is None and c.floor_ratio is None
-    te = report.result("te-graphed")
-    assert te.status == "not run"
-    assert te.reason == ("Transformer Engine not importable" if not te_available() else te.reason)
-    assert te.median_step_seconds is None
+    for name in ("te-graphed", "te-graphed-model"):
+        te = report.result(name)
+        assert te.status == "not run" and te.median_step_seconds is None
+        assert te.reason == ("Transformer Engine not importable" if not te_available()
+                             else "make_graphed_callables captures CUDA graphs; needs a CUDA device (this run is on cpu)")
 
 
 def test_break_even_arithmetic() -> None:
@@ -341,6 +342,29 @@ def test_profile_on_cuda(capsys, tmp_path) -> None:
             assert c.peak_allocated_bytes > 0 and c.peak_reserved_bytes >= c.peak_allocated_bytes
     assert all(r.capture_host_seconds is not None and r.graphs_captured_per_rank == r.graphs_per_rank
                for r in report.resources)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not te_available(), reason="needs CUDA and Transformer Engine")
+def test_te_anchors_on_cuda(capsys, tmp_path) -> None:
+    """Both TE references run: TE's graphed layers alone, and the same graphs in the whole model (fp32
+    masters, the run's token data and loss: finite losses, one forward and one backward graph per layer)."""
+    cfg = tmp_path / "te.toml"
+    text = (Path(__file__).parents[1] / "src/qeffect/configs/tiny.toml").read_text()
+    cfg.write_text(text.replace('backend = "reference"', 'backend = "te"').replace('device = "cpu"', 'device = "cuda"'))
+    out = tmp_path / "r.json"
+    rc, _, _ = run(capsys, "profile", "--config", str(cfg), "--steps", "3", "--warmup", "2",
+                   "--configs", "te-graphed,te-graphed-model", "--json", str(out))
+    assert rc == 0
+    report = ProfileReport.model_validate_json(out.read_text())
+    layers, model = report.result("te-graphed"), report.result("te-graphed-model")
+    for c in (layers, model):
+        assert c.status == "ok", c.reason
+        assert c.graph_count == 2 * 4 and c.replays_per_step == 2 * 4 * 4  # 4 layers, 4 microbatches
+        assert len(c.step_seconds) == 3 and c.peak_allocated_bytes > 0
+    assert layers.losses == [] and len(model.losses) == 5 and model.non_finite_losses == 0
+    assert model.losses_equal_native is None  # another implementation: nothing to compare bit for bit
+    assert model.matrix_flops == report.matrix_flops.total and layers.matrix_flops == report.matrix_flops.layers_only
 
 
 def test_help_names_every_configuration(capsys) -> None:
@@ -553,7 +577,7 @@ def _hand_report(profiled, medians_ms: dict[str, float], backend: str = "te", hi
         if c.name in medians_ms:
             c.status, c.median_step_seconds = "ok", medians_ms[c.name] / 1e3
             c.setup_seconds = c.setup_seconds or 1.0
-            c.path = c.path or ("te" if c.name == "te-graphed" else "eager")
+            c.path = c.path or {"te-graphed": "te", "te-graphed-model": "te-model"}.get(c.name, "eager")
             c.persistent_growth_bytes_per_step = 0.0
     derive_ratios([c for c in r.configs if c.status == "ok"], r.floor.seconds, r.floor.seconds_layers_only)
     return r.with_targets()
@@ -658,6 +682,29 @@ def test_ratio_targets_give_the_ratio_on_device_work_alone_when_both_were_traced
                     "on device work alone captured-direct is 1.20x")
     r.result("captured-direct").trace = trace(21.0, None)  # a CPU trace: no device time
     assert {t.name: t for t in r.with_targets().targets}["vs-te-anchor"].note is None
+
+
+def test_anchor_targets_give_the_whole_model_reference_beside_the_anchor(profiled) -> None:
+    """te-graphed-model (TE's graphs in the whole model, fp32 masters) is context in the anchor targets'
+    notes; the targets themselves stay on te-graphed, and its floor is the whole model's."""
+    base = {"native-eager": 120.0, "qeffect-eager": 200.0, "captured-copy": 25.0, "captured-direct": 20.0,
+            "captured-zbv-direct": 16.0, "te-graphed": 30.0}
+    r = _hand_report(profiled, base)
+    for name in ("te-graphed", "captured-direct"):
+        r.result(name).step_seconds = []  # no spread notes: the whole-model note alone
+    by = {t.name: t for t in r.targets}
+    assert by["vs-te-anchor"].note is None and by["fastest-vs-te-anchor"].met is False
+    r = _hand_report(profiled, {**base, "te-graphed-model": 40.0})
+    for name in ("te-graphed", "captured-direct", "captured-zbv-direct"):
+        r.result(name).step_seconds = []
+    by = {t.name: t for t in r.targets}
+    assert by["vs-te-anchor"].note == ("against te-graphed-model (TE's per-layer graphs in the whole model, fp32 "
+                                       "masters; 40.00 ms) captured-direct is 2.00x")
+    assert by["fastest-vs-te-anchor"].note.endswith("captured-zbv-direct is 2.50x")
+    assert by["vs-te-anchor"].value == pytest.approx(1.5, rel=0, abs=1e-12)  # still against te-graphed
+    assert by["fastest-vs-te-anchor"].met is False  # 30 / 16 < 2: the reference does not meet it
+    model, layers = r.result("te-graphed-model"), r.result("te-graphed")
+    assert model.floor_seconds == r.floor.seconds and layers.floor_seconds == r.floor.seconds_layers_only
 
 
 def test_targets_render_in_the_table(capsys, profiled) -> None:

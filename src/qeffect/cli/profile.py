@@ -177,12 +177,13 @@ def profile(
                               "and summarize where a step's time goes: GPU busy/idle, host aten time, top kernels (under torchrun: every rank)."),
     microbatches: str | None = typer.Option(None, "--microbatches", help="Also analyse resources for these M, e.g. 2,4,8,16."),
     configs: str | None = typer.Option(None, "--configs", help="Comma-separated subset (default: all): native-eager, qeffect-eager, captured-copy, "
-                                "captured-direct, captured-zbv-direct, te-graphed."),
+                                "captured-direct, captured-zbv-direct, te-graphed (TE's graphed layers alone, the anchor), "
+                                "te-graphed-model (the same graphs in the whole model, fp32 masters: a like-for-like reference)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the report as JSON to this file."),
     plot: Path | None = typer.Option(None, "--plot", help="Write PNG figures into this folder (needs matplotlib)."),
     report_in: Path | None = typer.Option(None, "--report", help="Render a saved JSON report (tables, --plot) instead of running."),
 ) -> None:
-    """Time native eager, qeffect eager, captured (copy, direct, ZB-V direct) and the TE anchor.
+    """Time native eager, qeffect eager, captured (copy, direct, ZB-V direct) and the TE references.
 
     One model, one synthetic data sequence, one process. For each configuration: median step time
     after warm-up and its spread, setup time (build + capture + first step, the build split by phase:

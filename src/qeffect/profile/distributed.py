@@ -22,7 +22,6 @@ from qeffect.config import RunConfig
 from qeffect.errors import UserError
 from qeffect.profile.flops import Floor, MatrixFlops, count_matrix_flops, floor_of, measure_gemm_rates
 from qeffect.profile.matrix import (
-    TE_ANCHOR,
     ConfigSpec,
     GraphCounters,
     check_inputs,
@@ -158,7 +157,7 @@ def _run_specs(cfg: RunConfig, specs: Sequence[ConfigSpec], device: torch.device
     for spec in specs:
         r = ConfigResult(name=spec.name, description=spec.description, status="ok", schedule=spec.schedule,
                          path=spec.path)
-        reason = ANCHOR_NOT_RUN if spec.name == TE_ANCHOR else not_run_reason(spec, cfg, device, te_ok)
+        reason = ANCHOR_NOT_RUN if spec.te_anchor else not_run_reason(spec, cfg, device, te_ok)
         if reason is not None:
             r.status, r.reason = "not run", reason
             results.append(r)

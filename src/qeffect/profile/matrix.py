@@ -56,6 +56,7 @@ from qeffect.verify.state import synthetic_batches
 
 NATIVE = "native-eager"
 TE_ANCHOR = "te-graphed"
+TE_MODEL_ANCHOR = "te-graphed-model"
 CPU_MEMORY_NOTE = "not measured: peak and persistent memory come from torch.cuda statistics (CUDA only)"
 
 
@@ -64,12 +65,17 @@ class ConfigSpec:
     name: str
     description: str
     native: bool = False
-    path: str = "eager"  # eager | captured-copy | captured-direct | te
+    path: str = "eager"  # eager | captured-copy | captured-direct | te | te-model
     schedule: str | None = "interleaved"
 
     @property
     def captured(self) -> bool:
         return self.path.startswith("captured")
+
+    @property
+    def te_anchor(self) -> bool:
+        """Transformer Engine's own graphs (`profile.te_anchor`): one process, TE needed."""
+        return self.path in ("te", "te-model")
 
 
 CONFIGS: tuple[ConfigSpec, ...] = (
@@ -82,6 +88,8 @@ CONFIGS: tuple[ConfigSpec, ...] = (
                path="captured-direct", schedule="zbv"),
     ConfigSpec(TE_ANCHOR, "anchor: Transformer Engine make_graphed_callables per TransformerLayer",
                path="te", schedule=None),
+    ConfigSpec(TE_MODEL_ANCHOR, "reference: the same per-layer TE graphs in the whole model (fp32 masters, "
+               "embeddings, head, loss, fused AdamW)", path="te-model", schedule=None),
 )
 CONFIG_NAMES: tuple[str, ...] = tuple(c.name for c in CONFIGS)
 
@@ -154,7 +162,7 @@ def git_revision() -> str | None:
 
 def not_run_reason(spec: ConfigSpec, cfg: RunConfig, device: torch.device, te_ok: bool) -> str | None:
     """Why this machine or config cannot run `spec` (None: it can)."""
-    if spec.path == "te":
+    if spec.te_anchor:
         if not te_ok:
             return "Transformer Engine not importable"
         if device.type != "cuda":
@@ -240,10 +248,11 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
 
 
 def _make_runner(spec: ConfigSpec, cfg: RunConfig, device: torch.device) -> Callable[[], Runner]:
-    if spec.path == "te":
-        from qeffect.profile.te_anchor import TEGraphedLayers
+    if spec.te_anchor:
+        from qeffect.profile.te_anchor import TEGraphedLayers, TEGraphedModel
 
-        return lambda: TEGraphedLayers(cfg, device)
+        anchor = TEGraphedModel if spec.path == "te-model" else TEGraphedLayers
+        return lambda: anchor(cfg, device)
     return lambda: PipelineRunner(cfg, device, spec)
 
 

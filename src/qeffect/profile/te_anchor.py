@@ -1,31 +1,45 @@
-"""The Transformer Engine anchor: TE's own `make_graphed_callables`, one graphed `TransformerLayer` per layer.
+"""The Transformer Engine anchors: TE's own `make_graphed_callables`, one graphed `TransformerLayer` per layer.
 
-What TE users do today without qeffect (DESIGN.md §8 measured it at 22.1 ms / 43.7 ms per step for
-h2048 / h4096): the model's layers as TE `TransformerLayer`s (same hidden, FFN, heads, sequence and
-microbatch size, as many layers as the pipeline has), each graphed separately with FP8 delayed
-scaling from the run's recipe, params in the activation dtype (TE's usual setup), dropout off. One
-step: for each microbatch, forward through all layers inside `te.pytorch.autocast` and backward with
-a fixed random output gradient (TE's own CUDA-graph test drives its graphed layers the same way);
-then AdamW. No embedding, head or loss, and no pipeline: its floor is the layers-only floor.
+`te-graphed` (`TEGraphedLayers`) is what TE users do today without qeffect, as DESIGN.md §8 measured it
+(22.1 ms / 43.7 ms per step for h2048 / h4096): the model's layers as TE `TransformerLayer`s (same hidden,
+FFN, heads, sequence and microbatch size, as many layers as the pipeline has), each graphed separately
+with FP8 delayed scaling from the run's recipe, params in the activation dtype (TE's usual setup), dropout
+off. One step: for each microbatch, forward through all layers inside `te.pytorch.autocast` and backward
+with a fixed random output gradient (TE's own CUDA-graph test drives its graphed layers the same way);
+then AdamW over the bf16 params. No embedding, head or loss, and no pipeline: its floor is the
+layers-only floor.
+
+`te-graphed-model` (`TEGraphedModel`) puts the same per-layer graphs into the run's whole model with
+its numerics, for a like-for-like reference: fp32 master parameters (the layers under `torch.autocast`
+in the activation dtype), token and position embeddings, the final LayerNorm and an FP8 output head
+(`te.LayerNormLinear`, eager, as the embeddings), the model's loss on the run's token data, and torch's
+fused AdamW over every fp32 parameter (native eager's optimizer). Its floor is the whole model's.
 
 Per-layer graphs keep one static input/output set, so microbatch m's backward must run before
 microbatch m+1's forward (no 1F1B overlap, which one process cannot use anyway). Transformer Engine
-is imported only here and only when the anchor runs.
+is imported only here and only when an anchor runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch import nn
 
 from qeffect.config import RunConfig
 from qeffect.fp8.te import make_te_recipe
+from qeffect.model.gpt import INIT_STD, _rng_devices, cross_entropy
 from qeffect.runtime.build import dtype_of, recipe_of
 from qeffect.runtime.phases import SetupClock
 from qeffect.runtime.rank import make_optimizer
+from qeffect.verify.state import synthetic_batches
 
 
 class TEGraphedLayers:
     """Runner with the interface `matrix.py` times: `data(step)`, `step(data)` and graph counters."""
+
+    whole_model = False  # `TEGraphedModel`: fp32 masters, embeddings, head and loss around the layers
 
     def __init__(self, cfg: RunConfig, device: torch.device, *, num_warmup_iters: int = 3) -> None:
         import transformer_engine.pytorch as te
@@ -38,17 +52,18 @@ class TEGraphedLayers:
         self.layers_count = mc.layers_per_chunk * cfg.pipeline.num_stages
         self.shape = (mc.seq_len, mc.microbatch_size, mc.hidden)  # TE's default sbhd layout
         self.recipe = make_te_recipe(recipe_of(cfg))
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        params_dtype = torch.float32 if self.whole_model else self.dtype
         clock = SetupClock(device)
-        with clock.phase("modules"), torch.random.fork_rng(devices=[index]):
+        with clock.phase("modules"), torch.random.fork_rng(devices=_rng_devices(device)):
             torch.manual_seed(cfg.train.seed)
             layers = [te.TransformerLayer(mc.hidden, mc.ffn, mc.heads, hidden_dropout=0.0, attention_dropout=0.0,
                                           self_attn_mask_type="causal", fuse_qkv_params=True,
-                                          params_dtype=self.dtype, seq_length=mc.seq_len,
+                                          params_dtype=params_dtype, seq_length=mc.seq_len,
                                           micro_batch_size=mc.microbatch_size, device=device)
                       for _ in range(self.layers_count)]
-        self.params = [p for layer in layers for p in layer.parameters()]
-        with clock.phase("capture"):  # synchronized at both ends: the capture host time is this phase's
+            self.ends = self._ends()
+        self.params = [p for m in (*layers, *self.ends.values()) for p in m.parameters()]
+        with clock.phase("capture"), self._activations():  # synchronized at both ends: the capture host time
             self.graphed = [te.make_graphed_callables(
                 layer, (torch.ones(self.shape, device=device, dtype=self.dtype, requires_grad=True),),
                 num_warmup_iters=num_warmup_iters, enabled=True, recipe=self.recipe) for layer in layers]
@@ -62,13 +77,21 @@ class TEGraphedLayers:
         self.manager = None
         self._replays = 0
 
+    def _ends(self) -> dict[str, nn.Module]:
+        """The modules around the layers (none here)."""
+        return {}
+
+    def _activations(self) -> contextlib.AbstractContextManager:
+        """The context the layers run (and are captured) in: the params are already in the activation dtype."""
+        return contextlib.nullcontext()
+
     def data(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + step)
         return [(torch.randn(self.shape, generator=g).to(self.device, self.dtype),
                  torch.randn(self.shape, generator=g).to(self.device, self.dtype))
                 for _ in range(self.microbatches)]
 
-    def step(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def step(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         te = self.te
         for x, grad_out in data:
             y = x.requires_grad_()
@@ -84,3 +107,46 @@ class TEGraphedLayers:
     def counters(self) -> tuple[int, int]:
         """(replays, caller/graph handoffs): TE replays on the caller's stream, so no handoffs."""
         return self._replays, 0
+
+
+class TEGraphedModel(TEGraphedLayers):
+    """`te-graphed-model`: the per-layer graphs inside the run's whole model, with its numerics (module doc)."""
+
+    whole_model = True
+
+    def _ends(self) -> dict[str, nn.Module]:
+        mc, te = self.cfg.model, self.te
+        ends = {"tok_emb": nn.Embedding(mc.vocab_size, mc.hidden, device=self.device),
+                "pos_emb": nn.Embedding(mc.seq_len, mc.hidden, device=self.device),
+                "head": te.LayerNormLinear(mc.hidden, mc.vocab_size, bias=False, params_dtype=torch.float32,
+                                           device=self.device)}
+        with torch.no_grad():  # the model's init scale (nn.Embedding's own is N(0, 1))
+            for name in ("tok_emb", "pos_emb"):
+                ends[name].weight.normal_(0.0, INIT_STD)
+        return ends
+
+    def _activations(self) -> contextlib.AbstractContextManager:
+        """fp32 masters: the layers compute in the activation dtype under torch's autocast (TE's graphs
+        refuse autocast's weight cache, which a captured graph could not refresh)."""
+        return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=False)
+
+    def data(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return synthetic_batches(self.cfg, step, self.device)  # the pipeline's own token data
+
+    def step(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        te, ends = self.te, self.ends
+        total = torch.zeros((), device=self.device)
+        pos = torch.arange(self.cfg.model.seq_len, device=self.device)
+        for tokens, targets in data:
+            with self._activations(), te.autocast(enabled=True, recipe=self.recipe):
+                x = (ends["tok_emb"](tokens) + ends["pos_emb"](pos)).to(self.dtype).transpose(0, 1).contiguous()  # sbhd
+                for layer in self.graphed:
+                    x = layer(x)
+                logits = ends["head"](x).transpose(0, 1)  # [b, s, vocab]
+            loss = cross_entropy(logits, targets) / len(data)
+            loss.backward()
+            total += loss.detach()
+            self._replays += 2 * self.layers_count
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
