@@ -78,7 +78,7 @@
 # default-window-h4096: h4096 off / release / resident / resident/mw2 (Interleaved).
 # suite-profile-h2048: the whole GPU suite, then the h2048 te profile matrix.
 # suite-profile-h4096: the whole GPU suite, then the h4096 te profile matrix (setups by build phase).
-# model-anchor: the TE anchors' GPU test, then the h4096 and h2048 te matrices with te-graphed-model.
+# model-anchor: the TE anchors' and the row-lazy table's GPU tests, then the h4096 and h2048 te matrices with te-graphed-model.
 # suite-profiles: the whole GPU suite, then the h4096 and h2048 te profile matrices.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
@@ -681,7 +681,8 @@ layernorm)
 model-anchor)
     # te-graphed-model (TE's per-layer graphs in the whole model, fp32 masters): its GPU test, then (only if
     # it passes) the h4096 and h2048 te matrices, both anchors in each
-    if step 200 model-anchor-test python3 -m pytest -m gpu -q tests/test_profile.py -k "te_anchors or profile_on_cuda"; then
+    if step 200 model-anchor-test python3 -m pytest -m gpu -q tests/test_lazy_rows.py \
+            tests/test_profile.py -k "lazy or te_anchors or profile_on_cuda"; then
         profile_h4096_te
         profile_h2048_te
     fi

@@ -48,8 +48,9 @@ FIELDS = ("lr", "weight_decay", "eps", "beta1", "beta2", "bc1", "bc2_sqrt")
 
 @triton_kernel
 def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
-    _, _adamw_step = adamw._math()
-    globals()["_adamw_step"] = _adamw_step  # Triton resolves module globals (see `adamw._math`)
+    _adamw_update, _adamw_step = adamw._math()
+    globals()["_adamw_update"] = _adamw_update  # Triton resolves module globals (see `adamw._math`)
+    globals()["_adamw_step"] = _adamw_step
 
     @triton.jit
     def _catch_up_cols(r, last, target, cols, p_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap, h):
@@ -136,17 +137,8 @@ def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
                     cols = c0 + tl.arange(0, BLOCK)
                     if last < t - 1:  # not read since: its earlier steps first
                         _catch_up_cols(r, last, t - 1, cols, p_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap, h)
-                    mask = cols < h
-                    offs = r * h + cols
-                    p = tl.load(p_ptr + offs, mask=mask)
-                    m = tl.load(m_ptr + offs, mask=mask)
-                    v = tl.load(v_ptr + offs, mask=mask)
-                    g = tl.load(g_ptr + offs, mask=mask)
-                    p, m, v = _adamw_step(p, g, m, v, lr, beta1, beta2, weight_decay, eps, tl.load(bc1_ptr),
-                                          tl.load(bc2_sqrt_ptr), DECAY)
-                    tl.store(p_ptr + offs, p, mask=mask)
-                    tl.store(m_ptr + offs, m, mask=mask)
-                    tl.store(v_ptr + offs, v, mask=mask)
+                    _adamw_update(p_ptr, g_ptr, g_ptr, 0, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, r * h + cols, cols < h,
+                                  lr, beta1, beta2, weight_decay, eps, 0, False, DECAY)  # the dense pass's update
                 tl.store(last_ptr + r, t)
 
     globals()["_catch_up_cols"] = _catch_up_cols
