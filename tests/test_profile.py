@@ -367,6 +367,26 @@ def test_te_anchors_on_cuda(capsys, tmp_path) -> None:
     assert model.matrix_flops == report.matrix_flops.total and layers.matrix_flops == report.matrix_flops.layers_only
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not te_available(), reason="needs CUDA and Transformer Engine")
+def test_the_whole_model_reference_is_the_runs_model_in_size_and_precision() -> None:
+    """te-graphed-model holds as many fp32 parameters as the run's model (embeddings, layers, final norm
+    and head; no more, no fewer), and its first loss on the run's tokens is about ln(vocabulary) at init."""
+    import math
+
+    from qeffect.profile.te_anchor import TEGraphedModel
+    from qeffect.runtime.build import build_chunks_for
+
+    cfg = load_config(None).with_overrides(**{"fp8.backend": "te", "train.device": "cuda"})
+    device = torch.device("cuda")
+    ours = sum(p.numel() for c in build_chunks_for(cfg, device).values() for p in c.parameters())
+    anchor = TEGraphedModel(cfg, device)
+    assert sum(p.numel() for p in anchor.params) == ours
+    assert {p.dtype for p in anchor.params} == {torch.float32}
+    loss = float(anchor.step(anchor.data(0)))
+    assert abs(loss - math.log(cfg.model.vocab_size)) < 0.5, loss
+
+
 def test_help_names_every_configuration(capsys) -> None:
     from qeffect.profile.matrix import CONFIG_NAMES
 
