@@ -355,7 +355,7 @@ def shared_init_draws() -> Iterator[None]:
         _DRAWS = outer
 
 
-def _rng_devices(device: torch.device) -> list[int]:
+def rng_devices(device: torch.device) -> list[int]:
     """The CUDA devices whose RNG a constructor on `device` may draw from (`torch.random.fork_rng`)."""
     if device.type != "cuda":
         return []
@@ -413,7 +413,7 @@ def build_chunks(
         with phase("modules"):
             # Module constructors may draw from the global RNGs (embedding init, Transformer Engine's weight
             # init on the GPU): fork them, then overwrite every parameter.
-            with torch.random.fork_rng(devices=_rng_devices(where)):
+            with torch.random.fork_rng(devices=rng_devices(where)):
                 chunk = StageChunk(shape, backend, stage, device=where, dtype=dtype, head=head)
         with phase("values"), torch.no_grad():
             for name, p in chunk.named_parameters():

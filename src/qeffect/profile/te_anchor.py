@@ -29,7 +29,7 @@ from torch import nn
 
 from qeffect.config import RunConfig
 from qeffect.fp8.te import make_te_recipe
-from qeffect.model.gpt import INIT_STD, _rng_devices, cross_entropy
+from qeffect.model.gpt import INIT_STD, cross_entropy, rng_devices
 from qeffect.runtime.build import dtype_of, recipe_of
 from qeffect.runtime.phases import SetupClock
 from qeffect.runtime.rank import make_optimizer
@@ -54,7 +54,7 @@ class TEGraphedLayers:
         self.recipe = make_te_recipe(recipe_of(cfg))
         params_dtype = torch.float32 if self.whole_model else self.dtype
         clock = SetupClock(device)
-        with clock.phase("modules"), torch.random.fork_rng(devices=_rng_devices(device)):
+        with clock.phase("modules"), torch.random.fork_rng(devices=rng_devices(device)):
             torch.manual_seed(cfg.train.seed)
             layers = [te.TransformerLayer(mc.hidden, mc.ffn, mc.heads, hidden_dropout=0.0, attention_dropout=0.0,
                                           self_attn_mask_type="causal", fuse_qkv_params=True,
