@@ -173,3 +173,31 @@ def test_accumulate_skips_the_zero_pass_only_where_torch_adds_into_zeros(monkeyp
         for m in range(2):
             acc.accumulate(m, torch.randint(0, 5, (n,)), torch.randn(n, 2))
     assert seen == [False, False, True, True]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens", [24, 3073], ids=["pairwise", "sorted"])
+def test_clearing_only_the_last_steps_rows_keeps_the_dense_bits_step_after_step(device: str, tokens: int) -> None:
+    """`zero_rows_only`: each step's first microbatch clears only the rows the last step recorded, the
+    only ones it wrote; step after step the gradient is still autograd's, every other row +0.0. With a
+    leftover the accumulator did not write (what a reduction would leave), the rows-only clear keeps it,
+    which is why the runtime asks for it only where nothing else writes the table."""
+    vocab, steps, microbatches = 4096 if tokens > 3072 else 40, 3, 3
+    acc = full = None
+    for step in range(steps):
+        weight, toks, grads = random_case(device, 100 + step, vocab, microbatches, tokens)
+        if acc is None:
+            acc = TokenEmbeddingGrad(weight, tokens, microbatches, zero_rows_only=True)
+            full = TokenEmbeddingGrad(weight, tokens, microbatches)
+        for m, (t, g) in enumerate(zip(toks, grads, strict=True)):
+            got, whole = acc.accumulate(m, t, g), full.accumulate(m, t, g)
+        ref = dense_reference(weight, toks, grads)
+        assert bitwise_equal(got, ref) and bitwise_equal(whole, ref)
+        untouched = torch.ones(vocab, dtype=torch.bool, device=device)
+        untouched[torch.cat([t.reshape(-1) for t in toks])] = False
+        assert not got[untouched].any() and not got[untouched].signbit().any()  # +0.0 beyond this step's rows
+    untouched[toks[0].reshape(-1)] = False
+    row = int(untouched.nonzero()[0])  # not recorded last step, not written by the next microbatch
+    acc.buffer[row].fill_(7.0)  # written from outside
+    acc.accumulate(0, toks[0], grads[0])
+    assert (acc.buffer[row] == 7.0).all()

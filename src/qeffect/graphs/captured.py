@@ -125,6 +125,10 @@ class CapturedStageActions(StageActions):
                                                   microbatches)
             if self.lazy_rows is not None:
                 self._lazy = self.lazy_rows(self._nonmatrix[TOKEN_TABLE], self._token_grad.rows_all.view(-1))
+            # the rank offers the row-lazy table only without data parallelism, whose reduction writes rows no
+            # local token names: then only the dI graphs write the gradient, and a step clears the rows the
+            # last one recorded, not the whole table
+            self._token_grad.zero_rows_only = self._lazy is not None
         for m in range(microbatches):
             if first:
                 self._x[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)

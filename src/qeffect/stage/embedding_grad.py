@@ -32,6 +32,11 @@ rows (about 1 ms of a 13 ms captured h2048 step on the H200).
 
 Unused compact slots point at a scratch row V of the accumulator ([V + 1, H]); `.grad` is its first
 V rows. Microbatches must come in order 0, 1, ... (the captured dI graphs run in microbatch order).
+
+The first microbatch of a step clears the accumulator: the whole table (512 MB at h4096, ~0.13 ms on
+the H200), or with `zero_rows_only` the rows the last step recorded, the only ones it can have written.
+That holds while nothing else writes the buffer between steps; a data-parallel reduction writes rows no
+local token names, so the runtime asks for it only where no reduction touches the table.
 """
 
 from __future__ import annotations
@@ -47,9 +52,11 @@ PAIRWISE_TOKENS = ZERO_FILLED_TOKENS  # up to this many tokens (torch's one-kern
 class TokenEmbeddingGrad:
     """Row-sparse, bitwise-equal accumulation of one token embedding's gradient over M microbatches."""
 
-    def __init__(self, weight: Tensor, tokens_per_microbatch: int, microbatches: int) -> None:
+    def __init__(self, weight: Tensor, tokens_per_microbatch: int, microbatches: int, *,
+                 zero_rows_only: bool = False) -> None:
         self.vocab, self.hidden = weight.shape
         self.n = tokens_per_microbatch
+        self.zero_rows_only = zero_rows_only  # see the module docstring: only this writes the buffer
         self.buffer = torch.zeros((self.vocab + 1, self.hidden), dtype=weight.dtype, device=weight.device)
         self.grad = self.buffer[: self.vocab]  # what `.grad` is bound to
         # the rows each microbatch touched (each once; unused slots: the scratch row V)
@@ -90,10 +97,14 @@ class TokenEmbeddingGrad:
         where unused) and the rows earlier microbatches touched; returns `.grad`'s tensor.
         `signed_zeros=False` promises that no row of `g` is -0.0 (torch's zero-filled backward): the
         +0.0 pass over the earlier rows is then skipped."""
-        self.rows_all[m, : rows.numel()].copy_(rows)  # any slots after: the scratch row, as initialized
         buf = self.buffer
+        if m == 0:  # clear the last step's rows (before they are overwritten below) or the whole table
+            if self.zero_rows_only:
+                buf.index_fill_(0, self.rows_all.view(-1), 0.0)
+            else:
+                buf.zero_()
+        self.rows_all[m, : rows.numel()].copy_(rows)  # any slots after: the scratch row, as initialized
         if m == 0:
-            buf.zero_()
             buf.index_copy_(0, rows, g)  # only the scratch row repeats: its value does not matter
             return self.grad
         new = buf.index_select(0, rows) + g  # from the accumulator before the +0.0 pass
