@@ -46,7 +46,7 @@
 # offload-acceptance: issue 7's benchmark, offload_bench.py --interleave 2 (every mode alive, timed in
 #          rotating rounds): off, release, release/la0, resident, resident-memory at h2048 (both
 #          schedules), off, release, resident at h4096 (about 4 minutes).
-# h4096-te: the h4096 te profile alone.
+# h4096-te: the h4096 te profile alone. h2048-te: the h2048 te profile alone.
 # token-ab: offload_bench.py --interleave 2 with modes off and off+QEFFECT_TOKEN_COPY=1: the effect token
 #          incremented in place on one buffer per chunk against one copied into every replay, bitwise
 #          compared: h2048 Interleaved, h4096 ZB-V (about 3 minutes).
@@ -627,6 +627,10 @@ weight-cast)
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)
     profile_h4096_te
+    ;;
+h2048-te)
+    # the h2048 te profile alone (traces, M = 2, 4, 8, 16)
+    profile_h2048_te
     ;;
 offload-waits)
     # how long the compute stream stalls at each resident-offload wait, per category, 2 to 6 banks
