@@ -7,9 +7,12 @@ asks for it, and falls back to torch where Triton is missing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import torch
 
 K = TypeVar("K")
 
@@ -29,3 +32,9 @@ def triton_kernel(build: Callable[[Any, Any], K]) -> Callable[[], K | None]:
 
     get.__doc__ = build.__doc__
     return get
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Launch on `device` (Triton launches on the current CUDA device); nothing to select elsewhere
+    (Triton's interpreter, which the CPU tests use)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -19,14 +19,13 @@ a target outside [0, V) makes the loss and its row's gradient NaN (torch stops o
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from qeffect.triton_lazy import triton_kernel
+from qeffect.triton_lazy import on_device, triton_kernel
 
 IGNORE_INDEX = -100
 BLOCK = 2048  # columns per iteration of a row's pass (h4096's 32,768 vocabulary: 16 iterations)
@@ -95,12 +94,6 @@ def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
     return forward, mean, backward
 
 
-def _on(device: torch.device) -> contextlib.AbstractContextManager:
-    """Launch on `device` (Triton launches on the current CUDA device); nothing to select elsewhere
-    (Triton's interpreter, which the CPU tests use)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def enabled() -> bool:
     return os.environ.get("QEFFECT_FUSED_CE", "1") != "0"
 
@@ -123,7 +116,7 @@ class _TritonCrossEntropy(torch.autograd.Function):
         out = torch.empty((), dtype=torch.float32, device=x.device)
         count = torch.empty((), dtype=torch.float32, device=x.device)
         fwd, mean, _ = _kernels()
-        with _on(x.device):
+        with on_device(x.device):
             fwd[(rows,)](x, t, lse, losses, v, IGNORE_INDEX, BLOCK=BLOCK, num_warps=8)
             mean[(1,)](losses, t, out, count, rows, IGNORE_INDEX, BLOCK=MEAN_BLOCK, num_warps=4)
         ctx.save_for_backward(x, t, lse, count)
@@ -136,7 +129,7 @@ class _TritonCrossEntropy(torch.autograd.Function):
         rows, v = x.shape
         dx = torch.empty_like(x)
         g = grad.to(torch.float32).contiguous()
-        with _on(x.device):
+        with on_device(x.device):
             _kernels()[2][(rows, -(-v // BACKWARD_BLOCK))](x, t, lse, g, count, dx, v, IGNORE_INDEX,
                                                           BLOCK=BACKWARD_BLOCK, num_warps=8)
         return dx.view(ctx.shape), None

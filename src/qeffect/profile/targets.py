@@ -96,9 +96,13 @@ def _device_work(baseline: ConfigResult, ours: ConfigResult) -> str | None:
             f"{ours.name} is {b / o:.2f}x")
 
 
+def _notes(*notes: str | None) -> str | None:
+    """The notes given, one line."""
+    return "; ".join(n for n in notes if n) or None
+
+
 def _baseline_notes(baseline: ConfigResult, ours: ConfigResult) -> str | None:
-    notes = [n for n in (_against_fastest(baseline, ours), _device_work(baseline, ours)) if n]
-    return "; ".join(notes) or None
+    return _notes(_against_fastest(baseline, ours), _device_work(baseline, ours))
 
 
 def _whole_model(report: ProfileReport, ours: ConfigResult) -> str | None:
@@ -110,10 +114,6 @@ def _whole_model(report: ProfileReport, ours: ConfigResult) -> str | None:
     return (f"against te-graphed-model (TE's per-layer graphs in the whole model, fp32 masters; "
             f"{model.median_step_seconds * 1e3:.2f} ms) {ours.name} is "
             f"{model.median_step_seconds / ours.median_step_seconds:.2f}x")
-
-
-def _notes(*notes: str | None) -> str | None:
-    return "; ".join(n for n in notes if n) or None
 
 
 def _ok(report: ProfileReport, name: str) -> ConfigResult | None:

@@ -29,14 +29,13 @@ bring other ranks' rows the local tokens do not name).
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 from torch import Tensor
 
 from qeffect.runtime import adamw
-from qeffect.triton_lazy import triton_kernel
+from qeffect.triton_lazy import on_device, triton_kernel
 
 CAPACITY = 1024  # steps of per-step scalars kept: a row may fall at most this many steps minus one behind
 BLOCK = 1024  # `update`: columns per block (one program per touched row)
@@ -155,10 +154,6 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _on(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 class LazyRows:
     """The row-lazy state of one table under `TritonAdamW` (see the module docstring). `rows`: the rows
     a step touches, each at least once, the vocabulary size in unused slots; read by every `update`."""
@@ -192,7 +187,7 @@ class LazyRows:
         tok = self.rows if tokens is None else tokens.reshape(-1)
         catch_up, _, mark = _kernels()
         tok_block = 16 if tokens is None else max(16, _pow2(n))  # the tokens each program compares with
-        with _on(self.param.device):
+        with on_device(self.param.device):
             catch_up[(n, -(-self.hidden // CATCH_UP_BLOCK))](
                 tok, n, self.vocab, self.last, self.done, self.param, self.exp_avg, self.exp_avg_sq, self.zero,
                 self.table, self.capacity, self.hidden, ALL=tokens is None, TOK_BLOCK=tok_block,
@@ -216,7 +211,7 @@ class LazyRows:
                weight_decay: float, eps: float) -> None:
         """This step on the rows in `rows` (their earlier steps first where they are behind), then count
         the step done. `grad`: the table's gradient (only those rows are read)."""
-        with _on(self.param.device):
+        with on_device(self.param.device):
             _kernels()[1][(self.rows.numel(),)](
                 self.rows, self.vocab, self.last, self.claim, self.done, self.param, grad, self.exp_avg,
                 self.exp_avg_sq, self.zero, self.table, self.capacity, self.hidden, bc1, bc2_sqrt, lr, betas[0],
