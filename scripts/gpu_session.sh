@@ -80,6 +80,7 @@
 # suite-profile-h4096: the whole GPU suite, then the h4096 te profile matrix (setups by build phase).
 # model-anchor: the TE anchors' and the row-lazy table's GPU tests, then the h4096 and h2048 te matrices with te-graphed-model.
 # suite-profiles: the whole GPU suite, then the h4096 and h2048 te profile matrices.
+# mcore-anchor: te-graphed-mcore's GPU tests (all three TE references), then the h4096 and h2048 te matrices.
 # host-python: scripts/host_python_profile.py, h2048 Interleaved host time by Python function per offload mode.
 # offload-waits: scripts/offload_waits.py, the compute stream's stall at each offload wait.
 # copy-bandwidth: scripts/copy_bandwidth.py, then scripts/offload_host_profile.py's device copies per mode.
@@ -687,6 +688,15 @@ model-anchor)
     # it passes) the h4096 and h2048 te matrices, both anchors in each
     if step 200 model-anchor-test python3 -m pytest -m gpu -q tests/test_lazy_rows.py \
             tests/test_profile.py -k "lazy or te_anchors or profile_on_cuda"; then
+        profile_h4096_te
+        profile_h2048_te
+    fi
+    ;;
+mcore-anchor)
+    # te-graphed-mcore (te-graphed-model as Megatron-LM sets TE up): the TE references' GPU tests, then (only
+    # if they pass) the h4096 and h2048 te matrices, every reference in each
+    if step 200 mcore-anchor-test python3 -m pytest -m gpu -q tests/test_profile.py \
+            -k "te_anchors or megatron or whole_model"; then
         profile_h4096_te
         profile_h2048_te
     fi

@@ -20,7 +20,7 @@ from qeffect.profile.report import SCHEMA_VERSION, ConfigResult, TraceSummary
 def test_profile_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     proc = _run(torchrun(2, "-m", "qeffect", "profile", "--steps", "2", "--warmup", "1",
-                         "--configs", "native-eager,qeffect-eager,captured-direct,te-graphed,te-graphed-model", "--json", str(out)),
+                         "--configs", "native-eager,qeffect-eager,captured-direct,te-graphed,te-graphed-model,te-graphed-mcore", "--json", str(out)),
                 tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -36,7 +36,7 @@ def test_profile_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     # same model, same data: qeffect eager's losses are native's bit for bit (floats from the same tensor)
     assert by["qeffect-eager"]["losses"] == by["native-eager"]["losses"]
     assert by["captured-direct"]["status"] == "not run" and "CUDA" in by["captured-direct"]["reason"]
-    for name in ("te-graphed", "te-graphed-model"):
+    for name in ("te-graphed", "te-graphed-model", "te-graphed-mcore"):
         assert by[name]["status"] == "not run" and "single-process" in by[name]["reason"]
     assert by["qeffect-eager"]["arena_bytes"] > 0
     for name in ("native-eager", "qeffect-eager"):  # the slowest rank's build, by phase

@@ -57,7 +57,11 @@ from qeffect.verify.state import synthetic_batches
 NATIVE = "native-eager"
 TE_ANCHOR = "te-graphed"
 TE_MODEL_ANCHOR = "te-graphed-model"
+TE_MCORE_ANCHOR = "te-graphed-mcore"
 CPU_MEMORY_NOTE = "not measured: peak and persistent memory come from torch.cuda statistics (CUDA only)"
+
+
+TE_PATHS = ("te", "te-model", "te-mcore")  # Transformer Engine's own graphs (`profile.te_anchor`)
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class ConfigSpec:
     name: str
     description: str
     native: bool = False
-    path: str = "eager"  # eager | captured-copy | captured-direct | te | te-model
+    path: str = "eager"  # eager | captured-copy | captured-direct | te | te-model | te-mcore
     schedule: str | None = "interleaved"
 
     @property
@@ -75,7 +79,7 @@ class ConfigSpec:
     @property
     def te_anchor(self) -> bool:
         """Transformer Engine's own graphs (`profile.te_anchor`): one process, TE needed."""
-        return self.path in ("te", "te-model")
+        return self.path in TE_PATHS
 
 
 CONFIGS: tuple[ConfigSpec, ...] = (
@@ -90,6 +94,8 @@ CONFIGS: tuple[ConfigSpec, ...] = (
                path="te", schedule=None),
     ConfigSpec(TE_MODEL_ANCHOR, "reference: the same per-layer TE graphs in the whole model (fp32 masters, "
                "embeddings, head, loss, fused AdamW)", path="te-model", schedule=None),
+    ConfigSpec(TE_MCORE_ANCHOR, "reference: te-graphed-model as Megatron-LM sets TE up (wgrad GEMMs accumulate "
+               "into fp32 main_grad, FP8 weights cached per step)", path="te-mcore", schedule=None),
 )
 CONFIG_NAMES: tuple[str, ...] = tuple(c.name for c in CONFIGS)
 
@@ -249,9 +255,9 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
 
 def _make_runner(spec: ConfigSpec, cfg: RunConfig, device: torch.device) -> Callable[[], Runner]:
     if spec.te_anchor:
-        from qeffect.profile.te_anchor import TEGraphedLayers, TEGraphedModel
+        from qeffect.profile.te_anchor import TEGraphedLayers, TEGraphedMcore, TEGraphedModel
 
-        anchor = TEGraphedModel if spec.path == "te-model" else TEGraphedLayers
+        anchor = {"te": TEGraphedLayers, "te-model": TEGraphedModel, "te-mcore": TEGraphedMcore}[spec.path]
         return lambda: anchor(cfg, device)
     return lambda: PipelineRunner(cfg, device, spec)
 

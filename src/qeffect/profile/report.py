@@ -95,7 +95,7 @@ class TraceSummary(BaseModel):
 
 
 # configurations whose arithmetic is not native eager's (Transformer Engine's own modules)
-NOT_NATIVE_MATH = frozenset({"te-graphed", "te-graphed-model"})
+NOT_NATIVE_MATH = frozenset({"te-graphed", "te-graphed-model", "te-graphed-mcore"})
 
 
 def _same_floats(a: list[float | None], b: list[float | None]) -> bool:

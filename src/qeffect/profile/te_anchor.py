@@ -15,6 +15,13 @@ in the activation dtype), token and position embeddings, the final LayerNorm and
 (`te.LayerNormLinear`, eager, as the embeddings), the model's loss on the run's token data, and torch's
 fused AdamW over every fp32 parameter (native eager's optimizer). Its floor is the whole model's.
 
+`te-graphed-mcore` (`TEGraphedMcore`) is `te-graphed-model` set up as Megatron-LM sets TE up (what a
+Megatron-Core user runs with its Transformer Engine graphs): gradient accumulation fusion (every TE
+weight's gradient GEMM accumulates into an fp32 ``main_grad``, one flat buffer zeroed once per step, so
+no per-microbatch gradient copies, casts or adds) and FP8 weights cached per step (`make_graphed_callables`
+with ``cache_quantized_params``, Megatron-Core's ``fp8_weight_caching``: a weight is cast on a step's first
+microbatch only). The same model, fp32 masters and optimizer; its wgrad sums in fp32 inside the GEMM.
+
 Per-layer graphs keep one static input/output set, so microbatch m's backward must run before
 microbatch m+1's forward (no 1F1B overlap, which one process cannot use anyway). Transformer Engine
 is imported only here and only when an anchor runs.
@@ -40,6 +47,7 @@ class TEGraphedLayers:
     """Runner with the interface `matrix.py` times: `data(step)`, `step(data)` and graph counters."""
 
     whole_model = False  # `TEGraphedModel`: fp32 masters, embeddings, head and loss around the layers
+    fused_wgrad = False  # `TEGraphedMcore`: wgrad GEMMs accumulate into `main_grad`; FP8 weights cached per step
 
     def __init__(self, cfg: RunConfig, device: torch.device, *, num_warmup_iters: int = 3) -> None:
         import transformer_engine.pytorch as te
@@ -59,14 +67,21 @@ class TEGraphedLayers:
             layers = [te.TransformerLayer(mc.hidden, mc.ffn, mc.heads, hidden_dropout=0.0, attention_dropout=0.0,
                                           self_attn_mask_type="causal", fuse_qkv_params=True,
                                           params_dtype=params_dtype, seq_length=mc.seq_len,
-                                          micro_batch_size=mc.microbatch_size, device=device)
+                                          micro_batch_size=mc.microbatch_size, device=device,
+                                          fuse_wgrad_accumulation=self.fused_wgrad)
                       for _ in range(self.layers_count)]
             self.ends = self._ends()
         self.params = [p for m in (*layers, *self.ends.values()) for p in m.parameters()]
+        self.fused_weights: list[nn.Parameter] = []  # the weights whose gradient is their `main_grad`
+        self.main_grad = self._main_grads([*layers, *self.ends.values()]) if self.fused_wgrad else None
         with clock.phase("capture"), self._activations():  # synchronized at both ends: the capture host time
+            # fused wgrad: the weights' gradients are `main_grad`'s, not autograd's (hence unused inputs)
             self.graphed = [te.make_graphed_callables(
                 layer, (torch.ones(self.shape, device=device, dtype=self.dtype, requires_grad=True),),
-                num_warmup_iters=num_warmup_iters, enabled=True, recipe=self.recipe) for layer in layers]
+                num_warmup_iters=num_warmup_iters, enabled=True, recipe=self.recipe,
+                cache_quantized_params=self.fused_wgrad, allow_unused_input=self.fused_wgrad) for layer in layers]
+            if self.main_grad is not None:
+                self.main_grad.zero_()  # what the warm-up and capture accumulated
         self.capture_host_seconds = clock.seconds["capture"]
         with clock.phase("optimizer"):
             self.optimizer = make_optimizer(self.params, cfg.optim)
@@ -81,6 +96,34 @@ class TEGraphedLayers:
         """The modules around the layers (none here)."""
         return {}
 
+    def _main_grads(self, modules: list[nn.Module]) -> torch.Tensor:
+        """One fp32 buffer holding every TE weight's ``main_grad`` (Megatron's grad buffer): the 2-D
+        parameters of the TE modules, which fused accumulation writes; the rest keep autograd's ``.grad``."""
+        weights = [p for m in modules if type(m).__module__.startswith("transformer_engine")
+                   for p in m.parameters() if p.dim() == 2]
+        flat = torch.zeros(sum(p.numel() for p in weights), device=self.device, dtype=torch.float32)
+        offset = 0
+        for p in weights:
+            p.main_grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.fused_weights = weights
+        return flat
+
+    def _first(self, microbatch: int) -> dict[str, bool]:
+        """The keyword a layer or the head takes: with cached FP8 weights, whether this is the step's first
+        microbatch (the one that casts them); TE's defaults otherwise."""
+        return {"is_first_microbatch": microbatch == 0} if self.fused_wgrad else {}
+
+    def _update(self) -> None:
+        """The optimizer step over the accumulated gradients, then every gradient cleared."""
+        if self.main_grad is not None:
+            for p in self.fused_weights:
+                p.grad = p.main_grad  # a view: the optimizer reads the fused sums in place
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.main_grad is not None:
+            self.main_grad.zero_()
+
     def _activations(self) -> contextlib.AbstractContextManager:
         """The context the layers run (and are captured) in: the params are already in the activation dtype."""
         return contextlib.nullcontext()
@@ -93,15 +136,14 @@ class TEGraphedLayers:
 
     def step(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         te = self.te
-        for x, grad_out in data:
+        for m, (x, grad_out) in enumerate(data):
             y = x.requires_grad_()
             with te.autocast(enabled=True, recipe=self.recipe):
                 for layer in self.graphed:
-                    y = layer(y)
+                    y = layer(y, **self._first(m))
             y.backward(grad_out)
             self._replays += 2 * self.layers_count
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._update()
         return None
 
     def counters(self) -> tuple[int, int]:
@@ -119,7 +161,7 @@ class TEGraphedModel(TEGraphedLayers):
         ends = {"tok_emb": nn.Embedding(mc.vocab_size, mc.hidden, device=self.device),
                 "pos_emb": nn.Embedding(mc.seq_len, mc.hidden, device=self.device),
                 "head": te.LayerNormLinear(mc.hidden, mc.vocab_size, bias=False, params_dtype=torch.float32,
-                                           device=self.device)}
+                                           device=self.device, fuse_wgrad_accumulation=self.fused_wgrad)}
         with torch.no_grad():  # the model's init scale (nn.Embedding's own is N(0, 1))
             for name in ("tok_emb", "pos_emb"):
                 ends[name].weight.normal_(0.0, INIT_STD)
@@ -134,19 +176,34 @@ class TEGraphedModel(TEGraphedLayers):
         return synthetic_batches(self.cfg, step, self.device)  # the pipeline's own token data
 
     def step(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        total = self.accumulate(data)
+        self._update()
+        return total
+
+    def accumulate(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of every microbatch (the gradients summed, no update): the mean loss."""
         te, ends = self.te, self.ends
         total = torch.zeros((), device=self.device)
         pos = torch.arange(self.cfg.model.seq_len, device=self.device)
-        for tokens, targets in data:
+        for m, (tokens, targets) in enumerate(data):
             with self._activations(), te.autocast(enabled=True, recipe=self.recipe):
                 x = (ends["tok_emb"](tokens) + ends["pos_emb"](pos)).to(self.dtype).transpose(0, 1).contiguous()  # sbhd
                 for layer in self.graphed:
-                    x = layer(x)
-                logits = ends["head"](x).transpose(0, 1)  # [b, s, vocab]
+                    x = layer(x, **self._first(m))
+                logits = ends["head"](x, **self._first(m)).transpose(0, 1)  # [b, s, vocab]
             loss = cross_entropy(logits, targets) / len(data)
             loss.backward()
             total += loss.detach()
             self._replays += 2 * self.layers_count
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return total
+
+    def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s accumulated gradient: its ``main_grad`` where accumulation is fused, else ``.grad``."""
+        return param.main_grad if any(param is w for w in self.fused_weights) else param.grad
+
+
+class TEGraphedMcore(TEGraphedModel):
+    """`te-graphed-mcore`: `te-graphed-model` with Megatron-LM's TE setup (fused wgrad accumulation into
+    fp32 ``main_grad``, FP8 weights cached per step; module doc)."""
+
+    fused_wgrad = True
