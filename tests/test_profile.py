@@ -393,33 +393,42 @@ def test_the_whole_model_reference_is_the_runs_model_in_size_and_precision() -> 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not te_available(), reason="needs CUDA and Transformer Engine")
 def test_the_megatron_setup_accumulates_the_same_gradients_as_te_defaults() -> None:
-    """te-graphed-mcore trains the model te-graphed-model trains: from the same initial weights and tokens,
-    the gradients its wgrad GEMMs accumulate into `main_grad` (over every microbatch, two steps, so the
-    per-step zeroing counts) are te-graphed-model's autograd sums up to the wgrad's rounding (fp32 inside
-    the GEMM against bf16 per microbatch; no bitwise claim between two implementations), and so are the
-    two steps' updates. Dropping a microbatch's accumulation or a step's zeroing is off by ~1/M or more."""
+    """te-graphed-mcore's fused accumulation sums what autograd sums: with fused wgrad alone, from the same
+    initial weights and tokens, the gradients the wgrad GEMMs accumulate into `main_grad` (every microbatch,
+    two steps, so the per-step zeroing counts) are te-graphed-model's `.grad` (measured equal on the H200; a
+    tolerance of 1e-4 since two TE code paths make no bitwise promise). Dropping a microbatch's accumulation
+    or a step's zeroing is off by about 1/M or more.
+
+    With FP8 weight caching as well (te-graphed-mcore itself) the gradients are not te-graphed-model's (10-17%
+    apart on the tiny model, measured at b822b6f, also after a first step without update): TE casts a
+    step's weights once instead of per microbatch. It still trains the same model: the same losses to 1e-3,
+    and every TE weight moves by its `main_grad` each step."""
     from qeffect.profile.te_anchor import TEGraphedMcore, TEGraphedModel
+
+    class FusedOnly(TEGraphedModel):
+        fused_wgrad = True
 
     cfg = load_config(None).with_overrides(**{"fp8.backend": "te", "train.device": "cuda"})
     device = torch.device("cuda")
-    model, mcore = TEGraphedModel(cfg, device), TEGraphedMcore(cfg, device)
-    assert len(mcore.fused_weights) == 4 * 4 + 1 and all(p.grad is None for p in mcore.fused_weights)
-    assert all(torch.equal(a, b) for a, b in zip(model.params, mcore.params, strict=True))  # the same init
-    before = [p.detach().clone() for p in model.params]
-    for step in range(2):
+    model, fused, mcore = TEGraphedModel(cfg, device), FusedOnly(cfg, device), TEGraphedMcore(cfg, device)
+    assert len(fused.fused_weights) == len(mcore.fused_weights) == 4 * 4 + 1  # 4 per layer and the head
+    assert all(p.grad is None for p in mcore.fused_weights) and not model.fused_weights
+    for other in (fused, mcore):
+        assert all(torch.equal(a, b) for a, b in zip(model.params, other.params, strict=True))  # the same init
+    for step in range(3):
         data = model.data(step)
-        la, lb = model.accumulate(data), mcore.accumulate(data)
-        assert abs(float(la) - float(lb)) < 1e-2 * abs(float(la))
-        for a, b in zip(model.params, mcore.params, strict=True):
-            ga, gb = model.gradient(a), mcore.gradient(b)
-            rel = float((ga - gb).norm() / ga.norm())
-            assert rel < 2e-2, (tuple(a.shape), rel)
-        model._update()
-        mcore._update()
-        assert float(mcore.main_grad.abs().max()) == 0.0 and all(p.grad is None for p in mcore.fused_weights)
-    for a, b, w in zip(model.params, mcore.params, before, strict=True):  # the updates: an unused main_grad
-        da, db = a.detach() - w, b.detach() - w  # leaves the weight where it was (off by the whole update)
-        assert float((da - db).norm() / da.norm()) < 0.25, tuple(a.shape)
+        before = [p.detach().clone() for p in mcore.fused_weights]
+        la, lf, lm = model.accumulate(data), fused.accumulate(data), mcore.accumulate(data)
+        assert float(la) == float(lf) and abs(float(la) - float(lm)) < 1e-3 * abs(float(la)), (step, la, lf, lm)
+        rel = {n: float((model.gradient(a) - fused.gradient(b)).norm() / model.gradient(a).norm())
+               for n, a, b in zip(model.param_names, model.params, fused.params, strict=True)}
+        worst = max(rel.items(), key=lambda kv: kv[1])
+        assert worst[1] < 1e-4, (step, worst)
+        for anchor in (model, fused, mcore):
+            anchor._update()
+        for anchor in (fused, mcore):
+            assert float(anchor.main_grad.abs().max()) == 0.0 and all(p.grad is None for p in anchor.fused_weights)
+        assert not any(torch.equal(p, w) for p, w in zip(mcore.fused_weights, before, strict=True))
 
 
 def test_help_names_every_configuration(capsys) -> None:

@@ -47,7 +47,8 @@ class TEGraphedLayers:
     """Runner with the interface `matrix.py` times: `data(step)`, `step(data)` and graph counters."""
 
     whole_model = False  # `TEGraphedModel`: fp32 masters, embeddings, head and loss around the layers
-    fused_wgrad = False  # `TEGraphedMcore`: wgrad GEMMs accumulate into `main_grad`; FP8 weights cached per step
+    fused_wgrad = False  # `TEGraphedMcore`: wgrad GEMMs accumulate into `main_grad`
+    cached_weights = False  # `TEGraphedMcore`: FP8 weights cast on a step's first microbatch only
 
     def __init__(self, cfg: RunConfig, device: torch.device, *, num_warmup_iters: int = 3) -> None:
         import transformer_engine.pytorch as te
@@ -71,7 +72,10 @@ class TEGraphedLayers:
                                           fuse_wgrad_accumulation=self.fused_wgrad)
                       for _ in range(self.layers_count)]
             self.ends = self._ends()
-        self.params = [p for m in (*layers, *self.ends.values()) for p in m.parameters()]
+        modules = {**{f"layer{i}": layer for i, layer in enumerate(layers)}, **self.ends}
+        named = [(f"{m}.{n}", p) for m, module in modules.items() for n, p in module.named_parameters()]
+        self.param_names = [n for n, _ in named]  # beside `params`, for whoever reports on them
+        self.params = [p for _, p in named]
         self.fused_weights: list[nn.Parameter] = []  # the weights whose gradient is their `main_grad`
         self.main_grad = self._main_grads([*layers, *self.ends.values()]) if self.fused_wgrad else None
         with clock.phase("capture"), self._activations():  # synchronized at both ends: the capture host time
@@ -79,7 +83,7 @@ class TEGraphedLayers:
             self.graphed = [te.make_graphed_callables(
                 layer, (torch.ones(self.shape, device=device, dtype=self.dtype, requires_grad=True),),
                 num_warmup_iters=num_warmup_iters, enabled=True, recipe=self.recipe,
-                cache_quantized_params=self.fused_wgrad, allow_unused_input=self.fused_wgrad) for layer in layers]
+                cache_quantized_params=self.cached_weights, allow_unused_input=self.fused_wgrad) for layer in layers]
             if self.main_grad is not None:
                 self.main_grad.zero_()  # what the warm-up and capture accumulated
         self.capture_host_seconds = clock.seconds["capture"]
@@ -112,14 +116,17 @@ class TEGraphedLayers:
     def _first(self, microbatch: int) -> dict[str, bool]:
         """The keyword a layer or the head takes: with cached FP8 weights, whether this is the step's first
         microbatch (the one that casts them); TE's defaults otherwise."""
-        return {"is_first_microbatch": microbatch == 0} if self.fused_wgrad else {}
+        return {"is_first_microbatch": microbatch == 0} if self.cached_weights else {}
 
     def _update(self) -> None:
         """The optimizer step over the accumulated gradients, then every gradient cleared."""
-        if self.main_grad is not None:
-            for p in self.fused_weights:
-                p.grad = p.main_grad  # a view: the optimizer reads the fused sums in place
+        for p in self.fused_weights:
+            p.grad = p.main_grad  # a view: the optimizer reads the fused sums in place
         self.optimizer.step()
+        self.discard()
+
+    def discard(self) -> None:
+        """Every accumulated gradient cleared (autograd's ``.grad`` and the fused ``main_grad``)."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.main_grad is not None:
             self.main_grad.zero_()
@@ -207,3 +214,4 @@ class TEGraphedMcore(TEGraphedModel):
     fp32 ``main_grad``, FP8 weights cached per step; module doc)."""
 
     fused_wgrad = True
+    cached_weights = True
