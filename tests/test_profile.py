@@ -404,6 +404,8 @@ def test_the_megatron_setup_accumulates_the_same_gradients_as_te_defaults() -> N
     step's weights once instead of per microbatch; on the first step the head's weights keep their first cast,
     made before any amax history, for every microbatch. It still trains the same model: the same losses to
     1e-2 (1.5e-3 apart after the first update), and every TE weight moves by its `main_grad` each step."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
     from qeffect.profile.te_anchor import TEGraphedMcore, TEGraphedModel
 
     class FusedOnly(TEGraphedModel):
@@ -411,7 +413,10 @@ def test_the_megatron_setup_accumulates_the_same_gradients_as_te_defaults() -> N
 
     cfg = load_config(None).with_overrides(**{"fp8.backend": "te", "train.device": "cuda"})
     device = torch.device("cuda")
+    state = FP8GlobalStateManager.quantization_state
+    flag = state.skip_fp8_weight_update_tensor  # TE's global, which later graphs of TE modules would read
     model, fused, mcore = TEGraphedModel(cfg, device), FusedOnly(cfg, device), TEGraphedMcore(cfg, device)
+    assert state.skip_fp8_weight_update_tensor is flag and mcore._skip_flag is not None
     assert len(fused.fused_weights) == len(mcore.fused_weights) == 4 * 4 + 1  # 4 per layer and the head
     assert all(p.grad is None for p in mcore.fused_weights) and not model.fused_weights
     for other in (fused, mcore):
@@ -430,6 +435,7 @@ def test_the_megatron_setup_accumulates_the_same_gradients_as_te_defaults() -> N
         for anchor in (fused, mcore):
             assert float(anchor.main_grad.abs().max()) == 0.0 and all(p.grad is None for p in anchor.fused_weights)
         assert not any(torch.equal(p, w) for p, w in zip(mcore.fused_weights, before, strict=True))
+        assert state.skip_fp8_weight_update_tensor is flag  # the anchor's own only while it steps
 
 
 def test_help_names_every_configuration(capsys) -> None:

@@ -30,6 +30,7 @@ is imported only here and only when an anchor runs.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -78,7 +79,8 @@ class TEGraphedLayers:
         self.params = [p for _, p in named]
         self.fused_weights: list[nn.Parameter] = []  # the weights whose gradient is their `main_grad`
         self.main_grad = self._main_grads([*layers, *self.ends.values()]) if self.fused_wgrad else None
-        with clock.phase("capture"), self._activations():  # synchronized at both ends: the capture host time
+        self._skip_flag: torch.Tensor | None = None  # see `_weight_cache_flag`
+        with clock.phase("capture"), self._activations(), self._weight_cache_flag():  # synchronized at both ends
             # fused wgrad: the weights' gradients are `main_grad`'s, not autograd's (hence unused inputs)
             self.graphed = [te.make_graphed_callables(
                 layer, (torch.ones(self.shape, device=device, dtype=self.dtype, requires_grad=True),),
@@ -113,6 +115,24 @@ class TEGraphedLayers:
         self.fused_weights = weights
         return flat
 
+    @contextlib.contextmanager
+    def _weight_cache_flag(self) -> Iterator[None]:
+        """TE's flag that tells graphs with cached FP8 weights whether to cast (set per call from
+        ``is_first_microbatch``) is process-global, and every TE module captured in a graph later (qeffect's
+        own captured stage actions included) would read it and skip its weight casts: it is this anchor's
+        only while it captures or steps; TE's own value (normally none) is put back after."""
+        if not self.cached_weights:
+            yield
+            return
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        state = FP8GlobalStateManager.quantization_state
+        saved, state.skip_fp8_weight_update_tensor = state.skip_fp8_weight_update_tensor, self._skip_flag
+        try:
+            yield
+        finally:  # the capture allocated it (its graphs read that tensor): kept for the replays
+            self._skip_flag, state.skip_fp8_weight_update_tensor = state.skip_fp8_weight_update_tensor, saved
+
     def _first(self, microbatch: int) -> dict[str, bool]:
         """The keyword a layer or the head takes: with cached FP8 weights, whether this is the step's first
         microbatch (the one that casts them); TE's defaults otherwise."""
@@ -145,7 +165,7 @@ class TEGraphedLayers:
         te = self.te
         for m, (x, grad_out) in enumerate(data):
             y = x.requires_grad_()
-            with te.autocast(enabled=True, recipe=self.recipe):
+            with te.autocast(enabled=True, recipe=self.recipe), self._weight_cache_flag():
                 for layer in self.graphed:
                     y = layer(y, **self._first(m))
             y.backward(grad_out)
@@ -193,7 +213,7 @@ class TEGraphedModel(TEGraphedLayers):
         total = torch.zeros((), device=self.device)
         pos = torch.arange(self.cfg.model.seq_len, device=self.device)
         for m, (tokens, targets) in enumerate(data):
-            with self._activations(), te.autocast(enabled=True, recipe=self.recipe):
+            with self._activations(), te.autocast(enabled=True, recipe=self.recipe), self._weight_cache_flag():
                 x = (ends["tok_emb"](tokens) + ends["pos_emb"](pos)).to(self.dtype).transpose(0, 1).contiguous()  # sbhd
                 for layer in self.graphed:
                     x = layer(x, **self._first(m))
