@@ -46,7 +46,7 @@ from qeffect.profile.flops import (
     floor_of,
     measure_gemm_rates,
 )
-from qeffect.profile.report import ConfigResult, ProfileReport, Spread, break_even_steps
+from qeffect.profile.report import TE_PATHS, ConfigResult, ProfileReport, Spread, break_even_steps
 from qeffect.profile.resources import resource_rows
 from qeffect.profile.trace import sync_device
 from qeffect.runtime.build import build_chunks_for, build_single_process, dtype_of
@@ -59,9 +59,6 @@ TE_ANCHOR = "te-graphed"
 TE_MODEL_ANCHOR = "te-graphed-model"
 TE_MCORE_ANCHOR = "te-graphed-mcore"
 CPU_MEMORY_NOTE = "not measured: peak and persistent memory come from torch.cuda statistics (CUDA only)"
-
-
-TE_PATHS = ("te", "te-model", "te-mcore")  # Transformer Engine's own graphs (`profile.te_anchor`)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qeffect.errors import UserError
-from qeffect.profile.report import ProfileReport
+from qeffect.profile.report import TE_PATHS, ProfileReport
 
 PLOT_MISSING_MSG = "--plot needs matplotlib (pip install 'qeffect[plot]'); it is not importable here"
 
@@ -69,7 +69,7 @@ def _step_times(plt, report: ProfileReport, path: Path) -> Path:
             continue
         s = c.spread
         ms = 1e3
-        ax.barh(i, s.median * ms, color="tab:blue" if c.path != "te" else "tab:orange", alpha=0.8)
+        ax.barh(i, s.median * ms, color="tab:orange" if c.path in TE_PATHS else "tab:blue", alpha=0.8)
         ax.errorbar(s.median * ms, i, xerr=[[(s.median - s.q1) * ms], [(s.q3 - s.median) * ms]], fmt="none",
                     ecolor="black", capsize=4)
         ax.plot([s.min * ms, s.max * ms], [i, i], color="black", linewidth=0.6)

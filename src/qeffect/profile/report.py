@@ -96,6 +96,7 @@ class TraceSummary(BaseModel):
 
 # configurations whose arithmetic is not native eager's (Transformer Engine's own modules)
 NOT_NATIVE_MATH = frozenset({"te-graphed", "te-graphed-model", "te-graphed-mcore"})
+TE_PATHS = ("te", "te-model", "te-mcore")  # their paths: Transformer Engine's own graphs (`profile.te_anchor`)
 
 
 def _same_floats(a: list[float | None], b: list[float | None]) -> bool:
