@@ -138,7 +138,7 @@ class TEGraphedLayers:
         microbatch (the one that casts them); TE's defaults otherwise."""
         return {"is_first_microbatch": microbatch == 0} if self.cached_weights else {}
 
-    def _update(self) -> None:
+    def update(self) -> None:
         """The optimizer step over the accumulated gradients, then every gradient cleared."""
         for p in self.fused_weights:
             p.grad = p.main_grad  # a view: the optimizer reads the fused sums in place
@@ -170,7 +170,7 @@ class TEGraphedLayers:
                     y = layer(y, **self._first(m))
             y.backward(grad_out)
             self._replays += 2 * self.layers_count
-        self._update()
+        self.update()
         return None
 
     def counters(self) -> tuple[int, int]:
@@ -204,7 +204,7 @@ class TEGraphedModel(TEGraphedLayers):
 
     def step(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         total = self.accumulate(data)
-        self._update()
+        self.update()
         return total
 
     def accumulate(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
