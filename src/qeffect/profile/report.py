@@ -94,9 +94,8 @@ class TraceSummary(BaseModel):
     categories: dict[str, float]
 
 
-# configurations whose arithmetic is not native eager's (Transformer Engine's own modules)
-NOT_NATIVE_MATH = frozenset({"te-graphed", "te-graphed-model", "te-graphed-mcore"})
-TE_PATHS = ("te", "te-model", "te-mcore")  # their paths: Transformer Engine's own graphs (`profile.te_anchor`)
+# the paths of Transformer Engine's own graphs (`profile.te_anchor`): their arithmetic is not native eager's
+TE_PATHS = ("te", "te-model", "te-mcore")
 
 
 def _same_floats(a: list[float | None], b: list[float | None]) -> bool:
@@ -245,7 +244,7 @@ class ProfileReport(BaseModel):
         for c in self.configs:
             c.non_finite_losses = non_finite_count(c.losses)
             comparable = (native is not None and native.losses and c.losses and c is not native
-                          and c.name not in NOT_NATIVE_MATH)
+                          and c.path not in TE_PATHS)  # te-graphed has no losses: also without a path
             c.losses_equal_native = (_same_floats(c.losses, native.losses) if comparable else None)
 
     def result(self, name: str) -> ConfigResult | None:
