@@ -177,8 +177,8 @@ def profile(
                               "and summarize where a step's time goes: GPU busy/idle, host aten time, top kernels (under torchrun: every rank)."),
     microbatches: str | None = typer.Option(None, "--microbatches", help="Also analyse resources for these M, e.g. 2,4,8,16."),
     configs: str | None = typer.Option(None, "--configs", help="Comma-separated subset (default: all): native-eager, qeffect-eager, captured-copy, "
-                                "captured-direct, captured-zbv-direct, te-graphed (TE's graphed layers alone, the anchor), "
-                                "te-graphed-model (the same graphs in the whole model, fp32 masters: a like-for-like reference), "
+                                "captured-direct, captured-zbv-direct, te-graphed (TE's graphed layers alone, as DESIGN.md §8 measured them: context), "
+                                "te-graphed-model (the same graphs in the whole model, fp32 masters; the TE targets' anchor is the faster of it and te-graphed-mcore), "
                                 "te-graphed-mcore (te-graphed-model as Megatron-LM sets TE up: fused wgrad accumulation, FP8 weights cached per step)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the report as JSON to this file."),
     plot: Path | None = typer.Option(None, "--plot", help="Write PNG figures into this folder (needs matplotlib)."),

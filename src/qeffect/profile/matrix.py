@@ -87,11 +87,11 @@ CONFIGS: tuple[ConfigSpec, ...] = (
                path="captured-direct"),
     ConfigSpec("captured-zbv-direct", "captured actions, direct placement, ZB-V zero bubble",
                path="captured-direct", schedule="zbv"),
-    ConfigSpec(TE_ANCHOR, "anchor: Transformer Engine make_graphed_callables per TransformerLayer",
+    ConfigSpec(TE_ANCHOR, "Transformer Engine make_graphed_callables per TransformerLayer, the layers alone (DESIGN.md §8)",
                path="te", schedule=None),
-    ConfigSpec(TE_MODEL_ANCHOR, "reference: the same per-layer TE graphs in the whole model (fp32 masters, "
+    ConfigSpec(TE_MODEL_ANCHOR, "anchor: the same per-layer TE graphs in the whole model (fp32 masters, "
                "embeddings, head, loss, fused AdamW)", path="te-model", schedule=None),
-    ConfigSpec(TE_MCORE_ANCHOR, "reference: te-graphed-model as Megatron-LM sets TE up (wgrad GEMMs accumulate "
+    ConfigSpec(TE_MCORE_ANCHOR, "anchor: te-graphed-model as Megatron-LM sets TE up (wgrad GEMMs accumulate "
                "into fp32 main_grad, FP8 weights cached per step)", path="te-mcore", schedule=None),
 )
 CONFIG_NAMES: tuple[str, ...] = tuple(c.name for c in CONFIGS)

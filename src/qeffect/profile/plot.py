@@ -1,7 +1,7 @@
 """PNG figures of a `ProfileReport` (needs matplotlib, the `plot` extra; imported only here, lazily).
 
 - `step_times.png`: median step time per configuration with its interquartile range and min/max,
-  and the matrix-FLOP floor (the layers-only floor for the TE anchor).
+  and the matrix-FLOP floor (the layers-only floor for `te-graphed`, TE's graphed layers alone).
 - `break_even.png`: cumulative wall time (setup + n x median step) against steps, with each
   configuration's break-even step against native eager marked.
 - `m_scaling.png` (with `--microbatches`): graphs, arena bytes, peak live tapes and pending dW, and
@@ -79,7 +79,7 @@ def _step_times(plt, report: ProfileReport, path: Path) -> Path:
                label=f"matrix-FLOP floor {report.floor.seconds * 1e3:.3f} ms")
     if any(c.path == "te" for c in ran):
         ax.axvline(report.floor.seconds_layers_only * 1e3, color="tab:red", linestyle=":",
-                   label=f"layers-only floor {report.floor.seconds_layers_only * 1e3:.3f} ms (TE anchor)")
+                   label=f"layers-only floor {report.floor.seconds_layers_only * 1e3:.3f} ms (te-graphed, layers alone)")
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("step time (ms): median, interquartile range, min-max")

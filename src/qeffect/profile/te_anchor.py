@@ -22,6 +22,9 @@ no per-microbatch gradient copies, casts or adds) and FP8 weights cached per ste
 with ``cache_quantized_params``, Megatron-Core's ``fp8_weight_caching``: a weight is cast on a step's first
 microbatch only). The same model, fp32 masters and optimizer; its wgrad sums in fp32 inside the GEMM.
 
+The issue's TE targets ("make_graphed_callables per layer on the same model") are judged against the faster
+of `te-graphed-model` and `te-graphed-mcore` (`profile.targets`); `te-graphed` is context.
+
 Per-layer graphs keep one static input/output set, so microbatch m's backward must run before
 microbatch m+1's forward (no 1F1B overlap, which one process cannot use anyway). Transformer Engine
 is imported only here and only when an anchor runs.
@@ -77,8 +80,9 @@ class TEGraphedLayers:
         named = [(f"{m}.{n}", p) for m, module in modules.items() for n, p in module.named_parameters()]
         self.param_names = [n for n, _ in named]  # beside `params`, for whoever reports on them
         self.params = [p for _, p in named]
-        self.fused_weights: list[nn.Parameter] = []  # the weights whose gradient is their `main_grad`
-        self.main_grad = self._main_grads([*layers, *self.ends.values()]) if self.fused_wgrad else None
+        # fused wgrad: one fp32 buffer, and the weights whose gradient is their view of it (`main_grad`)
+        self.main_grad, self.fused_weights = (self._main_grads([*layers, *self.ends.values()]) if self.fused_wgrad
+                                              else (None, []))
         self._skip_flag: torch.Tensor | None = None  # see `_weight_cache_flag`
         with clock.phase("capture"), self._activations(), self._weight_cache_flag():  # synchronized at both ends
             # fused wgrad: the weights' gradients are `main_grad`'s, not autograd's (hence unused inputs)
@@ -102,9 +106,9 @@ class TEGraphedLayers:
         """The modules around the layers (none here)."""
         return {}
 
-    def _main_grads(self, modules: list[nn.Module]) -> torch.Tensor:
-        """One fp32 buffer holding every TE weight's ``main_grad`` (Megatron's grad buffer): the 2-D
-        parameters of the TE modules, which fused accumulation writes; the rest keep autograd's ``.grad``."""
+    def _main_grads(self, modules: list[nn.Module]) -> tuple[torch.Tensor, list[nn.Parameter]]:
+        """One fp32 buffer holding every TE weight's ``main_grad`` (Megatron's grad buffer), and those weights:
+        the 2-D parameters of the TE modules, which fused accumulation writes; the rest keep autograd's ``.grad``."""
         weights = [p for m in modules if type(m).__module__.startswith("transformer_engine")
                    for p in m.parameters() if p.dim() == 2]
         flat = torch.zeros(sum(p.numel() for p in weights), device=self.device, dtype=torch.float32)
@@ -112,8 +116,7 @@ class TEGraphedLayers:
         for p in weights:
             p.main_grad = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-        self.fused_weights = weights
-        return flat
+        return flat, weights
 
     @contextlib.contextmanager
     def _weight_cache_flag(self) -> Iterator[None]:
@@ -163,13 +166,14 @@ class TEGraphedLayers:
 
     def step(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         te = self.te
-        for m, (x, grad_out) in enumerate(data):
-            y = x.requires_grad_()
-            with te.autocast(enabled=True, recipe=self.recipe), self._weight_cache_flag():
-                for layer in self.graphed:
-                    y = layer(y, **self._first(m))
-            y.backward(grad_out)
-            self._replays += 2 * self.layers_count
+        with self._weight_cache_flag():  # the step's: entered once, not per microbatch
+            for m, (x, grad_out) in enumerate(data):
+                y = x.requires_grad_()
+                with te.autocast(enabled=True, recipe=self.recipe):
+                    for layer in self.graphed:
+                        y = layer(y, **self._first(m))
+                y.backward(grad_out)
+                self._replays += 2 * self.layers_count
         self.update()
         return None
 
@@ -212,21 +216,22 @@ class TEGraphedModel(TEGraphedLayers):
         te, ends = self.te, self.ends
         total = torch.zeros((), device=self.device)
         pos = torch.arange(self.cfg.model.seq_len, device=self.device)
-        for m, (tokens, targets) in enumerate(data):
-            with self._activations(), te.autocast(enabled=True, recipe=self.recipe), self._weight_cache_flag():
-                x = (ends["tok_emb"](tokens) + ends["pos_emb"](pos)).to(self.dtype).transpose(0, 1).contiguous()  # sbhd
-                for layer in self.graphed:
-                    x = layer(x, **self._first(m))
-                logits = ends["head"](x, **self._first(m)).transpose(0, 1)  # [b, s, vocab]
-            loss = cross_entropy(logits, targets) / len(data)
-            loss.backward()
-            total += loss.detach()
-            self._replays += 2 * self.layers_count
+        with self._weight_cache_flag():  # the step's: entered once, not per microbatch
+            for m, (tokens, targets) in enumerate(data):
+                with self._activations(), te.autocast(enabled=True, recipe=self.recipe):
+                    x = (ends["tok_emb"](tokens) + ends["pos_emb"](pos)).to(self.dtype).transpose(0, 1).contiguous()  # sbhd
+                    for layer in self.graphed:
+                        x = layer(x, **self._first(m))
+                    logits = ends["head"](x, **self._first(m)).transpose(0, 1)  # [b, s, vocab]
+                loss = cross_entropy(logits, targets) / len(data)
+                loss.backward()
+                total += loss.detach()
+                self._replays += 2 * self.layers_count
         return total
 
     def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
         """`param`'s accumulated gradient: its ``main_grad`` where accumulation is fused, else ``.grad``."""
-        return param.main_grad if any(param is w for w in self.fused_weights) else param.grad
+        return getattr(param, "main_grad", param.grad)  # only the fused weights have one
 
 
 class TEGraphedMcore(TEGraphedModel):
