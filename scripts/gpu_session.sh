@@ -46,6 +46,8 @@
 # offload-acceptance: issue 7's benchmark, offload_bench.py --interleave 2 (every mode alive, timed in
 #          rotating rounds): off, release, release/la0, resident, resident-memory at h2048 (both
 #          schedules), off, release, resident at h4096 (about 4 minutes).
+# ref-wgrad: the reference wgrad GEMM in bf16: GPU suite, reference bitwise matrix, reference profiles.
+# ref-wgrad-ab: its A/B against the fp32 GEMM (QEFFECT_REF_WGRAD_DTYPE=weight), h4096 reference.
 # h4096-te: the h4096 te profile alone. h2048-te: the h2048 te profile alone.
 # token-ab: offload_bench.py --interleave 2 with modes off and off+QEFFECT_TOKEN_COPY=1: the effect token
 #          incremented in place on one buffer per chunk against one copied into every replay, bitwise
@@ -624,6 +626,25 @@ weight-cast)
     step 200 weight-cast-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_weight_cast_gpu.py \
         tests/test_adamw.py
     switch_ab QEFFECT_WEIGHT_CAST=0 weight-cast-ab
+    ;;
+ref-wgrad)
+    # the reference wgrad GEMM in the activation dtype (bf16 staging slots): the whole GPU suite, the
+    # reference bitwise matrix, then the reference profiles (about 8 minutes)
+    gpu_suite pytest-gpu
+    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
+    keep_merged verify
+    step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
+        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
+        --steps 20 --warmup 3 --trace 3
+    ;;
+ref-wgrad-ab)
+    # its A/B in one process: the GEMM in bf16 (default) against fp32 (QEFFECT_REF_WGRAD_DTYPE=weight),
+    # bitwise compared per mode, h4096 reference Interleaved, 2 interleaved rounds (about 2 minutes)
+    step 200 ref-wgrad-ab python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --backend reference --schedule interleaved --steps 20 --interleave 2 \
+        --modes "off,off+QEFFECT_REF_WGRAD_DTYPE=weight" --out "$out/ref-wgrad-ab-h4096-interleaved-h200.json"
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)

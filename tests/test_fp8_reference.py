@@ -445,3 +445,48 @@ def test_get_backend():
         assert str(err.value) == TE_MISSING_MSG
     else:
         assert get_backend("te", r).name == "te"
+
+
+# -- the weight-gradient GEMM's dtype ------------------------------------------------------------------
+def _wgrad_works(lin: RefFP8Linear, micro: int = 3) -> list:
+    """`micro` retained dW works of bf16 activations through an fp32-weight linear (fp32 masters)."""
+    lin.delay_wgrad = True
+    g = torch.Generator().manual_seed(1)
+    for m in range(micro):
+        x = torch.randn(8, lin.in_features, generator=g).to(torch.bfloat16).requires_grad_()
+        lin(x, is_first_microbatch=m == 0).backward(torch.randn(8, lin.out_features, generator=g).to(torch.bfloat16))
+    return lin.pop_wgrad_work()
+
+
+def test_the_wgrad_gemm_writes_the_activation_dtype_and_sums_as_autograd(monkeypatch) -> None:
+    """bf16 activations: the GEMM writes bf16 (a staging slot is its own output), and every destination
+    gets the bits of autograd's cast to fp32 and AccumulateGrad's sum; `QEFFECT_REF_WGRAD_DTYPE=weight`
+    makes the GEMM write fp32, other values."""
+    lin = _linear()
+    works = _wgrad_works(lin)
+    assert lin.wgrad_dtype(torch.bfloat16) == torch.bfloat16 and works[0].activation_dtype == torch.bfloat16
+    full = [lin.compute_wgrad(w) for w in works]  # the native path's values: fp32 casts of the GEMM's bf16
+    assert all(d.dtype == torch.float32 and torch.equal(d, d.bfloat16().float()) for d in full)
+    slots = torch.empty(len(works), *lin.weight.shape, dtype=torch.bfloat16)
+    for m in reversed(range(len(works))):  # any order into its slot: the GEMM's own output
+        assert lin.compute_wgrad(works[m], out=slots[m]).data_ptr() == slots[m].data_ptr()
+    assert all(torch.equal(s.float(), d) for s, d in zip(slots, full, strict=True))
+    acc = torch.empty_like(lin.weight)  # the accumulating arena: copy, then mixed-dtype adds
+    lin.compute_wgrad(works[0], out=acc)
+    for w in works[1:]:
+        lin.compute_wgrad(w, out=acc, accumulate=True)
+    native = full[0].clone()
+    for d in full[1:]:
+        native += d
+    assert torch.equal(acc, native)
+    with pytest.raises(ValueError, match="dW destination"):  # a bf16 slot cannot be added into
+        lin.compute_wgrad(works[0], out=slots[0], accumulate=True)
+    monkeypatch.setenv("QEFFECT_REF_WGRAD_DTYPE", "weight")  # read when a module is built
+    assert lin.wgrad_dtype(torch.bfloat16) == torch.bfloat16
+    lin32 = _linear()
+    assert lin32.wgrad_dtype(torch.bfloat16) == torch.float32
+    fp32 = [lin32.compute_wgrad(w) for w in _wgrad_works(lin32)]
+    assert any(not torch.equal(a, b) for a, b in zip(fp32, full, strict=True))
+    monkeypatch.setenv("QEFFECT_REF_WGRAD_DTYPE", "fp16")
+    with pytest.raises(ValueError, match="QEFFECT_REF_WGRAD_DTYPE"):
+        _linear()

@@ -78,3 +78,30 @@ def test_a_run_that_diverged_on_both_sides_fails() -> None:
     assert report.non_finite_losses > 0, report.losses
     assert not report.passed
     assert type(report).model_validate_json(report.model_dump_json()).non_finite_losses == report.non_finite_losses
+
+
+def test_bf16_activations_stage_the_weight_gradients_in_bf16_bitwise_equal(monkeypatch) -> None:
+    """bf16 activations through fp32 masters (the GPU configs' setup): the reference wgrad GEMM writes
+    bf16, the arena stages bf16 slots and folds them, and every fingerprint equals native's. With the GEMM
+    in fp32 (QEFFECT_REF_WGRAD_DTYPE=weight) it verifies too, with other losses: the default is bf16."""
+    from qeffect.contracts.arena import GradientArena
+
+    staged: list[set] = []
+    init = GradientArena.__init__
+
+    def record(self, *args, **kwargs) -> None:
+        staged.append(set((kwargs.get("staging_dtypes") or {}).values()))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(GradientArena, "__init__", record)
+    cfg = load_config().with_overrides(**{"train.dtype": "bfloat16"})
+    losses = {}
+    for mode, dtype in (("activation", "torch.bfloat16"), ("weight", "torch.float32")):
+        monkeypatch.setenv("QEFFECT_REF_WGRAD_DTYPE", mode)
+        staged.clear()
+        report = run_verify_state(cfg, steps=3)
+        assert report.passed, report.first_divergence
+        assert all(c.mismatches == 0 and c.compared > 0 for c in report.categories)
+        assert {str(d) for s in staged for d in s} == {dtype}, mode
+        losses[mode] = report.losses
+    assert losses["activation"][0] == losses["weight"][0] and losses["activation"][1:] != losses["weight"][1:]

@@ -11,10 +11,18 @@ a process-local quantized-weight cache, and a store of retained weight-gradient 
   inside the backward (the native path, like TE without `delay_wgrad_compute`); with `True` the work is
   retained in `wgrad_store` and the stage runs it later. That timing is the only difference, so both
   paths give the same bits.
+
+The weight-gradient GEMM writes the activation dtype, as Transformer Engine's does (its wgrad GEMM
+outputs the activation dtype unless accumulation is fused), and the fp32 `.grad` sums those values
+cast: the te backend's numerics, and half the staging memory and traffic of fp32 slots (the staged
+fold reads every slot once per step, and the GEMMs write half the bytes). A module built with
+``QEFFECT_REF_WGRAD_DTYPE=weight`` keeps its GEMM in the weight's dtype (fp32, the form before; A/B
+runs). With fp32 activations, as on the CPU, the two are the same.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +57,7 @@ class WgradWork:
     dy_scale_inv: Tensor
     x_q_t: Tensor
     x_scale_inv: Tensor
+    activation_dtype: torch.dtype  # of the input and output gradient: what the GEMM writes (module doc)
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.dy_q_t, self.dy_scale_inv, self.x_q_t, self.x_scale_inv)
@@ -113,7 +122,7 @@ class _FP8LinearFn(torch.autograd.Function):
             dbias = dy.sum(0, dtype=ctx.bias_dtype)
         dw = None
         if ctx.needs_input_grad[1]:
-            work = WgradWork(dy_q_t, dy_scale_inv, x_q_t, x_scale_inv)
+            work = WgradWork(dy_q_t, dy_scale_inv, x_q_t, x_scale_inv, ctx.x_dtype)
             if module.delay_wgrad:
                 module.wgrad_store.append(work)
             else:
@@ -150,6 +159,7 @@ class RefFP8Linear(nn.Module):
             )
             self.register_buffer(f"{prefix}_scale", torch.ones((), dtype=torch.float32, device=device))
         self.delay_wgrad = False
+        self.wgrad_in_activation_dtype = wgrad_in_activation_dtype()  # fixed at construction (module doc)
         self.wgrad_store: list[WgradWork] = []
         self._cache: WeightCache | None = None
 
@@ -221,24 +231,41 @@ class RefFP8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def wgrad_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
-        """The dtype the wgrad GEMM writes: the weight's (the scaled GEMM outputs fp32 directly)."""
-        return self.weight.dtype
+        """The dtype the wgrad GEMM writes: the activation dtype (module doc), or the weight's for a module
+        built with ``QEFFECT_REF_WGRAD_DTYPE=weight``. A staging slot in it is the GEMM's own output."""
+        return activation_dtype if self.wgrad_in_activation_dtype else self.weight.dtype
 
     def compute_wgrad(self, work: WgradWork, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
-        """`dW [out, in]` from retained work; with `out` it is written there (direct placement), or
-        added into it with `accumulate` (the accumulating arena).
+        """`dW [out, in]` from retained work, in the weight's dtype; with `out` it is written there (direct
+        placement: `out` in the GEMM's dtype is its output buffer, in the weight's gets the exact cast), or
+        added into it with `accumulate` (the accumulating arena: one mixed-dtype add, the bits of the cast
+        then the add, as autograd's cast and AccumulateGrad).
 
         Touches no scaling state, so it may run at any time after `dI` and in any order.
         """
-        if accumulate:
-            if out is None:
-                raise ValueError("compute_wgrad(accumulate=True) needs out")
-            return out.add_(self.compute_wgrad(work))
-        return fp8_mm(
-            work.dy_q_t, work.dy_scale_inv, work.x_q_t, work.x_scale_inv, self.weight.dtype, out=out
-        )
+        gemm_dtype = self.wgrad_dtype(work.activation_dtype)
+        if accumulate and out is None:
+            raise ValueError("compute_wgrad(accumulate=True) needs out")
+        if out is not None and not accumulate and out.dtype == gemm_dtype:
+            return fp8_mm(work.dy_q_t, work.dy_scale_inv, work.x_q_t, work.x_scale_inv, gemm_dtype, out=out)
+        if out is not None and (out.dtype != self.weight.dtype or out.shape != self.weight.shape):
+            raise ValueError(f"dW destination must be {tuple(self.weight.shape)} {self.weight.dtype} (or, "
+                             f"overwritten, {gemm_dtype}), got {tuple(out.shape)} {out.dtype}")
+        dw = fp8_mm(work.dy_q_t, work.dy_scale_inv, work.x_q_t, work.x_scale_inv, gemm_dtype)
+        if out is None:
+            return dw.to(self.weight.dtype)
+        return out.add_(dw) if accumulate else out.copy_(dw)
 
     def pop_wgrad_work(self) -> list[WgradWork]:
         """Return the retained work (in `dI` order) and clear the store."""
         work, self.wgrad_store = self.wgrad_store, []
         return work
+
+
+def wgrad_in_activation_dtype() -> bool:
+    """Whether the reference wgrad GEMM writes the activation dtype (the default) or the weight's
+    (``QEFFECT_REF_WGRAD_DTYPE=weight``, for A/B runs)."""
+    mode = os.environ.get("QEFFECT_REF_WGRAD_DTYPE", "activation")
+    if mode not in ("activation", "weight"):
+        raise ValueError(f"QEFFECT_REF_WGRAD_DTYPE must be 'activation' or 'weight', got {mode!r}")
+    return mode == "activation"

@@ -75,9 +75,12 @@ def arena_bytes_per_rank(schedule: Schedule, specs: dict[int, dict[str, Spec]], 
 
 
 def wgrad_staging_dtype(cfg: RunConfig) -> torch.dtype | None:
-    """The dtype of the staging slots a run of `cfg` allocates: Transformer Engine's wgrad GEMM writes
-    the activation dtype (`TELinear.wgrad_dtype`), the reference's the fp32 parameter's (None)."""
-    return dtype_of(cfg) if cfg.fp8.backend == "te" else None
+    """The dtype of the staging slots a run of `cfg` allocates: both backends' wgrad GEMMs write the
+    activation dtype (`wgrad_dtype`), the reference's the fp32 parameter's with
+    ``QEFFECT_REF_WGRAD_DTYPE=weight`` (None)."""
+    from qeffect.fp8.reference import wgrad_in_activation_dtype
+
+    return dtype_of(cfg) if cfg.fp8.backend == "te" or wgrad_in_activation_dtype() else None
 
 
 def resource_rows(cfg: RunConfig, microbatches: list[int], schedules: list[str], *,
