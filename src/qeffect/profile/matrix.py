@@ -56,8 +56,6 @@ from qeffect.verify.state import synthetic_batches
 
 NATIVE = "native-eager"
 TE_ANCHOR = "te-graphed"
-TE_MODEL_ANCHOR = "te-graphed-model"
-TE_MCORE_ANCHOR = "te-graphed-mcore"
 CPU_MEMORY_NOTE = "not measured: peak and persistent memory come from torch.cuda statistics (CUDA only)"
 
 
@@ -89,9 +87,9 @@ CONFIGS: tuple[ConfigSpec, ...] = (
                path="captured-direct", schedule="zbv"),
     ConfigSpec(TE_ANCHOR, "Transformer Engine make_graphed_callables per TransformerLayer, the layers alone (DESIGN.md §8)",
                path="te", schedule=None),
-    ConfigSpec(TE_MODEL_ANCHOR, "anchor: the same per-layer TE graphs in the whole model (fp32 masters, "
+    ConfigSpec("te-graphed-model", "anchor: the same per-layer TE graphs in the whole model (fp32 masters, "
                "embeddings, head, loss, fused AdamW)", path="te-model", schedule=None),
-    ConfigSpec(TE_MCORE_ANCHOR, "anchor: te-graphed-model as Megatron-LM sets TE up (wgrad GEMMs accumulate "
+    ConfigSpec("te-graphed-mcore", "anchor: te-graphed-model as Megatron-LM sets TE up (wgrad GEMMs accumulate "
                "into fp32 main_grad, FP8 weights cached per step)", path="te-mcore", schedule=None),
 )
 CONFIG_NAMES: tuple[str, ...] = tuple(c.name for c in CONFIGS)
