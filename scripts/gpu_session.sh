@@ -48,6 +48,7 @@
 #          schedules), off, release, resident at h4096 (about 4 minutes).
 # ref-wgrad: the reference wgrad GEMM in bf16: GPU suite, reference bitwise matrix, reference profiles.
 # ref-wgrad-ab: its A/B against the fp32 GEMM (QEFFECT_REF_WGRAD_DTYPE=weight), h4096 reference.
+# ref-bias: the reference bias in the GEMM epilogue: reference bitwise matrix, A/B at h4096, GPU suite.
 # h4096-te: the h4096 te profile alone. h2048-te: the h2048 te profile alone.
 # token-ab: offload_bench.py --interleave 2 with modes off and off+QEFFECT_TOKEN_COPY=1: the effect token
 #          incremented in place on one buffer per chunk against one copied into every replay, bitwise
@@ -645,6 +646,17 @@ ref-wgrad-ab)
     step 200 ref-wgrad-ab python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
         --backend reference --schedule interleaved --steps 20 --interleave 2 \
         --modes "off,off+QEFFECT_REF_WGRAD_DTYPE=weight" --out "$out/ref-wgrad-ab-h4096-interleaved-h200.json"
+    ;;
+ref-bias)
+    # the reference forward's bias in the FP8 GEMM's epilogue: the reference bitwise matrix, the A/B against
+    # the separate add (QEFFECT_REF_BIAS_EPILOGUE=0) at h4096 in one process, then the whole GPU suite
+    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
+    keep_merged verify
+    step 150 ref-bias-ab python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --backend reference --schedule interleaved --steps 20 --interleave 2 \
+        --modes "off,off+QEFFECT_REF_BIAS_EPILOGUE=0" --out "$out/ref-bias-ab-h4096-interleaved-h200.json"
+    gpu_suite pytest-gpu
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)

@@ -163,6 +163,39 @@ def test_fp8_mm_out_is_bitwise_equal(out_dtype):
         fp8_mm(a, sa, b, sb, out_dtype, out=torch.empty(16, 24, dtype=out_dtype).t())
 
 
+def test_fp8_mm_bias_on_the_cpu_is_the_rounded_product_plus_the_bias():
+    """No epilogue on the CPU: the product rounded to the output dtype, then the bias (in it) added."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(24, 40, generator=g) * 30).to(E5M2), (torch.randn(16, 40, generator=g) * 30).to(E4M3)
+    sa, sb, bias = torch.tensor(0.013), torch.tensor(0.37), torch.randn(16, generator=g)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = fp8_mm(a, sa, b, sb, out_dtype, bias=bias)
+        assert got.dtype == out_dtype and torch.equal(got, fp8_mm(a, sa, b, sb, out_dtype) + bias.to(out_dtype))
+    with pytest.raises(ValueError, match="bias= and out="):
+        fp8_mm(a, sa, b, sb, torch.float32, out=torch.empty(24, 16), bias=bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_mm_cuda_adds_a_16_bit_bias_in_the_epilogue(monkeypatch):
+    """bf16 output: the bias is added to the fp32 result inside the GEMM and rounded once, so the result
+    is not the rounded product plus the bias (a separate add, ``QEFFECT_REF_BIAS_EPILOGUE=0``, gives that
+    exactly) and is no farther from the exact sum, summed over the elements; fp32 outputs add it after."""
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(256, 512, generator=g) * 30).to(E4M3).cuda()
+    b = (torch.randn(384, 512, generator=g) * 30).to(E4M3).cuda()
+    sa, sb = torch.tensor(0.013, device="cuda"), torch.tensor(0.037, device="cuda")
+    bias = (torch.randn(384, generator=g) * 3).cuda()
+    fused = fp8_mm(a, sa, b, sb, torch.bfloat16, bias=bias)
+    apart = fp8_mm(a, sa, b, sb, torch.bfloat16) + bias.to(torch.bfloat16)
+    exact = fp8_mm(a, sa, b, sb, torch.float32).double() + bias.to(torch.bfloat16).double()
+    assert not torch.equal(fused, apart)
+    assert (fused.double() - exact).abs().sum() <= (apart.double() - exact).abs().sum()
+    assert torch.equal(fp8_mm(a, sa, b, sb, torch.float32, bias=bias), fp8_mm(a, sa, b, sb, torch.float32) + bias)
+    monkeypatch.setenv("QEFFECT_REF_BIAS_EPILOGUE", "0")
+    assert torch.equal(fp8_mm(a, sa, b, sb, torch.bfloat16, bias=bias), apart)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp8_mm_cuda_out_is_bitwise_equal():

@@ -14,6 +14,8 @@ every product has this form.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -51,6 +53,14 @@ def _check_out(out: Tensor, shape: tuple[int, int], out_dtype: torch.dtype, devi
         raise ValueError("fp8_mm out= must be 16-byte aligned on CUDA")
 
 
+def bias_in_epilogue(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether `fp8_mm` adds a bias inside the GEMM (cuBLASLt's bias epilogue: the fp32 result plus the
+    bias, rounded once, as Transformer Engine's FP8 GEMMs add theirs): on CUDA for 16-bit outputs, unless
+    ``QEFFECT_REF_BIAS_EPILOGUE=0`` (A/B runs: the rounded product, then a separate add)."""
+    return (device.type == "cuda" and out_dtype in (torch.bfloat16, torch.float16)
+            and os.environ.get("QEFFECT_REF_BIAS_EPILOGUE", "1") != "0")
+
+
 def fp8_mm(
     a_q: Tensor,
     a_scale_inv: Tensor,
@@ -58,19 +68,29 @@ def fp8_mm(
     b_scale_inv: Tensor,
     out_dtype: torch.dtype,
     out: Tensor | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
-    """`(a_q @ b_q.T) * a_scale_inv * b_scale_inv` as `out_dtype`, written into `out` when given.
+    """`(a_q @ b_q.T) * a_scale_inv * b_scale_inv (+ bias)` as `out_dtype`, written into `out` when given.
 
     CUDA: `torch._scaled_mm` (FP8 tensor cores, fp32 accumulation). CPU: the FP8 values are exact in
     fp32, so the product is an fp32 matmul followed by the same scale multiplication and cast.
     With `out=` the bits are those of the call without it: on CUDA the same cuBLASLt call writes the
     destination directly (it must be contiguous and 16-byte aligned); on CPU the same ops are
-    evaluated and copied in.
+    evaluated and copied in. `bias` (cast to `out_dtype`) is added in the GEMM's epilogue where
+    `bias_in_epilogue` says so, else to the rounded product; not with `out=`.
     """
     _check(a_q, a_scale_inv, b_q, b_scale_inv)
     shape = (a_q.shape[0], b_q.shape[0])
     if out is not None:
         _check_out(out, shape, out_dtype, a_q.device)
+    if bias is not None:
+        if out is not None:
+            raise ValueError("fp8_mm: bias= and out= together are not supported")
+        bias = bias.to(out_dtype)
+        if bias_in_epilogue(a_q.device, out_dtype):
+            return torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale_inv, scale_b=b_scale_inv, bias=bias,
+                                    out_dtype=out_dtype)
+        return fp8_mm(a_q, a_scale_inv, b_q, b_scale_inv, out_dtype) + bias
     if a_q.is_cuda:
         if out is None:
             return torch._scaled_mm(

@@ -95,9 +95,7 @@ class _FP8LinearFn(torch.autograd.Function):
             x_q, x_q_t, x_scale_inv = module.input_state().quantize_pair(x)
         else:
             x_q, x_scale_inv = module.input_state().quantize(x)
-        y = fp8_mm(x_q, x_scale_inv, w_q, w_scale_inv, out_dtype=x.dtype)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
+        y = fp8_mm(x_q, x_scale_inv, w_q, w_scale_inv, out_dtype=x.dtype, bias=bias)  # (`gemm.bias_in_epilogue`)
         ctx.save_for_backward(x_q_t, x_scale_inv, w_q_t, w_scale_inv)
         ctx.module = module
         ctx.x_dtype = x.dtype
