@@ -189,9 +189,9 @@ def test_flop_count_matches_the_gemms_a_step_runs(monkeypatch) -> None:
     seen = []
     real = ref.fp8_mm
 
-    def counting(a, a_s, b, b_s, out_dtype, out=None):
+    def counting(a, a_s, b, b_s, out_dtype, out=None, bias=None):
         seen.append(2 * a.shape[0] * b.shape[0] * a.shape[1])
-        return real(a, a_s, b, b_s, out_dtype, out=out)
+        return real(a, a_s, b, b_s, out_dtype, out=out, bias=bias)
 
     monkeypatch.setattr(ref, "fp8_mm", counting)
     pipe = build_single_process(cfg, native=True, device="cpu")
