@@ -9,7 +9,7 @@ from importlib.util import find_spec
 import pytest
 import torch
 
-from qeffect.fp8.fused_quantize import fused_available, quantize_amax, quantize_sequence
+from qeffect.fp8.fused_quantize import fused_available, quantize_amax, quantize_amax_colsum, quantize_sequence
 from qeffect.fp8.recipe import DelayedScalingRecipe
 from qeffect.fp8.scaling import ScalingState
 
@@ -86,5 +86,58 @@ def test_byte_transpose_kernel_under_the_interpreter(variant: str) -> None:
     import sys
 
     out = subprocess.run([sys.executable, "-c", TRANSPOSE_CASES, variant], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300, check=True).stdout.split()
+    assert (int(out[-1]) == 0) if variant == "right" else (int(out[-1]) > 0)
+
+
+def test_quantize_pair_colsum_is_the_pair_and_the_column_sums_on_the_cpu() -> None:
+    """The CPU takes torch's sums, `x.sum(0, dtype)`, beside the pair, with the pair's state transitions."""
+    g = torch.Generator().manual_seed(1)
+    a = ScalingState.new(DelayedScalingRecipe(), torch.float8_e5m2)
+    b = ScalingState.new(DelayedScalingRecipe(), torch.float8_e5m2)
+    for k in range(3):
+        x = (torch.randn(37, 53, generator=g) * 10 ** k).to(torch.bfloat16)
+        q, q_t, inv, sums = a.quantize_pair_colsum(x, torch.float32)
+        q_ref, q_t_ref, inv_ref = b.quantize_pair(x)
+        assert _same_bits(q, q_ref) and _same_bits(q_t, q_t_ref) and torch.equal(inv, inv_ref)
+        assert torch.equal(sums, x.sum(0, dtype=torch.float32)) and sums.dtype == torch.float32
+        assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale)
+    with pytest.raises(ValueError, match="2-D"):
+        a.quantize_pair_colsum(torch.ones(2, 3, 4), torch.float32)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_amax_colsum(torch.ones(2, 3, 4), torch.ones(()), torch.zeros(()), torch.float8_e5m2, torch.float32)
+
+
+COLSUM_CASES = """
+import sys, torch
+from qeffect.fp8 import fused_quantize as fq
+k, bad = fq._kernel(), 0
+for m, n in [(1, 1), (3, 5), (64, 64), (100, 130), (130, 70)]:
+    # small integers: every partial sum is exact, so any summation order gives these bits
+    x = torch.randint(-8, 8, (m, n), generator=torch.Generator().manual_seed(m * n)).to(torch.bfloat16)
+    q, amax = torch.empty((m, n), dtype=torch.float8_e4m3fn), torch.zeros(1)
+    blocks = -(-m // 64)
+    part = torch.full((blocks, n), float("nan"))
+    k[(blocks, -(-n // 64))](x, torch.ones(1), q, q.view(torch.uint8), amax.view(torch.int32), m, n, 448.0, part,
+                             TRANSPOSE=False, COLSUM=True, BLOCK_M=64, BLOCK_N=64)
+    want = torch.stack([x[i * 64:(i + 1) * 64].float().sum(0) for i in range(blocks)])
+    if sys.argv[1] == "wrong":  # the check must be able to fail: the partials of the rows in reverse
+        want = want.flip(0)
+    bad += not torch.equal(part, want) or not torch.equal(q.float(), x.float())
+print(bad)
+"""
+
+
+@pytest.mark.skipif(find_spec("triton") is None,
+                    reason="needs Triton (its interpreter runs on CPU)")
+@pytest.mark.parametrize("variant", ["right", "wrong"])
+def test_column_sum_partials_under_the_interpreter(variant: str) -> None:
+    """Each row block's column sums land in its row of the partials, the padded rows and columns
+    contributing nothing (the kernel, run by Triton's interpreter on the CPU)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", COLSUM_CASES, variant], capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300, check=True).stdout.split()
     assert (int(out[-1]) == 0) if variant == "right" else (int(out[-1]) > 0)

@@ -151,3 +151,28 @@ def test_transpose_bytes_is_torch_transpose(shape) -> None:
     fq = _fused()
     q = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     assert _same_bits(fq.transpose_bytes(q), q.t().contiguous())
+
+
+@pytest.mark.parametrize("shape", [(256, 4096), (100, 130), (1, 64), (257, 16384)])
+def test_column_sums_from_the_quantize_pass(shape, monkeypatch) -> None:
+    """`quantize_amax_colsum`: the FP8 bytes, transpose and amax are `quantize_amax`'s bit for bit; the fp32
+    column sums (a bias gradient) are the same bits on every call (fixed order: row blocks, then their
+    partials), within fp32 rounding of the exact sums, and ``QEFFECT_FUSED_DBIAS=0`` gives torch's sums."""
+    fq = _fused()
+    g = torch.Generator(device="cuda").manual_seed(shape[0])
+    x = (torch.randn(shape, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    scale = torch.tensor(0.7, device="cuda")
+    a1, a2, a3 = (torch.zeros((), device="cuda") for _ in range(3))
+    q, qt, sums = fq.quantize_amax_colsum(x, scale, a1, torch.float8_e5m2, torch.float32)
+    q_ref, qt_ref = fq.quantize_amax(x, scale, a2, torch.float8_e5m2, transpose=True)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(qt.view(torch.uint8),
+                                                                                      qt_ref.view(torch.uint8))
+    assert torch.equal(a1, a2) and sums.dtype == torch.float32 and sums.shape == (shape[1],)
+    _, _, again = fq.quantize_amax_colsum(x, scale, a3, torch.float8_e5m2, torch.float32)
+    assert torch.equal(sums, again)
+    exact = x.double().sum(0)
+    bound = 2 * shape[0] * torch.finfo(torch.float32).eps * x.double().abs().sum(0)  # any summation order
+    assert bool(((sums.double() - exact).abs() <= bound).all())
+    monkeypatch.setenv("QEFFECT_FUSED_DBIAS", "0")
+    _, _, torch_sums = fq.quantize_amax_colsum(x, scale, a3, torch.float8_e5m2, torch.float32)
+    assert torch.equal(torch_sums, x.sum(0, dtype=torch.float32))

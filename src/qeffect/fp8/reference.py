@@ -107,16 +107,18 @@ class _FP8LinearFn(torch.autograd.Function):
         x_q_t, x_scale_inv, w_q_t, w_scale_inv = ctx.saved_tensors
         module: RefFP8Linear = ctx.module
         # The one backward state transition of this module for this microbatch.
-        dy_q_t = None
-        if ctx.needs_input_grad[1]:
+        dy_q_t = dbias = None
+        want_dbias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        if ctx.needs_input_grad[1] and want_dbias:  # the bias gradient from the quantize pass (on a GPU)
+            dy_q, dy_q_t, dy_scale_inv, dbias = module.grad_state().quantize_pair_colsum(dy, ctx.bias_dtype)
+        elif ctx.needs_input_grad[1]:
             dy_q, dy_q_t, dy_scale_inv = module.grad_state().quantize_pair(dy)
         else:
             dy_q, dy_scale_inv = module.grad_state().quantize(dy)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = fp8_mm(dy_q, dy_scale_inv, w_q_t, w_scale_inv, out_dtype=ctx.x_dtype)
-        dbias = None
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        if want_dbias and dbias is None:
             dbias = dy.sum(0, dtype=ctx.bias_dtype)
         dw = None
         if ctx.needs_input_grad[1]:

@@ -137,13 +137,25 @@ class ScalingState:
         assert q_t is not None
         return q, q_t, scale_inv
 
-    def _transition(self, x: Tensor, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+    def quantize_pair_colsum(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """`quantize_pair` that also returns the column sums of `x` in `dtype` (a bias gradient), from the
+        same pass on a GPU (`fused_quantize.quantize_amax_colsum`): `(q, q_t, scale_inv, sums)`."""
+        if x.dim() != 2:
+            raise ValueError(f"quantize_pair_colsum wants a 2-D tensor, got {tuple(x.shape)}")
+        q, q_t, scale_inv, sums = self._transition(x, transpose=True, colsum=dtype)
+        assert q_t is not None and sums is not None
+        return q, q_t, scale_inv, sums
+
+    def _transition(self, x: Tensor, transpose: bool, colsum: torch.dtype | None = None) -> tuple:
         """`quantize_amax` (one fused pass on a GPU, the torch sequence elsewhere and for non-2-D `x`),
-        with `scale_inv` taken before and the scale update after."""
-        from qeffect.fp8.fused_quantize import quantize_amax
+        with `scale_inv` taken before and the scale update after; with `colsum`, the column sums too."""
+        from qeffect.fp8.fused_quantize import quantize_amax, quantize_amax_colsum
 
         fused = _fused_update(self.scale)  # the update kernel also writes 1 / (the scale before it)
         scale_inv = torch.empty_like(self.scale) if fused else self.scale.reciprocal()  # before the update
-        q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
+        if colsum is None:
+            q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
+        else:
+            q, q_t, sums = quantize_amax_colsum(x, self.scale, self.amax_history[0], self.fp8_dtype, colsum)
         self._update(fused, scale_inv if fused else None)
-        return q, q_t, scale_inv
+        return (q, q_t, scale_inv) if colsum is None else (q, q_t, scale_inv, sums)
