@@ -51,6 +51,8 @@
 # ref-bias: the reference bias in the GEMM epilogue: reference bitwise matrix, A/B at h4096, GPU suite.
 # ref-dbias: the reference bias gradient from the quantize pass (with the bias epilogue): tests, matrix, A/Bs,
 #          GPU suite, h4096 reference profile.
+# ref-branches: the three stacked reference branches (bias epilogue, fused bias gradient, weight cast in the
+#          optimizer): tests, matrix, A/Bs, GPU suite, h4096 reference profile.
 # h4096-te: the h4096 te profile alone. h2048-te: the h2048 te profile alone.
 # token-ab: offload_bench.py --interleave 2 with modes off and off+QEFFECT_TOKEN_COPY=1: the effect token
 #          incremented in place on one buffer per chunk against one copied into every replay, bitwise
@@ -673,6 +675,24 @@ ref-dbias)
         --backend reference --schedule interleaved --steps 20 --interleave 2 \
         --modes "off,off+QEFFECT_FUSED_DBIAS=0,off+QEFFECT_FUSED_DBIAS=0+QEFFECT_REF_BIAS_EPILOGUE=0" \
         --out "$out/ref-dbias-ab-h4096-interleaved-h200.json"
+    gpu_suite pytest-gpu
+    step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
+        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    ;;
+ref-branches)
+    # the three stacked reference branches at their tip (next/ref-weight-cast: the bias epilogue, the bias
+    # gradient from the quantize pass, the weights cast in the optimizer's pass): their GPU tests, the
+    # reference bitwise matrix, the A/B of each switch at h4096 in one process, the whole GPU suite, the
+    # h4096 reference profile (about 9 minutes)
+    step 150 ref-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py \
+        tests/test_fp8_reference.py
+    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
+    keep_merged verify
+    step 240 ref-branches-ab python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --backend reference --schedule interleaved --steps 20 --interleave 2 \
+        --modes "off,off+QEFFECT_WEIGHT_CAST=0,off+QEFFECT_FUSED_DBIAS=0,off+QEFFECT_REF_BIAS_EPILOGUE=0" \
+        --out "$out/ref-branches-ab-h4096-interleaved-h200.json"
     gpu_suite pytest-gpu
     step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16

@@ -523,3 +523,78 @@ def test_the_wgrad_gemm_writes_the_activation_dtype_and_sums_as_autograd(monkeyp
     monkeypatch.setenv("QEFFECT_REF_WGRAD_DTYPE", "fp16")
     with pytest.raises(ValueError, match="QEFFECT_REF_WGRAD_DTYPE"):
         _linear()
+
+
+# -- the weight cast in the optimizer's pass ----------------------------------------------------------
+def _optimizer_cast(t) -> None:
+    """What `TritonAdamW`'s cast writes (GPU-tested there), in torch: the weight quantized with the forward
+    weight scale, its transpose, `1 / scale`, the amax pending; marked as the cast of the weight as it is."""
+    from qeffect.fp8.scaling import cast_fp8
+
+    q = cast_fp8(t.weight.detach(), t.scale, torch.float8_e4m3fn)
+    t.data.copy_(q)
+    t.transpose.copy_(q.t())
+    t.scale_inv.copy_(t.scale.reciprocal())
+    t.pending_amax.copy_(t.weight.detach().abs().amax())
+    t.mark_cast()
+
+
+def test_a_first_forward_takes_the_optimizers_cast_with_the_bits_of_quantizing_itself() -> None:
+    """Over steps with weight updates, a linear whose optimizer casts its weight gives the outputs, cached
+    bytes, `1 / scale` and FP8 state of one that quantizes in its first forward; a stale cast (the weight
+    changed after it, or the cache was invalidated) is not taken."""
+    cast_lin, plain = _linear(), _linear()
+    target = cast_lin.weight_cast_target("lin")
+    assert cast_lin.weight_cast_target("lin") is target
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        if step != 2:  # step 2: no cast since the update (stale): the forward quantizes itself
+            _optimizer_cast(target)
+        x = torch.randn(6, 32, generator=g) * (step + 1)
+        y_cast, y_plain = cast_lin(x, is_first_microbatch=True), plain(x, is_first_microbatch=True)
+        assert torch.equal(y_cast, y_plain), step
+        a, b = cast_lin.weight_cache, plain.weight_cache
+        assert (a.w_q.data_ptr() == target.data.data_ptr()) == (step != 2), step
+        for u, v in ((a.w_q, b.w_q), (a.w_q_t, b.w_q_t)):
+            assert torch.equal(u.view(torch.uint8), v.view(torch.uint8)), step
+        assert torch.equal(a.scale_inv.reshape(()), b.scale_inv.reshape(())), step
+        for k, v in plain.fp8_state().items():
+            assert torch.equal(cast_lin.fp8_state()[k], v), (step, k)
+        assert not target.fresh and float(target.pending_amax) == 0.0  # consumed (or never cast)
+        with torch.no_grad():  # the optimizer's update
+            for lin in (cast_lin, plain):
+                lin.weight.mul_(1.5).add_(0.01)
+    _optimizer_cast(target)
+    cast_lin.invalidate_cache()  # e.g. a resume: the cast may be of another scale
+    assert not target.fresh
+    assert not torch.equal(plain.weight_scale, torch.ones(()))  # the scales really moved
+
+
+def test_the_weight_cast_target_needs_e4m3_from_fp32() -> None:
+    lin = RefFP8Linear(4, 2, False, DelayedScalingRecipe(), dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="E4M3 from an fp32 weight"):
+        lin.weight_cast_target("lin")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_captured_reference_verifies_with_the_weight_cast_in_the_optimizer(monkeypatch, switch: str) -> None:
+    """Captured reference training (bf16 activations, fp32 masters) with the weights cast in the optimizer's
+    pass verifies against native eager, cached bytes and FP8 state included; after a step every target is
+    cast for the next. ``QEFFECT_WEIGHT_CAST=0``: no targets, the forwards quantize."""
+    from qeffect.config import load_config
+    from qeffect.runtime.build import build_single_process
+    from qeffect.verify.state import run_verify_state, synthetic_batches
+
+    monkeypatch.setenv("QEFFECT_WEIGHT_CAST", switch)
+    cfg = load_config().with_overrides(**{"train.device": "cuda", "train.dtype": "bfloat16"})
+    report = run_verify_state(cfg, steps=3, path="captured-direct")
+    assert report.passed, report.first_divergence
+    assert {c.category: c for c in report.categories}["cache_contents"].compared > 0
+    pipe = build_single_process(cfg, native=False, device="cuda", path="captured-direct")
+    targets = [t for r in pipe.ranks for a in r.actions.values() for t in a.weight_casts]
+    for s in range(2):
+        pipe.step(synthetic_batches(cfg, s, "cuda"))
+    assert bool(targets) == (switch == "1")
+    assert all(t.captured and t.fresh for t in targets)

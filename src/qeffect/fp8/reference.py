@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from qeffect.fp8.gemm import fp8_mm
 from qeffect.fp8.recipe import DelayedScalingRecipe
 from qeffect.fp8.scaling import ScalingState
+from qeffect.fp8.weight_cast import WeightCastTarget
 
 STATE_NAMES: tuple[str, ...] = (
     "input_amax_history",
@@ -162,6 +163,7 @@ class RefFP8Linear(nn.Module):
         self.wgrad_in_activation_dtype = wgrad_in_activation_dtype()  # fixed at construction (module doc)
         self.wgrad_store: list[WgradWork] = []
         self._cache: WeightCache | None = None
+        self._weight_cast: WeightCastTarget | None = None  # the optimizer casts the weight (`weight_cast_target`)
 
     def extra_repr(self) -> str:
         return (
@@ -204,13 +206,43 @@ class RefFP8Linear(nn.Module):
     def invalidate_cache(self) -> None:
         """Drop the quantized weight (after a commit or a resume the next forward must refresh it)."""
         self._cache = None
+        if self._weight_cast is not None:  # its cast may be of another scale or weight now
+            self._weight_cast.mark_consumed()
+
+    def weight_cast_target(self, name: str = "") -> WeightCastTarget:
+        """The quantized weight as the optimizer casts it in its pass (`fp8.weight_cast`, as the te
+        backend's): fixed E4M3 buffers for `w_q` and `w_q_t` and a `scale_inv`, cast with the forward weight
+        scale; from now on a first forward that finds the cast fresh (or is captured: its caller casts a
+        stale one first) takes them as they are instead of quantizing the weight again."""
+        if self._weight_cast is not None:
+            return self._weight_cast
+        if self.recipe.fwd_dtype != torch.float8_e4m3fn or self.weight.dtype != torch.float32:
+            raise RuntimeError(f"{name or 'linear'}: the optimizer's cast writes E4M3 from an fp32 weight")
+        out_f, in_f = self.weight.shape
+        dev, fp8 = self.weight.device, torch.float8_e4m3fn
+        self._weight_cast = WeightCastTarget(
+            name, self.weight, torch.empty(out_f, in_f, dtype=fp8, device=dev),
+            torch.empty(in_f, out_f, dtype=fp8, device=dev), self.weight_scale.view(1),
+            torch.empty(1, dtype=torch.float32, device=dev), self.weight_amax_history[0:1])
+        return self._weight_cast
 
     @torch.no_grad()
     def refresh_cache(self) -> WeightCache:
         """Quantize the weight with the current weight scale, then record its amax and update the scale.
 
-        New tensors every time: tapes of an earlier epoch may still hold the previous ones.
+        New tensors every time: tapes of an earlier epoch may still hold the previous ones. Where the
+        optimizer cast the weight (`weight_cast_target`) the cast is taken instead: its amax folds into
+        the history's current row (zeroed by the last update, so the row becomes the amax, as a fresh
+        quantization records it), then the same scale update; `q`, `q^T` and `1 / scale` are the bits the
+        quantization would give (the optimizer's cast is the same arithmetic, GPU-tested).
         """
+        cast = self._weight_cast
+        if cast is not None and cast.use_cache(self.weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+            cast.fold_pending_amax()
+            cast.mark_consumed()
+            self.weight_state().update()
+            self._cache = WeightCache(cast.data, cast.transpose, cast.scale_inv)
+            return self._cache
         w_q, w_q_t, scale_inv = self.weight_state().quantize_pair(self.weight)
         self._cache = WeightCache(w_q, w_q_t, scale_inv)
         return self._cache
