@@ -682,7 +682,7 @@ ref-dbias)
 ref-branches)
     # the three stacked reference branches at their tip (next/ref-weight-cast: the bias epilogue, the bias
     # gradient from the quantize pass, the weights cast in the optimizer's pass): their GPU tests, the
-    # reference bitwise matrix, the A/B of each switch at h4096 in one process, the whole GPU suite, the
+    # reference bitwise matrix, the A/B of the last two at h4096 in one process (the epilogue's: 6480edd), the whole GPU suite, the
     # h4096 reference profile (about 9 minutes)
     step 150 ref-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py \
         tests/test_fp8_reference.py
@@ -691,7 +691,7 @@ ref-branches)
     keep_merged verify
     step 240 ref-branches-ab python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
         --backend reference --schedule interleaved --steps 20 --interleave 2 \
-        --modes "off,off+QEFFECT_WEIGHT_CAST=0,off+QEFFECT_FUSED_DBIAS=0,off+QEFFECT_REF_BIAS_EPILOGUE=0" \
+        --modes "off,off+QEFFECT_WEIGHT_CAST=0,off+QEFFECT_FUSED_DBIAS=0" \
         --out "$out/ref-branches-ab-h4096-interleaved-h200.json"
     gpu_suite pytest-gpu
     step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
