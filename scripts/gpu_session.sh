@@ -53,6 +53,8 @@
 #          GPU suite, h4096 reference profile.
 # ref-branches: the three stacked reference branches (bias epilogue, fused bias gradient, weight cast in the
 #          optimizer): tests, matrix, A/Bs, GPU suite, h4096 reference profile.
+# ref-final: the whole GPU suite, the reference bitwise matrix, the h4096 and h2048 reference profiles.
+# ref-te-h4096: the h4096 reference profile, then the h4096 te profile (a second lease's sample of both).
 # h4096-te: the h4096 te profile alone. h2048-te: the h2048 te profile alone.
 # token-ab: offload_bench.py --interleave 2 with modes off and off+QEFFECT_TOKEN_COPY=1: the effect token
 #          incremented in place on one buffer per chunk against one copied into every replay, bitwise
@@ -696,6 +698,25 @@ ref-branches)
     gpu_suite pytest-gpu
     step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    ;;
+ref-final)
+    # the main line with the three reference changes (bias epilogue, bias gradient from the quantize pass,
+    # weights cast in the optimizer): the whole GPU suite, the reference bitwise matrix, both reference
+    # profiles (about 6 minutes)
+    gpu_suite pytest-gpu
+    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
+    keep_merged verify
+    step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
+        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
+        --steps 20 --warmup 3 --trace 3
+    ;;
+ref-te-h4096)
+    # one more sample of both h4096 matrices, on another lease (about 5 minutes)
+    step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
+        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    profile_h4096_te
     ;;
 h4096-te)
     # the h4096 te profile alone (one more sample of the host-bound baselines on the machine lent now)

@@ -223,7 +223,7 @@ class RefFP8Linear(nn.Module):
         self._weight_cast = WeightCastTarget(
             name, self.weight, torch.empty(out_f, in_f, dtype=fp8, device=dev),
             torch.empty(in_f, out_f, dtype=fp8, device=dev), self.weight_scale.view(1),
-            torch.empty(1, dtype=torch.float32, device=dev), self.weight_amax_history[0:1])
+            torch.empty_like(self.weight_scale), self.weight_amax_history[0:1])  # `quantize_pair`'s shape
         return self._weight_cast
 
     @torch.no_grad()
