@@ -15,9 +15,9 @@ GPU tests compare every bit pattern with the torch sequence, special values incl
 
 The output gradient's pass can also sum its columns (`quantize_amax_colsum`: the bias gradient, which
 torch's ``dy.sum(0)`` took 1.30 ms of a 30.7 ms h4096 reference step to compute with 128 more kernels):
-each row block's fp32 column sums go to a small partials tensor, summed in row-block order after. A
-fixed order, not torch's, so other bits than ``dy.sum(0)``, the same in the native and the split paths
-(both call this). ``QEFFECT_FUSED_DBIAS=0`` takes torch's sum (A/B runs).
+each row block's fp32 column sums go to a small partials tensor, which torch then sums over the row
+blocks. A fixed order (the partials' shape is fixed, so is the reduction), not torch's over the rows,
+so other bits than ``dy.sum(0)``, the same in the native and the split paths (both call this). ``QEFFECT_FUSED_DBIAS=0`` takes torch's sum (A/B runs).
 
 Triton is imported lazily and only for CUDA tensors; without it (CPU, or no Triton) the torch sequence
 runs. ``QEFFECT_FUSED_QUANTIZE=0`` forces the sequence (for A/B measurements). The kernel compiles on
@@ -155,7 +155,7 @@ def quantize_amax_colsum(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype:
     gradient: the output gradient summed over the tokens), `(q, q_t, sums)`.
 
     Fused (GPU, ``QEFFECT_FUSED_DBIAS`` not 0): the kernel writes each row block's fp32 column sums as
-    it quantizes, and torch sums those partials in row-block order (fixed shapes, fixed order: the same
+    it quantizes, and torch sums those partials over the row blocks (fixed shapes, fixed order: the same
     bits every run, not torch's order over the rows). Elsewhere ``x.sum(0, dtype=dtype)``."""
     if x.dim() != 2:
         raise ValueError(f"quantize_amax_colsum wants a 2-D tensor, got {tuple(x.shape)}")
