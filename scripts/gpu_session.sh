@@ -161,6 +161,28 @@ host_python() {  # scripts/host_python_profile.py: h2048 Interleaved host time b
     step "$1" host-python python3 scripts/host_python_profile.py --modes off,release,resident --steps 10 \
         --json "$out/host-python-h2048-interleaved-h200.json"
 }
+verify_reference() {  # the reference bitwise matrix at h2048 (both schedules, copy and direct), merged report only
+    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
+    keep_merged verify
+}
+profile_h4096_reference() {  # the h4096 reference matrix with traces and the M analysis
+    step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
+        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+}
+profile_h2048_reference() {  # the h2048 reference matrix with traces
+    step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
+        --steps 20 --warmup 3 --trace 3
+}
+ref_ab_h4096() {  # <seconds> <name> <modes>: offload_bench's A/B of reference modes in one process, h4096 Interleaved
+    step "$1" "$2-ab" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --backend reference --schedule interleaved --steps 20 --interleave 2 \
+        --modes "$3" --out "$out/$2-ab-h4096-interleaved-h200.json"
+}
+ref_gpu_tests() {  # <seconds> <name>: the fused-quantize and reference-backend GPU tests
+    step "$1" "$2" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py \
+        tests/test_fp8_reference.py
+}
 profile_h4096_te() {  # the h4096 te matrix with traces and the M analysis
     step 220 profile-h4096-te python3 benchmarks/profile_matrix.py --out "$out" --only h4096:te \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
@@ -258,8 +280,7 @@ combined2)
     step 200 pytest python3 -m pytest -m gpu -q -p no:cacheprovider
     bitwise_matrix
     keep_merged verify
-    step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
-        --steps 20 --warmup 3 --trace 3
+    profile_h2048_reference
     ;;
 combined3)
     # the landed default (torch transposes; the kernel's for 16-bit inputs when asked) and h4096 reference
@@ -285,8 +306,7 @@ fused-update)
     step 100 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
         --backends reference --paths captured-copy,captured-direct --out "$out/verify"
     keep_merged verify
-    step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
-        --steps 20 --warmup 3 --trace 3
+    profile_h2048_reference
     step 200 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
         --steps 12 --warmup 3 --trace 2 --microbatches 2,16
     ;;
@@ -295,9 +315,7 @@ fused-quantize)
     # about 30 compiles) and the reference backend's bitwise matrix; fused-quantize-profile: its profiles
     step 240 pytest-fq python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_fused_quantize_gpu.py \
         tests/test_fp8_reference.py
-    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
-        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
-    keep_merged verify
+    verify_reference
     ;;
 fused-quantize-profile)
     step 200 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
@@ -638,84 +656,55 @@ ref-wgrad)
     # the reference wgrad GEMM in the activation dtype (bf16 staging slots): the whole GPU suite, the
     # reference bitwise matrix, then the reference profiles (about 8 minutes)
     gpu_suite pytest-gpu
-    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
-        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
-    keep_merged verify
-    step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
-        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
-    step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
-        --steps 20 --warmup 3 --trace 3
+    verify_reference
+    profile_h4096_reference
+    profile_h2048_reference
     ;;
 ref-wgrad-ab)
     # its A/B in one process: the GEMM in bf16 (default) against fp32 (QEFFECT_REF_WGRAD_DTYPE=weight),
     # bitwise compared per mode, h4096 reference Interleaved, 2 interleaved rounds (about 2 minutes)
-    step 200 ref-wgrad-ab python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --backend reference --schedule interleaved --steps 20 --interleave 2 \
-        --modes "off,off+QEFFECT_REF_WGRAD_DTYPE=weight" --out "$out/ref-wgrad-ab-h4096-interleaved-h200.json"
+    ref_ab_h4096 200 ref-wgrad "off,off+QEFFECT_REF_WGRAD_DTYPE=weight"
     ;;
 ref-bias)
     # the reference forward's bias in the FP8 GEMM's epilogue: the reference bitwise matrix, the A/B against
     # the separate add (QEFFECT_REF_BIAS_EPILOGUE=0) at h4096 in one process, then the whole GPU suite
-    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
-        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
-    keep_merged verify
-    step 150 ref-bias-ab python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --backend reference --schedule interleaved --steps 20 --interleave 2 \
-        --modes "off,off+QEFFECT_REF_BIAS_EPILOGUE=0" --out "$out/ref-bias-ab-h4096-interleaved-h200.json"
+    verify_reference
+    ref_ab_h4096 150 ref-bias "off,off+QEFFECT_REF_BIAS_EPILOGUE=0"
     gpu_suite pytest-gpu
     ;;
 ref-dbias)
     # the reference bias gradient from the output gradient's quantize pass (branch next/ref-fused-dbias,
     # on next/ref-bias-epilogue): the fused-quantize GPU tests, the reference bitwise matrix, the A/Bs of
     # both at h4096 in one process, the whole GPU suite, the h4096 reference profile (about 7 minutes)
-    step 120 fq-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py \
-        tests/test_fp8_reference.py
-    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
-        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
-    keep_merged verify
-    step 200 ref-dbias-ab python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --backend reference --schedule interleaved --steps 20 --interleave 2 \
-        --modes "off,off+QEFFECT_FUSED_DBIAS=0,off+QEFFECT_FUSED_DBIAS=0+QEFFECT_REF_BIAS_EPILOGUE=0" \
-        --out "$out/ref-dbias-ab-h4096-interleaved-h200.json"
+    ref_gpu_tests 120 fq-tests
+    verify_reference
+    ref_ab_h4096 200 ref-dbias "off,off+QEFFECT_FUSED_DBIAS=0,off+QEFFECT_FUSED_DBIAS=0+QEFFECT_REF_BIAS_EPILOGUE=0"
     gpu_suite pytest-gpu
-    step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
-        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    profile_h4096_reference
     ;;
 ref-branches)
     # the three stacked reference branches at their tip (next/ref-weight-cast: the bias epilogue, the bias
     # gradient from the quantize pass, the weights cast in the optimizer's pass): their GPU tests, the
     # reference bitwise matrix, the A/B of the last two at h4096 in one process (the epilogue's: 6480edd), the whole GPU suite, the
     # h4096 reference profile (about 9 minutes)
-    step 150 ref-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py \
-        tests/test_fp8_reference.py
-    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
-        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
-    keep_merged verify
-    step 240 ref-branches-ab python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --backend reference --schedule interleaved --steps 20 --interleave 2 \
-        --modes "off,off+QEFFECT_WEIGHT_CAST=0,off+QEFFECT_FUSED_DBIAS=0" \
-        --out "$out/ref-branches-ab-h4096-interleaved-h200.json"
+    ref_gpu_tests 150 ref-tests
+    verify_reference
+    ref_ab_h4096 240 ref-branches "off,off+QEFFECT_WEIGHT_CAST=0,off+QEFFECT_FUSED_DBIAS=0"
     gpu_suite pytest-gpu
-    step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
-        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    profile_h4096_reference
     ;;
 ref-final)
     # the main line with the three reference changes (bias epilogue, bias gradient from the quantize pass,
     # weights cast in the optimizer): the whole GPU suite, the reference bitwise matrix, both reference
     # profiles (about 6 minutes)
     gpu_suite pytest-gpu
-    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
-        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
-    keep_merged verify
-    step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
-        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
-    step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
-        --steps 20 --warmup 3 --trace 3
+    verify_reference
+    profile_h4096_reference
+    profile_h2048_reference
     ;;
 ref-te-h4096)
     # one more sample of both h4096 matrices, on another lease (about 5 minutes)
-    step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
-        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+    profile_h4096_reference
     profile_h4096_te
     ;;
 h4096-te)
