@@ -230,11 +230,13 @@ class RefFP8Linear(nn.Module):
     def refresh_cache(self) -> WeightCache:
         """Quantize the weight with the current weight scale, then record its amax and update the scale.
 
-        New tensors every time: tapes of an earlier epoch may still hold the previous ones. Where the
-        optimizer cast the weight (`weight_cast_target`) the cast is taken instead: its amax folds into
-        the history's current row (zeroed by the last update, so the row becomes the amax, as a fresh
-        quantization records it), then the same scale update; `q`, `q^T` and `1 / scale` are the bits the
-        quantization would give (the optimizer's cast is the same arithmetic, GPU-tested).
+        New tensors every time it quantizes: tapes of an earlier epoch may still hold the previous ones.
+        Where the optimizer cast the weight (`weight_cast_target`) the cast is taken instead, in buffers
+        fixed for the module's life (the optimizer rewrites them only after every tape of the step has run,
+        as the te backend's cast): its amax folds into the history's current row (zeroed by the last
+        update, so the row becomes the amax, as a fresh quantization records it), then the same scale
+        update; `q`, `q^T` and `1 / scale` are the bits the quantization would give (the optimizer's cast
+        is the same arithmetic, GPU-tested).
         """
         cast = self._weight_cast
         if cast is not None and cast.use_cache(self.weight.is_cuda and torch.cuda.is_current_stream_capturing()):
