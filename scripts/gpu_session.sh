@@ -55,6 +55,8 @@
 #          optimizer): tests, matrix, A/Bs, GPU suite, h4096 reference profile.
 # ref-final: the whole GPU suite, the reference bitwise matrix, the h4096 and h2048 reference profiles.
 # ref-te-h4096: the h4096 reference profile, then the h4096 te profile (a second lease's sample of both).
+# ref-transition: the quantize pass completing its own scale transition: its GPU tests, the A/B against two launches
+#   (QEFFECT_FUSED_TRANSITION=0) at h4096 in one process, and the h4096 reference step's kernels (step_gaps.py).
 # h4096-te: the h4096 te profile alone. h2048-te: the h2048 te profile alone.
 # token-ab: offload_bench.py --interleave 2 with modes off and off+QEFFECT_TOKEN_COPY=1: the effect token
 #          incremented in place on one buffer per chunk against one copied into every replay, bitwise
@@ -178,6 +180,12 @@ ref_ab_h4096() {  # <seconds> <name> <modes>: offload_bench's A/B of reference m
     step "$1" "$2-ab" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
         --backend reference --schedule interleaved --steps 20 --interleave 2 \
         --modes "$3" --out "$out/$2-ab-h4096-interleaved-h200.json"
+}
+ref_gaps_h4096() {  # scripts/step_gaps.py on the h4096 reference step: every kernel, the GPU's idle gaps
+    sed 's/backend = "te"/backend = "reference"/' examples/configs/h4096.toml > "$out/h4096-reference.toml"
+    step 120 gaps-h4096-reference python3 scripts/step_gaps.py --config "$out/h4096-reference.toml" \
+        --json "$out/step-gaps-h4096-reference-h200.json"
+    rm -f "$out/h4096-reference.toml"
 }
 ref_gpu_tests() {  # <seconds> <name>: the fused-quantize and reference-backend GPU tests
     step "$1" "$2" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py \
@@ -701,6 +709,15 @@ ref-final)
     verify_reference
     profile_h4096_reference
     profile_h2048_reference
+    ;;
+ref-transition)
+    # the reference quantize pass completing its own scale transition (and the bias gradient's sums): the
+    # fused-quantize, fused-update and reference GPU tests, the A/B against the two launches
+    # (QEFFECT_FUSED_TRANSITION=0) at h4096 in one process, bitwise compared, the step's kernels (about 4 minutes)
+    ref_gpu_tests 150 ref-tests
+    step 60 fu-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_update_gpu.py
+    ref_ab_h4096 200 ref-transition "off,off+QEFFECT_FUSED_TRANSITION=0"
+    ref_gaps_h4096
     ;;
 ref-te-h4096)
     # one more sample of both h4096 matrices, on another lease (about 5 minutes)

@@ -119,7 +119,7 @@ for m, n in [(1, 1), (3, 5), (64, 64), (100, 130), (130, 70)]:
     blocks = -(-m // 64)
     part = torch.full((blocks, n), float("nan"))
     k[(blocks, -(-n // 64))](x, torch.ones(1), q, q.view(torch.uint8), amax.view(torch.int32), m, n, 448.0, part,
-                             TRANSPOSE=False, COLSUM=True, BLOCK_M=64, BLOCK_N=64)
+                             q, q, 1, 1.0, 0.0, q, TRANSPOSE=False, COLSUM=True, BLOCK_M=64, BLOCK_N=64)
     want = torch.stack([x[i * 64:(i + 1) * 64].float().sum(0) for i in range(blocks)])
     if sys.argv[1] == "wrong":  # the check must be able to fail: the partials of the rows in reverse
         want = want.flip(0)
@@ -141,3 +141,73 @@ def test_column_sum_partials_under_the_interpreter(variant: str) -> None:
     out = subprocess.run([sys.executable, "-c", COLSUM_CASES, variant], capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300, check=True).stdout.split()
     assert (int(out[-1]) == 0) if variant == "right" else (int(out[-1]) > 0)
+
+
+TRANSITION_CASES = """
+import random, sys, torch
+from qeffect.fp8 import fused_quantize as fq
+from qeffect.fp8.fused_update import history_block
+from qeffect.fp8.recipe import fp8_max
+from qeffect.fp8.scaling import update_scale
+wrong = sys.argv[1] == "wrong"  # the check must be able to fail: "max" taken as "most_recent", a row block left out
+k, rng, bad, n_cases = fq._kernel(), random.Random(0), 0, 0
+specials = [0.0, float("nan"), float("inf"), 1e-40, 2.0 ** -30, 2.0 ** 20]  # exact scales: see below
+for (m, n) in ((64, 64), (130, 70), (256, 200)):
+    for L in (1, 4, 17):
+        for algo in ("max", "most_recent"):
+            for colsum in (None, torch.bfloat16, torch.float32):
+                fp8 = torch.float8_e5m2 if colsum is not None else torch.float8_e4m3fn
+                h = torch.tensor([rng.choice(specials) if rng.random() < 0.3 else 2.0 ** rng.randint(-8, 8) for _ in range(L)])
+                s = torch.tensor(rng.choice([1.0, 0.5, 2.0]))
+                scratch = torch.zeros(2, dtype=torch.int32)
+                for rep in range(2):  # the scratch is reused: zero again after each launch
+                    x = torch.randint(-1, 2, (m, n)).to(torch.bfloat16) * (rep + 1)
+                    h_ref, s_ref = h.clone(), s.clone()
+                    q_ref = fq.cast_fp8(x, s_ref, fp8)
+                    h_ref[0] = x.float().abs().amax()
+                    inv_ref = s_ref.reciprocal()
+                    update_scale(h_ref, s_ref, fp8_max(fp8), 2, "most_recent" if wrong and algo == "max" else algo)
+                    rows = -(-m // 64)
+                    parts = torch.stack([x[i * 64:(i + 1) * 64].float().sum(0) for i in range(rows)])
+                    parts = parts[:-1] if wrong and rows > 1 else parts
+                    sums_ref = None if colsum is None else fq.sum_row_blocks(parts).to(colsum)
+                    q = torch.empty(m, n, dtype=fp8)
+                    inv = torch.empty(())
+                    part = torch.full((rows, n), float("nan"))
+                    sums = torch.empty(n, dtype=colsum or torch.float32)
+                    k[(rows, -(-n // 64))](x, s, q, q.view(torch.uint8), scratch, m, n, fp8_max(fp8), part, h, inv, L,
+                                           2.0 ** -2, torch.finfo(torch.float32).max, sums, TRANSPOSE=False,
+                                           COLSUM=colsum is not None, BLOCK_M=64, BLOCK_N=64, TRANSITION=True,
+                                           MOST_RECENT=algo == "most_recent", HBLOCK=history_block(L), SUM_BLOCK=32,
+                                           SUM_CAST=colsum is torch.bfloat16)
+                    same = (torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+                            and torch.equal(h.view(torch.int32), h_ref.view(torch.int32))
+                            and torch.equal(s.view(torch.int32), s_ref.view(torch.int32))
+                            and torch.equal(inv.view(torch.int32), inv_ref.view(torch.int32))
+                            and not scratch.any()
+                            and (colsum is None or torch.equal(sums, sums_ref)))
+                    n_cases, bad = n_cases + 1, bad + (not same)
+                    if not same:  # the next launch starts from the sequence's state
+                        h, s = h_ref.clone(), s_ref.clone()
+print(n_cases, bad)
+"""
+
+
+@pytest.mark.skipif(find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+@pytest.mark.parametrize("variant", ["right", "wrong"])
+def test_transition_in_the_pass_under_the_interpreter(variant: str) -> None:
+    """`quantize_transition`'s kernel (run by Triton's interpreter on the CPU) against the sequence it
+    replaces: the bytes, the recorded and rolled history, the new scale, `1 / scale` before it, the
+    column sums summed over the row blocks in order, and the scratch zero again after each launch (two
+    launches share it). Histories with zeros, NaNs, infinities and tiny amaxes, both amax algorithms,
+    several row blocks. Inputs of -2..2 and power-of-two amaxes keep every product and sum exact: the
+    interpreter's float conversions are numpy's, the GPU's bits are `test_fused_quantize_gpu.py`'s."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", TRANSITION_CASES, variant], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600, check=True).stdout.split()
+    n, bad = int(out[-2]), int(out[-1])
+    assert n == 108
+    assert (bad == 0) if variant == "right" else (bad > 0)

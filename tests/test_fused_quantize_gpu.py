@@ -176,3 +176,69 @@ def test_column_sums_from_the_quantize_pass(shape, monkeypatch) -> None:
     monkeypatch.setenv("QEFFECT_FUSED_DBIAS", "0")
     _, _, torch_sums = fq.quantize_amax_colsum(x, scale, a3, torch.float8_e5m2, torch.float32)
     assert torch.equal(torch_sums, x.sum(0, dtype=torch.float32))
+
+
+def _states(fp8: torch.dtype, algo: str, margin: int, history: list[float], scale: float):
+    """Two equal states, one with a `scratch` (the transition in the quantize pass), one without (the pass,
+    then `fused_update`'s kernel: two launches)."""
+    from qeffect.fp8.scaling import ScalingState
+
+    def make(scratch: bool) -> ScalingState:
+        return ScalingState(torch.tensor(history, device="cuda"), torch.tensor(scale, device="cuda"), fp8, margin,
+                            algo, torch.zeros(2, dtype=torch.int32, device="cuda") if scratch else None)
+
+    return make(True), make(False)
+
+
+def _run(state, kind: str, x: torch.Tensor) -> tuple:
+    if kind == "quantize":
+        return state.quantize(x)
+    if kind == "pair":
+        return state.quantize_pair(x)
+    return state.quantize_pair_colsum(x, torch.bfloat16 if kind == "colsum-bf16" else torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (255, 1000), (256, 4096), (1000, 257), (257, 16384)])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("kind", ["quantize", "pair", "colsum-fp32", "colsum-bf16"])
+def test_transition_in_the_pass_is_bitwise_the_two_launches(dtype, shape, algo, kind) -> None:
+    """`ScalingState` with a scratch (`quantize_transition`: one launch) against the same state without
+    (the pass, then the update kernel): six transitions in a row, inputs over many magnitudes, with
+    infinities, a NaN and an all-zero input; every output (bytes, transpose, 1 / scale, column sums) and
+    the history and scale after each have the same bits; the scratch is zero after every launch."""
+    _fused()
+    fp8 = torch.float8_e5m2 if kind.startswith("colsum") else torch.float8_e4m3fn
+    a, b = _states(fp8, algo, 1, [0.0, 3.0, 1e-40, 0.5], 0.37)
+    for k in range(6):
+        x = (torch.randn(shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(k)) * 10.0 ** (k - 2))
+        x = _special(shape, dtype, k) if k == 2 else torch.zeros(shape, device="cuda") if k == 4 else x
+        x = x.to(dtype)
+        if k == 5:
+            x.view(-1)[x.numel() // 2] = float("nan")
+        got, want = _run(a, kind, x), _run(b, kind, x)
+        assert len(got) == len(want)
+        for t, u in zip(got, want, strict=True):
+            assert t.dtype == u.dtype and t.shape == u.shape and _same_bits(t, u), (k, t, u)
+        assert _same_bits(a.amax_history, b.amax_history) and _same_bits(a.scale, b.scale), (k, a, b)
+        assert not a.scratch.any()
+
+
+def test_transition_in_the_pass_captures_into_a_graph() -> None:
+    """Captured once, replayed on new inputs: each replay is one eager two-launch transition, bit for bit."""
+    _fused()
+    a, b = _states(torch.float8_e5m2, "max", 0, [0.0, 2.0, 0.25, 7.0], 1.0)
+    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    _run(a, "colsum-bf16", x.clone())  # compile outside the capture, and one transition on each
+    _run(b, "colsum-bf16", x.clone())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = _run(a, "colsum-bf16", x)
+    for k in range(3):
+        x.copy_(torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16) * 10.0 ** k)
+        g.replay()
+        want = _run(b, "colsum-bf16", x)
+        for t, u in zip(outs, want, strict=True):
+            assert _same_bits(t, u), k
+        assert _same_bits(a.amax_history, b.amax_history) and _same_bits(a.scale, b.scale), k
+        assert not a.scratch.any()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -46,6 +47,9 @@ from qeffect.fp8.recipe import fp8_max
 from qeffect.fp8.scaling import cast_fp8
 from qeffect.triton_lazy import on_device, triton_kernel
 
+if TYPE_CHECKING:
+    from qeffect.fp8.scaling import ScalingState
+
 BLOCK_M = 64
 BLOCK_N = 64
 TRANSPOSE_BLOCK = (64, 64, 4)  # `transpose_bytes`: rows x columns per tile, warps (`weight_cast_ab.py` sweeps it)
@@ -53,14 +57,23 @@ TRANSPOSE_BLOCK = (64, 64, 4)  # `transpose_bytes`: rows x columns per tile, war
 
 @triton_kernel
 def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
+    from qeffect.fp8 import fused_update
+
+    _scale_transition = fused_update._math()
+    globals()["_scale_transition"] = _scale_transition  # module globals: every Triton version resolves those
+
     @triton.jit
     def quantize_amax(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_bits_ptr, m, n, fmax, colsum_ptr,
-                      TRANSPOSE: tl.constexpr, COLSUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      hist_ptr, scale_inv_ptr, L, inv_pow2_margin, flt_max, sums_ptr,
+                      TRANSPOSE: tl.constexpr, COLSUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      TRANSITION: tl.constexpr = False, MOST_RECENT: tl.constexpr = False,
+                      HBLOCK: tl.constexpr = 16, SUM_BLOCK: tl.constexpr = 1024, SUM_CAST: tl.constexpr = False):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < m) & (cols[None, :] < n)
         x = tl.load(x_ptr + rows[:, None] * n + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        v = x * tl.load(scale_ptr)
+        scale = tl.load(scale_ptr)
+        v = x * scale
         v = tl.where(v > fmax, fmax, v)  # comparisons with NaN are false: NaN passes, as in torch.clamp
         v = tl.where(v < -fmax, -fmax, v)
         q = v.to(q_ptr.dtype.element_ty)
@@ -70,13 +83,44 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
             qbt = tl.trans(q.to(tl.uint8, bitcast=True))
             mask_t = (cols[:, None] < n) & (rows[None, :] < m)
             tl.store(qt_ptr + cols[:, None] * m + rows[None, :], qbt, mask=mask_t)
+        if COLSUM:  # this tile's column sums (masked rows are 0.0): row block program_id(0) of the partials
+            tl.store(colsum_ptr + tl.program_id(0).to(tl.int64) * n + cols, tl.sum(x, axis=0), mask=cols < n)
         # |x| as bits with the sign cleared by a mask (abs.f32 leaves a NaN's sign unspecified): >= 0, so
         # integer order is float order, and a NaN's bits exceed infinity's
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         bits = tl.where(mask, bits, 0)
         tl.atomic_max(amax_bits_ptr, tl.max(tl.max(bits, axis=1), axis=0))
-        if COLSUM:  # this tile's column sums (masked rows are 0.0): row block program_id(0) of the partials
-            tl.store(colsum_ptr + tl.program_id(0).to(tl.int64) * n + cols, tl.sum(x, axis=0), mask=cols < n)
+        if TRANSITION:
+            # The program that finishes last (its ticket, after every other program's amax, partials and
+            # reads of the scale: the atomics are acquire-release) completes the transition: it takes the
+            # amax and resets the scratch words for the next launch, then records, rolls and rescales.
+            tl.debug_barrier()  # every thread's partials stored before the ticket's release
+            ticket = tl.atomic_add(amax_bits_ptr + 1, 1)
+            if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+                amax = tl.atomic_xchg(amax_bits_ptr, 0).to(tl.float32, bitcast=True)
+                tl.atomic_xchg(amax_bits_ptr + 1, 0)
+                idx = tl.arange(0, HBLOCK)
+                inside = idx < L
+                hist = tl.load(hist_ptr + idx, mask=inside, other=0.0)
+                hist = tl.where(idx == 0, amax, hist)  # the amax recorded into entry 0
+                src = (idx + 1) % L
+                rolled = tl.load(hist_ptr + src, mask=inside, other=0.0)
+                rolled = tl.where(src == 0, amax, rolled)
+                tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))  # 1 / the scale q was made with
+                rolled, sf = _scale_transition(hist, amax, rolled, idx, inside, scale, fmax, inv_pow2_margin,
+                                               flt_max, MOST_RECENT)
+                tl.debug_barrier()  # every load of the history before the stores
+                tl.store(hist_ptr + idx, rolled, mask=inside)
+                tl.store(scale_ptr, sf)
+                if COLSUM:  # the partials summed over the row blocks in order, fp32, then cast once
+                    for c0 in range(0, n, SUM_BLOCK):
+                        c = c0 + tl.arange(0, SUM_BLOCK)
+                        acc = tl.load(colsum_ptr + c, mask=c < n, volatile=True)
+                        for r in range(1, tl.num_programs(0)):
+                            acc = acc + tl.load(colsum_ptr + r * n + c, mask=c < n, volatile=True)
+                        if SUM_CAST:  # to a narrower float, rounded to nearest even as torch's `.to`
+                            acc = acc.to(sums_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+                        tl.store(sums_ptr + c, acc, mask=c < n)
 
     return quantize_amax
 
@@ -155,15 +199,70 @@ def quantize_amax_colsum(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype:
     gradient: the output gradient summed over the tokens), `(q, q_t, sums)`.
 
     Fused (GPU, ``QEFFECT_FUSED_DBIAS`` not 0): the kernel writes each row block's fp32 column sums as
-    it quantizes, and torch sums those partials over the row blocks (fixed shapes, fixed order: the same
-    bits every run, not torch's order over the rows). Elsewhere ``x.sum(0, dtype=dtype)``."""
+    it quantizes, and those partials are summed over the row blocks in order, in fp32, then cast to
+    `dtype` (fixed shapes, fixed order: the same bits every run, and the same as `quantize_transition`'s
+    in-kernel sum; not torch's order over the rows). Elsewhere ``x.sum(0, dtype=dtype)``."""
     if x.dim() != 2:
         raise ValueError(f"quantize_amax_colsum wants a 2-D tensor, got {tuple(x.shape)}")
-    if not fused_available(x) or os.environ.get("QEFFECT_FUSED_DBIAS", "1") == "0":
+    if not fused_available(x) or not fused_dbias():
         q, qt = quantize_amax(x, scale, amax_slot, fp8_dtype, transpose=True)
         return q, qt, x.sum(0, dtype=dtype)
     q, qt, partials = _launch(x, scale, amax_slot, fp8_dtype, True, dtype)
-    return q, qt, partials.sum(0).to(dtype)
+    return q, qt, sum_row_blocks(partials).to(dtype)
+
+
+def fused_dbias() -> bool:
+    """Whether the bias gradient comes from the quantize pass (``QEFFECT_FUSED_DBIAS`` not 0; A/B runs)."""
+    return os.environ.get("QEFFECT_FUSED_DBIAS", "1") != "0"
+
+
+def sum_row_blocks(partials: Tensor) -> Tensor:
+    """The rows of `partials` summed in order in fp32 (`((p0 + p1) + p2) + ...`): the kernel's own sum."""
+    acc = partials[0].clone()
+    for row in partials[1:]:
+        acc += row
+    return acc
+
+
+def quantize_transition(x: Tensor, state: ScalingState, scale_inv: Tensor, transpose: bool,
+                        colsum: torch.dtype | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One delayed-scaling transition of `state` (`ScalingState`, with its `scratch`) in one launch:
+    quantize `x` with the scale, its amax recorded, `scale_inv` = 1 / that scale, the history rolled
+    and the scale updated; with `colsum` the column sums of `x` in that dtype too (as
+    `quantize_amax_colsum`). Returns `(q, q^T or None, sums or None)`.
+
+    Why: the sequence (`quantize_amax`, then `fused_update.update_scale_fused`) is three launches per
+    quantization, the amax slot's zeroing, the pass and the update (and for the sums two more): some
+    1,100 small kernels of a captured h4096 reference step. Here the program that finishes last does
+    the update (and the sums) once every other program's amax is in: the arithmetic of the sequence,
+    so its bits (GPU-tested). The amax goes through `state.scratch` (two int32 words, zero between
+    launches: the last program resets them), so the history's entry 0 is written, not max-ed into."""
+    from qeffect.fp8.fused_update import history_block
+
+    hist, scratch = state.amax_history, state.scratch
+    if scratch is None or scratch.dtype != torch.int32 or scratch.numel() != 2 or not scratch.is_contiguous():
+        raise ValueError("quantize_transition needs the state's scratch: two contiguous int32 words")
+    if not fused_available(x):
+        raise ValueError("quantize_transition runs the fused kernel only (see `fused_available`)")
+    m, n = x.shape
+    q = torch.empty((m, n), dtype=state.fp8_dtype, device=x.device)
+    in_kernel = transpose and _transpose_in_kernel(x)
+    qt = torch.empty((n, m), dtype=state.fp8_dtype, device=x.device) if in_kernel else q
+    grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
+    in_pass = colsum is not None and fused_dbias()
+    partials = torch.empty((grid[0], n), dtype=torch.float32, device=x.device) if in_pass else q
+    sums = torch.empty(n, dtype=colsum, device=x.device) if in_pass else q
+    with on_device(x.device):
+        _kernel()[grid](x, state.scale, q, qt.view(torch.uint8), scratch, m, n, state.fmax, partials,
+                        hist, scale_inv, hist.numel(), 2.0 ** -state.margin, torch.finfo(torch.float32).max, sums,
+                        TRANSPOSE=in_kernel, COLSUM=in_pass, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TRANSITION=True,
+                        MOST_RECENT=state.amax_compute_algo == "most_recent", HBLOCK=history_block(hist.numel()),
+                        SUM_CAST=in_pass and colsum != torch.float32)
+    if transpose and not in_kernel:
+        qt = transpose_bytes(q) if _transpose_mode() == "kernel" else q.t().contiguous()
+    if colsum is not None and not in_pass:
+        sums = x.sum(0, dtype=colsum)
+    return q, (qt if transpose else None), (sums if colsum is not None else None)
 
 
 def _launch(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.dtype, transpose: bool,
@@ -180,8 +279,8 @@ def _launch(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.dtype,
     amax_slot.zero_()  # the atomic max starts from 0 (|x| >= 0, so 0 is the identity)
     with on_device(x.device):  # Triton launches on the current device
         _kernel()[grid](x, scale, q, qt.view(torch.uint8), amax_slot.view(torch.int32), m, n,
-                        fp8_max(fp8_dtype), partials, TRANSPOSE=in_kernel, COLSUM=colsum is not None,
-                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+                        fp8_max(fp8_dtype), partials, q, q, 1, 1.0, 0.0, q, TRANSPOSE=in_kernel,
+                        COLSUM=colsum is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     if transpose and not in_kernel:
         qt = transpose_bytes(q) if _transpose_mode() == "kernel" else q.t().contiguous()
     return q, (qt if transpose else None), (partials if colsum is not None else None)

@@ -37,7 +37,37 @@ _FP32_MAX = torch.finfo(torch.float32).max
 
 
 @triton_kernel
+def _math(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
+    @triton.jit
+    def _scale_transition(hist, first, rolled, idx, inside, scale, fmax, inv_pow2_margin, flt_max,
+                          MOST_RECENT: tl.constexpr):
+        """The transition on loaded values: ``hist`` (the history, ``first`` its entry 0) and ``rolled``
+        (entry ``(i + 1) % L`` at ``i``); returns (the history to store, the new scale). Shared by this
+        module's kernel and the quantize kernel's own transition (`fused_quantize`): the same bits."""
+        if MOST_RECENT:
+            amax = first
+        else:
+            # tl.max does not promise NaN propagation; torch.max does: count the NaNs apart
+            nans = tl.sum(tl.where(inside & (hist != hist), 1, 0), axis=0)
+            amax = tl.max(tl.where(inside, hist, -float("inf")), axis=0)
+            amax = tl.where(nans > 0, float("nan"), amax)
+        rolled = tl.where(idx == 0, 0.0, rolled)  # roll left by one, then entry 0 is zero
+        sf = tl.div_rn(fmax, amax) * inv_pow2_margin  # torch: `/ 2**m` is `* 2**-m`
+        sf = tl.where(amax > 0.0, sf, scale)
+        finite = (amax == amax) & (amax != float("inf")) & (amax != -float("inf"))
+        sf = tl.where(finite, sf, scale)
+        sf = tl.where((sf == float("inf")) | (sf == -float("inf")), flt_max, sf)
+        return rolled, sf
+
+    globals()["_scale_transition"] = _scale_transition  # module globals: every Triton version resolves those
+    globals()["tl"] = tl  # Triton's interpreter looks for `tl` in a called function's module globals (CPU tests)
+    return _scale_transition
+
+
+@triton_kernel
 def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
+    _scale_transition = _math()  # module globals too (see `_math`)
+
     @triton.jit
     def update_scale(hist_ptr, scale_ptr, scale_inv_ptr, L, fmax, inv_pow2_margin, flt_max,
                      MOST_RECENT: tl.constexpr, WRITE_INV: tl.constexpr, BLOCK: tl.constexpr):
@@ -47,23 +77,11 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
         scale = tl.load(scale_ptr)
         if WRITE_INV:
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
-        if MOST_RECENT:
-            amax = tl.load(hist_ptr)
-        else:
-            # tl.max does not promise NaN propagation; torch.max does: count the NaNs apart
-            nans = tl.sum(tl.where(inside & (hist != hist), 1, 0), axis=0)
-            amax = tl.max(tl.where(inside, hist, -float("inf")), axis=0)
-            amax = tl.where(nans > 0, float("nan"), amax)
-        # roll left by one (entry 0 goes to the end), then entry 0 is zero: all loads above come first
         rolled = tl.load(hist_ptr + (idx + 1) % L, mask=inside, other=0.0)
-        rolled = tl.where(idx == 0, 0.0, rolled)
-        tl.debug_barrier()
+        rolled, sf = _scale_transition(hist, tl.load(hist_ptr), rolled, idx, inside, scale, fmax, inv_pow2_margin,
+                                       flt_max, MOST_RECENT)
+        tl.debug_barrier()  # every load above before the stores
         tl.store(hist_ptr + idx, rolled, mask=inside)
-        sf = tl.div_rn(fmax, amax) * inv_pow2_margin  # torch: `/ 2**m` is `* 2**-m`
-        sf = tl.where(amax > 0.0, sf, scale)
-        finite = (amax == amax) & (amax != float("inf")) & (amax != -float("inf"))
-        sf = tl.where(finite, sf, scale)
-        sf = tl.where((sf == float("inf")) | (sf == -float("inf")), flt_max, sf)
         tl.store(scale_ptr, sf)
 
     return update_scale
@@ -73,6 +91,11 @@ def fused_update_available(scale: Tensor) -> bool:
     """CUDA on sm90 or newer with Triton, not disabled (the same switch as the fused quantization)."""
     return (scale.is_cuda and os.environ.get("QEFFECT_FUSED_QUANTIZE", "1") != "0"
             and _sm90_or_newer(scale.device.index) and _kernel() is not None)
+
+
+def history_block(length: int) -> int:
+    """The block a kernel loads an amax history of `length` entries in (a power of two, at least 16)."""
+    return max(16, 1 << (length - 1).bit_length())
 
 
 def update_scale_fused(amax_history: Tensor, scale: Tensor, fmax: float, margin: int, amax_compute_algo: str,
@@ -87,7 +110,7 @@ def update_scale_fused(amax_history: Tensor, scale: Tensor, fmax: float, margin:
     if scale.numel() != 1 or scale.dtype != torch.float32:
         raise ValueError(f"scale must be one fp32 element, got {scale.dtype} {tuple(scale.shape)}")
     n = amax_history.numel()
-    block = max(16, 1 << (n - 1).bit_length())
+    block = history_block(n)
     inv = scale_inv_out if scale_inv_out is not None else scale
     with torch.cuda.device(scale.device):
         _kernel()[(1,)](amax_history, scale, inv, n, float(fmax), 2.0 ** -margin, _FP32_MAX,

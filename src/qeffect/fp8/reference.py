@@ -43,6 +43,8 @@ STATE_NAMES: tuple[str, ...] = (
     "grad_scale",
 )
 
+_SCRATCH_ROW = {"input": 0, "weight": 1, "grad": 2}  # each state's row of `RefFP8Linear.transition_scratch`
+
 EMPTY_CACHE_MSG = "weight cache is empty: the first microbatch after a commit or resume must refresh it"
 
 
@@ -159,6 +161,10 @@ class RefFP8Linear(nn.Module):
                 torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device),
             )
             self.register_buffer(f"{prefix}_scale", torch.ones((), dtype=torch.float32, device=device))
+        # per state two int32 words the quantize kernel completes its transition through (`ScalingState.
+        # scratch`): zero between launches, not state (not in the state_dict)
+        self.register_buffer("transition_scratch", torch.zeros(3, 2, dtype=torch.int32, device=device),
+                             persistent=False)
         self.delay_wgrad = False
         self.wgrad_in_activation_dtype = wgrad_in_activation_dtype()  # fixed at construction (module doc)
         self.wgrad_store: list[WgradWork] = []
@@ -179,6 +185,7 @@ class RefFP8Linear(nn.Module):
             fp8_dtype,
             self.recipe.margin,
             self.recipe.amax_compute_algo,
+            self.transition_scratch[_SCRATCH_ROW[prefix]],
         )
 
     def input_state(self) -> ScalingState:

@@ -12,6 +12,7 @@ addresses stay fixed.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,9 @@ class ScalingState:
     fp8_dtype: torch.dtype
     margin: int = 0
     amax_compute_algo: str = "max"
+    # Two int32 words, zero between launches, through which the quantize kernel completes the transition
+    # itself (`fused_quantize.quantize_transition`); None: quantize, then update, as two launches.
+    scratch: Tensor | None = None
 
     @classmethod
     def new(
@@ -148,14 +152,29 @@ class ScalingState:
 
     def _transition(self, x: Tensor, transpose: bool, colsum: torch.dtype | None = None) -> tuple:
         """`quantize_amax` (one fused pass on a GPU, the torch sequence elsewhere and for non-2-D `x`),
-        with `scale_inv` taken before and the scale update after; with `colsum`, the column sums too."""
-        from qeffect.fp8.fused_quantize import quantize_amax, quantize_amax_colsum
+        with `scale_inv` taken before and the scale update after; with `colsum`, the column sums too.
+        With a `scratch` on a GPU the pass completes the update itself (`quantize_transition`): one launch."""
+        from qeffect.fp8.fused_quantize import (
+            fused_available,
+            quantize_amax,
+            quantize_amax_colsum,
+            quantize_transition,
+        )
 
         fused = _fused_update(self.scale)  # the update kernel also writes 1 / (the scale before it)
         scale_inv = torch.empty_like(self.scale) if fused else self.scale.reciprocal()  # before the update
-        if colsum is None:
+        if fused and self.scratch is not None and fused_transition() and fused_available(x):
+            q, q_t, sums = quantize_transition(x, self, scale_inv, transpose, colsum)
+        elif colsum is None:
             q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
+            self._update(fused, scale_inv if fused else None)
         else:
             q, q_t, sums = quantize_amax_colsum(x, self.scale, self.amax_history[0], self.fp8_dtype, colsum)
-        self._update(fused, scale_inv if fused else None)
+            self._update(fused, scale_inv if fused else None)
         return (q, q_t, scale_inv) if colsum is None else (q, q_t, scale_inv, sums)
+
+
+def fused_transition() -> bool:
+    """Whether a state with a `scratch` quantizes and updates in one launch (``QEFFECT_FUSED_TRANSITION``
+    not 0; the same bits either way: A/B runs)."""
+    return os.environ.get("QEFFECT_FUSED_TRANSITION", "1") != "0"
