@@ -599,3 +599,34 @@ def test_captured_reference_verifies_with_the_weight_cast_in_the_optimizer(monke
         pipe.step(synthetic_batches(cfg, s, "cuda"))
     assert bool(targets) == (switch == "1")
     assert all(t.captured and t.fresh for t in targets)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_bias_is_cast_once_per_epoch_for_the_gemm_epilogue() -> None:
+    """On CUDA with bf16 activations the first microbatch casts the fp32 bias into the module's buffer and
+    every forward of the epoch reads it: the outputs are those of the per-call cast, bit for bit (a
+    module built alike with ``bias_cast`` switched off), and a bias changed within the epoch is not
+    seen until the next first microbatch (the buffer is the epoch's, as the weight cache)."""
+    torch.manual_seed(0)
+    a = RefFP8Linear(64, 32, True, DelayedScalingRecipe(), device="cuda")
+    with torch.no_grad():
+        a.weight.normal_()
+        a.bias.normal_()
+    b = copy.deepcopy(a)
+    b.bias_cast = lambda dtype: None  # the per-call cast
+    xs = [torch.randn(16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    for k, x in enumerate(xs):
+        ya, yb = a(x, is_first_microbatch=k == 0), b(x, is_first_microbatch=k == 0)
+        assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
+    buf = a._bias_buffer
+    assert buf is not None and buf.dtype == torch.bfloat16 and torch.equal(buf, a.bias.to(torch.bfloat16))
+    old = a.bias.detach().clone()
+    with torch.no_grad():
+        a.bias.add_(1.0)
+        b.bias.copy_(a.bias)
+    stale = a(xs[0], is_first_microbatch=False)  # within the epoch: the epoch's cast
+    assert torch.equal(buf, old.to(torch.bfloat16)) and not torch.equal(stale, b(xs[0], is_first_microbatch=True))
+    fresh = a(xs[0], is_first_microbatch=True)  # the next epoch: cast again, into the same buffer
+    assert a._bias_buffer is buf and torch.equal(buf, a.bias.to(torch.bfloat16))
+    assert torch.equal(fresh.view(torch.int16), b(xs[0], is_first_microbatch=False).view(torch.int16))

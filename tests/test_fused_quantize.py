@@ -115,15 +115,13 @@ k, bad = fq._kernel(), 0
 for m, n in [(1, 1), (3, 5), (64, 64), (100, 130), (130, 70)]:
     # small integers: every partial sum is exact, so any summation order gives these bits
     x = torch.randint(-8, 8, (m, n), generator=torch.Generator().manual_seed(m * n)).to(torch.bfloat16)
-    q, amax = torch.empty((m, n), dtype=torch.float8_e4m3fn), torch.zeros(1)
-    blocks = -(-m // 64)
-    part = torch.full((blocks, n), float("nan"))
-    k[(blocks, -(-n // 64))](x, torch.ones(1), q, q.view(torch.uint8), amax.view(torch.int32), m, n, 448.0, part,
-                             q, q, 1, 1.0, 0.0, q, TRANSPOSE=False, COLSUM=True, BLOCK_M=64, BLOCK_N=64)
-    want = torch.stack([x[i * 64:(i + 1) * 64].float().sum(0) for i in range(blocks)])
-    if sys.argv[1] == "wrong":  # the check must be able to fail: the partials of the rows in reverse
-        want = want.flip(0)
-    bad += not torch.equal(part, want) or not torch.equal(q.float(), x.float())
+    q, amax, sums = torch.empty((m, n), dtype=torch.float8_e4m3fn), torch.zeros(1), torch.full((n,), float("nan"))
+    k[(1, -(-n // fq.COLSUM_BLOCK_N))](x, torch.ones(1), q, q.view(torch.uint8), amax.view(torch.int32), m, n, 448.0,
+                                       sums, q, q, 1, 1.0, 0.0, TRANSPOSE=False, COLSUM=True, BLOCK_M=fq.BLOCK_M,
+                                       BLOCK_N=fq.COLSUM_BLOCK_N)
+    # the check must be able to fail: the last row left out
+    want = (x[:-1] if sys.argv[1] == "wrong" else x).float().sum(0)
+    bad += not torch.equal(sums, want) or not torch.equal(q.float(), x.float()) or amax.item() != x.float().abs().max().item()
 print(bad)
 """
 
@@ -131,9 +129,10 @@ print(bad)
 @pytest.mark.skipif(find_spec("triton") is None,
                     reason="needs Triton (its interpreter runs on CPU)")
 @pytest.mark.parametrize("variant", ["right", "wrong"])
-def test_column_sum_partials_under_the_interpreter(variant: str) -> None:
-    """Each row block's column sums land in its row of the partials, the padded rows and columns
-    contributing nothing (the kernel, run by Triton's interpreter on the CPU)."""
+def test_column_sums_under_the_interpreter(variant: str) -> None:
+    """The pass with the column sums (one program per column strip, over several row blocks): the sums,
+    the padded rows and columns contributing nothing, the bytes and the amax (the kernel, run by Triton's
+    interpreter on the CPU)."""
     import os
     import subprocess
     import sys
@@ -168,18 +167,17 @@ for (m, n) in ((64, 64), (130, 70), (256, 200)):
                     inv_ref = s_ref.reciprocal()
                     update_scale(h_ref, s_ref, fp8_max(fp8), 2, "most_recent" if wrong and algo == "max" else algo)
                     rows = -(-m // 64)
-                    parts = torch.stack([x[i * 64:(i + 1) * 64].float().sum(0) for i in range(rows)])
-                    parts = parts[:-1] if wrong and rows > 1 else parts
-                    sums_ref = None if colsum is None else fq.sum_row_blocks(parts).to(colsum)
+                    kept = x[:64 * (rows - 1)] if wrong and rows > 1 else x  # wrong: a row block left out
+                    sums_ref = None if colsum is None else kept.float().sum(0).to(colsum)  # exact: small integers
                     q = torch.empty(m, n, dtype=fp8)
                     inv = torch.empty(())
-                    part = torch.full((rows, n), float("nan"))
                     sums = torch.empty(n, dtype=colsum or torch.float32)
-                    k[(rows, -(-n // 64))](x, s, q, q.view(torch.uint8), scratch, m, n, fp8_max(fp8), part, h, inv, L,
-                                           2.0 ** -2, torch.finfo(torch.float32).max, sums, TRANSPOSE=False,
-                                           COLSUM=colsum is not None, BLOCK_M=64, BLOCK_N=64, TRANSITION=True,
-                                           MOST_RECENT=algo == "most_recent", HBLOCK=history_block(L), SUM_BLOCK=32,
-                                           SUM_CAST=colsum is torch.bfloat16)
+                    block_n = fq.COLSUM_BLOCK_N if colsum is not None else fq.BLOCK_N
+                    grid = (1 if colsum is not None else rows, -(-n // block_n))
+                    k[grid](x, s, q, q.view(torch.uint8), scratch, m, n, fp8_max(fp8), sums, h, inv, L, 2.0 ** -2,
+                            torch.finfo(torch.float32).max, TRANSPOSE=False, COLSUM=colsum is not None,
+                            BLOCK_M=fq.BLOCK_M, BLOCK_N=block_n, TRANSITION=True, MOST_RECENT=algo == "most_recent",
+                            HBLOCK=history_block(L), SUM_CAST=colsum is torch.bfloat16)
                     same = (torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
                             and torch.equal(h.view(torch.int32), h_ref.view(torch.int32))
                             and torch.equal(s.view(torch.int32), s_ref.view(torch.int32))

@@ -40,7 +40,7 @@ def _special(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> torch.Ten
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 @pytest.mark.parametrize("fp8", FP8)
@@ -156,8 +156,9 @@ def test_transpose_bytes_is_torch_transpose(shape) -> None:
 @pytest.mark.parametrize("shape", [(256, 4096), (100, 130), (1, 64), (257, 16384)])
 def test_column_sums_from_the_quantize_pass(shape, monkeypatch) -> None:
     """`quantize_amax_colsum`: the FP8 bytes, transpose and amax are `quantize_amax`'s bit for bit; the fp32
-    column sums (a bias gradient) are the same bits on every call (fixed order: row blocks, then their
-    partials), within fp32 rounding of the exact sums, and ``QEFFECT_FUSED_DBIAS=0`` gives torch's sums."""
+    column sums (a bias gradient) are the same bits on every call (fixed order: each tile's sums, added
+    in row order), within fp32 rounding of the exact sums; the bf16 sums are torch's rounding of the fp32
+    ones; and ``QEFFECT_FUSED_DBIAS=0`` gives torch's sums."""
     fq = _fused()
     g = torch.Generator(device="cuda").manual_seed(shape[0])
     x = (torch.randn(shape, device="cuda", generator=g) * 3).to(torch.bfloat16)
@@ -170,6 +171,8 @@ def test_column_sums_from_the_quantize_pass(shape, monkeypatch) -> None:
     assert torch.equal(a1, a2) and sums.dtype == torch.float32 and sums.shape == (shape[1],)
     _, _, again = fq.quantize_amax_colsum(x, scale, a3, torch.float8_e5m2, torch.float32)
     assert torch.equal(sums, again)
+    _, _, sums16 = fq.quantize_amax_colsum(x, scale, a3, torch.float8_e5m2, torch.bfloat16)
+    assert sums16.dtype == torch.bfloat16 and _same_bits(sums16, sums.to(torch.bfloat16))
     exact = x.double().sum(0)
     bound = 2 * shape[0] * torch.finfo(torch.float32).eps * x.double().abs().sum(0)  # any summation order
     assert bool(((sums.double() - exact).abs() <= bound).all())

@@ -15,9 +15,15 @@ GPU tests compare every bit pattern with the torch sequence, special values incl
 
 The output gradient's pass can also sum its columns (`quantize_amax_colsum`: the bias gradient, which
 torch's ``dy.sum(0)`` took 1.30 ms of a 30.7 ms h4096 reference step to compute with 128 more kernels):
-each row block's fp32 column sums go to a small partials tensor, which torch then sums over the row
-blocks. A fixed order (the partials' shape is fixed, so is the reduction), not torch's over the rows,
-so other bits than ``dy.sum(0)``, the same in the native and the split paths (both call this). ``QEFFECT_FUSED_DBIAS=0`` takes torch's sum (A/B runs).
+that pass runs one program per column strip, which adds each 64-row tile's column sums in row order, in
+fp32, and casts once. A fixed order, not torch's over the rows, so other bits than ``dy.sum(0)``, the
+same in the native and the split paths (both call this). ``QEFFECT_FUSED_DBIAS=0`` takes torch's sum
+(A/B runs). (Before, each row block's sums went to a partials tensor that torch then summed:
+two more kernels per pass.)
+
+With a scaling state's scratch words the pass also completes the delayed-scaling transition
+(`quantize_transition`): the program that finishes last records the amax, rolls the history and
+updates the scale, instead of a zeroing kernel before and `fused_update`'s kernel after.
 
 Triton is imported lazily and only for CUDA tensors; without it (CPU, or no Triton) the torch sequence
 runs. ``QEFFECT_FUSED_QUANTIZE=0`` forces the sequence (for A/B measurements). The kernel compiles on
@@ -52,6 +58,8 @@ if TYPE_CHECKING:
 
 BLOCK_M = 64
 BLOCK_N = 64
+COLSUM_BLOCK_N = 32  # column strips of the pass that also sums the columns: one program per strip, so at h4096's
+# narrowest output gradient (4,096 columns) 128 programs
 TRANSPOSE_BLOCK = (64, 64, 4)  # `transpose_bytes`: rows x columns per tile, warps (`weight_cast_ab.py` sweeps it)
 
 
@@ -63,16 +71,11 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     globals()["_scale_transition"] = _scale_transition  # module globals: every Triton version resolves those
 
     @triton.jit
-    def quantize_amax(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_bits_ptr, m, n, fmax, colsum_ptr,
-                      hist_ptr, scale_inv_ptr, L, inv_pow2_margin, flt_max, sums_ptr,
-                      TRANSPOSE: tl.constexpr, COLSUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      TRANSITION: tl.constexpr = False, MOST_RECENT: tl.constexpr = False,
-                      HBLOCK: tl.constexpr = 16, SUM_BLOCK: tl.constexpr = 1024, SUM_CAST: tl.constexpr = False):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _tile(x_ptr, q_ptr, qt_ptr, rows, cols, m, n, scale, fmax, TRANSPOSE: tl.constexpr):
+        """Quantize one tile and store it (and, with ``TRANSPOSE``, its bytes transposed); returns each
+        column's largest ``|x|`` as bits and each column's fp32 sum (padding contributes 0)."""
         mask = (rows[:, None] < m) & (cols[None, :] < n)
         x = tl.load(x_ptr + rows[:, None] * n + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale = tl.load(scale_ptr)
         v = x * scale
         v = tl.where(v > fmax, fmax, v)  # comparisons with NaN are false: NaN passes, as in torch.clamp
         v = tl.where(v < -fmax, -fmax, v)
@@ -83,44 +86,62 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
             qbt = tl.trans(q.to(tl.uint8, bitcast=True))
             mask_t = (cols[:, None] < n) & (rows[None, :] < m)
             tl.store(qt_ptr + cols[:, None] * m + rows[None, :], qbt, mask=mask_t)
-        if COLSUM:  # this tile's column sums (masked rows are 0.0): row block program_id(0) of the partials
-            tl.store(colsum_ptr + tl.program_id(0).to(tl.int64) * n + cols, tl.sum(x, axis=0), mask=cols < n)
         # |x| as bits with the sign cleared by a mask (abs.f32 leaves a NaN's sign unspecified): >= 0, so
         # integer order is float order, and a NaN's bits exceed infinity's
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        bits = tl.where(mask, bits, 0)
-        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(bits, axis=1), axis=0))
+        bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+        return tl.max(bits, axis=0), tl.sum(x, axis=0)
+
+    globals()["_tile"] = _tile
+
+    @triton.jit
+    def quantize_amax(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_bits_ptr, m, n, fmax, sums_ptr,
+                      hist_ptr, scale_inv_ptr, L, inv_pow2_margin, flt_max,
+                      TRANSPOSE: tl.constexpr, COLSUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      TRANSITION: tl.constexpr = False, MOST_RECENT: tl.constexpr = False,
+                      HBLOCK: tl.constexpr = 16, SUM_CAST: tl.constexpr = False):
+        scale = tl.load(scale_ptr)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if TRANSITION:  # loaded by every program, early: the last one then only waits for the amax
+            idx = tl.arange(0, HBLOCK)
+            inside = idx < L
+            src = (idx + 1) % L
+            hist = tl.load(hist_ptr + idx, mask=inside, other=0.0)
+            rolled = tl.load(hist_ptr + src, mask=inside, other=0.0)
+        if COLSUM:
+            # one program per column strip, over its row blocks in order: the column sums are each tile's
+            # (`tl.sum` over its BLOCK_M rows) added in row order in fp32, from 0.0, then cast once
+            amax = tl.zeros((BLOCK_N,), dtype=tl.int32)
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for r0 in range(0, m, BLOCK_M):
+                rows = r0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                tile_max, tile_sum = _tile(x_ptr, q_ptr, qt_ptr, rows, cols, m, n, scale, fmax, TRANSPOSE)
+                amax = tl.maximum(amax, tile_max)
+                acc = acc + tile_sum
+            if SUM_CAST:  # to a narrower float, rounded to nearest even as torch's `.to`
+                acc = acc.to(sums_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(sums_ptr + cols, acc, mask=cols < n)
+            tl.atomic_max(amax_bits_ptr, tl.max(amax, axis=0))
+        else:
+            rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            tile_max, _ = _tile(x_ptr, q_ptr, qt_ptr, rows, cols, m, n, scale, fmax, TRANSPOSE)
+            tl.atomic_max(amax_bits_ptr, tl.max(tile_max, axis=0))
         if TRANSITION:
-            # The program that finishes last (its ticket, after every other program's amax, partials and
-            # reads of the scale: the atomics are acquire-release) completes the transition: it takes the
-            # amax and resets the scratch words for the next launch, then records, rolls and rescales.
-            tl.debug_barrier()  # every thread's partials stored before the ticket's release
+            # The program that finishes last (its ticket comes after every other program's amax and its
+            # reads of the scale and history: the atomics are acquire-release) completes the transition:
+            # it takes the amax, leaves the scratch words zero for the next launch, then records the amax,
+            # rolls the history and writes the new scale and 1 / the scale q was made with.
+            tl.debug_barrier()  # the program's amax in before its ticket
             ticket = tl.atomic_add(amax_bits_ptr + 1, 1)
             if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
-                amax = tl.atomic_xchg(amax_bits_ptr, 0).to(tl.float32, bitcast=True)
-                tl.atomic_xchg(amax_bits_ptr + 1, 0)
-                idx = tl.arange(0, HBLOCK)
-                inside = idx < L
-                hist = tl.load(hist_ptr + idx, mask=inside, other=0.0)
-                hist = tl.where(idx == 0, amax, hist)  # the amax recorded into entry 0
-                src = (idx + 1) % L
-                rolled = tl.load(hist_ptr + src, mask=inside, other=0.0)
-                rolled = tl.where(src == 0, amax, rolled)
-                tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))  # 1 / the scale q was made with
-                rolled, sf = _scale_transition(hist, amax, rolled, idx, inside, scale, fmax, inv_pow2_margin,
+                amax_all = tl.atomic_xchg(amax_bits_ptr, 0).to(tl.float32, bitcast=True)
+                tl.store(amax_bits_ptr + 1, 0)
+                hist = tl.where(idx == 0, amax_all, hist)  # the amax recorded into entry 0
+                rolled = tl.where(src == 0, amax_all, rolled)
+                tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
+                rolled, sf = _scale_transition(hist, amax_all, rolled, idx, inside, scale, fmax, inv_pow2_margin,
                                                flt_max, MOST_RECENT)
-                tl.debug_barrier()  # every load of the history before the stores
                 tl.store(hist_ptr + idx, rolled, mask=inside)
                 tl.store(scale_ptr, sf)
-                if COLSUM:  # the partials summed over the row blocks in order, fp32, then cast once
-                    for c0 in range(0, n, SUM_BLOCK):
-                        c = c0 + tl.arange(0, SUM_BLOCK)
-                        acc = tl.load(colsum_ptr + c, mask=c < n, volatile=True)
-                        for r in range(1, tl.num_programs(0)):
-                            acc = acc + tl.load(colsum_ptr + r * n + c, mask=c < n, volatile=True)
-                        if SUM_CAST:  # to a narrower float, rounded to nearest even as torch's `.to`
-                            acc = acc.to(sums_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-                        tl.store(sums_ptr + c, acc, mask=c < n)
 
     return quantize_amax
 
@@ -198,30 +219,22 @@ def quantize_amax_colsum(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype:
     """`quantize_amax(transpose=True)` of a 2-D `x` that also returns its column sums in `dtype` (a bias
     gradient: the output gradient summed over the tokens), `(q, q_t, sums)`.
 
-    Fused (GPU, ``QEFFECT_FUSED_DBIAS`` not 0): the kernel writes each row block's fp32 column sums as
-    it quantizes, and those partials are summed over the row blocks in order, in fp32, then cast to
-    `dtype` (fixed shapes, fixed order: the same bits every run, and the same as `quantize_transition`'s
-    in-kernel sum; not torch's order over the rows). Elsewhere ``x.sum(0, dtype=dtype)``."""
+    Fused (GPU, ``QEFFECT_FUSED_DBIAS`` not 0): the pass runs one program per column strip, which sums
+    each 64-row tile's columns and adds those in row order, in fp32, then casts once (fixed shapes, fixed
+    order: the same bits every run, and the same as `quantize_transition`'s; not torch's order over the
+    rows). Elsewhere ``x.sum(0, dtype=dtype)``."""
     if x.dim() != 2:
         raise ValueError(f"quantize_amax_colsum wants a 2-D tensor, got {tuple(x.shape)}")
     if not fused_available(x) or not fused_dbias():
         q, qt = quantize_amax(x, scale, amax_slot, fp8_dtype, transpose=True)
         return q, qt, x.sum(0, dtype=dtype)
-    q, qt, partials = _launch(x, scale, amax_slot, fp8_dtype, True, dtype)
-    return q, qt, sum_row_blocks(partials).to(dtype)
+    q, qt, sums = _launch(x, scale, amax_slot, fp8_dtype, True, dtype)
+    return q, qt, sums
 
 
 def fused_dbias() -> bool:
     """Whether the bias gradient comes from the quantize pass (``QEFFECT_FUSED_DBIAS`` not 0; A/B runs)."""
     return os.environ.get("QEFFECT_FUSED_DBIAS", "1") != "0"
-
-
-def sum_row_blocks(partials: Tensor) -> Tensor:
-    """The rows of `partials` summed in order in fp32 (`((p0 + p1) + p2) + ...`): the kernel's own sum."""
-    acc = partials[0].clone()
-    for row in partials[1:]:
-        acc += row
-    return acc
 
 
 def quantize_transition(x: Tensor, state: ScalingState, scale_inv: Tensor, transpose: bool,
@@ -232,11 +245,11 @@ def quantize_transition(x: Tensor, state: ScalingState, scale_inv: Tensor, trans
     `quantize_amax_colsum`). Returns `(q, q^T or None, sums or None)`.
 
     Why: the sequence (`quantize_amax`, then `fused_update.update_scale_fused`) is three launches per
-    quantization, the amax slot's zeroing, the pass and the update (and for the sums two more): some
-    1,100 small kernels of a captured h4096 reference step. Here the program that finishes last does
-    the update (and the sums) once every other program's amax is in: the arithmetic of the sequence,
-    so its bits (GPU-tested). The amax goes through `state.scratch` (two int32 words, zero between
-    launches: the last program resets them), so the history's entry 0 is written, not max-ed into."""
+    quantization, the amax slot's zeroing, the pass and the update: 850 small kernels of a captured
+    h4096 reference step. Here the program that finishes last does the update once every other
+    program's amax is in: the arithmetic of the sequence, so its bits (GPU-tested). The amax goes
+    through `state.scratch` (two int32 words, zero between launches: the last program resets them), so
+    the history's entry 0 is written, not max-ed into."""
     from qeffect.fp8.fused_update import history_block
 
     hist, scratch = state.amax_history, state.scratch
@@ -244,46 +257,44 @@ def quantize_transition(x: Tensor, state: ScalingState, scale_inv: Tensor, trans
         raise ValueError("quantize_transition needs the state's scratch: two contiguous int32 words")
     if not fused_available(x):
         raise ValueError("quantize_transition runs the fused kernel only (see `fused_available`)")
-    m, n = x.shape
-    q = torch.empty((m, n), dtype=state.fp8_dtype, device=x.device)
-    in_kernel = transpose and _transpose_in_kernel(x)
-    qt = torch.empty((n, m), dtype=state.fp8_dtype, device=x.device) if in_kernel else q
-    grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
     in_pass = colsum is not None and fused_dbias()
-    partials = torch.empty((grid[0], n), dtype=torch.float32, device=x.device) if in_pass else q
-    sums = torch.empty(n, dtype=colsum, device=x.device) if in_pass else q
-    with on_device(x.device):
-        _kernel()[grid](x, state.scale, q, qt.view(torch.uint8), scratch, m, n, state.fmax, partials,
-                        hist, scale_inv, hist.numel(), 2.0 ** -state.margin, torch.finfo(torch.float32).max, sums,
-                        TRANSPOSE=in_kernel, COLSUM=in_pass, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TRANSITION=True,
-                        MOST_RECENT=state.amax_compute_algo == "most_recent", HBLOCK=history_block(hist.numel()),
-                        SUM_CAST=in_pass and colsum != torch.float32)
-    if transpose and not in_kernel:
-        qt = transpose_bytes(q) if _transpose_mode() == "kernel" else q.t().contiguous()
+    q, qt, sums = _launch(x, state.scale, scratch, state.fp8_dtype, transpose, colsum if in_pass else None,
+                          transition=(hist, scale_inv, 2.0 ** -state.margin, state.amax_compute_algo,
+                                      history_block(hist.numel())))
     if colsum is not None and not in_pass:
         sums = x.sum(0, dtype=colsum)
-    return q, (qt if transpose else None), (sums if colsum is not None else None)
+    return q, qt, sums
 
 
-def _launch(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.dtype, transpose: bool,
-            colsum: torch.dtype | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """The kernel over `x` (fused path): `(q, q_t or None, the row blocks' fp32 column sums or None)`."""
-    if amax_slot.dtype != torch.float32 or amax_slot.numel() != 1:
-        raise ValueError(f"amax_slot must be one fp32 element, got {amax_slot.dtype} {tuple(amax_slot.shape)}")
+def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, transpose: bool,
+            colsum: torch.dtype | None, transition: tuple | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The kernel over `x` (fused path): `(q, q_t or None, the column sums in `colsum` or None)`.
+
+    `amax`: the amax slot (one fp32 element, zeroed here), or with `transition` (history, scale_inv,
+    2**-margin, algorithm, history block) the state's scratch words."""
+    if transition is None and (amax.dtype != torch.float32 or amax.numel() != 1):
+        raise ValueError(f"amax_slot must be one fp32 element, got {amax.dtype} {tuple(amax.shape)}")
     m, n = x.shape
     q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
     in_kernel = transpose and _transpose_in_kernel(x)
     qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device) if in_kernel else q
-    grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
-    partials = torch.empty((grid[0], n), dtype=torch.float32, device=x.device) if colsum is not None else q
-    amax_slot.zero_()  # the atomic max starts from 0 (|x| >= 0, so 0 is the identity)
+    sums = torch.empty(n, dtype=colsum, device=x.device) if colsum is not None else q
+    block_n = COLSUM_BLOCK_N if colsum is not None else BLOCK_N
+    grid = (1 if colsum is not None else -(-m // BLOCK_M), -(-n // block_n))
+    if transition is None:
+        amax.zero_()  # the atomic max starts from 0 (|x| >= 0, so 0 is the identity)
+        hist, scale_inv, inv_pow2_margin, algo, hblock = q, q, 1.0, "max", 16  # (not read)
+    else:
+        hist, scale_inv, inv_pow2_margin, algo, hblock = transition
     with on_device(x.device):  # Triton launches on the current device
-        _kernel()[grid](x, scale, q, qt.view(torch.uint8), amax_slot.view(torch.int32), m, n,
-                        fp8_max(fp8_dtype), partials, q, q, 1, 1.0, 0.0, q, TRANSPOSE=in_kernel,
-                        COLSUM=colsum is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        _kernel()[grid](x, scale, q, qt.view(torch.uint8), amax.view(torch.int32), m, n, fp8_max(fp8_dtype), sums,
+                        hist, scale_inv, hist.numel(), inv_pow2_margin, torch.finfo(torch.float32).max,
+                        TRANSPOSE=in_kernel, COLSUM=colsum is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                        TRANSITION=transition is not None, MOST_RECENT=algo == "most_recent", HBLOCK=hblock,
+                        SUM_CAST=colsum is not None and colsum != torch.float32)
     if transpose and not in_kernel:
         qt = transpose_bytes(q) if _transpose_mode() == "kernel" else q.t().contiguous()
-    return q, (qt if transpose else None), (partials if colsum is not None else None)
+    return q, (qt if transpose else None), (sums if colsum is not None else None)
 
 
 def _transpose_mode() -> str:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qeffect.fp8.gemm import fp8_mm
+from qeffect.fp8.gemm import bias_in_epilogue, fp8_mm
 from qeffect.fp8.recipe import DelayedScalingRecipe
 from qeffect.fp8.scaling import ScalingState
 from qeffect.fp8.weight_cast import WeightCastTarget
@@ -92,12 +92,14 @@ class _FP8LinearFn(torch.autograd.Function):
         w_q: Tensor,
         w_q_t: Tensor,
         w_scale_inv: Tensor,
+        bias_cast: Tensor | None = None,
     ) -> Tensor:
         x_q_t = None  # what dW needs of x: its transpose, made in the same pass as x_q
         if ctx.needs_input_grad[1]:  # (forward runs with grad mode off: requires_grad is what says a dW comes)
             x_q, x_q_t, x_scale_inv = module.input_state().quantize_pair(x)
         else:
             x_q, x_scale_inv = module.input_state().quantize(x)
+        bias = bias if bias_cast is None else bias_cast  # (`RefFP8Linear.bias_cast`: the same values)
         y = fp8_mm(x_q, x_scale_inv, w_q, w_scale_inv, out_dtype=x.dtype, bias=bias)  # (`gemm.bias_in_epilogue`)
         ctx.save_for_backward(x_q_t, x_scale_inv, w_q_t, w_scale_inv)
         ctx.module = module
@@ -130,7 +132,7 @@ class _FP8LinearFn(torch.autograd.Function):
                 module.wgrad_store.append(work)
             else:
                 dw = module.compute_wgrad(work)
-        return dx, dw, dbias, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None
 
 
 class RefFP8Linear(nn.Module):
@@ -169,6 +171,8 @@ class RefFP8Linear(nn.Module):
         self.wgrad_in_activation_dtype = wgrad_in_activation_dtype()  # fixed at construction (module doc)
         self.wgrad_store: list[WgradWork] = []
         self._cache: WeightCache | None = None
+        self._bias_buffer: Tensor | None = None  # `bias_cast`'s buffer
+        self._bias_cast: Tensor | None = None  # the bias as this epoch's forwards read it (None: as it is)
         self._weight_cast: WeightCastTarget | None = None  # the optimizer casts the weight (`weight_cast_target`)
 
     def extra_repr(self) -> str:
@@ -213,6 +217,7 @@ class RefFP8Linear(nn.Module):
     def invalidate_cache(self) -> None:
         """Drop the quantized weight (after a commit or a resume the next forward must refresh it)."""
         self._cache = None
+        self._bias_cast = None
         if self._weight_cast is not None:  # its cast may be of another scale or weight now
             self._weight_cast.mark_consumed()
 
@@ -260,6 +265,7 @@ class RefFP8Linear(nn.Module):
     def forward(self, x: Tensor, is_first_microbatch: bool) -> Tensor:
         if is_first_microbatch:
             cache = self.refresh_cache()
+            self._bias_cast = self.bias_cast(x.dtype)
         else:
             cache = self._cache
             if cache is None:
@@ -268,8 +274,29 @@ class RefFP8Linear(nn.Module):
             raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
-        y = _FP8LinearFn.apply(x2d, self.weight, self.bias, self, cache.w_q, cache.w_q_t, cache.scale_inv)
+        bias_cast = self._bias_cast if self._bias_cast is not None and self._bias_cast.dtype == x.dtype else None
+        y = _FP8LinearFn.apply(x2d, self.weight, self.bias, self, cache.w_q, cache.w_q_t, cache.scale_inv, bias_cast)
         return y.reshape(*lead, self.out_features)
+
+    @torch.no_grad()
+    def bias_cast(self, dtype: torch.dtype) -> Tensor | None:
+        """The bias in `dtype` (the activations'), as the GEMM's epilogue reads it, cast at the first
+        microbatch into a buffer fixed for the module's life; the forwards of the epoch read it.
+
+        Why: `fp8_mm` casts the fp32 bias for each call, a copy kernel per linear and microbatch (128 of a
+        captured h4096 reference step). Rewriting the buffer at the next first forward is safe: no forward
+        of the epoch before runs after it, and nothing else reads it. None (each call casts, as before)
+        where the epilogue does not take the bias (`gemm.bias_in_epilogue`), the bias is already in
+        `dtype`, or the buffer would first be made inside a graph capture."""
+        b = self.bias
+        if b is None or b.dtype == dtype or not bias_in_epilogue(b.device, dtype):
+            return None
+        buf = self._bias_buffer
+        if buf is None or buf.dtype != dtype or buf.device != b.device:
+            if b.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            buf = self._bias_buffer = torch.empty_like(b, dtype=dtype)
+        return buf.copy_(b)
 
     def wgrad_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
         """The dtype the wgrad GEMM writes: the activation dtype (module doc), or the weight's for a module
