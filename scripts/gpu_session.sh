@@ -56,8 +56,9 @@
 # ref-final: the whole GPU suite, the reference bitwise matrix, the h4096 and h2048 reference profiles.
 # ref-te-h4096: the h4096 reference profile, then the h4096 te profile (a second lease's sample of both).
 # ref-transition: the quantize pass completing its own scale transition: its GPU tests, the A/B against two launches
-#   (QEFFECT_FUSED_TRANSITION=0) and torch's bias-gradient sum (QEFFECT_FUSED_DBIAS=0) at h4096 in one process, and
-#   the h4096 reference step's kernels (step_gaps.py).
+#   (QEFFECT_FUSED_TRANSITION=0) and torch's bias-gradient sum (QEFFECT_FUSED_DBIAS=0) at h4096 in one process,
+#   the h4096 reference step's kernels (step_gaps.py), the reference bitwise matrix.
+# suite-ref-h4096: the whole GPU suite, then the h4096 reference profile.
 # h4096-te: the h4096 te profile alone. h2048-te: the h2048 te profile alone.
 # token-ab: offload_bench.py --interleave 2 with modes off and off+QEFFECT_TOKEN_COPY=1: the effect token
 #          incremented in place on one buffer per chunk against one copied into every replay, bitwise
@@ -712,14 +713,21 @@ ref-final)
     profile_h2048_reference
     ;;
 ref-transition)
-    # the reference quantize pass completing its own scale transition, its bias-gradient sums by column strips and
-    # the bias cast once per epoch: the
-    # fused-quantize, fused-update and reference GPU tests, the A/B against the two launches
-    # (QEFFECT_FUSED_TRANSITION=0) at h4096 in one process, bitwise compared, the step's kernels (about 4 minutes)
+    # the reference quantize pass completing its own scale transition, its bias-gradient sums by column
+    # strips, and the bias cast once per epoch: the fused-quantize, fused-update and reference GPU tests,
+    # the A/B against the two launches (QEFFECT_FUSED_TRANSITION=0) and torch's bias-gradient sum
+    # (QEFFECT_FUSED_DBIAS=0) at h4096 in one process, bitwise compared, the step's kernels, then the
+    # reference bitwise matrix (about 6 minutes)
     ref_gpu_tests 150 ref-tests
     step 60 fu-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_update_gpu.py
     ref_ab_h4096 240 ref-transition "off,off+QEFFECT_FUSED_TRANSITION=0,off+QEFFECT_FUSED_DBIAS=0"
     ref_gaps_h4096
+    verify_reference
+    ;;
+suite-ref-h4096)
+    # the whole GPU suite, then the h4096 reference profile (about 7 minutes)
+    gpu_suite pytest-gpu
+    profile_h4096_reference
     ;;
 ref-te-h4096)
     # one more sample of both h4096 matrices, on another lease (about 5 minutes)

@@ -605,8 +605,8 @@ def test_captured_reference_verifies_with_the_weight_cast_in_the_optimizer(monke
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_bias_is_cast_once_per_epoch_for_the_gemm_epilogue() -> None:
     """On CUDA with bf16 activations the first microbatch casts the fp32 bias into the module's buffer and
-    every forward of the epoch reads it: the outputs are those of the per-call cast, bit for bit (a
-    module built alike with ``bias_cast`` switched off), and a bias changed within the epoch is not
+    every forward of the epoch reads it: the outputs and the fp32 bias gradients are those of the per-call
+    cast, bit for bit (a module built alike with ``bias_cast`` switched off), and a bias changed within the epoch is not
     seen until the next first microbatch (the buffer is the epoch's, as the weight cache)."""
     torch.manual_seed(0)
     a = RefFP8Linear(64, 32, True, DelayedScalingRecipe(), device="cuda")
@@ -619,6 +619,12 @@ def test_the_bias_is_cast_once_per_epoch_for_the_gemm_epilogue() -> None:
     for k, x in enumerate(xs):
         ya, yb = a(x, is_first_microbatch=k == 0), b(x, is_first_microbatch=k == 0)
         assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
+        g = torch.randn_like(ya)
+        ya.backward(g)
+        yb.backward(g)
+        # the bias gradient stays fp32 (summed from the output gradient in fp32), as without the cast
+        assert a.bias.grad.dtype == torch.float32 and torch.equal(a.bias.grad.view(torch.int32),
+                                                                 b.bias.grad.view(torch.int32))
     buf = a._bias_buffer
     assert buf is not None and buf.dtype == torch.bfloat16 and torch.equal(buf, a.bias.to(torch.bfloat16))
     old = a.bias.detach().clone()

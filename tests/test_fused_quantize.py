@@ -117,8 +117,8 @@ for m, n in [(1, 1), (3, 5), (64, 64), (100, 130), (130, 70)]:
     x = torch.randint(-8, 8, (m, n), generator=torch.Generator().manual_seed(m * n)).to(torch.bfloat16)
     q, amax, sums = torch.empty((m, n), dtype=torch.float8_e4m3fn), torch.zeros(1), torch.full((n,), float("nan"))
     k[(1, -(-n // fq.COLSUM_BLOCK_N))](x, torch.ones(1), q, q.view(torch.uint8), amax.view(torch.int32), m, n, 448.0,
-                                       sums, q, q, 1, 1.0, 0.0, TRANSPOSE=False, COLSUM=True, BLOCK_M=fq.BLOCK_M,
-                                       BLOCK_N=fq.COLSUM_BLOCK_N)
+                                       sums, q, q, 1, 1.0, 0.0, TRANSPOSE=False, COLSUM=True, BLOCK_M=16,
+                                       BLOCK_N=fq.COLSUM_BLOCK_N)  # 16-row tiles: several per strip here
     # the check must be able to fail: the last row left out
     want = (x[:-1] if sys.argv[1] == "wrong" else x).float().sum(0)
     bad += not torch.equal(sums, want) or not torch.equal(q.float(), x.float()) or amax.item() != x.float().abs().max().item()
@@ -176,7 +176,7 @@ for (m, n) in ((64, 64), (130, 70), (256, 200)):
                     grid = (1 if colsum is not None else rows, -(-n // block_n))
                     k[grid](x, s, q, q.view(torch.uint8), scratch, m, n, fp8_max(fp8), sums, h, inv, L, 2.0 ** -2,
                             torch.finfo(torch.float32).max, TRANSPOSE=False, COLSUM=colsum is not None,
-                            BLOCK_M=fq.BLOCK_M, BLOCK_N=block_n, TRANSITION=True, MOST_RECENT=algo == "most_recent",
+                            BLOCK_M=64, BLOCK_N=block_n, TRANSITION=True, MOST_RECENT=algo == "most_recent",
                             HBLOCK=history_block(L), SUM_CAST=colsum is torch.bfloat16)
                     same = (torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
                             and torch.equal(h.view(torch.int32), h_ref.view(torch.int32))

@@ -15,7 +15,7 @@ GPU tests compare every bit pattern with the torch sequence, special values incl
 
 The output gradient's pass can also sum its columns (`quantize_amax_colsum`: the bias gradient, which
 torch's ``dy.sum(0)`` took 1.30 ms of a 30.7 ms h4096 reference step to compute with 128 more kernels):
-that pass runs one program per column strip, which adds each 64-row tile's column sums in row order, in
+that pass runs one program per column strip, which adds each 256-row tile's column sums in row order, in
 fp32, and casts once. A fixed order, not torch's over the rows, so other bits than ``dy.sum(0)``, the
 same in the native and the split paths (both call this). ``QEFFECT_FUSED_DBIAS=0`` takes torch's sum
 (A/B runs). (Before, each row block's sums went to a partials tensor that torch then summed:
@@ -58,8 +58,9 @@ if TYPE_CHECKING:
 
 BLOCK_M = 64
 BLOCK_N = 64
-COLSUM_BLOCK_N = 32  # column strips of the pass that also sums the columns: one program per strip, so at h4096's
-# narrowest output gradient (4,096 columns) 128 programs
+COLSUM_BLOCK_M, COLSUM_BLOCK_N, COLSUM_WARPS = 256, 32, 8  # the pass that also sums the columns: one program per
+# column strip (h4096's narrowest output gradient, 4,096 columns: 128 programs), over tiles of 256 rows (a
+# 256-token microbatch in one tile, not four 64-row tiles one after another: four dependent loads per program)
 TRANSPOSE_BLOCK = (64, 64, 4)  # `transpose_bytes`: rows x columns per tile, warps (`weight_cast_ab.py` sweeps it)
 
 
@@ -109,7 +110,8 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
             rolled = tl.load(hist_ptr + src, mask=inside, other=0.0)
         if COLSUM:
             # one program per column strip, over its row blocks in order: the column sums are each tile's
-            # (`tl.sum` over its BLOCK_M rows) added in row order in fp32, from 0.0, then cast once
+            # (`tl.sum` over its BLOCK_M rows) added in row order in fp32, from 0.0, then cast once (so the
+            # bits depend on BLOCK_M: every path here launches with `COLSUM_BLOCK_M`)
             amax = tl.zeros((BLOCK_N,), dtype=tl.int32)
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for r0 in range(0, m, BLOCK_M):
@@ -220,7 +222,7 @@ def quantize_amax_colsum(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype:
     gradient: the output gradient summed over the tokens), `(q, q_t, sums)`.
 
     Fused (GPU, ``QEFFECT_FUSED_DBIAS`` not 0): the pass runs one program per column strip, which sums
-    each 64-row tile's columns and adds those in row order, in fp32, then casts once (fixed shapes, fixed
+    each 256-row tile's columns and adds those in row order, in fp32, then casts once (fixed shapes, fixed
     order: the same bits every run, and the same as `quantize_transition`'s; not torch's order over the
     rows). Elsewhere ``x.sum(0, dtype=dtype)``."""
     if x.dim() != 2:
@@ -279,7 +281,8 @@ def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, tran
     in_kernel = transpose and _transpose_in_kernel(x)
     qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device) if in_kernel else q
     sums = torch.empty(n, dtype=colsum, device=x.device) if colsum is not None else q
-    block_n = COLSUM_BLOCK_N if colsum is not None else BLOCK_N
+    block_m, block_n, warps = (COLSUM_BLOCK_M, COLSUM_BLOCK_N, COLSUM_WARPS) if colsum is not None else (BLOCK_M,
+                                                                                                         BLOCK_N, 4)
     grid = (1 if colsum is not None else -(-m // BLOCK_M), -(-n // block_n))
     if transition is None:
         amax.zero_()  # the atomic max starts from 0 (|x| >= 0, so 0 is the identity)
@@ -289,9 +292,9 @@ def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, tran
     with on_device(x.device):  # Triton launches on the current device
         _kernel()[grid](x, scale, q, qt.view(torch.uint8), amax.view(torch.int32), m, n, fp8_max(fp8_dtype), sums,
                         hist, scale_inv, hist.numel(), inv_pow2_margin, torch.finfo(torch.float32).max,
-                        TRANSPOSE=in_kernel, COLSUM=colsum is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                        TRANSPOSE=in_kernel, COLSUM=colsum is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                         TRANSITION=transition is not None, MOST_RECENT=algo == "most_recent", HBLOCK=hblock,
-                        SUM_CAST=colsum is not None and colsum != torch.float32)
+                        SUM_CAST=colsum is not None and colsum != torch.float32, num_warps=warps)
     if transpose and not in_kernel:
         qt = transpose_bytes(q) if _transpose_mode() == "kernel" else q.t().contiguous()
     return q, (qt if transpose else None), (sums if colsum is not None else None)

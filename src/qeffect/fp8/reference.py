@@ -99,8 +99,8 @@ class _FP8LinearFn(torch.autograd.Function):
             x_q, x_q_t, x_scale_inv = module.input_state().quantize_pair(x)
         else:
             x_q, x_scale_inv = module.input_state().quantize(x)
-        bias = bias if bias_cast is None else bias_cast  # (`RefFP8Linear.bias_cast`: the same values)
-        y = fp8_mm(x_q, x_scale_inv, w_q, w_scale_inv, out_dtype=x.dtype, bias=bias)  # (`gemm.bias_in_epilogue`)
+        epilogue_bias = bias if bias_cast is None else bias_cast  # (`RefFP8Linear.bias_cast`: the same values)
+        y = fp8_mm(x_q, x_scale_inv, w_q, w_scale_inv, out_dtype=x.dtype, bias=epilogue_bias)  # (`gemm.bias_in_epilogue`)
         ctx.save_for_backward(x_q_t, x_scale_inv, w_q_t, w_scale_inv)
         ctx.module = module
         ctx.x_dtype = x.dtype
