@@ -184,10 +184,8 @@ ref_ab_h4096() {  # <seconds> <name> <modes>: offload_bench's A/B of reference m
         --modes "$3" --out "$out/$2-ab-h4096-interleaved-h200.json"
 }
 ref_gaps_h4096() {  # scripts/step_gaps.py on the h4096 reference step: every kernel, the GPU's idle gaps
-    sed 's/backend = "te"/backend = "reference"/' examples/configs/h4096.toml > "$out/h4096-reference.toml"
-    step 120 gaps-h4096-reference python3 scripts/step_gaps.py --config "$out/h4096-reference.toml" \
-        --json "$out/step-gaps-h4096-reference-h200.json"
-    rm -f "$out/h4096-reference.toml"
+    step 120 gaps-h4096-reference python3 scripts/step_gaps.py --config examples/configs/h4096.toml \
+        --backend reference --json "$out/step-gaps-h4096-reference-h200.json"
 }
 ref_gpu_tests() {  # <seconds> <name>: the fused-quantize and reference-backend GPU tests
     step "$1" "$2" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py \

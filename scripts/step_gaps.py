@@ -184,6 +184,7 @@ def analyse(prof, walls: list[float], hosts: list[float], min_gap_us: float) -> 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="examples/configs/h4096.toml")
+    ap.add_argument("--backend", default=None, help="fp8.backend instead of the config's: te or reference")
     ap.add_argument("--path", default="captured-direct")
     ap.add_argument("--schedule", default=None)
     ap.add_argument("--offload", default=None, help="train.offload: off, release or resident")
@@ -195,7 +196,7 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     cfg = load_config(a.config).with_overrides(**{"train.device": dev.type, "pipeline.schedule": a.schedule,
-                                                  "train.offload": a.offload})
+                                                  "train.offload": a.offload, "fp8.backend": a.backend})
 
     def sync() -> None:
         if cuda:
