@@ -59,6 +59,8 @@
 #   (QEFFECT_FUSED_TRANSITION=0) and torch's bias-gradient sum (QEFFECT_FUSED_DBIAS=0) at h4096 in one process,
 #   the h4096 reference step's kernels (step_gaps.py), the reference bitwise matrix.
 # suite-ref-h4096: the whole GPU suite, then the h4096 reference profile.
+# quantize-ab: the fused-quantize GPU tests, then benchmarks/quantize_ab.py on h4096's shapes (the pass's atomics,
+#          store order, tiles and column strips under CUDA graphs; about 3 minutes).
 # h4096-te: the h4096 te profile alone. h2048-te: the h2048 te profile alone.
 # token-ab: offload_bench.py --interleave 2 with modes off and off+QEFFECT_TOKEN_COPY=1: the effect token
 #          incremented in place on one buffer per chunk against one copied into every replay, bitwise
@@ -721,6 +723,13 @@ ref-transition)
     ref_ab_h4096 240 ref-transition "off,off+QEFFECT_FUSED_TRANSITION=0,off+QEFFECT_FUSED_DBIAS=0"
     ref_gaps_h4096
     verify_reference
+    ;;
+quantize-ab)
+    # the fused-quantize GPU tests, then the quantize pass's variants on h4096's launch shapes (about 3 minutes)
+    step 120 fq-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_quantize_gpu.py
+    step 300 quantize-ab python3 benchmarks/quantize_ab.py --config examples/configs/h4096.toml \
+        --json "$out/quantize-ab-h4096-h200.json"
+    cat "$LOGS/quantize-ab.log"
     ;;
 suite-ref-h4096)
     # the whole GPU suite, then the h4096 reference profile (about 7 minutes)

@@ -56,12 +56,13 @@ from qeffect.triton_lazy import on_device, triton_kernel
 if TYPE_CHECKING:
     from qeffect.fp8.scaling import ScalingState
 
-BLOCK_M = 64
-BLOCK_N = 64
+BLOCK_M, BLOCK_N, WARPS = 64, 64, 4  # the plain pass: rows x columns per tile, warps (no bits depend on them)
 COLSUM_BLOCK_M, COLSUM_BLOCK_N, COLSUM_WARPS = 256, 32, 8  # the pass that also sums the columns: one program per
 # column strip (h4096's narrowest output gradient, 4,096 columns: 128 programs), over tiles of 256 rows (a
 # 256-token microbatch in one tile, not four 64-row tiles one after another: four dependent loads per program)
 TRANSPOSE_BLOCK = (64, 64, 4)  # `transpose_bytes`: rows x columns per tile, warps (`weight_cast_ab.py` sweeps it)
+AMAX_SEM = "acq_rel"  # each program's atomic max into the amax word (`quantize_ab.py` compares "relaxed")
+LATE_STORES = False  # the (last) tile stored after the amax atomics, not before (`quantize_ab.py` compares)
 
 
 @triton_kernel
@@ -72,34 +73,38 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     globals()["_scale_transition"] = _scale_transition  # module globals: every Triton version resolves those
 
     @triton.jit
-    def _tile(x_ptr, q_ptr, qt_ptr, rows, cols, m, n, scale, fmax, TRANSPOSE: tl.constexpr):
-        """Quantize one tile and store it (and, with ``TRANSPOSE``, its bytes transposed); returns each
-        column's largest ``|x|`` as bits and each column's fp32 sum (padding contributes 0)."""
+    def _quantized(x_ptr, q_ptr, rows, cols, m, n, scale, fmax):
+        """Quantize one tile: `(q, each column's largest |x| as bits, each column's fp32 sum)` (padding
+        contributes 0)."""
         mask = (rows[:, None] < m) & (cols[None, :] < n)
         x = tl.load(x_ptr + rows[:, None] * n + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         v = x * scale
         v = tl.where(v > fmax, fmax, v)  # comparisons with NaN are false: NaN passes, as in torch.clamp
         v = tl.where(v < -fmax, -fmax, v)
         q = v.to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rows[:, None] * n + cols[None, :], q, mask=mask)
-        if TRANSPOSE:
-            # opt-in, 16-bit inputs only (see `_transpose_in_kernel`): the tile transposed as bytes
-            qbt = tl.trans(q.to(tl.uint8, bitcast=True))
-            mask_t = (cols[:, None] < n) & (rows[None, :] < m)
-            tl.store(qt_ptr + cols[:, None] * m + rows[None, :], qbt, mask=mask_t)
         # |x| as bits with the sign cleared by a mask (abs.f32 leaves a NaN's sign unspecified): >= 0, so
         # integer order is float order, and a NaN's bits exceed infinity's
         bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-        return tl.max(bits, axis=0), tl.sum(x, axis=0)
+        return q, tl.max(bits, axis=0), tl.sum(x, axis=0)
 
-    globals()["_tile"] = _tile
+    @triton.jit
+    def _store(q_ptr, qt_ptr, q, rows, cols, m, n, TRANSPOSE: tl.constexpr):
+        """Store a quantized tile (and, with ``TRANSPOSE``, its bytes transposed)."""
+        tl.store(q_ptr + rows[:, None] * n + cols[None, :], q, mask=(rows[:, None] < m) & (cols[None, :] < n))
+        if TRANSPOSE:
+            # opt-in, 16-bit inputs only (see `_transpose_in_kernel`): the tile transposed as bytes
+            qbt = tl.trans(q.to(tl.uint8, bitcast=True))
+            tl.store(qt_ptr + cols[:, None] * m + rows[None, :], qbt, mask=(cols[:, None] < n) & (rows[None, :] < m))
+
+    globals()["_quantized"], globals()["_store"] = _quantized, _store
 
     @triton.jit
     def quantize_amax(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_bits_ptr, m, n, fmax, sums_ptr,
                       hist_ptr, scale_inv_ptr, L, inv_pow2_margin, flt_max,
                       TRANSPOSE: tl.constexpr, COLSUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       TRANSITION: tl.constexpr = False, MOST_RECENT: tl.constexpr = False,
-                      HBLOCK: tl.constexpr = 16, SUM_CAST: tl.constexpr = False):
+                      HBLOCK: tl.constexpr = 16, SUM_CAST: tl.constexpr = False,
+                      AMAX_SEM: tl.constexpr = "acq_rel", LATE_STORES: tl.constexpr = False):
         scale = tl.load(scale_ptr)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         if TRANSITION:  # loaded by every program, early: the last one then only waits for the amax
@@ -111,25 +116,35 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
         if COLSUM:
             # one program per column strip, over its row blocks in order: the column sums are each tile's
             # (`tl.sum` over its BLOCK_M rows) added in row order in fp32, from 0.0, then cast once (so the
-            # bits depend on BLOCK_M: every path here launches with `COLSUM_BLOCK_M`)
+            # bits depend on BLOCK_M: every path here launches with `COLSUM_BLOCK_M`). The last row block's
+            # tile is stored below, with the plain pass's.
             amax = tl.zeros((BLOCK_N,), dtype=tl.int32)
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for r0 in range(0, m, BLOCK_M):
+            last = ((m - 1) // BLOCK_M) * BLOCK_M
+            for r0 in range(0, last, BLOCK_M):
                 rows = r0 + tl.arange(0, BLOCK_M).to(tl.int64)
-                tile_max, tile_sum = _tile(x_ptr, q_ptr, qt_ptr, rows, cols, m, n, scale, fmax, TRANSPOSE)
+                q, tile_max, tile_sum = _quantized(x_ptr, q_ptr, rows, cols, m, n, scale, fmax)
+                _store(q_ptr, qt_ptr, q, rows, cols, m, n, TRANSPOSE)
                 amax = tl.maximum(amax, tile_max)
                 acc = acc + tile_sum
+            rows = last + tl.arange(0, BLOCK_M).to(tl.int64)
+            q, tile_max, tile_sum = _quantized(x_ptr, q_ptr, rows, cols, m, n, scale, fmax)
+            amax = tl.maximum(amax, tile_max)
+            acc = acc + tile_sum
             if SUM_CAST:  # to a narrower float, rounded to nearest even as torch's `.to`
                 acc = acc.to(sums_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
             tl.store(sums_ptr + cols, acc, mask=cols < n)
-            tl.atomic_max(amax_bits_ptr, tl.max(amax, axis=0))
+            amax = tl.max(amax, axis=0)
         else:
             rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-            tile_max, _ = _tile(x_ptr, q_ptr, qt_ptr, rows, cols, m, n, scale, fmax, TRANSPOSE)
-            tl.atomic_max(amax_bits_ptr, tl.max(tile_max, axis=0))
+            q, tile_max, _ = _quantized(x_ptr, q_ptr, rows, cols, m, n, scale, fmax)
+            amax = tl.max(tile_max, axis=0)
+        if not LATE_STORES:
+            _store(q_ptr, qt_ptr, q, rows, cols, m, n, TRANSPOSE)
+        tl.atomic_max(amax_bits_ptr, amax, sem=AMAX_SEM)
         if TRANSITION:
             # The program that finishes last (its ticket comes after every other program's amax and its
-            # reads of the scale and history: the atomics are acquire-release) completes the transition:
+            # reads of the scale and history: the ticket is acquire-release) completes the transition:
             # it takes the amax, leaves the scratch words zero for the next launch, then records the amax,
             # rolls the history and writes the new scale and 1 / the scale q was made with.
             tl.debug_barrier()  # the program's amax in before its ticket
@@ -144,6 +159,8 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
                                                flt_max, MOST_RECENT)
                 tl.store(hist_ptr + idx, rolled, mask=inside)
                 tl.store(scale_ptr, sf)
+        if LATE_STORES:  # the tile's stores after the ticket: its release then waits for none of them
+            _store(q_ptr, qt_ptr, q, rows, cols, m, n, TRANSPOSE)
 
     return quantize_amax
 
@@ -253,28 +270,28 @@ def quantize_transition(x: Tensor, state: ScalingState, scale_inv: Tensor, trans
     program's amax is in: the arithmetic of the sequence, so its bits (GPU-tested). The amax goes
     through `state.scratch` (two int32 words, zero between launches: the last program resets them), so
     the history's entry 0 is written, not max-ed into."""
-    from qeffect.fp8.fused_update import history_block
-
-    hist, scratch = state.amax_history, state.scratch
+    scratch = state.scratch
     if scratch is None or scratch.dtype != torch.int32 or scratch.numel() != 2 or not scratch.is_contiguous():
         raise ValueError("quantize_transition needs the state's scratch: two contiguous int32 words")
     if not fused_available(x):
         raise ValueError("quantize_transition runs the fused kernel only (see `fused_available`)")
     in_pass = colsum is not None and fused_dbias()
     q, qt, sums = _launch(x, state.scale, scratch, state.fp8_dtype, transpose, colsum if in_pass else None,
-                          transition=(hist, scale_inv, 2.0 ** -state.margin, state.amax_compute_algo,
-                                      history_block(hist.numel())))
+                          transition=(state, scale_inv))
     if colsum is not None and not in_pass:
         sums = x.sum(0, dtype=colsum)
     return q, qt, sums
 
 
 def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, transpose: bool,
-            colsum: torch.dtype | None, transition: tuple | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+            colsum: torch.dtype | None, transition: tuple[ScalingState, Tensor] | None = None,
+            ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The kernel over `x` (fused path): `(q, q_t or None, the column sums in `colsum` or None)`.
 
-    `amax`: the amax slot (one fp32 element, zeroed here), or with `transition` (history, scale_inv,
-    2**-margin, algorithm, history block) the state's scratch words."""
+    `amax`: the amax slot (one fp32 element, zeroed here), or with `transition` (the scaling state and
+    the `scale_inv` to write) the state's scratch words."""
+    from qeffect.fp8.fused_update import history_block
+
     if transition is None and (amax.dtype != torch.float32 or amax.numel() != 1):
         raise ValueError(f"amax_slot must be one fp32 element, got {amax.dtype} {tuple(amax.shape)}")
     m, n = x.shape
@@ -282,20 +299,23 @@ def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, tran
     in_kernel = transpose and _transpose_in_kernel(x)
     qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device) if in_kernel else q
     sums = torch.empty(n, dtype=colsum, device=x.device) if colsum is not None else q
-    block_m, block_n, warps = (COLSUM_BLOCK_M, COLSUM_BLOCK_N, COLSUM_WARPS) if colsum is not None else (BLOCK_M,
-                                                                                                         BLOCK_N, 4)
-    grid = (1 if colsum is not None else -(-m // BLOCK_M), -(-n // block_n))
+    block_m, block_n, warps = (COLSUM_BLOCK_M, COLSUM_BLOCK_N, COLSUM_WARPS) if colsum is not None else (
+        BLOCK_M, BLOCK_N, WARPS)
+    grid = (1 if colsum is not None else -(-m // block_m), -(-n // block_n))
     if transition is None:
         amax.zero_()  # the atomic max starts from 0 (|x| >= 0, so 0 is the identity)
         hist, scale_inv, inv_pow2_margin, algo, hblock = q, q, 1.0, "max", 16  # (not read)
     else:
-        hist, scale_inv, inv_pow2_margin, algo, hblock = transition
+        state, scale_inv = transition
+        hist, inv_pow2_margin, algo = state.amax_history, 2.0 ** -state.margin, state.amax_compute_algo
+        hblock = history_block(hist.numel())
     with on_device(x.device):  # Triton launches on the current device
         _kernel()[grid](x, scale, q, qt.view(torch.uint8), amax.view(torch.int32), m, n, fp8_max(fp8_dtype), sums,
                         hist, scale_inv, hist.numel(), inv_pow2_margin, torch.finfo(torch.float32).max,
                         TRANSPOSE=in_kernel, COLSUM=colsum is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                        TRANSITION=transition is not None, MOST_RECENT=algo == "most_recent", HBLOCK=hblock,
-                        SUM_CAST=colsum is not None and colsum != torch.float32, num_warps=warps)
+                        TRANSITION=transition is not None, MOST_RECENT=algo == "most_recent",
+                        HBLOCK=hblock, SUM_CAST=colsum is not None and colsum != torch.float32,
+                        AMAX_SEM=AMAX_SEM, LATE_STORES=LATE_STORES, num_warps=warps)
     if transpose and not in_kernel:
         qt = transpose_bytes(q) if _transpose_mode() == "kernel" else q.t().contiguous()
     return q, (qt if transpose else None), (sums if colsum is not None else None)
