@@ -10,10 +10,8 @@ the step replays them), medians of ``--reps`` interleaved rounds:
 - ``two-launch``: the zeroing, the pass, then `fused_update`'s kernel (``QEFFECT_FUSED_TRANSITION=0``);
 - ``transition``: the pass completing its own transition (the default);
 - ``transition/relaxed``: the same with relaxed amax atomics (the ticket's acquire-release orders them);
-- ``transition/late``: the tile stored after the ticket (whose release then waits for none of its
-  stores), and ``transition/relaxed+late`` both;
 - ``tile[BMxBNxW]`` / ``strip[BNxW]``: the transition with another tile (the plain pass) or column
-  strip (the pass that also sums the bias gradient's columns), as the default and as relaxed+late.
+  strip (the pass that also sums the bias gradient's columns), with both orderings of the amax atomics.
 
 Bits: after one call every variant's FP8 bytes, transpose, 1 / scale, amax history and scale equal the
 default's (``bits_differing`` names any that do not); a strip's column sums may differ (their order
@@ -41,10 +39,9 @@ from qeffect.fp8 import fused_quantize as fq
 from qeffect.fp8.scaling import ScalingState
 from qeffect.graphs.handshake import gpu_provenance
 
-TILES = ((64, 64, 4), (128, 64, 4), (128, 64, 8), (256, 64, 8), (64, 128, 4), (128, 128, 8), (256, 128, 8),
-         (32, 128, 4))
-STRIPS = ((32, 8), (32, 4), (16, 4), (16, 2), (64, 8), (64, 4))
-ORDERINGS = (("acq_rel", False), ("relaxed", True))  # (amax atomics, late stores): the default, both changed
+TILES = ((64, 64, 4), (64, 64, 2), (32, 64, 2), (64, 32, 2), (128, 64, 4), (64, 128, 4), (32, 128, 4))
+STRIPS = ((32, 8), (16, 4), (16, 2), (16, 1), (8, 4), (8, 2), (8, 1))
+SEMS = ("acq_rel", "relaxed")
 
 
 @dataclass(frozen=True)
@@ -80,34 +77,30 @@ class Variant:
     scratch: bool = True
     update: bool = True
     sem: str = "acq_rel"
-    late: bool = False  # the tile's stores after the ticket (`fused_quantize.LATE_STORES`)
     tile: tuple[int, int, int] | None = None  # the plain pass's (rows, columns, warps)
     strip: tuple[int, int] | None = None  # the colsum pass's (columns, warps)
 
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:
-        saved = (fq.BLOCK_M, fq.BLOCK_N, fq.WARPS, fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS, fq.AMAX_SEM, fq.LATE_STORES)
+        saved = (fq.BLOCK_M, fq.BLOCK_N, fq.WARPS, fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS, fq.AMAX_SEM)
         try:
             if self.tile:
                 fq.BLOCK_M, fq.BLOCK_N, fq.WARPS = self.tile
             if self.strip:
                 fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS = self.strip
-            fq.AMAX_SEM, fq.LATE_STORES = self.sem, self.late
+            fq.AMAX_SEM = self.sem
             yield
         finally:
-            fq.BLOCK_M, fq.BLOCK_N, fq.WARPS, fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS, fq.AMAX_SEM, fq.LATE_STORES = saved
+            fq.BLOCK_M, fq.BLOCK_N, fq.WARPS, fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS, fq.AMAX_SEM = saved
 
 
 def variants() -> list[Variant]:
     both = ("pair", "colsum")
     out = [Variant("pass", both, scratch=False, update=False), Variant("two-launch", both, scratch=False),
-           Variant("transition", both), Variant("transition/relaxed", both, sem="relaxed"),
-           Variant("transition/late", both, late=True), Variant("transition/relaxed+late", both, sem="relaxed", late=True)]
-    for sem, late in ORDERINGS:
-        tag = f"{sem}{'+late' if late else ''}"
-        out += [Variant(f"tile[{bm}x{bn}x{w}]/{tag}", ("pair",), sem=sem, late=late, tile=(bm, bn, w))
-                for bm, bn, w in TILES]
-        out += [Variant(f"strip[{bn}x{w}]/{tag}", ("colsum",), sem=sem, late=late, strip=(bn, w)) for bn, w in STRIPS]
+           Variant("transition", both), Variant("transition/relaxed", both, sem="relaxed")]
+    for sem in SEMS:
+        out += [Variant(f"tile[{bm}x{bn}x{w}]/{sem}", ("pair",), sem=sem, tile=(bm, bn, w)) for bm, bn, w in TILES]
+        out += [Variant(f"strip[{bn}x{w}]/{sem}", ("colsum",), sem=sem, strip=(bn, w)) for bn, w in STRIPS]
     return out
 
 

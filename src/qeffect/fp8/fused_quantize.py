@@ -62,7 +62,6 @@ COLSUM_BLOCK_M, COLSUM_BLOCK_N, COLSUM_WARPS = 256, 32, 8  # the pass that also 
 # 256-token microbatch in one tile, not four 64-row tiles one after another: four dependent loads per program)
 TRANSPOSE_BLOCK = (64, 64, 4)  # `transpose_bytes`: rows x columns per tile, warps (`weight_cast_ab.py` sweeps it)
 AMAX_SEM = "acq_rel"  # each program's atomic max into the amax word (`quantize_ab.py` compares "relaxed")
-LATE_STORES = False  # the (last) tile stored after the amax atomics, not before (`quantize_ab.py` compares)
 
 
 @triton_kernel
@@ -104,7 +103,7 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
                       TRANSPOSE: tl.constexpr, COLSUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       TRANSITION: tl.constexpr = False, MOST_RECENT: tl.constexpr = False,
                       HBLOCK: tl.constexpr = 16, SUM_CAST: tl.constexpr = False,
-                      AMAX_SEM: tl.constexpr = "acq_rel", LATE_STORES: tl.constexpr = False):
+                      AMAX_SEM: tl.constexpr = "acq_rel"):
         scale = tl.load(scale_ptr)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         if TRANSITION:  # loaded by every program, early: the last one then only waits for the amax
@@ -117,7 +116,7 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
             # one program per column strip, over its row blocks in order: the column sums are each tile's
             # (`tl.sum` over its BLOCK_M rows) added in row order in fp32, from 0.0, then cast once (so the
             # bits depend on BLOCK_M: every path here launches with `COLSUM_BLOCK_M`). The last row block's
-            # tile is stored below, with the plain pass's.
+            # tile is stored below, as the plain pass's.
             amax = tl.zeros((BLOCK_N,), dtype=tl.int32)
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             last = ((m - 1) // BLOCK_M) * BLOCK_M
@@ -139,8 +138,7 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
             rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
             q, tile_max, _ = _quantized(x_ptr, q_ptr, rows, cols, m, n, scale, fmax)
             amax = tl.max(tile_max, axis=0)
-        if not LATE_STORES:
-            _store(q_ptr, qt_ptr, q, rows, cols, m, n, TRANSPOSE)
+        _store(q_ptr, qt_ptr, q, rows, cols, m, n, TRANSPOSE)
         tl.atomic_max(amax_bits_ptr, amax, sem=AMAX_SEM)
         if TRANSITION:
             # The program that finishes last (its ticket comes after every other program's amax and its
@@ -159,8 +157,6 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
                                                flt_max, MOST_RECENT)
                 tl.store(hist_ptr + idx, rolled, mask=inside)
                 tl.store(scale_ptr, sf)
-        if LATE_STORES:  # the tile's stores after the ticket: its release then waits for none of them
-            _store(q_ptr, qt_ptr, q, rows, cols, m, n, TRANSPOSE)
 
     return quantize_amax
 
@@ -315,7 +311,7 @@ def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, tran
                         TRANSPOSE=in_kernel, COLSUM=colsum is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                         TRANSITION=transition is not None, MOST_RECENT=algo == "most_recent",
                         HBLOCK=hblock, SUM_CAST=colsum is not None and colsum != torch.float32,
-                        AMAX_SEM=AMAX_SEM, LATE_STORES=LATE_STORES, num_warps=warps)
+                        AMAX_SEM=AMAX_SEM, num_warps=warps)
     if transpose and not in_kernel:
         qt = transpose_bytes(q) if _transpose_mode() == "kernel" else q.t().contiguous()
     return q, (qt if transpose else None), (sums if colsum is not None else None)
