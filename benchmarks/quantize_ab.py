@@ -38,6 +38,7 @@ from qeffect.config import load_config
 from qeffect.fp8 import fused_quantize as fq
 from qeffect.fp8.scaling import ScalingState
 from qeffect.graphs.handshake import gpu_provenance
+from qeffect.profile.matrix import te_version
 
 TILES = ((64, 64, 4), (64, 64, 2), (32, 64, 2), (64, 32, 2), (128, 64, 4), (64, 128, 4), (32, 128, 4))
 STRIPS = ((32, 8), (16, 4), (16, 2), (16, 1), (8, 4), (8, 2), (8, 1))
@@ -198,7 +199,7 @@ def main() -> int:
             print(f"  {vn:>26}: {sec * 1e3:7.3f} ms  x{ref / sec:.3f} of transition   "
                   + "  ".join(f"{per_call[vn][n] * 1e6:6.2f}" for n in names) + " us/call")
     print(f"bits differing: {bits_differing or 'none'}; column sums differing: {sorted(sums_differing) or 'none'}")
-    report = {**gpu_provenance(dev), "config": a.config, "calls_per_graph": a.calls, "reps": a.reps,
+    report = {**gpu_provenance(dev), "te": te_version(), "config": a.config, "calls_per_graph": a.calls, "reps": a.reps,
               "warmup": a.warmup, "shapes": [vars(sh) | {"name": sh.name} for sh in shapes],
               "bits_differing": bits_differing, "sums_differing": sums_differing,
               "per_call_median_seconds": per_call, "per_step_seconds": per_step, "raw_seconds": times}
