@@ -8,7 +8,7 @@ the step replays them), medians of ``--reps`` interleaved rounds:
 
 - ``pass``: the amax slot's zeroing and the pass, no scale update (a lower bound);
 - ``two-launch``: the zeroing, the pass, then `fused_update`'s kernel (``QEFFECT_FUSED_TRANSITION=0``);
-- ``transition``: the pass completing its own transition (the default);
+- ``transition``: the pass completing its own transition (the module's settings);
 - ``transition/relaxed``: the same with relaxed amax atomics (the ticket's acquire-release orders them);
 - ``tile[BMxBNxW]`` / ``strip[BNxW]``: the transition with another tile (the plain pass) or column
   strip (the pass that also sums the bias gradient's columns), with both orderings of the amax atomics.
@@ -77,7 +77,7 @@ class Variant:
     kinds: tuple[str, ...]
     scratch: bool = True
     update: bool = True
-    sem: str = "acq_rel"
+    sem: str | None = None  # the amax atomics' ordering; None: the module's (`fused_quantize.AMAX_SEM`)
     tile: tuple[int, int, int] | None = None  # the plain pass's (rows, columns, warps)
     strip: tuple[int, int] | None = None  # the colsum pass's (columns, warps)
 
@@ -89,7 +89,8 @@ class Variant:
                 fq.BLOCK_M, fq.BLOCK_N, fq.WARPS = self.tile
             if self.strip:
                 fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS = self.strip
-            fq.AMAX_SEM = self.sem
+            if self.sem:
+                fq.AMAX_SEM = self.sem
             yield
         finally:
             fq.BLOCK_M, fq.BLOCK_N, fq.WARPS, fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS, fq.AMAX_SEM = saved
