@@ -59,8 +59,9 @@
 #   (QEFFECT_FUSED_TRANSITION=0) and torch's bias-gradient sum (QEFFECT_FUSED_DBIAS=0) at h4096 in one process,
 #   the h4096 reference step's kernels (step_gaps.py), the reference bitwise matrix.
 # suite-ref-h4096: the whole GPU suite, then the h4096 reference profile.
-# quantize-final: the quantize pass with relaxed amax atomics and 2-warp tiles: the fused-quantize, reference and
-#          fused-update GPU tests, quantize_ab.py, the h4096 reference step's kernels, the reference bitwise matrix.
+# quantize-final: the quantize pass's defaults (at 6ffe517 relaxed amax atomics and 2-warp tiles, since set back): the
+#          fused-quantize, reference and fused-update GPU tests, quantize_ab.py, the h4096 reference step's kernels, the
+#          reference bitwise matrix.
 # quantize-ab: the fused-quantize GPU tests, then benchmarks/quantize_ab.py on h4096's shapes (the pass's atomics,
 #          store order, tiles and column strips under CUDA graphs; about 3 minutes).
 # h4096-te: the h4096 te profile alone. h2048-te: the h2048 te profile alone.
@@ -727,8 +728,8 @@ ref-transition)
     verify_reference
     ;;
 quantize-final)
-    # the quantize pass's new defaults: their GPU tests, the pass's variants in one process, the step's kernels,
-    # the reference bitwise matrix (about 7 minutes)
+    # the quantize pass's defaults: their GPU tests, the pass's variants in one process, the step's kernels, the
+    # reference bitwise matrix (about 4 minutes)
     ref_gpu_tests 200 ref-tests
     step 60 fu-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_update_gpu.py
     step 200 quantize-ab python3 benchmarks/quantize_ab.py --config examples/configs/h4096.toml \
