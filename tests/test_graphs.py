@@ -393,3 +393,54 @@ def test_dry_capture_runs_under_capture_and_registers_nothing() -> None:
     assert seen == ["graph"] and be.current is be.caller
     assert [e[0] for e in be.log] == ["capture_begin", "capture_end"]
     assert mgr.actions == {} and mgr.stats.graph_count == 0
+
+
+# ------------------------------------------------------------------------- the collector and captures
+def test_the_collector_is_paused_inside_and_restored_after() -> None:
+    """`collector_paused`: off inside, back on after (also when the body raises), and left off when it
+    was off before."""
+    import gc
+
+    from qeffect.graphs.manager import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="inside"), collector_paused():
+        raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_the_real_backend_captures_with_the_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TorchCudaBackend.capture` enters torch's capture with Python's collector off (a collection inside a
+    capture can run CUDA-calling finalizers of dead cycles) and leaves it on after (torch's capture faked:
+    it records the collector's state when entered and left)."""
+    import gc
+
+    from qeffect.graphs.manager import TorchCudaBackend
+
+    seen: list[tuple[str, bool]] = []
+
+    class FakeCapture:
+        def __init__(self, graph, pool=None, stream=None) -> None:  # noqa: ANN001 - torch.cuda.graph's arguments
+            self.args = (graph, pool, stream)
+
+        def __enter__(self) -> None:
+            seen.append(("enter", gc.isenabled()))
+
+        def __exit__(self, *exc: object) -> None:
+            seen.append(("exit", gc.isenabled()))
+
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    be = TorchCudaBackend("cuda:0")  # an indexed device: no CUDA call in the constructor
+    with be.capture("graph", "pool", "stream"):
+        seen.append(("body", gc.isenabled()))
+    assert seen == [("enter", False), ("body", False), ("exit", False)] and gc.isenabled()

@@ -26,9 +26,10 @@ operations are testable on a CPU-only machine with fakes; importing this module 
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
@@ -58,6 +59,24 @@ class GraphBackend(Protocol):
     def memory_reserved(self) -> int: ...
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration (as it was before, after).
+
+    Why, around a capture: torch no longer collects before one (`torch.compiler.config.force_cudagraph_gc`
+    is off by default), so a collection that allocations inside a capture trigger can free dead cycles
+    left by earlier work, whose finalizers call CUDA (graphs, events, mapped memory); in a global-mode
+    capture such a call invalidates the capture. Deferring the collection to after the capture removes
+    that chance; nothing else changes. (A guard, not a measured fix: see the CHANGELOG.)"""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class TorchCudaBackend:
     """The real backend: torch.cuda on one device. Constructed only when a manager is built."""
 
@@ -84,8 +103,10 @@ class TorchCudaBackend:
     def new_graph(self) -> torch.cuda.CUDAGraph:
         return torch.cuda.CUDAGraph()
 
-    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> AbstractContextManager[Any]:
-        return torch.cuda.graph(graph, pool=pool, stream=stream)
+    @contextmanager
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> Iterator[None]:
+        with collector_paused(), torch.cuda.graph(graph, pool=pool, stream=stream):
+            yield
 
     def new_external_event(self) -> torch.cuda.Event:
         # external=True: the record inside the capture becomes a graph node that fires on every replay,
