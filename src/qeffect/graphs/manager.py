@@ -66,8 +66,9 @@ def collector_paused() -> Iterator[None]:
     Why, around a capture: torch no longer collects before one (`torch.compiler.config.force_cudagraph_gc`
     is off by default), so a collection that allocations inside a capture trigger can free dead cycles
     left by earlier work, whose finalizers call CUDA (graphs, events, mapped memory); some such calls are
-    not allowed while a stream captures in global mode, and one would invalidate the capture. Deferring the collection to after the capture removes
-    that chance; nothing else changes. (A guard, not a measured fix: see the CHANGELOG.)"""
+    not allowed while a stream captures in global mode, and one would invalidate the capture. Deferring
+    the collection to after the capture removes that chance; nothing else changes. (A guard, not a
+    measured fix: see the CHANGELOG.)"""
     enabled = gc.isenabled()
     gc.disable()
     try:
