@@ -744,6 +744,14 @@ quantize-ab)
         --json "$out/quantize-ab-h4096-h200.json"
     cat "$LOGS/quantize-ab.log"
     ;;
+capture-guard)
+    # the whole GPU suite on the defaults (GraphManager's captures with the collector paused), then again with
+    # the quantize pass's faster settings (2 warps, relaxed amax atomics), stopping at the first failure and
+    # logging Triton modules loaded during a capture to capture-loads.txt (about 9 minutes)
+    gpu_suite pytest-gpu
+    step 280 suite-fast python3 scripts/suite_with_quantize_settings.py --warps 2 --amax-sem relaxed -- \
+        -m gpu -q -x -p no:cacheprovider
+    ;;
 suite-ref-h4096)
     # the whole GPU suite, then the h4096 reference profile (about 7 minutes)
     gpu_suite pytest-gpu
