@@ -159,7 +159,7 @@ h2048_chained() {  # h2048_chained <step-prefix> <modes>: h2048_modes with each 
     done
 }
 gpu_suite() {  # gpu_suite <step-name>: the whole GPU suite (pytest -m gpu)
-    step 260 "$1" python3 -m pytest -m gpu -q -p no:cacheprovider
+    step 300 "$1" python3 -m pytest -m gpu -q -p no:cacheprovider
 }
 h4096_modes() {  # h4096_modes <modes>: offload_bench.py at h4096 Interleaved, 30 steps in rounds of 2
     step 200 offload-h4096 python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \

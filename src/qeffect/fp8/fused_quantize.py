@@ -56,18 +56,19 @@ from qeffect.triton_lazy import on_device, triton_kernel
 if TYPE_CHECKING:
     from qeffect.fp8.scaling import ScalingState
 
-BLOCK_M, BLOCK_N, WARPS = 64, 64, 4  # the plain pass: rows x columns per tile, warps (no bits depend on them)
+BLOCK_M, BLOCK_N, WARPS = 64, 64, 2  # the plain pass: rows x columns per tile, warps (no bits depend on them;
+# 2 warps: 0.80 ms per h4096 step against 0.91-0.92 with 4, both with relaxed amax atomics, in
+# `quantize-ab-h4096-4621d44-h200.json`)
 COLSUM_BLOCK_M, COLSUM_BLOCK_N, COLSUM_WARPS = 256, 32, 8  # the pass that also sums the columns: one program per
 # column strip (h4096's narrowest output gradient, 4,096 columns: 128 programs), over tiles of 256 rows (a
 # 256-token microbatch in one tile, not four 64-row tiles one after another: four dependent loads per program)
 TRANSPOSE_BLOCK = (64, 64, 4)  # `transpose_bytes`: rows x columns per tile, warps (`weight_cast_ab.py` sweeps it)
-AMAX_SEM = "acq_rel"  # each program's atomic max into the amax word. Only the ticket needs it ordered (its
-# acquire-release does that), and "relaxed" with 2 warps was faster on the H200 (`quantize_ab.py`: per h4096 step
-# 1.38 -> 1.19 ms for the column-sum passes, 0.93 -> 0.80 for the others; the step's passes 2.43 -> 2.22 ms).
-# But with both the whole GPU suite failed twice, at different tests, with an invalidated capture, and passed
-# with these defaults; the cause is not found (`scripts/suite_with_quantize_settings.py` runs the suite with
-# either), so the defaults stay. A candidate: a garbage collection inside a capture, which the pipeline's captures
-# now pause (`graphs.manager.collector_paused`; not yet run on the GPU with these settings).
+AMAX_SEM = "relaxed"  # each program's atomic max into the amax word: nothing needs it ordered but the ticket,
+# whose acquire-release does that (and a kernel boundary without a transition). Relaxed was faster for every tile
+# and strip `quantize_ab.py` timed: 1.38 -> 1.19 ms per h4096 step for the column-sum passes, and with 2 warps
+# 0.93 -> 0.80 ms for the others. (With these settings the whole GPU suite twice failed on an invalidated capture
+# before `GraphManager` paused the garbage collector during captures; since then it passes with either:
+# `scripts/suite_with_quantize_settings.py` runs it with the other.)
 
 
 @triton_kernel
