@@ -251,8 +251,7 @@ def quantize_amax_colsum(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype:
     if not fused_available(x) or not fused_dbias():
         q, qt = quantize_amax(x, scale, amax_slot, fp8_dtype, transpose=True)
         return q, qt, x.sum(0, dtype=dtype)
-    q, qt, sums = _launch(x, scale, amax_slot, fp8_dtype, True, dtype)
-    return q, qt, sums
+    return _launch(x, scale, amax_slot, fp8_dtype, True, dtype)
 
 
 def fused_dbias() -> bool:
@@ -279,8 +278,15 @@ def quantize_transition(x: Tensor, state: ScalingState, scale_inv: Tensor, trans
         raise ValueError("quantize_transition needs the state's scratch: two contiguous int32 words")
     if not fused_available(x):
         raise ValueError("quantize_transition runs the fused kernel only (see `fused_available`)")
+    return transition_launch(x, state, scale_inv, transpose, colsum)
+
+
+def transition_launch(x: Tensor, state: ScalingState, scale_inv: Tensor, transpose: bool,
+                      colsum: torch.dtype | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """`quantize_transition` without its checks, for a caller that has made them (`ScalingState`'s
+    transition asks `fused_available` to choose this path: asking again is host time on every eager step)."""
     in_pass = colsum is not None and fused_dbias()
-    q, qt, sums = _launch(x, state.scale, scratch, state.fp8_dtype, transpose, colsum if in_pass else None,
+    q, qt, sums = _launch(x, state.scale, state.scratch, state.fp8_dtype, transpose, colsum if in_pass else None,
                           transition=(state, scale_inv))
     if colsum is not None and not in_pass:
         sums = x.sum(0, dtype=colsum)

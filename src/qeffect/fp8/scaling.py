@@ -97,6 +97,12 @@ class ScalingState:
     # itself (`fused_quantize.quantize_transition`); None: quantize, then update, as two launches.
     scratch: Tensor | None = None
 
+    def __post_init__(self) -> None:
+        s = self.scratch  # checked once here, not on every quantization (`fused_quantize.transition_launch`)
+        if s is not None and (s.dtype != torch.int32 or s.numel() != 2 or not s.is_contiguous()):
+            raise ValueError(f"ScalingState.scratch must be two contiguous int32 words, got {s.dtype} "
+                             f"{tuple(s.shape)}")
+
     @classmethod
     def new(
         cls, recipe: DelayedScalingRecipe, fp8_dtype: torch.dtype, device: torch.device | str | None = None
@@ -158,18 +164,19 @@ class ScalingState:
             fused_available,
             quantize_amax,
             quantize_amax_colsum,
-            quantize_transition,
+            transition_launch,
         )
 
         fused = _fused_update(self.scale)  # the update kernel also writes 1 / (the scale before it)
         scale_inv = torch.empty_like(self.scale) if fused else self.scale.reciprocal()  # before the update
         if fused and self.scratch is not None and fused_transition() and fused_available(x):
-            q, q_t, sums = quantize_transition(x, self, scale_inv, transpose, colsum)
-        elif colsum is None:
-            q, q_t = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype, transpose=transpose)
-            self._update(fused, scale_inv if fused else None)
+            q, q_t, sums = transition_launch(x, self, scale_inv, transpose, colsum)  # (scratch checked in __post_init__)
         else:
-            q, q_t, sums = quantize_amax_colsum(x, self.scale, self.amax_history[0], self.fp8_dtype, colsum)
+            if colsum is None:
+                (q, q_t), sums = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype,
+                                               transpose=transpose), None
+            else:
+                q, q_t, sums = quantize_amax_colsum(x, self.scale, self.amax_history[0], self.fp8_dtype, colsum)
             self._update(fused, scale_inv if fused else None)
         return (q, q_t, scale_inv) if colsum is None else (q, q_t, scale_inv, sums)
 
