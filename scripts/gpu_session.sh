@@ -744,6 +744,19 @@ quantize-ab)
         --json "$out/quantize-ab-h4096-h200.json"
     cat "$LOGS/quantize-ab.log"
     ;;
+final-ref)
+    # a session's closing check for the reference backend: the whole GPU suite, both reference profile
+    # matrices, then the h4096 reference step's kernels and GPU gaps (about 8 minutes)
+    gpu_suite pytest-gpu
+    profile_h4096_reference
+    profile_h2048_reference
+    ref_gaps_h4096
+    ;;
+final-te)
+    # and for the te backend: both te profile matrices (about 6 minutes)
+    profile_h4096_te
+    profile_h2048_te
+    ;;
 capture-guard)
     # the whole GPU suite on the defaults (GraphManager's captures with the collector paused), then again with
     # the quantize pass's faster settings (2 warps, relaxed amax atomics), stopping at the first failure and
