@@ -9,7 +9,8 @@ the step replays them), medians of ``--reps`` interleaved rounds:
 - ``pass``: the amax slot's zeroing and the pass, no scale update (a lower bound);
 - ``two-launch``: the zeroing, the pass, then `fused_update`'s kernel (``QEFFECT_FUSED_TRANSITION=0``);
 - ``transition``: the pass completing its own transition (the module's settings);
-- ``transition/relaxed``: the same with relaxed amax atomics (the ticket's acquire-release orders them);
+- ``transition/<ordering>``: the same with the amax atomics' other ordering (relaxed or acquire-release;
+  either is correct: the ticket's acquire-release orders them);
 - ``tile[BMxBNxW]`` / ``strip[BNxW]``: the transition with another tile (the plain pass) or column
   strip (the pass that also sums the bias gradient's columns), with both orderings of the amax atomics.
 
@@ -99,7 +100,8 @@ class Variant:
 def variants() -> list[Variant]:
     both = ("pair", "colsum")
     out = [Variant("pass", both, scratch=False, update=False), Variant("two-launch", both, scratch=False),
-           Variant("transition", both), Variant("transition/relaxed", both, sem="relaxed")]
+           Variant("transition", both)]
+    out += [Variant(f"transition/{sem}", both, sem=sem) for sem in SEMS if sem != fq.AMAX_SEM]
     for sem in SEMS:
         out += [Variant(f"tile[{bm}x{bn}x{w}]/{sem}", ("pair",), sem=sem, tile=(bm, bn, w)) for bm, bn, w in TILES]
         out += [Variant(f"strip[{bn}x{w}]/{sem}", ("colsum",), sem=sem, strip=(bn, w)) for bn, w in STRIPS]

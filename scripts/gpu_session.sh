@@ -59,7 +59,11 @@
 #   (QEFFECT_FUSED_TRANSITION=0) and torch's bias-gradient sum (QEFFECT_FUSED_DBIAS=0) at h4096 in one process,
 #   the h4096 reference step's kernels (step_gaps.py), the reference bitwise matrix.
 # suite-ref-h4096: the whole GPU suite, then the h4096 reference profile.
-# quantize-final: the quantize pass's defaults (at 6ffe517 relaxed amax atomics and 2-warp tiles, since set back): the
+# capture-guard: the whole GPU suite with the quantize pass's old settings (4 warps, acquire-release), then with
+#          2 warps and relaxed (scripts/suite_with_quantize_settings.py, both ways explicit).
+# final-ref / final-te: a session's closing check: the whole GPU suite, both reference matrices and the h4096
+#          reference step gaps / both te matrices.
+# quantize-final: the quantize pass's defaults (2-warp tiles and relaxed amax atomics since 6d49f37): the
 #          fused-quantize, reference and fused-update GPU tests, quantize_ab.py, the h4096 reference step's kernels, the
 #          reference bitwise matrix.
 # quantize-ab: the fused-quantize GPU tests, then benchmarks/quantize_ab.py on h4096's shapes (the pass's atomics,
@@ -758,10 +762,12 @@ final-te)
     profile_h2048_te
     ;;
 capture-guard)
-    # the whole GPU suite on the defaults (GraphManager's captures with the collector paused), then again with
-    # the quantize pass's faster settings (2 warps, relaxed amax atomics), stopping at the first failure and
-    # logging Triton modules loaded during a capture to capture-loads.txt (about 9 minutes)
-    gpu_suite pytest-gpu
+    # the whole GPU suite with the quantize pass's old settings (4 warps, acquire-release amax atomics), then
+    # with 2 warps and relaxed (the defaults since 6d49f37; before GraphManager paused the collector during
+    # captures they failed it twice), stopping at the first failure and logging Triton modules loaded during a
+    # capture to capture-loads.txt (about 9 minutes)
+    step 300 pytest-gpu python3 scripts/suite_with_quantize_settings.py --warps 4 --amax-sem acq_rel -- \
+        -m gpu -q -p no:cacheprovider
     step 280 suite-fast python3 scripts/suite_with_quantize_settings.py --warps 2 --amax-sem relaxed -- \
         -m gpu -q -x -p no:cacheprovider
     ;;

@@ -3,8 +3,10 @@ kernel whose module loads while a CUDA stream captures (such a load happens insi
 
 Why: with 2 warps per tile and relaxed amax atomics (faster on the H200: `quantize-ab-h4096-*-h200.json`)
 the whole GPU suite failed twice at different tests with an invalidated capture ("operation failed due to
-a previous error during capture"), while each failing file alone passed and the defaults passed the whole
-suite (at 010c4d2). This runs the suite in one process with either setting, so the two can be compared:
+a previous error during capture"), while each failing file alone passed and 4 warps with acquire-release
+passed the whole suite (at 010c4d2). Since `GraphManager` pauses Python's collector during captures it
+passes with both (d127741), and 2 warps with relaxed are the defaults (6d49f37). This runs the suite in one
+process with either setting, so the two can be compared:
 
     source .gpu-kit/setup.sh
     python3 scripts/suite_with_quantize_settings.py --warps 2 --amax-sem relaxed -- -m gpu -q -x -p no:cacheprovider

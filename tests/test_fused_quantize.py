@@ -108,7 +108,6 @@ def test_quantize_pair_colsum_is_the_pair_and_the_column_sums_on_the_cpu() -> No
         quantize_amax_colsum(torch.ones(2, 3, 4), torch.ones(()), torch.zeros(()), torch.float8_e5m2, torch.float32)
 
 
-
 @pytest.mark.parametrize("scratch", [torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32),
                                      torch.zeros(2, 2, dtype=torch.int32)[:, 0]])
 def test_a_state_refuses_a_scratch_the_kernel_cannot_use(scratch: torch.Tensor) -> None:
@@ -117,6 +116,7 @@ def test_a_state_refuses_a_scratch_the_kernel_cannot_use(scratch: torch.Tensor) 
     with pytest.raises(ValueError, match="two contiguous int32 words"):
         ScalingState(torch.zeros(4), torch.ones(()), torch.float8_e4m3fn, scratch=scratch)
     ScalingState(torch.zeros(4), torch.ones(()), torch.float8_e4m3fn, scratch=torch.zeros(2, dtype=torch.int32))
+
 
 COLSUM_CASES = """
 import sys, torch

@@ -284,8 +284,8 @@ class RefFP8Linear(nn.Module):
         microbatch into a buffer fixed for the module's life; the forwards of the epoch read it.
 
         Why: `fp8_mm` casts the fp32 bias for each call, a copy kernel per linear and microbatch (128 per
-        captured h4096 reference step; 16 with this, one per linear). Rewriting the buffer at the next first forward is safe: no forward
-        of the epoch before runs after it, and nothing else reads it. None (each call casts, as before)
+        captured h4096 reference step; 16 with this, one per linear). Rewriting the buffer at the next first
+        forward is safe: no forward of the epoch before runs after it, and nothing else reads it. None (each call casts, as before)
         where the epilogue does not take the bias (`gemm.bias_in_epilogue`), the bias is already in
         `dtype`, or the buffer would first be made inside a graph capture."""
         b = self.bias

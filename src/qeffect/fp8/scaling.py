@@ -170,7 +170,7 @@ class ScalingState:
         fused = _fused_update(self.scale)  # the update kernel also writes 1 / (the scale before it)
         scale_inv = torch.empty_like(self.scale) if fused else self.scale.reciprocal()  # before the update
         if fused and self.scratch is not None and fused_transition() and fused_available(x):
-            q, q_t, sums = transition_launch(x, self, scale_inv, transpose, colsum)  # (scratch checked in __post_init__)
+            q, q_t, sums = transition_launch(x, self, scale_inv, transpose, colsum)  # (scratch: __post_init__)
         else:
             if colsum is None:
                 (q, q_t), sums = quantize_amax(x, self.scale, self.amax_history[0], self.fp8_dtype,
