@@ -285,9 +285,9 @@ class RefFP8Linear(nn.Module):
 
         Why: `fp8_mm` casts the fp32 bias for each call, a copy kernel per linear and microbatch (128 per
         captured h4096 reference step; 16 with this, one per linear). Rewriting the buffer at the next first
-        forward is safe: no forward of the epoch before runs after it, and nothing else reads it. None (each call casts, as before)
-        where the epilogue does not take the bias (`gemm.bias_in_epilogue`), the bias is already in
-        `dtype`, or the buffer would first be made inside a graph capture."""
+        forward is safe: no forward of the epoch before runs after it, and nothing else reads it. None
+        (each call casts, as before) where the epilogue does not take the bias (`gemm.bias_in_epilogue`),
+        the bias is already in `dtype`, or the buffer would first be made inside a graph capture."""
         b = self.bias
         if b is None or b.dtype == dtype or not bias_in_epilogue(b.device, dtype):
             return None
