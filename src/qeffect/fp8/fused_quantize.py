@@ -273,8 +273,7 @@ def quantize_transition(x: Tensor, state: ScalingState, scale_inv: Tensor, trans
     program's amax is in: the arithmetic of the sequence, so its bits (GPU-tested). The amax goes
     through `state.scratch` (two int32 words, zero between launches: the last program resets them), so
     the history's entry 0 is written, not max-ed into."""
-    scratch = state.scratch
-    if scratch is None or scratch.dtype != torch.int32 or scratch.numel() != 2 or not scratch.is_contiguous():
+    if state.scratch is None:  # (its form is checked where the state gets it: `ScalingState.__post_init__`)
         raise ValueError("quantize_transition needs the state's scratch: two contiguous int32 words")
     if not fused_available(x):
         raise ValueError("quantize_transition runs the fused kernel only (see `fused_available`)")
@@ -300,8 +299,6 @@ def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, tran
 
     `amax`: the amax slot (one fp32 element, zeroed here), or with `transition` (the scaling state and
     the `scale_inv` to write) the state's scratch words."""
-    from qeffect.fp8.fused_update import history_block
-
     if transition is None and (amax.dtype != torch.float32 or amax.numel() != 1):
         raise ValueError(f"amax_slot must be one fp32 element, got {amax.dtype} {tuple(amax.shape)}")
     m, n = x.shape
@@ -316,6 +313,8 @@ def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, tran
         amax.zero_()  # the atomic max starts from 0 (|x| >= 0, so 0 is the identity)
         hist, scale_inv, inv_pow2_margin, algo, hblock = q, q, 1.0, "max", 16  # (not read)
     else:
+        from qeffect.fp8.fused_update import history_block
+
         state, scale_inv = transition
         hist, inv_pow2_margin, algo = state.amax_history, 2.0 ** -state.margin, state.amax_compute_algo
         hblock = history_block(hist.numel())
