@@ -84,17 +84,19 @@ class Variant:
 
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:
-        saved = (fq.BLOCK_M, fq.BLOCK_N, fq.WARPS, fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS, fq.AMAX_SEM)
+        saved = (fq.BLOCK_M, fq.BLOCK_N, fq.WARPS, fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS, fq.COLSUM_WIDE_BLOCK_N,
+                 fq.COLSUM_WIDE_WARPS, fq.AMAX_SEM)
         try:
             if self.tile:
                 fq.BLOCK_M, fq.BLOCK_N, fq.WARPS = self.tile
-            if self.strip:
-                fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS = self.strip
+            if self.strip:  # at every width (the default takes `fq.colsum_strip`'s per width)
+                fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS = fq.COLSUM_WIDE_BLOCK_N, fq.COLSUM_WIDE_WARPS = self.strip
             if self.sem:
                 fq.AMAX_SEM = self.sem
             yield
         finally:
-            fq.BLOCK_M, fq.BLOCK_N, fq.WARPS, fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS, fq.AMAX_SEM = saved
+            (fq.BLOCK_M, fq.BLOCK_N, fq.WARPS, fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS, fq.COLSUM_WIDE_BLOCK_N,
+             fq.COLSUM_WIDE_WARPS, fq.AMAX_SEM) = saved
 
 
 def variants() -> list[Variant]:

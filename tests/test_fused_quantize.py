@@ -9,6 +9,7 @@ from importlib.util import find_spec
 import pytest
 import torch
 
+from qeffect.fp8 import fused_quantize as fq
 from qeffect.fp8.fused_quantize import fused_available, quantize_amax, quantize_amax_colsum, quantize_sequence
 from qeffect.fp8.recipe import DelayedScalingRecipe
 from qeffect.fp8.scaling import ScalingState
@@ -119,21 +120,32 @@ def test_a_state_refuses_a_scratch_the_kernel_cannot_use(scratch: torch.Tensor) 
 
 
 COLSUM_CASES = """
-import sys, torch
+import itertools, sys, torch
 from qeffect.fp8 import fused_quantize as fq
 k, bad = fq._kernel(), 0
-for m, n in [(1, 1), (3, 5), (64, 64), (100, 130), (130, 70)]:
+for (m, n), block_n in itertools.product([(1, 1), (3, 5), (64, 64), (100, 130), (130, 70)],
+                                         (fq.COLSUM_BLOCK_N, fq.COLSUM_WIDE_BLOCK_N)):  # narrow and wide strips
     # small integers: every partial sum is exact, so any summation order gives these bits
     x = torch.randint(-8, 8, (m, n), generator=torch.Generator().manual_seed(m * n)).to(torch.bfloat16)
     q, amax, sums = torch.empty((m, n), dtype=torch.float8_e4m3fn), torch.zeros(1), torch.full((n,), float("nan"))
-    k[(1, -(-n // fq.COLSUM_BLOCK_N))](x, torch.ones(1), q, q.view(torch.uint8), amax.view(torch.int32), m, n, 448.0,
-                                       sums, q, q, 1, 1.0, 0.0, TRANSPOSE=False, COLSUM=True, BLOCK_M=16,
-                                       BLOCK_N=fq.COLSUM_BLOCK_N)  # 16-row tiles: several per strip here
+    k[(1, -(-n // block_n))](x, torch.ones(1), q, q.view(torch.uint8), amax.view(torch.int32), m, n, 448.0,
+                             sums, q, q, 1, 1.0, 0.0, TRANSPOSE=False, COLSUM=True, BLOCK_M=16,
+                             BLOCK_N=block_n)  # 16-row tiles: several per strip here
     # the check must be able to fail: the last row left out
     want = (x[:-1] if sys.argv[1] == "wrong" else x).float().sum(0)
     bad += not torch.equal(sums, want) or not torch.equal(q.float(), x.float()) or amax.item() != x.float().abs().max().item()
 print(bad)
 """
+
+
+def test_wide_tensors_take_the_narrow_one_warp_strips() -> None:
+    """The column-sum pass's strip follows the width: the default strip below `COLSUM_WIDE_FROM` columns,
+    the wide one from there on."""
+    narrow = (fq.COLSUM_BLOCK_N, fq.COLSUM_WARPS)
+    wide = (fq.COLSUM_WIDE_BLOCK_N, fq.COLSUM_WIDE_WARPS)
+    assert narrow != wide
+    assert [fq.colsum_strip(n) for n in (1, 4096, fq.COLSUM_WIDE_FROM - 1)] == [narrow] * 3
+    assert [fq.colsum_strip(n) for n in (fq.COLSUM_WIDE_FROM, 11008, 12288)] == [wide] * 3
 
 
 @pytest.mark.skipif(find_spec("triton") is None,

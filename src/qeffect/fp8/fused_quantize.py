@@ -62,6 +62,11 @@ BLOCK_M, BLOCK_N, WARPS = 64, 64, 2  # the plain pass: rows x columns per tile, 
 COLSUM_BLOCK_M, COLSUM_BLOCK_N, COLSUM_WARPS = 256, 32, 8  # the pass that also sums the columns: one program per
 # column strip (h4096's narrowest output gradient, 4,096 columns: 128 programs), over tiles of 256 rows (a
 # 256-token microbatch in one tile, not four 64-row tiles one after another: four dependent loads per program)
+COLSUM_WIDE_FROM, COLSUM_WIDE_BLOCK_N, COLSUM_WIDE_WARPS = 8192, 16, 1  # from this many columns on: strips of 16
+# columns, one warp each (no cross-warp reduction). `quantize_ab.py` at 6ffe517 (H200, relaxed atomics, per call):
+# 9.9 against 13.9 us at 12,288 columns and 10.2 against 12.9 at 11,008 (64 passes per h4096 step), but 8.2
+# against 5.1 at 4,096 (too few warps in flight). The column sums' bits follow the strip (`tl.sum`'s tree),
+# the same for every caller of one shape: native and split paths alike.
 TRANSPOSE_BLOCK = (64, 64, 4)  # `transpose_bytes`: rows x columns per tile, warps (`weight_cast_ab.py` sweeps it)
 AMAX_SEM = "relaxed"  # each program's atomic max into the amax word: nothing needs it ordered but the ticket,
 # whose acquire-release does that (and a kernel boundary without a transition). Relaxed was faster for every tile
@@ -306,8 +311,7 @@ def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, tran
     in_kernel = transpose and _transpose_in_kernel(x)
     qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device) if in_kernel else q
     sums = torch.empty(n, dtype=colsum, device=x.device) if colsum is not None else q
-    block_m, block_n, warps = (COLSUM_BLOCK_M, COLSUM_BLOCK_N, COLSUM_WARPS) if colsum is not None else (
-        BLOCK_M, BLOCK_N, WARPS)
+    block_m, block_n, warps = (COLSUM_BLOCK_M, *colsum_strip(n)) if colsum is not None else (BLOCK_M, BLOCK_N, WARPS)
     grid = (1 if colsum is not None else -(-m // block_m), -(-n // block_n))
     if transition is None:
         amax.zero_()  # the atomic max starts from 0 (|x| >= 0, so 0 is the identity)
@@ -328,6 +332,14 @@ def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, tran
     if transpose and not in_kernel:
         qt = transpose_bytes(q) if _transpose_mode() == "kernel" else q.t().contiguous()
     return q, (qt if transpose else None), (sums if colsum is not None else None)
+
+
+def colsum_strip(n: int) -> tuple[int, int]:
+    """The column-sum pass's (columns per strip, warps) for `n` columns: narrow strips of one warp for
+    wide tensors, where there are programs enough (see `COLSUM_WIDE_FROM`)."""
+    if n >= COLSUM_WIDE_FROM:
+        return COLSUM_WIDE_BLOCK_N, COLSUM_WIDE_WARPS
+    return COLSUM_BLOCK_N, COLSUM_WARPS
 
 
 def _transpose_mode() -> str:
