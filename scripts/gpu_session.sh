@@ -61,6 +61,8 @@
 # suite-ref-h4096: the whole GPU suite, then the h4096 reference profile.
 # capture-guard: the whole GPU suite with the quantize pass's old settings (4 warps, acquire-release), then with
 #          2 warps and relaxed (scripts/suite_with_quantize_settings.py, both ways explicit).
+# rank-streams: one stream per rank in the one-process captured pipeline: its GPU tests, the h4096 reference A/B
+#          against one stream (QEFFECT_RANK_STREAMS=0), the reference bitwise matrix at h2048.
 # final-ref / final-te: a session's closing check: the whole GPU suite, both reference matrices and the h4096
 #          reference step gaps / both te matrices.
 # quantize-final: the quantize pass's defaults (2-warp tiles and relaxed amax atomics since 6d49f37): the
@@ -747,6 +749,15 @@ quantize-ab)
     step 300 quantize-ab python3 benchmarks/quantize_ab.py --config examples/configs/h4096.toml \
         --json "$out/quantize-ab-h4096-h200.json"
     cat "$LOGS/quantize-ab.log"
+    ;;
+rank-streams)
+    # each rank of the one-process captured pipeline on its own stream: its GPU tests (with the reference
+    # backend's and the graph manager's), the h4096 reference A/B against one stream in one process
+    # (bitwise compared), the reference bitwise matrix at h2048 (about 6 minutes)
+    step 200 rank-streams-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_rank_streams_gpu.py \
+        tests/test_fp8_reference.py tests/test_graphs_gpu.py
+    ref_ab_h4096 200 rank-streams "off,off+QEFFECT_RANK_STREAMS=0"
+    verify_reference
     ;;
 final-ref)
     # a session's closing check for the reference backend: the whole GPU suite, both reference profile

@@ -165,6 +165,20 @@ class GraphManager:
         self.stats = GraphStats(protocol=protocol)
 
     # ------------------------------------------------------------------------------------ capture
+    @contextmanager
+    def capturing_on(self, stream: Any) -> Iterator[None]:
+        """Warm-ups and captures inside run on `stream` instead of the graph stream.
+
+        Why: a captured GEMM keeps the cuBLAS workspace of the stream it was captured on (torch keys the
+        workspace by stream), so graphs captured on one stream share one workspace. Graphs that may replay
+        at the same time on different streams (`SingleProcessPipeline.rank_streams`) must be captured on
+        different streams."""
+        saved, self.stream = self.stream, stream
+        try:
+            yield
+        finally:
+            self.stream = saved
+
     def capture(self, name: str, fn: Callable[[], Any], *, static_inputs: dict[str, Tensor],
                 warmup: int = 2, private_pool: bool = False) -> CapturedAction:
         """Warm `fn` up `warmup` times on the graph stream, then capture it into one graph.

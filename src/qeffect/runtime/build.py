@@ -110,10 +110,31 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
     pipe = SingleProcessPipeline(ranks, schedule)
     pipe.manager = manager
     pipe.offload = offload
+    pipe.rank_streams = rank_streams_for(cfg, manager, offload, device, len(ranks))
     if capture and manager is not None:
         with phase("capture"):
             capture_graphs(cfg, pipe)
     return pipe
+
+
+def rank_streams(cfg: RunConfig) -> bool:
+    """Whether a one-process captured pipeline launches each rank's work on its own stream
+    (`SingleProcessPipeline.rank_streams`): for the reference backend, without offload;
+    ``QEFFECT_RANK_STREAMS=0`` keeps one stream (A/B runs).
+
+    Not with Transformer Engine: its GEMMs share one global cuBLAS workspace whatever the stream, so two
+    ranks' GEMMs at once would race on it. Not with offload, whose copy streams and reaps are ordered
+    against the one caller stream."""
+    return (cfg.fp8.backend == "reference" and cfg.train.offload == "off"
+            and os.environ.get("QEFFECT_RANK_STREAMS", "1") != "0")
+
+
+def rank_streams_for(cfg: RunConfig, manager: GraphManager | None, offload: OffloadManager | None,
+                     device: str | torch.device, ranks: int) -> list[torch.cuda.Stream] | None:
+    """One new stream per rank where `rank_streams` applies to this build (captured, CUDA), else None."""
+    if manager is None or offload is not None or ranks < 2 or not rank_streams(cfg):
+        return None
+    return [torch.cuda.Stream(torch.device(device)) for _ in range(ranks)]
 
 
 def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, native: bool,
@@ -266,6 +287,11 @@ def capture_graphs(cfg: RunConfig, pipe: SingleProcessPipeline) -> None:
     checkpoint was loaded, whoever built with `capture=False`)."""
     if pipe.manager is None:
         return  # eager path: nothing to capture
+    if pipe.rank_streams is not None:  # each rank's graphs captured on its own stream (`capturing_on`)
+        for r, stream in zip(pipe.ranks, pipe.rank_streams, strict=True):
+            with pipe.manager.capturing_on(stream):
+                capture_ranks([r], pipe.order, pipe.offload, cfg.model.microbatch_size, cfg.model.seq_len)
+        return
     capture_ranks(pipe.ranks, pipe.order, pipe.offload, cfg.model.microbatch_size,
                   cfg.model.seq_len)
 

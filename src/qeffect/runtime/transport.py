@@ -20,22 +20,35 @@ class Transport(Protocol):
 
 
 class LocalTransport:
-    """In-process hand-off: every rank lives in this process and runs in one global order."""
+    """In-process hand-off: every rank lives in this process and runs in one global order.
 
-    def __init__(self) -> None:
-        self._slots: dict[tuple[str, int, int], torch.Tensor] = {}
+    `events=True` (ranks on their own CUDA streams, `SingleProcessPipeline.rank_streams`): `put` records
+    an event on the producer's current stream and `get` makes the consumer's current stream wait on it,
+    so a consumer reads a tensor only after the producer's stream has written it (host order alone
+    orders nothing across streams)."""
+
+    def __init__(self, *, events: bool = False) -> None:
+        self._slots: dict[tuple[str, int, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self.events = events
 
     def put(self, kind: str, stage: int, m: int, tensor: torch.Tensor) -> None:
         key = (kind, stage, m)
         if key in self._slots:
             raise RuntimeError(f"{kind} of stage {stage} microbatch {m} published twice")
-        self._slots[key] = tensor
+        written = None
+        if self.events:
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(tensor.device))  # the producer's stream
+        self._slots[key] = (tensor, written)
 
     def get(self, kind: str, stage: int, m: int) -> torch.Tensor:
         try:
-            return self._slots.pop((kind, stage, m))
+            tensor, written = self._slots.pop((kind, stage, m))
         except KeyError:
             raise RuntimeError(f"{kind} of stage {stage} microbatch {m} is not available yet") from None
+        if written is not None:
+            torch.cuda.current_stream(tensor.device).wait_event(written)
+        return tensor
 
     def empty(self) -> bool:
         return not self._slots

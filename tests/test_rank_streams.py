@@ -1,0 +1,38 @@
+"""Which one-process pipelines put each rank on its own stream, and the transport without events (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qeffect.config import load_config
+from qeffect.runtime.build import build_single_process, rank_streams
+from qeffect.runtime.transport import LocalTransport
+
+
+def test_rank_streams_are_for_the_reference_backend_without_offload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not for Transformer Engine (one global cuBLAS workspace), not with offload, not when switched off."""
+    cfg = load_config()
+    assert cfg.fp8.backend == "reference" and rank_streams(cfg)
+    assert not rank_streams(cfg.with_overrides(**{"fp8.backend": "te"}))
+    assert not rank_streams(cfg.with_overrides(**{"train.offload": "release"}))
+    monkeypatch.setenv("QEFFECT_RANK_STREAMS", "0")
+    assert not rank_streams(cfg)
+
+
+def test_pipelines_without_graphs_keep_one_stream() -> None:
+    """Eager qeffect and native eager have no rank streams (and a CPU cannot have any)."""
+    cfg = load_config()
+    for native in (True, False):
+        assert build_single_process(cfg, native=native, device="cpu").rank_streams is None
+
+
+def test_the_transport_without_events_hands_over_once() -> None:
+    t = LocalTransport()
+    x = torch.ones(3)
+    t.put("act", 0, 1, x)
+    with pytest.raises(RuntimeError, match="published twice"):
+        t.put("act", 0, 1, x)
+    assert t.get("act", 0, 1) is x and t.empty()
+    with pytest.raises(RuntimeError, match="not available yet"):
+        t.get("act", 0, 1)

@@ -1,0 +1,73 @@
+"""One-process captured pipelines with each rank on its own stream: the handoff's event, and the bits of
+native eager and of the one-stream run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("events", [True, False])
+def test_a_handoff_waits_for_the_producers_stream_only_with_events(events: bool) -> None:
+    """A producer stream busy for ~50 ms, then writing the tensor it publishes; the consumer takes it on its
+    own stream and copies it at once. With events the copy sees the write; without (the host's order
+    only, the fault) it reads the old value: the check can fail."""
+    from qeffect.runtime.transport import LocalTransport
+
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    t = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    transport = LocalTransport(events=events)
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(100_000_000)  # cycles: tens of milliseconds on any current GPU
+        t.fill_(1.0)
+        transport.put("act", 0, 0, t)
+    with torch.cuda.stream(consumer):
+        seen = transport.get("act", 0, 0).clone()
+    torch.cuda.synchronize()
+    assert bool((seen == 1.0).all()) == events
+
+
+def _cfg(schedule: str):
+    from qeffect.config import load_config
+
+    # big enough that one rank's kernels run beside the other's (the tiny default's steps are host-bound)
+    return load_config().with_overrides(**{
+        "train.device": "cuda", "train.dtype": "bfloat16", "model.hidden": 512, "model.ffn": 2048,
+        "model.heads": 8, "model.seq_len": 128, "pipeline.microbatches": 8, "pipeline.schedule": schedule})
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+@pytest.mark.parametrize("path", ["captured-direct", "captured-copy"])
+def test_rank_streams_keep_the_bits_of_native_eager_and_of_one_stream(monkeypatch: pytest.MonkeyPatch,
+                                                                      schedule: str, path: str) -> None:
+    """Five steps of the same data: the losses, then every parameter and optimizer moment, bit for bit,
+    with rank streams (the default), with one stream (``QEFFECT_RANK_STREAMS=0``) and native eager."""
+    from qeffect.runtime.build import build_single_process
+    from qeffect.verify.state import bitwise_equal, synthetic_batches
+
+    cfg = _cfg(schedule)
+    native = build_single_process(cfg, native=True, device="cuda")
+    streams = build_single_process(cfg, native=False, device="cuda", path=path)
+    monkeypatch.setenv("QEFFECT_RANK_STREAMS", "0")
+    one = build_single_process(cfg, native=False, device="cuda", path=path)
+    assert streams.rank_streams is not None and len(streams.rank_streams) == cfg.pipeline.pp
+    assert one.rank_streams is None
+    for step in range(5):
+        batches = synthetic_batches(cfg, step, "cuda")
+        want = native.step(batches)
+        assert bitwise_equal(streams.step(batches), want), step
+        assert bitwise_equal(one.step(batches), want), step
+    for pipe in (native, streams, one):
+        pipe.settle()
+    for r_native, r_streams, r_one in zip(native.ranks, streams.ranks, one.ranks, strict=True):
+        for p, q, o in zip(r_native.optimizer.param_groups[0]["params"], r_streams.optimizer.param_groups[0]["params"],
+                           r_one.optimizer.param_groups[0]["params"], strict=True):
+            assert bitwise_equal(q, p) and bitwise_equal(o, p)
+            for k in ("exp_avg", "exp_avg_sq"):
+                want = r_native.optimizer.state[p][k]
+                assert bitwise_equal(r_streams.optimizer.state[q][k], want)
+                assert bitwise_equal(r_one.optimizer.state[o][k], want)
