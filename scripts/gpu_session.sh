@@ -63,6 +63,9 @@
 #          2 warps and relaxed (scripts/suite_with_quantize_settings.py, both ways explicit).
 # rank-streams: one stream per rank in the one-process captured pipeline: its GPU tests, the h4096 reference A/B
 #          against one stream (QEFFECT_RANK_STREAMS=0), the reference bitwise matrix at h2048.
+# rank-streams-te: the same for the te backend (a cuBLAS workspace per rank): tests, h4096 te A/B, te matrix at h2048.
+# final-h4096 / final-h2048: a closing check in two calls: the whole GPU suite and both h4096 matrices / both h2048
+#          matrices and the h4096 reference step gaps.
 # final-ref / final-te: a session's closing check: the whole GPU suite, both reference matrices and the h4096
 #          reference step gaps / both te matrices.
 # quantize-final: the quantize pass's defaults (2-warp tiles and relaxed amax atomics since 6d49f37): the
@@ -758,6 +761,31 @@ rank-streams)
         tests/test_fp8_reference.py tests/test_graphs_gpu.py
     ref_ab_h4096 200 rank-streams "off,off+QEFFECT_RANK_STREAMS=0"
     verify_reference
+    ;;
+rank-streams-te)
+    # rank streams for the te backend (each rank's captures on a cuBLAS workspace of its own): the rank-stream
+    # and weight-cast GPU tests, the h4096 te A/B against one stream (bitwise compared), the te bitwise
+    # matrix at h2048 (about 4 minutes)
+    step 240 rank-streams-te-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_rank_streams_gpu.py \
+        tests/test_weight_cast_gpu.py
+    step 200 rank-streams-te-ab python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
+        --schedule interleaved --steps 20 --interleave 2 --modes "off,off+QEFFECT_RANK_STREAMS=0" \
+        --out "$out/rank-streams-te-ab-h4096-interleaved-h200.json"
+    step 150 verify-te python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends te --paths captured-copy,captured-direct --out "$out/verify"
+    keep_merged verify
+    ;;
+final-h4096)
+    # a closing check in two calls: the whole GPU suite and both h4096 matrices (about 6 minutes) ...
+    gpu_suite pytest-gpu
+    profile_h4096_te
+    profile_h4096_reference
+    ;;
+final-h2048)
+    # ... then both h2048 matrices and the h4096 reference step gaps (about 3 minutes)
+    profile_h2048_te
+    profile_h2048_reference
+    ref_gaps_h4096
     ;;
 final-ref)
     # a session's closing check for the reference backend: the whole GPU suite, both reference profile

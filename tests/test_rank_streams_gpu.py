@@ -31,31 +31,38 @@ def test_a_handoff_waits_for_the_producers_stream_only_with_events(events: bool)
     assert bool((seen == 1.0).all()) == events
 
 
-def _cfg(schedule: str):
+def _cfg(schedule: str, backend: str):
     from qeffect.config import load_config
 
     # big enough that one rank's kernels run beside the other's (the tiny default's steps are host-bound)
     return load_config().with_overrides(**{
         "train.device": "cuda", "train.dtype": "bfloat16", "model.hidden": 512, "model.ffn": 2048,
-        "model.heads": 8, "model.seq_len": 128, "pipeline.microbatches": 8, "pipeline.schedule": schedule})
+        "model.heads": 8, "model.seq_len": 128, "pipeline.microbatches": 8, "pipeline.schedule": schedule,
+        "fp8.backend": backend})
 
 
+@pytest.mark.parametrize("backend", ["reference", "te"])
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 @pytest.mark.parametrize("path", ["captured-direct", "captured-copy"])
 def test_rank_streams_keep_the_bits_of_native_eager_and_of_one_stream(monkeypatch: pytest.MonkeyPatch,
-                                                                      schedule: str, path: str) -> None:
+                                                                      schedule: str, path: str,
+                                                                      backend: str) -> None:
     """Five steps of the same data: the losses, then every parameter and optimizer moment, bit for bit,
     with rank streams (the default), with one stream (``QEFFECT_RANK_STREAMS=0``) and native eager."""
     from qeffect.runtime.build import build_single_process
     from qeffect.verify.state import bitwise_equal, synthetic_batches
 
-    cfg = _cfg(schedule)
+    if backend == "te":
+        pytest.importorskip("transformer_engine")
+    cfg = _cfg(schedule, backend)
     native = build_single_process(cfg, native=True, device="cuda")
     streams = build_single_process(cfg, native=False, device="cuda", path=path)
     monkeypatch.setenv("QEFFECT_RANK_STREAMS", "0")
     one = build_single_process(cfg, native=False, device="cuda", path=path)
     assert streams.rank_streams is not None and len(streams.rank_streams) == cfg.pipeline.pp
     assert one.rank_streams is None
+    # Transformer Engine's captures took a workspace per rank, kept with the pipeline
+    assert len(streams.keep_alive) == (cfg.pipeline.pp if backend == "te" else 0)
     for step in range(5):
         batches = synthetic_batches(cfg, step, "cuda")
         want = native.step(batches)
@@ -82,3 +89,17 @@ def _state(pipe) -> dict[str, torch.Tensor]:
                 out[f"s{s}.{name}.exp_avg"] = state["exp_avg"]
                 out[f"s{s}.{name}.exp_avg_sq"] = state["exp_avg_sq"]
     return out
+
+
+def test_te_gemms_take_the_scopes_own_workspace() -> None:
+    """Inside `own_cublas_workspace` Transformer Engine's GEMMs get the scope's workspace; after it, TE's
+    own again."""
+    te_gemm = pytest.importorskip("transformer_engine.pytorch.cpp_extensions.gemm")
+    from qeffect.fp8.te import own_cublas_workspace
+
+    index = torch.cuda.current_device()
+    default = te_gemm.get_cublas_workspace(index, False, False)
+    with own_cublas_workspace("cuda") as ws:
+        assert te_gemm.get_cublas_workspace(index, False, False) is ws
+        assert ws is not default and ws.numel() == default.numel()
+    assert te_gemm.get_cublas_workspace(index, False, False) is default

@@ -639,3 +639,28 @@ class TEBackend:
 
     def __repr__(self) -> str:
         return f"TEBackend({self.recipe})"
+
+
+@contextlib.contextmanager
+def own_cublas_workspace(device: torch.device | str):
+    """Inside the scope, Transformer Engine's GEMMs take a new cuBLAS workspace of their own; yields it.
+
+    Why: TE's `general_gemm` asks `get_cublas_workspace` for one process-wide workspace per device
+    whatever the stream, and a captured GEMM keeps the pointer it was given. Graphs that may replay at the
+    same time on different streams (`SingleProcessPipeline.rank_streams`) would then race on it: each
+    rank's graphs are captured inside this scope, with a workspace of the rank's. The caller keeps the
+    yielded tensor alive as long as those graphs (a graph holds the address, not the tensor). Userbuffer
+    and grouped GEMMs keep TE's own workspaces (qeffect's linears use neither)."""
+    from transformer_engine.pytorch.cpp_extensions import gemm as te_gemm
+
+    original = te_gemm.get_cublas_workspace
+    workspace = torch.empty(te_gemm.get_cublas_workspace_size_bytes(), dtype=torch.uint8, device=device)
+
+    def rank_workspace(device_index: int, ub: bool, grouped_gemm: bool):  # noqa: ANN202 - TE's signature
+        return original(device_index, ub, grouped_gemm) if ub or grouped_gemm else workspace
+
+    te_gemm.get_cublas_workspace = rank_workspace
+    try:
+        yield workspace
+    finally:
+        te_gemm.get_cublas_workspace = original

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import Literal
@@ -119,14 +120,13 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
 
 def rank_streams(cfg: RunConfig) -> bool:
     """Whether a one-process captured pipeline launches each rank's work on its own stream
-    (`SingleProcessPipeline.rank_streams`): for the reference backend, without offload;
-    ``QEFFECT_RANK_STREAMS=0`` keeps one stream (A/B runs).
+    (`SingleProcessPipeline.rank_streams`): without offload, whose copy streams and reaps are ordered
+    against the one caller stream; ``QEFFECT_RANK_STREAMS=0`` keeps one stream (A/B runs).
 
-    Not with Transformer Engine: its GEMMs share one global cuBLAS workspace whatever the stream, so two
-    ranks' GEMMs at once would race on it. Not with offload, whose copy streams and reaps are ordered
-    against the one caller stream."""
-    return (cfg.fp8.backend == "reference" and cfg.train.offload == "off"
-            and os.environ.get("QEFFECT_RANK_STREAMS", "1") != "0")
+    Each rank's graphs are captured on its stream, so torch's GEMMs keep a cuBLAS workspace of the rank's
+    (`GraphManager.capturing_on`); Transformer Engine's take one process-wide workspace whatever the
+    stream, so its captures get one of the rank's too (`fp8.te.own_cublas_workspace`)."""
+    return cfg.train.offload == "off" and os.environ.get("QEFFECT_RANK_STREAMS", "1") != "0"
 
 
 def rank_streams_for(cfg: RunConfig, manager: GraphManager | None, offload: OffloadManager | None,
@@ -135,6 +135,17 @@ def rank_streams_for(cfg: RunConfig, manager: GraphManager | None, offload: Offl
     if manager is None or offload is not None or ranks < 2 or not rank_streams(cfg):
         return None
     return [torch.cuda.Stream(torch.device(device)) for _ in range(ranks)]
+
+
+def rank_workspace(cfg: RunConfig, device: torch.device):
+    """The scope one rank's captures run in: Transformer Engine's GEMMs on a cuBLAS workspace of the
+    rank's (`fp8.te.own_cublas_workspace`, which yields it); nothing for the reference backend (torch
+    keys its workspaces by stream), which yields None."""
+    if cfg.fp8.backend != "te":
+        return contextlib.nullcontext()
+    from qeffect.fp8.te import own_cublas_workspace
+
+    return own_cublas_workspace(device)
 
 
 def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, native: bool,
@@ -289,8 +300,10 @@ def capture_graphs(cfg: RunConfig, pipe: SingleProcessPipeline) -> None:
         return  # eager path: nothing to capture
     if pipe.rank_streams is not None:  # each rank's graphs captured on its own stream (`capturing_on`)
         for r, stream in zip(pipe.ranks, pipe.rank_streams, strict=True):
-            with pipe.manager.capturing_on(stream):
+            with pipe.manager.capturing_on(stream), rank_workspace(cfg, stream.device) as workspace:
                 capture_ranks([r], pipe.order, pipe.offload, cfg.model.microbatch_size, cfg.model.seq_len)
+            if workspace is not None:
+                pipe.keep_alive.append(workspace)  # the graphs hold its address only
         return
     capture_ranks(pipe.ranks, pipe.order, pipe.offload, cfg.model.microbatch_size,
                   cfg.model.seq_len)

@@ -33,6 +33,7 @@ class SingleProcessPipeline:
         self.manager = None  # the GraphManager when the actions are captured
         self.offload = None  # the OffloadManager when captured actions offload their activations
         self.rank_streams: list[torch.cuda.Stream] | None = None  # one per rank: see the module docstring
+        self.keep_alive: list[torch.Tensor] = []  # what captured graphs use by address only (workspaces)
 
     def on_rank_stream(self, rank: int):
         """The context rank `rank`'s work is launched in: its stream, or the caller's without rank streams."""
