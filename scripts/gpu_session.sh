@@ -180,10 +180,13 @@ host_python() {  # scripts/host_python_profile.py: h2048 Interleaved host time b
     step "$1" host-python python3 scripts/host_python_profile.py --modes off,release,resident --steps 10 \
         --json "$out/host-python-h2048-interleaved-h200.json"
 }
-verify_reference() {  # the reference bitwise matrix at h2048 (both schedules, copy and direct), merged report only
-    step 150 verify-reference python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
-        --backends reference --paths captured-copy,captured-direct --out "$out/verify"
+verify_backend() {  # <backend>: its bitwise matrix at h2048 (both schedules, copy and direct), merged report only
+    step 150 "verify-$1" python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
+        --backends "$1" --paths captured-copy,captured-direct --out "$out/verify"
     keep_merged verify
+}
+verify_reference() {  # the reference bitwise matrix at h2048
+    verify_backend reference
 }
 profile_h4096_reference() {  # the h4096 reference matrix with traces and the M analysis
     step 150 profile-h4096-reference python3 benchmarks/profile_matrix.py --out "$out" --only h4096:reference \
@@ -193,10 +196,13 @@ profile_h2048_reference() {  # the h2048 reference matrix with traces
     step 150 profile-h2048-reference python3 benchmarks/profile_matrix.py --out "$out" --only h2048:reference \
         --steps 20 --warmup 3 --trace 3
 }
-ref_ab_h4096() {  # <seconds> <name> <modes>: offload_bench's A/B of reference modes in one process, h4096 Interleaved
+ab_h4096() {  # <seconds> <name> <backend> <modes>: offload_bench's A/B of modes in one process, h4096 Interleaved
     step "$1" "$2-ab" python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --backend reference --schedule interleaved --steps 20 --interleave 2 \
-        --modes "$3" --out "$out/$2-ab-h4096-interleaved-h200.json"
+        --backend "$3" --schedule interleaved --steps 20 --interleave 2 \
+        --modes "$4" --out "$out/$2-ab-h4096-interleaved-h200.json"
+}
+ref_ab_h4096() {  # <seconds> <name> <modes>: ab_h4096 with the reference backend
+    ab_h4096 "$1" "$2" reference "$3"
 }
 ref_gaps_h4096() {  # scripts/step_gaps.py on the h4096 reference step: every kernel, the GPU's idle gaps
     step 120 gaps-h4096-reference python3 scripts/step_gaps.py --config examples/configs/h4096.toml \
@@ -769,12 +775,8 @@ rank-streams-te)
     # matrix at h2048 (about 4 minutes)
     step 240 rank-streams-te-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_rank_streams_gpu.py \
         tests/test_weight_cast_gpu.py
-    step 200 rank-streams-te-ab python3 benchmarks/offload_bench.py --config examples/configs/h4096.toml \
-        --schedule interleaved --steps 20 --interleave 2 --modes "off,off+QEFFECT_RANK_STREAMS=0" \
-        --out "$out/rank-streams-te-ab-h4096-interleaved-h200.json"
-    step 150 verify-te python3 scripts/gpu_check.py --config examples/configs/h2048.toml --steps 20 \
-        --backends te --paths captured-copy,captured-direct --out "$out/verify"
-    keep_merged verify
+    ab_h4096 200 rank-streams-te te "off,off+QEFFECT_RANK_STREAMS=0"
+    verify_backend te
     ;;
 final-h4096)
     # a closing check in two calls: the whole GPU suite and both h4096 matrices (about 6 minutes) ...
