@@ -15,36 +15,40 @@ every parameter, optimizer state and FP8 state tensor. Then:
 - release: the driver-level free memory just before and just after every unmap of a group's slot
   between its forward and its backward in that extra step; returned = sum of those increases / sum of
   the groups' slot sizes (target >= 0.9). Groups release mode does not offload (their window is shorter
-  than `train.offload_min_window` actions) have no slot: `returned_fraction_all_groups` counts their
+  than `offload.min_window` actions) have no slot: `returned_fraction_all_groups` counts their
   bytes as not returned. An unmap made by the group's own backward (its D2H was not
   found done before) returns memory only until the restore right after it: `returned_fraction` leaves
   those out, `returned_fraction_incl_backward` counts them. The counters over all steps (timed ones
   included) say how often each happened: `released_live`, `released_at_backward` (only with
-  QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD=1), `kept_at_backward` (the default: that backward read the bytes
+  `offload.release_at_backward = true`), `kept_at_backward` (the default: that backward read the bytes
   still in its slot, which was not released that step). The measured step
   samples memory after every action, which slows the host, so it may find more copies done in time.
 
 `--modes` takes `resident` for resident offload with the searched bank plan (the default,
-`train.offload_bank_plan = "search"`; `resident@K`: within the colouring's memory with K banks,
-`train.offload_search_banks`), `resident-colour` (also `resident-colour@K`) for the greedy colouring with at
-least K banks (`train.offload_bank_plan = "colour"`, `train.offload_banks`; the A/B),
-`release-keep` for release offload that keeps consumed slots mapped (`train.offload_reap = false`, the
+`offload.bank_plan = "search"`; `resident@K`: within the colouring's memory with K banks,
+`offload.search_banks`), `resident-colour` (also `resident-colour@K`) for the greedy colouring with at
+least K banks (`offload.bank_plan = "colour"`, `offload.banks`; the A/B),
+`release-keep` for release offload that keeps consumed slots mapped (`offload.reap = false`, the
 default), `release-reap` for release offload that also releases them after their backward
-(`train.offload_reap = true`; the A/B) and
+(`offload.reap = true`; the A/B) and
 `resident-copyall` (also `resident-copyall@K`) for resident offload that copies every group to the host,
-even those the plan keeps in their bank (`train.offload_skip_kept_d2h = false`; the A/B of the skip), and
+even those the plan keeps in their bank (`offload.skip_kept_d2h = false`; the A/B of the skip), and
 `release-all` and `resident-all` (also `resident-all@K`) for offload of every group, short windows
-included (`train.offload_min_window = 0`; the A/B of not offloading them), `resident-memory` (also
+included (`offload.min_window = 0`; the A/B of not offloading them), `resident-memory` (also
 `resident-memory@K`) for the search preferring less bank memory to fewer bytes copied among plans as fast
-(`train.offload_search_prefer = "memory"`; the A/B); `VARIANTS` lists them. Any mode
-takes a `/laN` suffix (`release/la2`, `resident@6/la3`): `train.offload_lookahead = N`, the offloaded
+(`offload.search_prefer = "memory"`; the A/B); `VARIANTS` lists them. Any mode
+takes a `/laN` suffix (`release/la2`, `resident@6/la3`): `offload.lookahead = N`, the offloaded
 groups each backward restores ahead (0: none; the A/B), and a `/mwN` suffix (`resident/mw12`):
-`train.offload_min_window = N`, groups with fewer other actions between their forward and backward stay
+`offload.min_window = N`, groups with fewer other actions between their forward and backward stay
 on the device (the trade of memory for time).
-A `+VAR=VALUE` suffix (repeatable) sets an environment switch while that mode is built and timed
-(`resident+QEFFECT_SKIP_FUTILE_RESTORES=0`: look-ahead restores a forward evicts before their backward are
-started anyway). A `#N` suffix repeats a mode under its own name (`off#2` at the end: did the step time drift while the
-modes ran? `release#2`: how far apart are two runs of one configuration?).
+A `+section.field=VALUE` suffix (repeatable) overrides a config field for that mode
+(`resident+offload.skip_futile_restores=false`: look-ahead restores a forward evicts before their backward
+are started anyway; `off+runtime.rank_streams=false`; VALUE as JSON, `true`, `3`, `0.5`, or text, `nested`;
+bank lists as `0:1:0`). Nothing reads a switch from the environment: a `+VAR=VALUE` suffix is refused,
+naming the field that replaced it where there is one (`REPLACED_SWITCHES`). A `#N` suffix repeats a mode
+under its own name (`off#2` at the end: did the step time drift while the modes ran? `release#2`: how far
+apart are two runs of one configuration?). Each mode's report holds its `+` overrides (`config_overrides`)
+and its whole `[offload]` section (`offload_config`).
 
 `--chained` (with `--interleave`) queues each mode's steps of a round back to back and synchronizes the
 device once per round: the steady-state step of a loop that does not wait for each loss (`qeffect train`
@@ -61,9 +65,8 @@ after it). Without it (the default), one mode after the other, each torn down be
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import os
+import json
 import platform
 import statistics
 import sys
@@ -76,7 +79,7 @@ import torch
 from qeffect.checkpoint.state import local_view, tensor_state
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
-from qeffect.graphs.handshake import git_revision, qeffect_environment
+from qeffect.graphs.handshake import git_revision, run_settings
 from qeffect.graphs.stats import GraphStats
 from qeffect.profile.matrix import te_version
 from qeffect.runtime.build import build_single_process
@@ -88,38 +91,62 @@ def _final_state(pipe) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in tensor_state(local_view(pipe)).items()}
 
 
-@contextlib.contextmanager
-def switched(env: dict[str, str]):
-    """The environment switches of a mode's `+VAR=VALUE` suffixes, set while its code runs."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-# a mode name -> (train.offload, the config overrides it stands for)
+# a mode name -> (offload.mode, the config overrides it stands for)
 VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
-    "release-keep": ("release", {"train.offload_reap": False}),  # consumed slots stay mapped (the default)
-    "release-reap": ("release", {"train.offload_reap": True}),  # consumed slots released after their backward
-    "release-all": ("release", {"train.offload_min_window": 0}),  # every group offloaded, short windows too
-    "resident-all": ("resident", {"train.offload_min_window": 0}),
-    "resident-copyall": ("resident", {"train.offload_skip_kept_d2h": False}),  # every group copied out
-    "resident-colour": ("resident", {"train.offload_bank_plan": "colour"}),  # the greedy colouring
+    "release-keep": ("release", {"offload.reap": False}),  # consumed slots stay mapped (the default)
+    "release-reap": ("release", {"offload.reap": True}),  # consumed slots released after their backward
+    "release-all": ("release", {"offload.min_window": 0}),  # every group offloaded, short windows too
+    "resident-all": ("resident", {"offload.min_window": 0}),
+    "resident-copyall": ("resident", {"offload.skip_kept_d2h": False}),  # every group copied out
+    "resident-colour": ("resident", {"offload.bank_plan": "colour"}),  # the greedy colouring
     # the search preferring less bank memory among plans as fast (default: fewer bytes copied)
-    "resident-memory": ("resident", {"train.offload_search_prefer": "memory"}),
+    "resident-memory": ("resident", {"offload.search_prefer": "memory"}),
+}
+
+# environment switches that config fields replaced: a mode's `+VAR=VALUE` naming one is refused with its field
+REPLACED_SWITCHES = {
+    "QEFFECT_OFFLOAD_CHUNK_MIB": "offload.copy_chunk_mib", "QEFFECT_OFFLOAD_STORE_BATCH_MIB": "offload.store_batch_mib",
+    "QEFFECT_OFFLOAD_SHARE_SLOTS": "offload.share_slots", "QEFFECT_OFFLOAD_SLOT_MEMBERS": "offload.slot_members",
+    "QEFFECT_OFFLOAD_SHARE_GAP": "offload.share_gap", "QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD": "offload.release_at_backward",
+    "QEFFECT_OFFLOAD_LAUNCH_FIRST": "offload.launch_first", "QEFFECT_OFFLOAD_SEARCH_TRIES": "offload.search_tries",
+    "QEFFECT_OFFLOAD_BANKS": "offload.explicit_banks", "QEFFECT_SKIP_FUTILE_RESTORES": "offload.skip_futile_restores",
+    "QEFFECT_OFFLOAD_DRIVER_STREAMS": "offload.driver_streams", "QEFFECT_RANK_STREAMS": "runtime.rank_streams",
 }
 
 
+def override_value(text: str) -> object:
+    """A `+section.field=VALUE` suffix's value: a bank list `0:1:0`, else JSON (`true`, `3`, `0.5`), else the text."""
+    parts = text.split(":")
+    if len(parts) > 1 and all(p.isdigit() for p in parts):
+        return [int(p) for p in parts]
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def label_switches(label: str) -> tuple[str, dict[str, object]]:
+    """`label`'s mode name (with its `#N`) and the config overrides of its `+section.field=VALUE` suffixes."""
+    name, *switches = label.split("+")
+    overrides: dict[str, object] = {}
+    for switch in switches:
+        key, eq, value = switch.partition("=")
+        if not eq or "." not in key:
+            field = REPLACED_SWITCHES.get(key)
+            raise ValueError(f"mode {label!r}: +{switch}: " + (
+                f"{key} is the config field {field} now (+{field}=VALUE)" if field else
+                "expected +section.field=VALUE (nothing reads a switch from the environment)"))
+        overrides[key] = override_value(value.partition("#")[0])
+        name += value[len(value.partition("#")[0]):]  # a repeat's #N may follow the last suffix
+    return name, overrides
+
+
 def mode_config(cfg, label: str):
-    """(train.offload, `cfg` with the overrides `label` stands for); `label` without its `+VAR=VALUE` parts."""
-    # "#N": a repeat; "/laN": train.offload_lookahead = N; "/mwN": train.offload_min_window = N
-    base, *suffixes = label.partition("#")[0].split("/")
+    """(offload.mode, `cfg` with the overrides `label` stands for: its variant, `@K`, `/laN`, `/mwN` and its
+    `+section.field=VALUE` suffixes, those last)."""
+    # "#N": a repeat; "/laN": offload.lookahead = N; "/mwN": offload.min_window = N
+    name, given = label_switches(label)
+    base, *suffixes = name.partition("#")[0].split("/")
     depth = window = None
     for suffix in suffixes:
         if suffix[:2] not in ("la", "mw") or not suffix[2:].isdigit():
@@ -131,11 +158,12 @@ def mode_config(cfg, label: str):
     name, _, banks = base.partition("@")
     mode, overrides = VARIANTS.get(name, (name, {}))
     # @K: the search's memory budget (resident with the searched plan), else the colouring's bank count
-    searched = mode == "resident" and overrides.get("train.offload_bank_plan") != "colour"
-    return mode, cfg.with_overrides(**{"train.offload": mode, **overrides,
-                                       "train.offload_banks": int(banks) if banks and not searched else None,
-                                       "train.offload_search_banks": int(banks) if banks and searched else None,
-                                       "train.offload_lookahead": depth, "train.offload_min_window": window})
+    searched = mode == "resident" and {**overrides, **given}.get("offload.bank_plan") != "colour"
+    cfg = cfg.with_overrides(**{"offload.mode": mode, **overrides,
+                                "offload.banks": int(banks) if banks and not searched else None,
+                                "offload.search_banks": int(banks) if banks and searched else None,
+                                "offload.lookahead": depth, "offload.min_window": window})
+    return mode, cfg.with_overrides(**given) if given else cfg
 
 
 class ModeRun:
@@ -148,9 +176,9 @@ class ModeRun:
     sequential = True  # False: other modes stepped between this one's warm-up and its end (run_interleaved)
 
     def __init__(self, cfg, label: str, path: str, warmup: int, dev: torch.device) -> None:
-        name, *switches = label.split("+")
-        self.label, self.env, self.dev, self.warmup = label, dict(s.split("=", 1) for s in switches), dev, warmup
-        self.mode, self.cfg = mode_config(cfg, name)
+        self.overrides = label_switches(label)[1]
+        self.label, self.dev, self.warmup = label, dev, warmup
+        self.mode, self.cfg = mode_config(cfg, label)
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.synchronize(dev)
@@ -159,8 +187,7 @@ class ModeRun:
         free, total = torch.cuda.mem_get_info(dev)
         self.baseline_driver_used = total - free
         t0 = time.perf_counter()
-        with switched(self.env):
-            self.pipe = build_single_process(self.cfg, native=False, device=dev, path=path)
+        self.pipe = build_single_process(self.cfg, native=False, device=dev, path=path)
         torch.cuda.synchronize(dev)
         self.setup = time.perf_counter() - t0
         self.losses: list[torch.Tensor] = []
@@ -191,16 +218,15 @@ class ModeRun:
         start = len(self.losses)
         batches = [synthetic_batches(self.cfg, start + i, self.dev) for i in range(n)]
         losses, allocated = [], []
-        with switched(self.env):
-            torch.cuda.synchronize(self.dev)
-            t = time.perf_counter()
-            for i, b in enumerate(batches):
-                loss = self.pipe.step(b).detach().float().reshape(1)
-                losses.append(loss.clone() if i < n - 1 else loss)
-                allocated.append(self.pipe.manager.mark_step())  # (the allocator's count, read once)
-            t_host = time.perf_counter()  # the host has queued the chain (what it waited for inside included)
-            torch.cuda.synchronize(self.dev)
-            t_end = time.perf_counter()  # before the switches are put back: not part of the step
+        torch.cuda.synchronize(self.dev)
+        t = time.perf_counter()
+        for i, b in enumerate(batches):
+            loss = self.pipe.step(b).detach().float().reshape(1)
+            losses.append(loss.clone() if i < n - 1 else loss)
+            allocated.append(self.pipe.manager.mark_step())  # (the allocator's count, read once)
+        t_host = time.perf_counter()  # the host has queued the chain (what it waited for inside included)
+        torch.cuda.synchronize(self.dev)
+        t_end = time.perf_counter()
         if timed:
             self.times += [(t_end - t) / n] * n
             self.host_times += [(t_host - t) / n] * n
@@ -210,9 +236,8 @@ class ModeRun:
 
     def finish(self) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
         """The mode's report, losses and final state; one extra, untimed, sampled step; then the teardown."""
-        with switched(self.env):
-            res, final = self._measure()
-        res.update(mode=self.label, environment=self.env)
+        res, final = self._measure()
+        res.update(mode=self.label, config_overrides=self.overrides, offload_config=self.cfg.offload.model_dump())
         return res, torch.cat(self.losses), final
 
     def _measure(self) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -258,8 +283,8 @@ class ModeRun:
         total = torch.cuda.mem_get_info(dev)[1]
         cfg = self.cfg
         res = {
-            "mode": self.label, "offload_banks": cfg.train.offload_banks,
-            "offload_skip_kept_d2h": cfg.train.offload_skip_kept_d2h, "offload_min_window": cfg.train.offload_min_window,
+            "mode": self.label, "offload_banks": cfg.offload.banks,
+            "offload_skip_kept_d2h": cfg.offload.skip_kept_d2h, "offload_min_window": cfg.offload.min_window,
             # the look-ahead depth the manager ran with
             "offload_lookahead": mgr.lookahead if mgr is not None else None, "setup_seconds": self.setup, "step_seconds": self.times,
             "median_step_seconds": statistics.median(self.times),
@@ -280,9 +305,9 @@ class ModeRun:
             res["offload"] = {
                 "groups": len(mgr.groups), "group_bytes": sum(g.nbytes for g in mgr.groups),
                 "banks": len(mgr.banks), "bank_plan": mgr.bank_plan, "mapped_bytes_now": mgr.mapped_bytes(),
-                # release: slots (a shared one once) and the groups sharing one (QEFFECT_OFFLOAD_SHARE_SLOTS)
+                # release: slots (a shared one once) and the groups sharing one (offload.share_slots)
                 "slots": len(mgr.slots()), "shared_slots": [[g.name for g in run] for run in mgr.shared],
-                "bank_plan_kind": mgr.bank_plan_kind, "bank_search": None if mgr.bank_search is None else {
+                "bank_plan_kind": mgr.config.bank_plan, "bank_search": None if mgr.bank_search is None else {
                     "seconds": mgr.bank_search.seconds, "plans_tried": mgr.bank_search.tried,
                     "budget_bytes": mgr.bank_search.budget_bytes, "simulated_ratio": mgr.bank_search.best.ratio,
                     "colour_simulated_ratio": mgr.bank_search.colour.ratio, "colour_plan": list(mgr.bank_search.colour.plan)},
@@ -397,8 +422,8 @@ def main() -> int:
                          "resident-colour@K (the colouring, at least K banks), resident-copyall, resident-copyall@K "
                          "(no D2H skipped), resident-all, resident-all@K (short windows offloaded too), resident-memory, "
                          "resident-memory@K (the search preferring less memory to fewer copies); "
-                         "any with /laN (train.offload_lookahead = N), /mwN (train.offload_min_window = N) and #N "
-                         "(a repeat under its own name)")
+                         "any with /laN (offload.lookahead = N), /mwN (offload.min_window = N), #N "
+                         "(a repeat under its own name) and +section.field=VALUE (a config override)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--interleave", type=int, default=0, metavar="BLOCK",
@@ -420,7 +445,7 @@ def main() -> int:
     if modes[0] != "off":
         modes = ["off"] + [m for m in modes if m != "off"]
     report = {"command": " ".join(["python3"] + sys.argv), "git_revision": git_revision() or "unknown",
-              "environment": qeffect_environment(),
+              "settings": run_settings(cfg),
               "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "python": platform.python_version(), "config": a.config, "backend": cfg.fp8.backend,
               "schedule": cfg.pipeline.schedule, "path": a.path, "steps": a.steps, "warmup": a.warmup,

@@ -7,7 +7,7 @@ that chain's variants on the step's own shapes, each captured ``--calls`` times 
 the step replays them), medians of ``--reps`` interleaved rounds:
 
 - ``pass``: the amax slot's zeroing and the pass, no scale update (a lower bound);
-- ``two-launch``: the zeroing, the pass, then `fused_update`'s kernel (``QEFFECT_FUSED_TRANSITION=0``);
+- ``two-launch``: the zeroing, the pass, then `fused_update`'s kernel (a state without a scratch);
 - ``transition``: the pass completing its own transition (the module's settings);
 - ``transition/<ordering>``: the same with the amax atomics' other ordering (relaxed or acquire-release;
   either is correct: the ticket's acquire-release orders them);

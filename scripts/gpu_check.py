@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from qeffect.config import load_config
-from qeffect.graphs.handshake import git_revision, qeffect_environment
+from qeffect.graphs.handshake import git_revision
 from qeffect.verify.state import run_verify_state
 
 
@@ -42,7 +42,7 @@ def main() -> int:
     (out / "reports").mkdir(parents=True, exist_ok=True)
     # The device copy of the tree has no .git: pass QEFFECT_GIT_REVISION=<rev> in the command there.
     rev = git_revision()
-    merged = {"command": " ".join(sys.argv), "git_revision": rev or "unknown", "environment": qeffect_environment(),
+    merged = {"command": " ".join(sys.argv), "git_revision": rev or "unknown",
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "reports": {}, "errors": {}}
     ok = True
     try:  # say why, up front, if Transformer Engine does not import here

@@ -11,12 +11,12 @@ The simulation (see `qeffect.offload.timing`) runs the real `OffloadManager` wit
 what it reports is the floor that the stream dependencies and the copy bandwidth set, not the GPU's
 step. Its durations are inputs (`--f-ms` etc.; the defaults split h2048's measured 9.75 ms step without
 offload: 7.1 ms of actions, the rest optimizer and embedding), and so are its answers. `--min-window N`
-(default 2: the last stage's; `train.offload_min_window` defaults to 12 since the H200 A/B of b21ab02) leaves
+(default 2: the last stage's; `offload.min_window` defaults to 12) leaves
 the groups with fewer than N other actions between their forward and their backward on the device: they
 count as empty; 0 offloads every group.
 
 `--robustness CONFIG`: plans searched as `qeffect train` searches them at capture (durations estimated from
-the config's matrix FLOPs, `runtime.build.estimate_costs`'s constants, its `train.offload_search_prefer`),
+the config's matrix FLOPs, `offload.planning.estimate_costs`'s constants, its `[offload]` section),
 then timed with the durations given
 here, and with them scaled (x0.6, x1.6, the last stage's weight 1.3): how far the estimate's plan is from a
 plan searched with those durations, and from the colouring's.
@@ -32,13 +32,13 @@ from typing import Any
 import torch
 
 from qeffect.cli.common import write_json
-from qeffect.config import load_config
+from qeffect.config import DEFAULT_SEARCH_TRIES, OffloadConfig, load_config
 from qeffect.graphs.handshake import script_provenance
 from qeffect.offload.plan import Event, explicit_banks, short_window_groups
-from qeffect.offload.timing import DEFAULT_TRIES, MIB, SimResult, StepCosts, search_banks, simulate
+from qeffect.offload.planning import estimated_costs as build_estimated_costs
+from qeffect.offload.planning import named_events
+from qeffect.offload.timing import MIB, SimResult, StepCosts, search_banks, simulate
 from qeffect.profile.flops import HEAD, linear_shapes
-from qeffect.runtime.build import estimated_costs as build_estimated_costs
-from qeffect.runtime.build import named_events
 from qeffect.schedule.adapter import build_schedule
 from qeffect.schedule.order import global_order
 
@@ -68,7 +68,7 @@ def given_costs(events: list[Event], group_mib: tuple[float, ...], stage_weight:
 
 def estimated_costs(events: list[Event], cfg: Any, group_mib: tuple[float, ...], gbps: float,
                     min_window: int = 0) -> StepCosts:
-    """Durations as `runtime.build.estimate_costs` estimates them at capture, from the config's linears
+    """Durations as `offload.planning.estimate_costs` estimates them at capture, from the config's linears
     (each stage's layers; the last also the head) instead of the chunks' weights; bytes as `given_costs`."""
     per_layer = sum(i * o for name, i, o, _ in linear_shapes(cfg) if name != HEAD) * cfg.model.layers_per_chunk
     last = cfg.pipeline.num_stages - 1
@@ -80,7 +80,7 @@ def estimated_costs(events: list[Event], cfg: Any, group_mib: tuple[float, ...],
 
 
 def without_short(costs: StepCosts, events: list[Event], min_window: int) -> StepCosts:
-    """`costs` with the groups no offload mode offloads at `min_window` (`train.offload_min_window`: the last
+    """`costs` with the groups no offload mode offloads at `min_window` (`offload.min_window`: the last
     stage's at 2) as empty, as the capture-time search sees them: no bank, no copies."""
     short = short_window_groups(events, min_window)
     return replace(costs, nbytes={g: 0 if g in short else n for g, n in costs.nbytes.items()})
@@ -102,9 +102,10 @@ def robustness(cfg_path: Path, schedule: str, given: dict[str, Any], tries: int,
     """The estimate's plan against plans searched with the given durations, scaled (see the docstring)."""
     cfg = load_config(cfg_path)
     events = step_events(schedule, cfg.pipeline.microbatches, cfg.pipeline.pp, cfg.pipeline.chunks_per_rank)
-    banks, prefer = cfg.train.offload_search_banks, cfg.train.offload_search_prefer
+    search = cfg.offload.model_copy(update={"mode": "resident", "search_tries": tries})  # as at capture
+    banks, prefer = search.search_banks, search.search_prefer
     estimate = search_banks(events, estimated_costs(events, cfg, given["group_mib"], given["gbps"], min_window),
-                            max_banks=banks, tries=tries, prefer=prefer)
+                            search)
     w = given["stage_weight"]
     variants = {"given": given, "x0.6": given | {k: given[k] * 0.6 for k in ("f_ms", "i_ms", "w_ms", "tail_ms")},
                 "x1.6": given | {k: given[k] * 1.6 for k in ("f_ms", "i_ms", "w_ms", "tail_ms")},
@@ -112,11 +113,11 @@ def robustness(cfg_path: Path, schedule: str, given: dict[str, Any], tries: int,
     out = []
     for name, kw in variants.items():
         costs = given_costs(events, **kw, min_window=min_window)
-        searched = search_banks(events, costs, max_banks=banks, tries=tries, prefer=prefer)
+        searched = search_banks(events, costs, search)
         out.append({"config": str(cfg_path), "schedule": schedule, "durations": name, "min_window": min_window,
                     "prefer": prefer,
-                    "estimate_plan": list(estimate.best.plan), "estimate_plan_ratio": simulate(events, costs,
-                                                                                               estimate.best.plan).ratio,
+                    "estimate_plan": list(estimate.best.plan),
+                    "estimate_plan_ratio": simulate(events, costs, estimate.best.plan, search).ratio,
                     "searched_plan_ratio": searched.best.ratio, "colour_2_ratio": simulate(events, costs).ratio,
                     f"colour_{banks}_ratio": searched.colour.ratio})
         r = out[-1]
@@ -129,7 +130,7 @@ def robustness(cfg_path: Path, schedule: str, given: dict[str, Any], tries: int,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedule", default="interleaved,zbv", help="comma-separated: interleaved, zbv")
-    ap.add_argument("--banks", default="2,3,4,6", help="comma-separated offload_banks to try")
+    ap.add_argument("--banks", default="2,3,4,6", help="comma-separated offload.banks to try")
     ap.add_argument("--lookahead", default="1,2", help="comma-separated look-ahead depths to try")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--chunk-mib", type=float, default=2.0)
@@ -143,15 +144,15 @@ def main() -> int:
     ap.add_argument("--tail-ms", type=float, default=2.65, help="per step, outside the actions: the optimizer and the rest")
     ap.add_argument("--min-window", type=int, default=2, metavar="N",
                     help="groups with fewer than N other actions between their F and B stay on the device, as "
-                         "train.offload_min_window does (default 2: the last stage's; the config's default is "
+                         "offload.min_window does (default 2: the last stage's; the config's default is "
                          "12); 0 offloads every group")
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="also search N tries for a better plan within the colouring's memory with each --banks")
     ap.add_argument("--prefer", choices=("memory", "copies"), default="copies",
                     help="--search: among plans as fast, fewer bytes copied (the default) or less bank memory, "
-                         "as train.offload_search_prefer")
+                         "as offload.search_prefer")
     ap.add_argument("--plan", action="append", default=[], metavar="SCHEDULE=B0:B1:...",
-                    help="time these banks (one per group in backward order, as QEFFECT_OFFLOAD_BANKS) instead of "
+                    help="time these banks (one per group in backward order, as offload.explicit_banks) instead of "
                          "--banks; repeatable")
     ap.add_argument("--robustness", type=Path, metavar="CONFIG",
                     help="the capture-time search's estimated durations for CONFIG against these durations")
@@ -163,10 +164,9 @@ def main() -> int:
     given = {"group_mib": tuple(float(x) for x in a.group_mib.split(",")),
              "stage_weight": tuple(float(x) for x in a.stage_weight.split(",")), "f_ms": a.f_ms, "i_ms": a.i_ms,
              "w_ms": a.w_ms, "tail_ms": a.tail_ms, "gbps": a.gbps}
-    chunk = int(a.chunk_mib * MIB)
     if a.robustness:
         for sched in a.schedule.split(","):
-            rows += robustness(a.robustness, sched, given, a.search or DEFAULT_TRIES, a.min_window)
+            rows += robustness(a.robustness, sched, given, a.search or DEFAULT_SEARCH_TRIES, a.min_window)
     for spec in a.plan:
         sched, _, text = spec.rpartition("=")
         try:
@@ -175,25 +175,27 @@ def main() -> int:
         except ValueError as err:  # an unknown schedule, or banks that do not fit it
             ap.error(str(err))
         costs = given_costs(events, **given, min_window=a.min_window)
-        rows.append(row(simulate(events, costs, banks, chunk_bytes=chunk), sched, 1, events, costs))
+        rows.append(row(simulate(events, costs, banks, OffloadConfig(mode="resident", copy_chunk_mib=a.chunk_mib)),
+                        sched, 1, events, costs))
         _print(rows[-1], f"{sched:11s} banks {text}")
     for sched in ([] if a.plan or a.robustness else a.schedule.split(",")):
         events = step_events(sched, a.microbatches)
         costs = given_costs(events, **given, min_window=a.min_window)
         for banks in (int(b) for b in a.banks.split(",")):
             for la in (int(x) for x in a.lookahead.split(",")):
-                r = simulate(events, costs, min_banks=banks, lookahead=la, chunk_bytes=chunk)
+                sim = OffloadConfig(mode="resident", banks=banks, lookahead=la, copy_chunk_mib=a.chunk_mib,
+                                    search_banks=banks, search_tries=a.search, search_prefer=a.prefer)
+                r = simulate(events, costs, config=sim)
                 rows.append(row(r, sched, la, events, costs))
                 _print(rows[-1], f"{sched:11s} banks {r.banks} (asked {banks}) look-ahead {la}")
                 if a.search:
-                    found = search_banks(events, costs, max_banks=banks, tries=a.search, lookahead=la,
-                                         chunk_bytes=chunk, prefer=a.prefer)
+                    found = search_banks(events, costs, sim)
                     rows.append(row(found.best, sched, la, events, costs) | {"searched": found.tried,
                                                                              "max_banks": banks,
                                                                              "prefer": a.prefer})
                     _print(rows[-1], f"{sched:11s} searched, within the colouring's memory with {banks} banks, "
                                      f"look-ahead {la}")
-                    print(f"    QEFFECT_OFFLOAD_BANKS={':'.join(map(str, found.best.plan))}")
+                    print(f"    offload.explicit_banks = {list(found.best.plan)}")
     if a.json:
         write_json(a.json, script_provenance() | {
             "kind": "simulation on the CPU: a host of zero cost, the durations and bandwidth given", "device": "none",

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
-from qeffect.graphs.handshake import qeffect_environment, script_provenance
+from qeffect.graphs.handshake import run_settings, script_provenance
 from qeffect.profile.trace import CATEGORIES, _kind, category
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
@@ -187,7 +187,7 @@ def main() -> int:
     ap.add_argument("--backend", default=None, help="fp8.backend instead of the config's: te or reference")
     ap.add_argument("--path", default="captured-direct")
     ap.add_argument("--schedule", default=None)
-    ap.add_argument("--offload", default=None, help="train.offload: off, release or resident")
+    ap.add_argument("--offload", default=None, help="offload.mode: off, release or resident")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--min-gap-us", type=float, default=5.0)
@@ -196,7 +196,7 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     cfg = load_config(a.config).with_overrides(**{"train.device": dev.type, "pipeline.schedule": a.schedule,
-                                                  "train.offload": a.offload, "fp8.backend": a.backend})
+                                                  "offload.mode": a.offload, "fp8.backend": a.backend})
 
     def sync() -> None:
         if cuda:
@@ -244,7 +244,7 @@ def main() -> int:
     for k in out["kernels"][:30]:
         print(f"  {k['ms_per_step']:7.3f} ms {k['calls_per_step']:6.0f}x [{k['category']}] {k['name'][:90]}")
     if a.json:
-        write_json(Path(a.json), {**script_provenance(), "environment": qeffect_environment(),
+        write_json(Path(a.json), {**script_provenance(), "settings": run_settings(cfg),
                                   "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
                                   "torch": torch.__version__, "config": a.config, "path": a.path, **out})
     return 0

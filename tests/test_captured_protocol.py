@@ -33,12 +33,11 @@ class FakeManager:
         return action.outputs
 
 
-def _actions(direct: bool = True, foreign_dest: bool = False, token_copy: bool = False):
+def _actions(direct: bool = True, foreign_dest: bool = False):
     chunk = build_chunks_for(CFG, "cpu")[0]
     specs = {arena_name(0, p): (tuple(w.shape), w.dtype) for p, w in chunk.matrix_params().items()}
     arena = GradientArena(specs, 2)
-    acts = CapturedStageActions(chunk, TapePool(2), EpochClock(), arena, direct=direct, manager=FakeManager(),
-                                token_copy=token_copy)
+    acts = CapturedStageActions(chunk, TapePool(2), EpochClock(), arena, direct=direct, manager=FakeManager())
     for m in range(2):
         tok = lambda: torch.zeros((), dtype=torch.int64)  # noqa: E731
         grads = {p: (torch.zeros_like(w) if foreign_dest else arena.view(arena_name(0, p), m))
@@ -56,9 +55,8 @@ def _tokens(mb: int = 2):
     return torch.zeros((mb, 8), dtype=torch.int64), torch.zeros((mb, 8), dtype=torch.int64)
 
 
-@pytest.mark.parametrize("token_copy", [False, True])
-def test_replays_are_checked_and_recorded(token_copy: bool) -> None:
-    acts = _actions(token_copy=token_copy)
+def test_replays_are_checked_and_recorded() -> None:
+    acts = _actions()
     x, y = _tokens()
     f = acts.forward(0, x, acts.ledger.current, y)
     with pytest.raises(ConsumerOrderViolation):
@@ -67,10 +65,8 @@ def test_replays_are_checked_and_recorded(token_copy: bool) -> None:
     dw = acts.weight_grad(0, f.ref, di.token)
     assert acts.pool.live_count == 0 and acts.ledger.seq == 3 and dw.token is acts.ledger.current
     assert [r[0] for r in acts.manager.replays] == ["F0", "dI0", "dW0"]
-    # the replays' copied-in inputs: the token only with QEFFECT_TOKEN_COPY's per-slot inputs
-    tok = ("token",) if token_copy else ()
-    assert [r[1] for r in acts.manager.replays] == [tuple(sorted(("targets", "x") + tok)),
-                                                    tuple(sorted(("grad",) + tok)), tok]
+    # the replays' copied-in inputs: no token (every graph increments the chunk's token buffer in place)
+    assert [r[1] for r in acts.manager.replays] == [("targets", "x"), ("grad",), ()]
     assert len(acts.arena.written) == len(acts.chunk.matrix_params())
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in acts.chunk.nonmatrix_params().values())
 
@@ -98,10 +94,11 @@ def test_captured_destination_must_be_the_arena_view() -> None:
 def test_offload_hooks_bracket_the_replays() -> None:
     """F replays between before/after_forward; dI opens the group's backward and dW (the last reader of
     the saved tensors: the retained dW work references them) closes it. An 'off' manager checks order."""
+    from qeffect.config import OffloadConfig
     from qeffect.offload.group import OffloadManager
 
     acts = _actions()
-    mgr = OffloadManager("off", device="cpu")
+    mgr = OffloadManager(OffloadConfig(), device="cpu")  # mode "off"
     acts.groups = {m: mgr.group(f"s0.m{m}") for m in range(2)}
     mgr.allocate([acts.groups[0], acts.groups[1]])
     g0 = acts.groups[0]
@@ -116,11 +113,12 @@ def test_offload_hooks_bracket_the_replays() -> None:
 
 
 def test_rank_hands_its_offload_manager_to_every_captured_action() -> None:
+    from qeffect.config import OffloadConfig
     from qeffect.offload.group import OffloadManager
     from qeffect.runtime.build import build_rank, schedule_of
 
     cfg = load_config()
-    mgr = OffloadManager("off", device="cpu")
+    mgr = OffloadManager(OffloadConfig(), device="cpu")  # mode "off"
     chunks = build_chunks_for(cfg, "cpu")
     r = build_rank(cfg, schedule_of(cfg), 0, chunks, native=False, manager=FakeManager(), offload=mgr)
     assert r.actions and all(a.offload is mgr for a in r.actions.values())
@@ -149,10 +147,11 @@ def test_captured_di_binds_the_fixed_gradient_buffers_and_refuses_another_order(
 def test_a_slot_with_offload_runs_again_after_an_aborted_step(fail_at: str) -> None:
     """A replay that fails between its offload hooks aborts the tape; the slot's next forward (a new
     step) abandons the group's leftovers instead of refusing the hook order forever."""
+    from qeffect.config import OffloadConfig
     from qeffect.offload.group import OffloadManager
 
     acts = _actions()
-    mgr = OffloadManager("off", device="cpu")
+    mgr = OffloadManager(OffloadConfig(), device="cpu")  # mode "off"
     acts.groups = {m: mgr.group(f"s0.m{m}") for m in range(2)}
     mgr.allocate([acts.groups[0], acts.groups[1]])
     x, y = _tokens()

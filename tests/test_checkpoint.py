@@ -7,6 +7,7 @@ covers fresh-process resume of the real tiny default through `qeffect train`.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from qeffect.checkpoint import (
 from qeffect.checkpoint.inspect import compare_tensors
 from qeffect.checkpoint.state import local_view, tensor_state
 from qeffect.cli.app import main
-from qeffect.config import load_config
+from qeffect.config import RunConfig, bit_changing_fields, load_config
 from qeffect.contracts import CommitViolation
 from qeffect.errors import ReportError, UserError
 from qeffect.runtime.build import build_single_process
@@ -215,6 +216,76 @@ def test_resume_with_other_pipeline_shape_is_refused(saved) -> None:
     cfg = small_cfg(**{"pipeline.microbatches": 8})
     with pytest.raises(UserError, match="pipeline.microbatches: checkpoint 4, run 8"):
         load_checkpoint(build_single_process(cfg, native=False), path, cfg)
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("fp8.margin", 2, "fp8.margin: checkpoint 0, run 2"),
+    ("fp8.amax_compute_algo", "most_recent", "fp8.amax_compute_algo: checkpoint 'max', run 'most_recent'"),
+    ("optim.lr", 1e-3, "optim.lr: checkpoint 0.003, run 0.001"),
+    ("optim.weight_decay", 0.1, "optim.weight_decay: checkpoint 0.0, run 0.1"),
+    ("train.dtype", "bfloat16", "train.dtype: checkpoint 'float32', run 'bfloat16'"),
+    ("train.seed", 7, "train.seed: checkpoint 0, run 7"),
+])
+def test_resume_under_another_bit_changing_setting_is_refused(saved, field: str, value: object,
+                                                              named: str) -> None:
+    """Every setting marked ``changes_bits`` is kept on resume: a different one is refused, by name, before
+    anything is loaded."""
+    path, _, _ = saved
+    assert field in bit_changing_fields()
+    cfg = small_cfg(**{field: value})
+    pipe = build_single_process(cfg, native=False)
+    with pytest.raises(UserError, match=f"checkpoint differs from this run: {re.escape(named)}$"):
+        load_checkpoint(pipe, path, cfg)
+    assert pipe.ranks[0].clock.e_W == 0 and not pipe.ranks[0].optimizer.state  # nothing loaded
+
+
+def test_resume_refusal_names_each_difference(saved) -> None:
+    path, _, _ = saved
+    cfg = small_cfg(**{"optim.lr": 1e-3, "optim.beta2": 0.99, "train.seed": 3, "train.steps": 99})
+    with pytest.raises(UserError, match=re.escape(
+            "checkpoint differs from this run: optim.beta2: checkpoint 0.95, run 0.99; "
+            "optim.lr: checkpoint 0.003, run 0.001; train.seed: checkpoint 0, run 3")):
+        load_checkpoint(build_single_process(cfg, native=False), path, cfg)
+
+
+def test_resume_fields_are_the_bit_changing_ones_and_the_layout() -> None:
+    """Refused: everything refused before (model, pipeline shape and schedule, fp8, activation dtype) and
+    now every bit-changing setting; allowed: what leaves the bits and the layout alone."""
+    from qeffect.checkpoint.state import RESUME_FIELDS
+
+    before = [f"{s}.{f}" for s in ("model", "pipeline", "fp8") for f in RunConfig.model_fields[s].annotation.model_fields]
+    assert set(before) - {"pipeline.wgrad_staging"} <= set(RESUME_FIELDS)
+    assert set(bit_changing_fields()) | {"train.dtype", "pipeline.schedule"} <= set(RESUME_FIELDS)
+    free = ("pipeline.wgrad_staging", "train.steps", "train.path", "train.device", "runtime.rank_streams",
+            "offload.mode", "train.checkpoint_every")
+    assert not set(free) & set(RESUME_FIELDS)
+
+
+def test_resume_with_other_speed_settings_loads(saved) -> None:
+    """Staged accumulation, the run length and the runtime section change no bits: a resume may change them."""
+    path, cfg, bits = saved
+    other = cfg.with_overrides(**{"pipeline.wgrad_staging": 0, "train.steps": 7, "runtime.rank_streams": False})
+    fresh = build_single_process(other, native=False)
+    assert load_checkpoint(fresh, path, other).step == 2
+    assert_same(state_bits(fresh), bits)
+
+
+def test_a_checkpoint_of_the_old_config_schema_loads_and_inspects(saved, tmp_path) -> None:
+    """Checkpoints store their config as written: one from before the [offload] section (`train.offload*`
+    fields, no [runtime]) still resumes under today's config and inspects."""
+    path, cfg, bits = saved
+    ck = copy_of(path, tmp_path)
+    old = cfg.model_dump()
+    old.pop("runtime"), old.pop("offload")
+    old["train"].update(offload="off", offload_min_window=12, offload_lookahead=1, offload_reap=False)
+    _edit_payload(ck, config=old)
+    fresh = build_single_process(cfg, native=False)
+    assert load_checkpoint(fresh, ck, cfg).config["train"]["offload"] == "off"
+    assert_same(state_bits(fresh), bits)
+    report = inspect_checkpoint(ck)
+    assert report.config["train"]["offload_lookahead"] == 1 and "runtime" not in report.config
+    diff = diff_checkpoints(path, ck)
+    assert diff.identical and "train.offload: a absent, b 'off'" in diff.other_config_differences
 
 
 # ---------------------------------------------------------------------------------------- corruption

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from qeffect.contracts import TapePool, TapeViolation
+from qeffect.contracts import FAMILIES, TapePool, TapeViolation
 from qeffect.verify.faults import FaultReport, Injection, build_injections, run_faults, run_injection
 
 
@@ -19,9 +19,9 @@ def report() -> FaultReport:
 def test_report_passes(report):
     assert report.passed, [r for r in report.injections if not r.passed]
     assert report.kind == "faults" and report.schema_version == 1
-    assert len(report.injections) >= 7 and len(report.families) >= 6
-    assert set(report.families) == {"tape-reference", "consumer-order", "effect-token", "cache-epoch", "arena",
-                                    "commit"}
+    assert len(report.injections) >= 8 and len(report.families) == 7
+    assert set(report.families) == set(FAMILIES) == {"tape-reference", "consumer-order", "effect-token",
+                                                     "cache-epoch", "arena", "commit", "device-completion"}
     assert report.cuda_initialized is False and torch.cuda.is_initialized() is False
 
 
@@ -36,6 +36,13 @@ def test_every_injection_first_invalid_and_preserved(report):
     assert "stale generation" in by_name["stale tape reference after slot reuse (ABA)"].message
     assert by_name["premature commit with a live tape"].aftermath_ok is True
     assert by_name["premature commit with a pending reduction"].aftermath_ok is True
+    handoff = by_name["hand-off read on a rank stream that did not wait"]
+    assert handoff.error_type == "DeviceCompletionViolation"
+    assert handoff.rejected_operation == "F(1,1) reads act(0,1) on rank1 without a wait"
+    assert ("use without wait for ('act', 0, 1): expected consumer stream 'rank1' to wait on the record on "
+            "producer stream 'rank0'") in handoff.message
+    one_way = by_name["graph outputs read after a replay the caller did not wait for (one-way)"]
+    assert one_way.error_type == "DeviceCompletionViolation" and "stale wait for stage0.F0" in one_way.message
 
 
 def test_report_round_trips_as_json(report):
@@ -115,10 +122,11 @@ def test_too_few_injections_or_families_fail():
             by_family.setdefault(inj.family, inj)
         return list(by_family.values())
 
-    six = run_faults(firsts())
-    assert len(six.injections) == 6 and len(six.families) == 6 and all(r.passed for r in six.injections)
-    assert not six.passed
-    seven = run_faults(firsts() + [build_injections()[1]])
-    assert len(seven.injections) == 7 and seven.passed  # seven injections, six families: the minimum
-    five_families = run_faults([i for i in build_injections() if i.family != "effect-token"])
-    assert all(r.passed for r in five_families.injections) and not five_families.passed
+    seven = run_faults(firsts())
+    assert len(seven.injections) == 7 and len(seven.families) == 7 and all(r.passed for r in seven.injections)
+    assert not seven.passed
+    eight = run_faults(firsts() + [build_injections()[1]])
+    assert len(eight.injections) == 8 and eight.passed  # eight injections, every family: the minimum
+    for family in ("effect-token", "device-completion"):
+        missing = run_faults([i for i in build_injections() if i.family != family])
+        assert all(r.passed for r in missing.injections) and not missing.passed

@@ -177,10 +177,10 @@ def test_fp8_mm_bias_on_the_cpu_is_the_rounded_product_plus_the_bias():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp8_mm_cuda_adds_a_16_bit_bias_in_the_epilogue(monkeypatch):
+def test_fp8_mm_cuda_adds_a_16_bit_bias_in_the_epilogue():
     """bf16 output: the bias is added to the fp32 result inside the GEMM and rounded once, so the result
-    is not the rounded product plus the bias (a separate add, ``QEFFECT_REF_BIAS_EPILOGUE=0``, gives that
-    exactly) and is no farther from the exact sum, summed over the elements; fp32 outputs add it after."""
+    is not the rounded product plus the bias (a separate add) and is no farther from the exact sum, summed
+    over the elements; fp32 outputs add it after."""
     g = torch.Generator().manual_seed(0)
     a = (torch.randn(256, 512, generator=g) * 30).to(E4M3).cuda()
     b = (torch.randn(384, 512, generator=g) * 30).to(E4M3).cuda()
@@ -192,8 +192,6 @@ def test_fp8_mm_cuda_adds_a_16_bit_bias_in_the_epilogue(monkeypatch):
     assert not torch.equal(fused, apart)
     assert (fused.double() - exact).abs().sum() <= (apart.double() - exact).abs().sum()
     assert torch.equal(fp8_mm(a, sa, b, sb, torch.float32, bias=bias), fp8_mm(a, sa, b, sb, torch.float32) + bias)
-    monkeypatch.setenv("QEFFECT_REF_BIAS_EPILOGUE", "0")
-    assert torch.equal(fp8_mm(a, sa, b, sb, torch.bfloat16, bias=bias), apart)
 
 
 @pytest.mark.gpu
@@ -491,10 +489,9 @@ def _wgrad_works(lin: RefFP8Linear, micro: int = 3) -> list:
     return lin.pop_wgrad_work()
 
 
-def test_the_wgrad_gemm_writes_the_activation_dtype_and_sums_as_autograd(monkeypatch) -> None:
+def test_the_wgrad_gemm_writes_the_activation_dtype_and_sums_as_autograd() -> None:
     """bf16 activations: the GEMM writes bf16 (a staging slot is its own output), and every destination
-    gets the bits of autograd's cast to fp32 and AccumulateGrad's sum; `QEFFECT_REF_WGRAD_DTYPE=weight`
-    makes the GEMM write fp32, other values."""
+    gets the bits of autograd's cast to fp32 and AccumulateGrad's sum; fp32 activations: fp32."""
     lin = _linear()
     works = _wgrad_works(lin)
     assert lin.wgrad_dtype(torch.bfloat16) == torch.bfloat16 and works[0].activation_dtype == torch.bfloat16
@@ -514,15 +511,7 @@ def test_the_wgrad_gemm_writes_the_activation_dtype_and_sums_as_autograd(monkeyp
     assert torch.equal(acc, native)
     with pytest.raises(ValueError, match="dW destination"):  # a bf16 slot cannot be added into
         lin.compute_wgrad(works[0], out=slots[0], accumulate=True)
-    monkeypatch.setenv("QEFFECT_REF_WGRAD_DTYPE", "weight")  # read when a module is built
-    assert lin.wgrad_dtype(torch.bfloat16) == torch.bfloat16
-    lin32 = _linear()
-    assert lin32.wgrad_dtype(torch.bfloat16) == torch.float32
-    fp32 = [lin32.compute_wgrad(w) for w in _wgrad_works(lin32)]
-    assert any(not torch.equal(a, b) for a, b in zip(fp32, full, strict=True))
-    monkeypatch.setenv("QEFFECT_REF_WGRAD_DTYPE", "fp16")
-    with pytest.raises(ValueError, match="QEFFECT_REF_WGRAD_DTYPE"):
-        _linear()
+    assert lin.wgrad_dtype(torch.float32) == torch.float32
 
 
 # -- the weight cast in the optimizer's pass ----------------------------------------------------------
@@ -579,16 +568,14 @@ def test_the_weight_cast_target_needs_e4m3_from_fp32() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("switch", ["1", "0"])
-def test_captured_reference_verifies_with_the_weight_cast_in_the_optimizer(monkeypatch, switch: str) -> None:
+def test_captured_reference_verifies_with_the_weight_cast_in_the_optimizer() -> None:
     """Captured reference training (bf16 activations, fp32 masters) with the weights cast in the optimizer's
     pass verifies against native eager, cached bytes and FP8 state included; after a step every target is
-    cast for the next. ``QEFFECT_WEIGHT_CAST=0``: no targets, the forwards quantize."""
+    cast for the next."""
     from qeffect.config import load_config
     from qeffect.runtime.build import build_single_process
     from qeffect.verify.state import run_verify_state, synthetic_batches
 
-    monkeypatch.setenv("QEFFECT_WEIGHT_CAST", switch)
     cfg = load_config().with_overrides(**{"train.device": "cuda", "train.dtype": "bfloat16"})
     report = run_verify_state(cfg, steps=3, path="captured-direct")
     assert report.passed, report.first_divergence
@@ -597,8 +584,7 @@ def test_captured_reference_verifies_with_the_weight_cast_in_the_optimizer(monke
     targets = [t for r in pipe.ranks for a in r.actions.values() for t in a.weight_casts]
     for s in range(2):
         pipe.step(synthetic_batches(cfg, s, "cuda"))
-    assert bool(targets) == (switch == "1")
-    assert all(t.captured and t.fresh for t in targets)
+    assert targets and all(t.captured and t.fresh for t in targets)
 
 
 @pytest.mark.gpu

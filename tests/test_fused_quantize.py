@@ -50,18 +50,10 @@ def test_cpu_takes_the_sequence() -> None:
     assert _same_bits(q, q_ref) and _same_bits(qt, qt_ref) and torch.equal(a1, a2) and a1 == x.abs().max()
 
 
-def test_transpose_mode_kernel_only_for_16_bit_inputs(monkeypatch) -> None:
-    """fp32 tiles got wrong bytes from Triton's in-kernel transpose on the H200: they always go to torch."""
-    from qeffect.fp8.fused_quantize import _transpose_in_kernel
-
-    bf16, fp32 = torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 2)
-    monkeypatch.delenv("QEFFECT_FUSED_TRANSPOSE", raising=False)
-    assert _transpose_in_kernel(bf16) and not _transpose_in_kernel(fp32)
-    monkeypatch.setenv("QEFFECT_FUSED_TRANSPOSE", "torch")
-    assert not _transpose_in_kernel(bf16)
-    monkeypatch.setenv("QEFFECT_FUSED_TRANSPOSE", "yes")
-    with pytest.raises(ValueError, match="QEFFECT_FUSED_TRANSPOSE"):
-        _transpose_in_kernel(bf16)
+def test_the_kernel_transposes_16_bit_inputs_only() -> None:
+    """fp32 tiles got wrong bytes from Triton's in-kernel transpose on the H200: `transpose_bytes` takes them."""
+    bf16, fp16, fp32 = (torch.zeros(2, 2, dtype=d) for d in (torch.bfloat16, torch.float16, torch.float32))
+    assert fq._transpose_in_kernel(bf16) and fq._transpose_in_kernel(fp16) and not fq._transpose_in_kernel(fp32)
 
 
 TRANSPOSE_CASES = """

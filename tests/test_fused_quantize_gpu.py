@@ -43,14 +43,25 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+def torch_transition(st, x: torch.Tensor, transpose: bool) -> tuple:  # noqa: ANN001 - a ScalingState
+    """What a `ScalingState` runs without the fused passes (the CPU's path), in torch: `1 / scale`, the
+    quantization with its amax recorded (`quantize_sequence`), then `update_scale`."""
+    from qeffect.fp8.fused_quantize import quantize_sequence
+    from qeffect.fp8.scaling import update_scale
+
+    inv = st.scale.reciprocal()
+    q, qt = quantize_sequence(x, st.scale, st.amax_history[0], st.fp8_dtype, transpose)
+    update_scale(st.amax_history, st.scale, st.fmax, st.margin, st.amax_compute_algo)
+    return (q, qt, inv) if transpose else (q, inv)
+
+
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5), (64, 64), (255, 1000), (256, 4096), (4096, 1), (1000, 257)])
 @pytest.mark.parametrize("scale", [1.0, 0.37, 1e-3, 3.5e4])
-@pytest.mark.parametrize("transpose_mode", ["torch", "kernel"])
-def test_fused_quantize_is_bitwise_the_sequence(fp8, dtype, shape, scale, transpose_mode, monkeypatch) -> None:
+def test_fused_quantize_is_bitwise_the_sequence(fp8, dtype, shape, scale) -> None:
+    """The kernel's transpose for 16-bit inputs, `transpose_bytes` after it for fp32 ones: torch's bytes."""
     fq = _fused()
-    monkeypatch.setenv("QEFFECT_FUSED_TRANSPOSE", transpose_mode)  # kernel: 16-bit inputs only
     for seed, special in ((0, False), (1, True)):
         x = _special(shape, dtype, seed) if special else (torch.randn(shape, device="cuda") * 3).to(dtype)
         s = torch.tensor(scale, device="cuda")
@@ -111,34 +122,19 @@ def test_fused_quantize_captures_into_a_graph() -> None:
     assert _same_bits(q, q_ref) and _same_bits(qt, qt_ref) and torch.equal(hist[0], ref_a)
 
 
-@pytest.mark.parametrize("fp8", FP8)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(64, 64), (255, 1000), (256, 4096)])
-def test_torch_transpose_fallback_is_bitwise_the_sequence(fp8, dtype, shape, monkeypatch) -> None:
-    """QEFFECT_FUSED_TRANSPOSE=torch: the kernel makes q and the amax, torch the transpose."""
-    fq = _fused()
-    monkeypatch.setenv("QEFFECT_FUSED_TRANSPOSE", "torch")
-    x = (torch.randn(shape, device="cuda") * 3).to(dtype)
-    s = torch.tensor(0.37, device="cuda")
-    a_ref, a_got = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
-    q_ref, qt_ref = fq.quantize_sequence(x, s, a_ref, fp8, transpose=True)
-    q, qt = fq.quantize_amax(x, s, a_got, fp8, transpose=True)
-    assert _same_bits(q, q_ref) and _same_bits(qt, qt_ref) and torch.equal(a_got, a_ref)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp32: master weights
-def test_scaling_state_pair_equals_quantize_then_transpose(dtype, monkeypatch) -> None:
-    """`ScalingState.quantize_pair` on a GPU (fused) against the torch path (QEFFECT_FUSED_QUANTIZE=0)."""
+def test_scaling_state_pair_equals_quantize_then_transpose(dtype) -> None:
+    """`ScalingState.quantize_pair` on a GPU (fused) against the torch path (`torch_transition`)."""
     from qeffect.fp8.recipe import DelayedScalingRecipe
     from qeffect.fp8.scaling import ScalingState
 
     _fused()
     x = torch.randn(320, 704, device="cuda", dtype=dtype) * 10
     out = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("QEFFECT_FUSED_QUANTIZE", flag)
+    for fused in (True, False):
         st = ScalingState.new(DelayedScalingRecipe(), torch.float8_e4m3fn, device="cuda")
-        res = [st.quantize_pair(x * (k + 1)) for k in range(3)]  # three transitions: scales move
+        # three transitions: scales move
+        res = [st.quantize_pair(x * (k + 1)) if fused else torch_transition(st, x * (k + 1), True) for k in range(3)]
         out.append((res, st.amax_history.clone(), st.scale.clone()))
     (ra, ha, sa), (rb, hb, sb) = out
     assert torch.equal(ha, hb) and torch.equal(sa, sb)
@@ -154,11 +150,11 @@ def test_transpose_bytes_is_torch_transpose(shape) -> None:
 
 
 @pytest.mark.parametrize("shape", [(256, 4096), (100, 130), (1, 64), (257, 16384)])
-def test_column_sums_from_the_quantize_pass(shape, monkeypatch) -> None:
+def test_column_sums_from_the_quantize_pass(shape) -> None:
     """`quantize_amax_colsum`: the FP8 bytes, transpose and amax are `quantize_amax`'s bit for bit; the fp32
     column sums (a bias gradient) are the same bits on every call (fixed order: each tile's sums, added
     in row order), within fp32 rounding of the exact sums; the bf16 sums are torch's rounding of the fp32
-    ones; and ``QEFFECT_FUSED_DBIAS=0`` gives torch's sums."""
+    ones."""
     fq = _fused()
     g = torch.Generator(device="cuda").manual_seed(shape[0])
     x = (torch.randn(shape, device="cuda", generator=g) * 3).to(torch.bfloat16)
@@ -176,9 +172,6 @@ def test_column_sums_from_the_quantize_pass(shape, monkeypatch) -> None:
     exact = x.double().sum(0)
     bound = 2 * shape[0] * torch.finfo(torch.float32).eps * x.double().abs().sum(0)  # any summation order
     assert bool(((sums.double() - exact).abs() <= bound).all())
-    monkeypatch.setenv("QEFFECT_FUSED_DBIAS", "0")
-    _, _, torch_sums = fq.quantize_amax_colsum(x, scale, a3, torch.float8_e5m2, torch.float32)
-    assert torch.equal(torch_sums, x.sum(0, dtype=torch.float32))
 
 
 def _states(fp8: torch.dtype, algo: str, margin: int, history: list[float], scale: float):

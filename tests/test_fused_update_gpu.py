@@ -51,18 +51,28 @@ def test_fused_update_is_bitwise_update_scale(length: int, algo: str, margin: in
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_scaling_state_transitions_fused_equal_torch(dtype: torch.dtype, monkeypatch) -> None:
-    """Eight `quantize_pair` / `quantize` transitions: fused quantize + fused update against the torch path."""
+def test_scaling_state_transitions_fused_equal_torch(dtype: torch.dtype) -> None:
+    """Eight `quantize_pair` / `quantize` transitions: fused quantize + fused update against the torch path
+    (what a state runs without the fused passes: `1 / scale`, `quantize_sequence`, `update_scale`)."""
+    from qeffect.fp8.fused_quantize import quantize_sequence
     from qeffect.fp8.recipe import DelayedScalingRecipe
-    from qeffect.fp8.scaling import ScalingState
+    from qeffect.fp8.scaling import ScalingState, update_scale
+
+    def torch_transition(st: ScalingState, x: torch.Tensor, transpose: bool) -> tuple:
+        inv = st.scale.reciprocal()
+        q, qt = quantize_sequence(x, st.scale, st.amax_history[0], st.fp8_dtype, transpose)
+        update_scale(st.amax_history, st.scale, st.fmax, st.margin, st.amax_compute_algo)
+        return (q, qt, inv) if transpose else (q, inv, None)
 
     _fused()
     xs = [torch.randn(192, 320, device="cuda", dtype=dtype) * 10 ** (k % 5 - 2) for k in range(8)]
     runs = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("QEFFECT_FUSED_QUANTIZE", flag)
+    for fused in (True, False):
         st = ScalingState.new(DelayedScalingRecipe(), torch.float8_e4m3fn, device="cuda")
-        out = [st.quantize_pair(x) if k % 2 else (*st.quantize(x), None) for k, x in enumerate(xs)]
+        if fused:
+            out = [st.quantize_pair(x) if k % 2 else (*st.quantize(x), None) for k, x in enumerate(xs)]
+        else:
+            out = [torch_transition(st, x, transpose=bool(k % 2)) for k, x in enumerate(xs)]
         runs.append((out, st.amax_history.clone(), st.scale.clone()))
     (oa, ha, sa), (ob, hb, sb) = runs
     assert torch.equal(_bits(ha), _bits(hb)) and torch.equal(_bits(sa), _bits(sb))

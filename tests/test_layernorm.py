@@ -131,16 +131,14 @@ def test_kernels_are_deterministic_and_the_same_captured():
 
 @pytest.mark.gpu
 @cuda
-def test_the_model_uses_them_on_cuda_16_bit_unless_disabled(monkeypatch):
+def test_the_model_uses_them_on_cuda_16_bit_only(monkeypatch):
     calls = []
     real = gpt.triton_layer_norm
     monkeypatch.setattr(gpt, "triton_layer_norm", lambda ln, x: calls.append(1) or real(ln, x))
     ln, x, _ = _ln_case(tokens=8, hidden=64)
     gpt.layer_norm(ln, x)
     assert calls == [1]
-    gpt.layer_norm(ln, x.float())
-    monkeypatch.setenv("QEFFECT_FUSED_LAYERNORM", "0")
-    gpt.layer_norm(ln, x)
+    gpt.layer_norm(ln, x.float())  # fp32 activations: the torch form
     assert calls == [1]
 
 
@@ -205,8 +203,9 @@ def test_a_block_has_the_same_bits_with_the_residual_adds_fused_or_apart(monkeyp
     real = layernorm.triton_add_layer_norm
     monkeypatch.setattr(gpt, "triton_add_layer_norm", lambda *a: calls.append(1) or real(*a))
     runs = []
-    for fused in ("1", "0"):
-        monkeypatch.setenv("QEFFECT_FUSED_RESIDUAL", fused)
+    fused_residual = gpt._fused_residual
+    for fused in (True, False):  # apart: the add, then the norm (each still the Triton LayerNorm)
+        monkeypatch.setattr(gpt, "_fused_residual", fused_residual if fused else lambda ln, x: False)
         (chunk,) = build_chunks(shape, ReferenceBackend(DelayedScalingRecipe()), seed=0, device="cuda",
                                 dtype=torch.bfloat16)
         gen = torch.Generator().manual_seed(5)

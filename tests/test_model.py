@@ -228,7 +228,7 @@ def test_shared_init_draws_reuses_the_same_numbers(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_heads_has_autograds_values_and_gradient_bits(dtype, monkeypatch):
+def test_split_heads_has_autograds_values_and_gradient_bits(dtype):
     """`split_heads` (one copy in its backward) against autograd's view/permute/unbind route: the same
     views forward and, through attention, the same bits in the fused projection's gradient."""
     import torch.nn.functional as F
@@ -240,10 +240,13 @@ def test_split_heads_has_autograds_values_and_gradient_bits(dtype, monkeypatch):
     qkv = torch.randn(b, t, 3 * heads * d, dtype=dtype)
     dy = torch.randn(b, heads, t, d, dtype=dtype)
     grads, outs = [], []
-    for route in ("autograd", "function"):
-        monkeypatch.setenv("QEFFECT_SPLIT_HEADS", route)
+
+    def autograd_route(x: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+        return x.view(b, t, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)
+
+    for route in (autograd_route, split_heads):
         x = qkv.clone().requires_grad_(True)
-        q, k, v = split_heads(x, heads)
+        q, k, v = route(x, heads)
         assert q.shape == (b, heads, t, d) and q.data_ptr() == x.data_ptr()  # views, no copy forward
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.backward(dy)
@@ -253,7 +256,6 @@ def test_split_heads_has_autograds_values_and_gradient_bits(dtype, monkeypatch):
     assert grads[1].is_contiguous() and grads[1].shape == qkv.shape
     # a gradient that reaches only some of q, k, v (materialized as zeros) still lands in its place
     x = qkv.clone().requires_grad_(True)
-    monkeypatch.setenv("QEFFECT_SPLIT_HEADS", "function")
     q, k, v = split_heads(x, heads)
     (k * 2).sum().backward()
     expect = torch.zeros(b, t, 3, heads, d, dtype=dtype)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from qeffect.cli.app import main
+from qeffect.config import DEFAULT_COPY_CHUNK_MIB, DEFAULT_SHARE_GAP, DEFAULT_STORE_BATCH_MIB, OffloadConfig
 from qeffect.offload import (
     CudaDriverError,
     GroupState,
@@ -28,7 +29,7 @@ from qeffect.offload import (
     wrap_pointer,
 )
 from qeffect.offload.fake import MIB, POISON, CUcontext, CUresult, FakeDevice, FakeDeviceFault
-from qeffect.offload.group import DEFAULT_CHUNK_MIB, DEFAULT_SHARE_GAP, DEFAULT_STORE_BATCH_MIB, OffloadGroup
+from qeffect.offload.group import OffloadGroup
 
 KIB = 1 << 10
 GRAN = 64 * KIB  # a small fake granularity keeps the simulated memory cheap
@@ -37,6 +38,12 @@ GRAN = 64 * KIB  # a small fake granularity keeps the simulated memory cheap
 def fake(seed: int = 0, **kw) -> tuple[FakeDevice, VmmDriver]:
     dev = FakeDevice(seed, granularity=kw.pop("granularity", GRAN), **kw)
     return dev, dev.driver()
+
+
+def config(mode: str = "release", **kw) -> OffloadConfig:
+    """These tests' manager config: `kw` over consumed slots reaped and every group offloaded (`reap`,
+    `min_window` 0): the state machine's paths under test, not a training run's defaults."""
+    return OffloadConfig(mode=mode, **{"reap": True, "min_window": 0, **kw})
 
 
 def cu_calls(trace: list[tuple]) -> list[str]:
@@ -346,10 +353,12 @@ def pattern(step: int, k: int, i: int, v: torch.Tensor) -> torch.Tensor:
 
 def build(mode: str, seed: int = 0, layers: int = 4, order: list[int] | None = None, program=None, **kw):
     """`program` (a `run_program` program): the manager gets its events (resident: kept groups skip the D2H).
-    Shared slots take any run (`share_gap` 0: these programs are short; the gap rule has its own tests)."""
+    `kw`: the manager's `timing`, `alignment` and `eligible`, the rest config fields (`config`). Shared slots
+    take any run (`share_gap` 0: these programs are short; the gap rule has its own tests)."""
     dev, drv = fake(seed, progress=kw.pop("progress", 2))
     kw.setdefault("share_gap", 0)
-    mgr = OffloadManager(mode, device="cpu", driver=drv, streams=dev, **kw)
+    extra = {k: kw.pop(k) for k in ("timing", "alignment", "eligible") if k in kw}
+    mgr = OffloadManager(config(mode, **kw), device="cpu", driver=drv, streams=dev, **extra)
     groups = [mgr.group(f"G{k}") for k in range(layers)]
     for k, g in enumerate(groups):
         g.discover(torch.empty(3 + k, 5, dtype=torch.float32))
@@ -627,7 +636,7 @@ def released_stack(**kw):
 
 
 def test_lookahead_restores_the_next_group_before_the_current_backward_runs() -> None:
-    """The order without launch_first (QEFFECT_OFFLOAD_LAUNCH_FIRST=0); with it, the look-ahead restore
+    """The order without launch_first (`offload.launch_first = false`); with it, the look-ahead restore
     follows the launch (`test_launch_first_queues_the_lookahead_restore_after_the_backward_launch`)."""
     for lookahead in (True, False):
         dev, mgr, groups = released_stack(lookahead=lookahead, launch_first=False)
@@ -665,10 +674,10 @@ def test_every_interleaving_restores_the_right_bytes_at_any_lookahead_depth(mode
                                                                             depth: int, first: bool) -> None:
     """`first`: the manager's launch_first (reaps and look-ahead restores after each launch)."""
     prog, order = PROGRAMS[program]
-    keep = {"release_consumed": False} if mode == "release-keep" else {}
+    keep = {"reap": False} if mode == "release-keep" else {}
     for seed in range(12):
         dev, mgr, groups = build(mode.removesuffix("-keep"), seed, layers=len(order), order=order, lookahead=depth,
-                                 num_banks=3, launch_first=first, **keep)
+                                 banks=3, launch_first=first, **keep)
         assert run_program(dev, groups, prog) == [], (mode, program, seed, depth, first)
         assert mgr.stats.d2h_copies == 2 * len(order)
 
@@ -676,7 +685,7 @@ def test_every_interleaving_restores_the_right_bytes_at_any_lookahead_depth(mode
 def test_lookahead_passes_over_groups_without_a_slot_and_a_deep_one_never_evicts() -> None:
     # release: a group with nothing to offload does not use up the depth
     dev, drv = fake(0, progress=0)
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev, lookahead=1)
+    mgr = OffloadManager(config("release", lookahead=1), device="cpu", driver=drv, streams=dev)
     g0, empty, g2 = (mgr.group(n) for n in ("G0", "E1", "G2"))
     g0.discover(torch.empty(4))
     g2.discover(torch.empty(4))
@@ -693,7 +702,7 @@ def test_lookahead_passes_over_groups_without_a_slot_and_a_deep_one_never_evicts
     # resident, G0 and G2 share bank 1: at B3, depth 3 reaches G0, whose restore would evict G2 (live,
     # its backward next): skipped, G2 stays; G0 is restored at its own backward
     dev, drv = fake(0, progress=0)
-    mgr = OffloadManager("resident", device="cpu", driver=drv, streams=dev, lookahead=3)
+    mgr = OffloadManager(config("resident", lookahead=3), device="cpu", driver=drv, streams=dev)
     groups = [mgr.group(f"G{k}") for k in range(4)]
     for g in groups:
         g.discover(torch.empty(4))
@@ -709,13 +718,13 @@ def test_lookahead_passes_over_groups_without_a_slot_and_a_deep_one_never_evicts
     groups[3].after_backward()
     dev.synchronize()
     with pytest.raises(ValueError, match="lookahead"):
-        OffloadManager("release", device="cpu", driver=fake()[1], streams=fake()[0], lookahead=-1)
+        config("release", lookahead=-1)
 
 
 def test_a_reap_queries_the_d2h_copies_in_their_order_and_stops_at_the_first_not_done(monkeypatch) -> None:
     """Release (consumed slots kept): the D2Hs run on one stream, so the first one not done means none
     after it is; a reap asks about it alone, and releases the done ones in front of it."""
-    dev, mgr, groups = build("release", lookahead=0, progress=0, release_consumed=False)
+    dev, mgr, groups = build("release", lookahead=0, progress=0, reap=False)
     asked = []
     orig = FakeDevice.query
     monkeypatch.setattr(FakeDevice, "query", lambda self, e: asked.append(e.name) or orig(self, e))
@@ -769,7 +778,7 @@ def test_futile_restores_are_those_a_forward_of_the_same_bank_evicts() -> None:
 
 
 # ------------------------------------------------------------------------- chunked resident copies
-CHUNKED = {"alignment": 16, "copy_chunk_bytes": 48}  # groups of 120-200 bytes: 3 to 5 chunks each
+CHUNKED = {"alignment": 16, "copy_chunk_mib": 48 / MIB}  # chunks of 48 bytes; groups of 120-200: 3 to 5 each
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
@@ -826,18 +835,15 @@ def test_each_chunk_fence_is_needed(monkeypatch) -> None:
     assert detected > 0
 
 
-def test_chunk_size_comes_from_the_environment_and_bad_values_are_refused(monkeypatch) -> None:
-    monkeypatch.setenv("QEFFECT_OFFLOAD_CHUNK_MIB", "0.5")
-    assert OffloadManager("off").copy_chunk_bytes == 1 << 19
-    monkeypatch.setenv("QEFFECT_OFFLOAD_CHUNK_MIB", "four")
-    with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_CHUNK_MIB='four'"):
-        OffloadManager("off")
-    monkeypatch.setenv("QEFFECT_OFFLOAD_CHUNK_MIB", "0")
-    assert OffloadManager("off").copy_chunk_bytes == 0
-    monkeypatch.delenv("QEFFECT_OFFLOAD_CHUNK_MIB")
-    assert OffloadManager("off").copy_chunk_bytes == DEFAULT_CHUNK_MIB << 20
-    with pytest.raises(ValueError, match="copy_chunk_bytes must be >= 0"):
-        OffloadManager("off", copy_chunk_bytes=-1)
+def test_chunk_size_comes_from_the_config_and_bad_values_are_refused() -> None:
+    """`offload.copy_chunk_mib` in bytes, rounded up to the alignment (0: one copy per group); 2 MiB by
+    default; a negative size is refused by the config."""
+    assert OffloadManager(OffloadConfig(copy_chunk_mib=0.5)).copy_chunk_bytes == 1 << 19
+    assert OffloadManager(OffloadConfig(copy_chunk_mib=0)).copy_chunk_bytes == 0
+    assert OffloadManager(OffloadConfig(copy_chunk_mib=100 / MIB)).copy_chunk_bytes == 256  # the alignment's
+    assert OffloadManager(OffloadConfig()).copy_chunk_bytes == int(DEFAULT_COPY_CHUNK_MIB * MIB) == 2 << 20
+    with pytest.raises(ValueError, match="copy_chunk_mib"):
+        OffloadConfig(copy_chunk_mib=-1)
 
 
 # ------------------------------------------------------------------------------ kept groups (no D2H)
@@ -849,11 +855,11 @@ def test_kept_groups_skip_the_d2h_and_every_interleaving_still_reads_the_right_b
     prog, order = PROGRAMS[program]
     n = len(order)
     for seed in range(8):
-        ref = build("resident", seed, layers=n, order=order, program=prog, lookahead=lookahead, num_banks=num_banks,
+        ref = build("resident", seed, layers=n, order=order, program=prog, lookahead=lookahead, banks=num_banks,
                     skip_kept_d2h=False)
         assert run_program(ref[0], ref[2], prog) == [] and ref[1].kept == [] and ref[1].stats.d2h_copies == 2 * n
         dev, mgr, groups = build("resident", seed, layers=n, order=order, program=prog, lookahead=lookahead,
-                                 num_banks=num_banks)
+                                 banks=num_banks)
         assert run_program(dev, groups, prog) == [], (program, seed)
         k = len(mgr.kept)
         assert all(g.kept == (g in mgr.kept) for g in groups)
@@ -971,7 +977,7 @@ def test_a_kept_group_can_be_discarded_or_abandoned() -> None:
 
 def test_events_must_match_the_backward_order() -> None:
     dev, drv = fake()
-    mgr = OffloadManager("resident", device="cpu", driver=drv, streams=dev)
+    mgr = OffloadManager(config("resident"), device="cpu", driver=drv, streams=dev)
     a, b, empty = mgr.group("a"), mgr.group("b"), mgr.group("empty")
     a.discover(torch.empty(4))
     b.discover(torch.empty(4))
@@ -1000,7 +1006,7 @@ LEGAL = {
 
 def _situation(mode: str, situation: str):
     dev, drv = fake()
-    mgr = OffloadManager(mode, device="cpu", driver=drv, streams=dev)
+    mgr = OffloadManager(config(mode), device="cpu", driver=drv, streams=dev)
     g, other = mgr.group("G0"), mgr.group("G1")
     for grp in (g, other):
         grp.discover(torch.empty(4, 4))
@@ -1075,11 +1081,15 @@ def test_states_along_the_lifecycle(mode: str) -> None:
 
 def test_manager_misuse() -> None:
     dev, drv = fake()
-    with pytest.raises(ValueError, match="offload mode"):
-        OffloadManager("bogus", device="cpu", driver=drv, streams=dev)
-    with pytest.raises(ValueError, match="at least 2 banks"):
-        OffloadManager("resident", device="cpu", driver=drv, streams=dev, num_banks=1)
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    with pytest.raises(ValueError, match="mode"):
+        config("bogus")
+    with pytest.raises(ValueError, match="banks"):
+        config("resident", banks=1)
+    with pytest.raises(TypeError, match="OffloadConfig"):
+        OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    with pytest.raises(ValueError, match="power of two"):
+        OffloadManager(config(), device="cpu", driver=drv, streams=dev, alignment=48)
+    mgr = OffloadManager(config("release"), device="cpu", driver=drv, streams=dev)
     a, b = mgr.group("a"), mgr.group("b")
     with pytest.raises(ValueError, match="already exists"):
         mgr.group("a")
@@ -1118,7 +1128,7 @@ def test_discard_drops_live_activations() -> None:
 
 def test_empty_group_is_a_no_op() -> None:
     dev, drv = fake()
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    mgr = OffloadManager(config("release"), device="cpu", driver=drv, streams=dev)
     g = mgr.group("empty")
     x = torch.ones(3, requires_grad=True)
     with g.discovery_hooks():
@@ -1132,7 +1142,7 @@ def test_empty_group_is_a_no_op() -> None:
 
 
 def test_off_mode_needs_no_device() -> None:
-    mgr = OffloadManager("off", device="cpu")
+    mgr = OffloadManager(config("off"), device="cpu")
     assert mgr.driver is None and mgr.streams is None
     g = mgr.group("G0")
     x = torch.ones(4, requires_grad=True)
@@ -1165,7 +1175,7 @@ def test_close_frees_everything() -> None:
 
 def test_layout_is_aligned_and_packed() -> None:
     dev, drv = fake()
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    mgr = OffloadManager(config("release"), device="cpu", driver=drv, streams=dev)
     g = mgr.group("G0")
     for shape, dt in (((3,), torch.float32), ((5, 7), torch.bfloat16), ((2,), torch.int64)):
         g.discover(torch.empty(shape, dtype=dt))
@@ -1205,7 +1215,8 @@ def test_saved_activations_round_trip_through_the_slot_bitwise(monkeypatch, mode
     gy = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
     ref = torch.autograd.grad(f(x), inputs, gy)
     dev, drv = fake(3)
-    mgr = OffloadManager(mode, device="cpu", driver=drv, streams=dev, store_batch_bytes=batch)
+    batched = {} if batch is None else {"store_batch_mib": batch / MIB}
+    mgr = OffloadManager(config(mode, **batched), device="cpu", driver=drv, streams=dev)
     g, mid, other = mgr.group("F0"), mgr.group("F1"), mgr.group("F2")
     with g.discovery_hooks():
         f(x)
@@ -1246,7 +1257,7 @@ def test_byte_copies_use_the_widest_word_that_addresses_and_length_allow() -> No
                torch.randint(0, 255, (5,), generator=gen, dtype=torch.uint8),  # 5 bytes: uint8
                torch.randn(3, 4, generator=gen).t()]  # dense, not contiguous: the same strides in the slot
     dev, drv = fake()
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    mgr = OffloadManager(config("release"), device="cpu", driver=drv, streams=dev)
     g = mgr.group("G0")
     for t in tensors:
         assert g.discover(t) is not None
@@ -1278,7 +1289,7 @@ def test_a_batch_is_copied_once_it_holds_store_batch_flush_times_the_threshold(m
         return x
 
     dev, drv = fake()
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev, store_batch_bytes=65)
+    mgr = OffloadManager(config("release", store_batch_mib=65 / MIB), device="cpu", driver=drv, streams=dev)
     g = mgr.group("F0")
     with g.discovery_hooks():
         f(x)
@@ -1295,22 +1306,19 @@ def test_a_batch_is_copied_once_it_holds_store_batch_flush_times_the_threshold(m
     assert torch.equal(got[0], torch.autograd.grad(f(x).sum(), x)[0])
 
 
-def test_store_batch_size_comes_from_the_environment_and_bad_values_are_refused(monkeypatch) -> None:
-    monkeypatch.setenv("QEFFECT_OFFLOAD_STORE_BATCH_MIB", "0")
-    assert OffloadManager("off").store_batch_bytes == 0
-    monkeypatch.setenv("QEFFECT_OFFLOAD_STORE_BATCH_MIB", "-1")
-    with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_STORE_BATCH_MIB='-1': expected a number of MiB >= 0"):
-        OffloadManager("off")
-    monkeypatch.delenv("QEFFECT_OFFLOAD_STORE_BATCH_MIB")
-    assert OffloadManager("off").store_batch_bytes == int(DEFAULT_STORE_BATCH_MIB * (1 << 20))
-    with pytest.raises(ValueError, match="store_batch_bytes must be >= 0"):
-        OffloadManager("off", store_batch_bytes=-1)
+def test_store_batch_size_comes_from_the_config_and_bad_values_are_refused() -> None:
+    """`offload.store_batch_mib` in bytes (0: each saved tensor copied at once); 0.25 MiB by default; a
+    negative size is refused by the config."""
+    assert OffloadManager(OffloadConfig(store_batch_mib=0)).store_batch_bytes == 0
+    assert OffloadManager(OffloadConfig()).store_batch_bytes == int(DEFAULT_STORE_BATCH_MIB * MIB) == 1 << 18
+    with pytest.raises(ValueError, match="store_batch_mib"):
+        OffloadConfig(store_batch_mib=-1)
 
 
 def discovered_release_group(f, x: torch.Tensor):
     """A release-mode group that discovered what `f(x)` saves, allocated, inside its forward's hooks."""
     dev, drv = fake()
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    mgr = OffloadManager(config("release"), device="cpu", driver=drv, streams=dev)
     g = mgr.group("F0")
     with g.discovery_hooks():
         f(x)
@@ -1394,7 +1402,7 @@ def test_an_equal_key_after_its_tensor_died_is_a_new_saved_tensor(monkeypatch) -
 
 def test_capture_must_match_discovery() -> None:
     dev, drv = fake()
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    mgr = OffloadManager(config("release"), device="cpu", driver=drv, streams=dev)
     g = mgr.group("G0")
     x = torch.randn(3, 4, requires_grad=True)
     with g.discovery_hooks():
@@ -1421,7 +1429,7 @@ def test_default_eligibility() -> None:
     assert not default_eligible(torch.ones(3, 1).expand(3, 4))  # overlapping
     assert not default_eligible(torch.ones(4, 4)[:, :2])  # gaps
     assert not default_eligible(torch.ones(0))
-    mgr = OffloadManager("off", device="meta")
+    mgr = OffloadManager(config("off"), device="meta")
     assert not mgr._eligible(act)  # another device
 
 
@@ -1453,6 +1461,47 @@ def test_cli_rejects_unknown_check(capsys) -> None:
     assert rc == 2 and "unknown --only bogus" in err
 
 
+@pytest.mark.parametrize("toml", ["", '[offload]\nlookahead = 2\nreap = true\nshare_slots = "nested"\ncopy_chunk_mib = 1.0\n'])
+def test_offload_check_builds_its_managers_from_the_config_train_uses(monkeypatch, tmp_path, toml: str) -> None:
+    """`qeffect offload-check`, `train` and `verify-state` read one `[offload]` section: for each mode a check
+    runs, its managers' config (`check_config` over `offload_check_config`) equals the one the builder of
+    `train --offload MODE` (and of verify-state: `path_runtime`) gives its manager, with the same `--config`;
+    without one, the defaults (`OffloadConfig()`)."""
+    from qeffect.cli.common import config_from_cli
+    from qeffect.cli.offload_check import offload_check_config
+    from qeffect.offload.checks import check_config
+    from qeffect.runtime import build as build_mod
+
+    path = None
+    if toml:
+        path = tmp_path / "run.toml"
+        path.write_text(toml)
+    made = []
+    monkeypatch.setattr(build_mod, "OffloadManager", lambda config, **kw: made.append(config) or object())
+    monkeypatch.setattr(build_mod, "GraphManager", lambda *a, **kw: None)  # (no CUDA here)
+    for mode in ("release", "resident"):
+        cfg = config_from_cli(path, **{"offload.mode": mode, "train.device": "cuda", "train.path": "captured-direct"})
+        build_mod.path_runtime(cfg, "captured-direct", "cuda", native=False, direct=True)
+        assert made[-1] == check_config(mode, offload_check_config(path)) == cfg.offload
+        assert made[-1] == (OffloadConfig(mode=mode) if not toml else
+                            OffloadConfig(mode=mode, lookahead=2, reap=True, share_slots="nested", copy_chunk_mib=1.0))
+    assert check_config("release", lookahead=0).lookahead == 0  # a check's own knob over the same base
+    with pytest.raises(ValueError, match="lookahead"):
+        check_config("release", lookahead=-1)
+
+
+def test_nothing_under_offload_reads_the_environment() -> None:
+    """Every offload knob comes from the config (`OffloadConfig`): no module of the package reads a variable."""
+    from pathlib import Path
+
+    import qeffect.offload
+
+    root = Path(qeffect.offload.__file__).parent
+    reads = [f"{p.name}:{i}" for p in sorted(root.glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if "environ" in line or "getenv" in line]
+    assert reads == []
+
+
 def test_prefetch_into_a_bank_under_a_running_backward_is_skipped() -> None:
     _, mgr, (g0, g1, g2) = build("resident", layers=3, order=[0, 1, 2], lookahead=False)
     for g in (g0, g1, g2):  # g2 takes g0's bank (bank 0)
@@ -1479,7 +1528,7 @@ def _param_survives(hooks_of, eligible=None) -> bool:
     import weakref
 
     dev, drv = fake()
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev, **({"eligible": eligible} if eligible else {}))
+    mgr = OffloadManager(config("release"), device="cpu", driver=drv, streams=dev, **({"eligible": eligible} if eligible else {}))
     g = mgr.group("G0")
     x = torch.randn(3, 4)
     with g.discovery_hooks():
@@ -1512,7 +1561,7 @@ def test_discovery_hooks_leave_no_reference_cycle() -> None:
     import weakref
 
     dev, drv = fake()
-    mgr = OffloadManager("release", device="cpu", driver=drv, streams=dev)
+    mgr = OffloadManager(config("release"), device="cpu", driver=drv, streams=dev)
     g = mgr.group("G0")
     w = torch.randn(4, 4, requires_grad=True)
     alive = weakref.ref(w)
@@ -1526,11 +1575,11 @@ def test_discovery_hooks_leave_no_reference_cycle() -> None:
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 def test_release_without_reaping_keeps_consumed_slots_for_the_next_forward(program: str) -> None:
-    """`release_consumed=False` (config `train.offload_reap = false`): a slot stays mapped from its backward
+    """`offload.reap = false` (the config's default): a slot stays mapped from its backward
     to its next forward, so the only remaps are the restores; the bytes are still right in every order."""
     prog, order = PROGRAMS[program]
     for seed in range(6):
-        dev, mgr, groups = build("release", seed, layers=len(order), order=order, release_consumed=False)
+        dev, mgr, groups = build("release", seed, layers=len(order), order=order, reap=False)
         assert run_program(dev, groups, prog) == [], (program, seed)
         assert mgr.stats.reaped == 0 and mgr.stats.maps == mgr.stats.h2d_copies
         assert mgr.stats.h2d_copies + mgr.stats.kept_at_backward == 2 * len(order)  # (kept: read in place)
@@ -1541,9 +1590,9 @@ def test_release_without_reaping_keeps_consumed_slots_for_the_next_forward(progr
 @pytest.mark.parametrize("which", [0, 1])
 def test_abandon_after_an_aborted_step_then_every_order_still_restores_the_right_bytes(mode: str, fail_in: str,
                                                                                         which: int) -> None:
-    keep = {"release_consumed": False} if mode == "release-keep" else {}
+    keep = {"reap": False} if mode == "release-keep" else {}
     if mode == "release-shared":  # G1 and G0 share a slot (as G3 and G2): the aborted group is either member
-        keep = {"release_consumed": False, "share_slots": True, "program": STACK[0]}
+        keep = {"reap": False, "share_slots": "any", "program": STACK[0]}
     for seed in range(6):
         dev, mgr, groups = build(mode.split("-")[0], seed, layers=4, order=[3, 2, 1, 0], **keep)
         assert len(mgr.shared) == (2 if mode == "release-shared" else 0)
@@ -1585,7 +1634,7 @@ def test_a_discarded_pending_group_leaves_the_reap_queue_at_its_next_forward() -
     """Release (consumed slots kept): a group discarded while its D2H was pending keeps its slot mapped and
     must leave the reap queue at its next forward; a stale entry at the front would stop every later reap
     (they break at the first entry not releasable)."""
-    dev, mgr, groups = build("release", progress=0, release_consumed=False, lookahead=0)
+    dev, mgr, groups = build("release", progress=0, reap=False, lookahead=0)
     g0 = groups[0]
     g0.before_forward()
     g0.after_forward()
@@ -1604,7 +1653,7 @@ def test_a_discarded_pending_group_leaves_the_reap_queue_at_its_next_forward() -
 def schedule_program(name: str, microbatches: int = 4) -> tuple[list[tuple[str, int]], list[int]]:
     """One step of a real pipeline schedule (PP=2, two virtual stages per rank) as a `run_program` program:
     group k = stage * microbatches + microbatch, its dI the backward ("B"); the groups in backward order."""
-    from qeffect.runtime.build import named_events
+    from qeffect.offload.planning import named_events
     from qeffect.schedule.adapter import build_schedule
     from qeffect.schedule.order import global_order
 
@@ -1617,12 +1666,12 @@ SHARING = {"stack": STACK, "1f1b": ONE_F_ONE_B, "interleaved": schedule_program(
            "zbv": schedule_program("zbv")}
 
 
-@pytest.mark.parametrize("program, rule", [(p, True) for p in sorted(SHARING)] +
+@pytest.mark.parametrize("program, rule", [(p, "any") for p in sorted(SHARING)] +
                          [(p, "nested") for p in ("stack", "interleaved", "zbv")])
 @pytest.mark.parametrize("reap", [False, True])
 @pytest.mark.parametrize("lookahead", [0, 1, 2])
 @pytest.mark.parametrize("at_backward", [False, True])
-def test_shared_slots_restore_the_right_bytes_in_every_interleaving(program: str, rule: bool | str, reap: bool,
+def test_shared_slots_restore_the_right_bytes_in_every_interleaving(program: str, rule: str, reap: bool,
                                                                       lookahead: int, at_backward: bool) -> None:
     """Release with `share_slots`: groups whose backwards follow one another (and, with "nested", whose
     forwards ran in reverse) share one slot, which goes out once every member's D2H is done and comes back,
@@ -1632,7 +1681,7 @@ def test_shared_slots_restore_the_right_bytes_in_every_interleaving(program: str
     prog, order = SHARING[program]
     for seed in range(6):
         dev, mgr, groups = build("release", seed, layers=len(order), order=order, program=prog, share_slots=rule,
-                                 release_consumed=reap, lookahead=lookahead, release_at_backward=at_backward)
+                                 reap=reap, lookahead=lookahead, release_at_backward=at_backward)
         assert mgr.shared and all(len(run) == 2 for run in mgr.shared)
         slots = mgr.slots()
         assert len(slots) == len(order) - len(mgr.shared)
@@ -1653,8 +1702,8 @@ def test_shared_slot_layout_and_driver_calls() -> None:
     groups makes two slots, so a step makes half the unmaps and maps of one slot per group."""
     calls = {}
     for share in (False, True):
-        dev, mgr, groups = build("release", order=[3, 2, 1, 0], program=STACK[0], share_slots=share,
-                                 release_consumed=False, release_at_backward=True)  # (every slot goes: comparable)
+        dev, mgr, groups = build("release", order=[3, 2, 1, 0], program=STACK[0], share_slots="any" if share else "off",
+                                 reap=False, release_at_backward=True)  # (every slot goes: comparable)
         if share:
             assert [[g.name for g in run] for run in mgr.shared] == [["G3", "G2"], ["G1", "G0"]]
             g3, g2 = groups[3], groups[2]
@@ -1669,7 +1718,7 @@ def test_shared_slot_layout_and_driver_calls() -> None:
 @pytest.mark.parametrize("fence", ["forward_done", "restore_done"])
 def test_each_fence_is_needed_with_shared_slots(monkeypatch, fence: str) -> None:
     """Without one kind of stream wait, some interleaving of shared-slot release reads wrong bytes or faults."""
-    kw = {"mode": "release", "share_slots": True, "release_consumed": False}
+    kw = {"mode": "release", "share_slots": "any", "reap": False}
     runs = [(*SHARING[name], {**kw, "program": SHARING[name][0]}) for name in ("stack", "interleaved", "1f1b")]
     assert detected_without(monkeypatch, fence, runs) > 0
 
@@ -1680,51 +1729,42 @@ def test_a_run_off_the_shared_plan_keeps_a_slot_a_member_still_needs(reap: bool)
     run its forward, so the slot cannot go; G0's bytes never left it and its backward reads them there."""
     prog = [op for k in range(4) for op in (("F", k), ("B", k))]
     for seed in range(6):
-        dev, mgr, groups = build("release", seed, order=[3, 2, 1, 0], program=STACK[0], share_slots=True,
-                                 release_consumed=reap)
+        dev, mgr, groups = build("release", seed, order=[3, 2, 1, 0], program=STACK[0], share_slots="any",
+                                 reap=reap)
         assert run_program(dev, groups, prog) == [], (reap, seed)
         assert mgr.stats.reloads_skipped > 0
 
 
-def test_slot_sharing_defaults_to_its_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_SLOTS", "0")
-    assert not build("release")[1].share_slots and build("release", share_slots=True)[1].share_slots
-    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_SLOTS", "1")
-    assert build("release")[1].share_slots and not build("release", share_slots=False)[1].share_slots
-    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_SLOTS", "nested")
-    assert build("release")[1].share_slots == "nested"
-    monkeypatch.delenv("QEFFECT_OFFLOAD_SHARE_SLOTS")
-    assert build("release")[1].share_slots is True and build("release")[1].slot_members == 2
-    monkeypatch.setenv("QEFFECT_OFFLOAD_SLOT_MEMBERS", "3")
-    _, mgr, _ = build("release", program=STACK[0])
+def test_slot_sharing_comes_from_the_config() -> None:
+    """`offload.share_slots`: "any" run (the default), "nested" runs only, or "off"; `offload.slot_members`
+    (2 by default) bounds a run; an unknown rule or no members is refused by the config."""
+    assert OffloadConfig().share_slots == "any" and OffloadConfig().slot_members == 2
+    assert build("release")[1].share_slots == "any" and build("release")[1].slot_members == 2
+    assert build("release", program=STACK[0], share_slots="off")[1].shared == []
+    nested = build("release", program=STACK[0], share_slots="nested")[1]  # a stack's runs nest
+    assert nested.share_slots == "nested" and len(nested.shared) == 2
+    _, mgr, _ = build("release", program=STACK[0], slot_members=3)
     assert mgr.slot_members == 3 and [len(r) for r in mgr.shared] == [3]
-    for bad in ("x", "0"):
-        monkeypatch.setenv("QEFFECT_OFFLOAD_SLOT_MEMBERS", bad)
-        with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_SLOT_MEMBERS|slot_members"):
-            build("release")
-    monkeypatch.delenv("QEFFECT_OFFLOAD_SLOT_MEMBERS")
+    for bad in ({"share_slots": "1"}, {"slot_members": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            OffloadConfig(**bad)
     _, mgr, _ = build("release", program=STACK[0])  # shared only with the schedule's events
     assert len(mgr.shared) == 2 and not build("release")[1].shared
     _, mgr, _ = build("resident", program=STACK[0])  # and only in release mode
     assert not mgr.shared
 
 
-def test_share_gap_and_release_at_backward_default_to_their_environment_switches(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    env = {"share_gap": None}  # (build's default is 0)
-    assert build("release", **env)[1].share_gap == DEFAULT_SHARE_GAP == 4
-    assert build("release")[1].release_at_backward is False
-    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_GAP", "1")  # STACK: G2's forward, then G3's backward at once
-    _, mgr, _ = build("release", order=[3, 2, 1, 0], program=STACK[0], **env)
-    assert mgr.share_gap == 1 and [[g.name for g in run] for run in mgr.shared] == [["G2", "G1"]]
+def test_share_gap_and_release_at_backward_come_from_the_config() -> None:
+    """`offload.share_gap` (4 by default; build's is 0) and `offload.release_at_backward` (off by default)."""
+    dev, drv = fake()
+    mgr = OffloadManager(config("release"), device="cpu", driver=drv, streams=dev)
+    assert mgr.share_gap == DEFAULT_SHARE_GAP == 4 and mgr.release_at_backward is False
+    _, mgr, _ = build("release", order=[3, 2, 1, 0], program=STACK[0], share_gap=1)  # STACK: G2's forward,
+    assert mgr.share_gap == 1 and [[g.name for g in run] for run in mgr.shared] == [["G2", "G1"]]  # then B3
     assert build("release", order=[3, 2, 1, 0], program=STACK[0], share_gap=0)[1].share_gap == 0
-    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_GAP", "-1")
-    with pytest.raises(ValueError, match="QEFFECT_OFFLOAD_SHARE_GAP|share_gap"):
-        build("release", **env)
-    monkeypatch.delenv("QEFFECT_OFFLOAD_SHARE_GAP")
-    monkeypatch.setenv("QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD", "1")
-    assert build("release")[1].release_at_backward is True
-    assert build("release", release_at_backward=False)[1].release_at_backward is False
+    with pytest.raises(ValueError, match="share_gap"):
+        OffloadConfig(share_gap=-1)
+    assert build("release", release_at_backward=True)[1].release_at_backward is True
 
 
 # ------------------------------------------------------------------ driver stream operations (no GPU)
@@ -1854,15 +1894,13 @@ def test_launch_first_reaps_after_the_forward_launch() -> None:
         dev.synchronize()
 
 
-def test_launch_first_defaults_to_its_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """launch_first=None: on unless QEFFECT_OFFLOAD_LAUNCH_FIRST=0; an explicit value wins over it."""
-    for env, want in ((None, True), ("0", False), ("1", True)):
-        if env is None:
-            monkeypatch.delenv("QEFFECT_OFFLOAD_LAUNCH_FIRST", raising=False)
-        else:
-            monkeypatch.setenv("QEFFECT_OFFLOAD_LAUNCH_FIRST", env)
-        assert build("release", progress=0)[1].launch_first is want
-        assert build("release", progress=0, launch_first=not want)[1].launch_first is (not want)
+def test_launch_first_and_the_other_switches_come_from_the_config() -> None:
+    """`offload.launch_first`, `skip_futile_restores` and `driver_streams` default on; each reaches the manager."""
+    defaults = OffloadConfig()
+    assert defaults.launch_first and defaults.skip_futile_restores and defaults.driver_streams
+    assert build("release", progress=0)[1].launch_first is True
+    assert build("release", progress=0, launch_first=False)[1].launch_first is False
+    assert build("resident", skip_futile_restores=False)[1].skip_futile_restores is False
 
 
 def test_backward_launched_outside_a_backward_is_refused() -> None:
@@ -1871,3 +1909,12 @@ def test_backward_launched_outside_a_backward_is_refused() -> None:
     with pytest.raises(OffloadStateError, match="backward_launched"):
         groups[0].backward_launched()
 
+
+
+def test_the_offload_option_takes_the_modes_of_the_config() -> None:
+    """`--offload` (train, verify-state) sets `offload.mode`: its choices are the config's modes."""
+    from typing import get_args
+
+    from qeffect.cli.common import Offload
+
+    assert [m.value for m in Offload] == list(get_args(OffloadConfig.model_fields["mode"].annotation))

@@ -99,20 +99,47 @@ def test_mode_names_map_to_the_config_they_stand_for(bench) -> None:
 
     cfg = load_config()
     mode, c = bench.mode_config(cfg, "resident-memory@6/la2#2")
-    assert mode == "resident" and c.train.offload == "resident"
-    assert c.train.offload_search_prefer == "memory" and c.train.offload_search_banks == 6
-    assert c.train.offload_lookahead == 2 and c.train.offload_banks == cfg.train.offload_banks
+    assert mode == "resident" and c.offload.mode == "resident"
+    assert c.offload.search_prefer == "memory" and c.offload.search_banks == 6
+    assert c.offload.lookahead == 2 and c.offload.banks == cfg.offload.banks
     mode, c = bench.mode_config(cfg, "resident-colour@4")
-    assert c.train.offload_bank_plan == "colour" and c.train.offload_banks == 4
+    assert c.offload.bank_plan == "colour" and c.offload.banks == 4
     mode, c = bench.mode_config(cfg, "release/la0")
-    assert mode == "release" and c.train.offload_lookahead == 0 and c.train.offload_search_prefer == "copies"
-    assert c.train.offload_min_window == cfg.train.offload_min_window
-    mode, c = bench.mode_config(cfg, "resident/mw12/la2#3")  # `/mwN`: train.offload_min_window
-    assert mode == "resident" and c.train.offload_min_window == 12 and c.train.offload_lookahead == 2
-    assert bench.mode_config(cfg, "resident-all/mw0")[1].train.offload_min_window == 0
+    assert mode == "release" and c.offload.lookahead == 0 and c.offload.search_prefer == "copies"
+    assert c.offload.min_window == cfg.offload.min_window
+    mode, c = bench.mode_config(cfg, "resident/mw12/la2#3")  # `/mwN`: offload.min_window
+    assert mode == "resident" and c.offload.min_window == 12 and c.offload.lookahead == 2
+    assert bench.mode_config(cfg, "resident-all/mw0")[1].offload.min_window == 0
     for bad in ("resident/x3", "resident/mw", "resident/la-1"):
         with pytest.raises(ValueError, match="unknown suffix"):
             bench.mode_config(cfg, bad)
+
+
+def test_plus_suffixes_are_config_overrides(bench) -> None:
+    """`+section.field=VALUE` overrides a config field (VALUE as JSON, text, or a bank list `a:b:c`), after
+    the mode's own overrides; an environment switch `+VAR=VALUE` is refused, naming the field that replaced
+    it where there is one."""
+    from qeffect.config import load_config
+
+    cfg = load_config()
+    label = "resident-colour@3+offload.launch_first=false+offload.copy_chunk_mib=0.5#2"
+    name, overrides = bench.label_switches(label)
+    assert name == "resident-colour@3#2"
+    assert overrides == {"offload.launch_first": False, "offload.copy_chunk_mib": 0.5}
+    assert bench.mode_config(cfg, label)[1].offload.copy_chunk_mib == 0.5
+    mode, c = bench.mode_config(cfg, "resident+offload.explicit_banks=0:1:0+offload.share_slots=nested")
+    assert mode == "resident" and c.offload.explicit_banks == [0, 1, 0] and c.offload.share_slots == "nested"
+    c = bench.mode_config(cfg, "off+runtime.rank_streams=false")[1]
+    assert c.offload.mode == "off" and c.runtime.rank_streams is False
+    c = bench.mode_config(cfg, "resident-colour@3+offload.bank_plan=search")[1]  # a suffix wins over the variant,
+    assert c.offload.bank_plan == "search" and c.offload.search_banks == 3  # and @K is then the search's budget
+    with pytest.raises(ValueError, match="QEFFECT_SKIP_FUTILE_RESTORES is the config field offload.skip_futile_restores"):
+        bench.label_switches("resident+QEFFECT_SKIP_FUTILE_RESTORES=0")
+    for bad in ("off+QEFFECT_TOKEN_COPY=1", "resident+offload.reap"):
+        with pytest.raises(ValueError, match="expected \\+section.field=VALUE"):
+            bench.label_switches(bad)
+    with pytest.raises(Exception, match="offload.bogus"):
+        bench.mode_config(cfg, "resident+offload.bogus=1")
 
 
 def test_a_chain_keeps_each_step_s_loss_though_the_step_rewrites_one_buffer(bench, monkeypatch) -> None:
@@ -135,7 +162,7 @@ def test_a_chain_keeps_each_step_s_loss_though_the_step_rewrites_one_buffer(benc
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 7)
     monkeypatch.setattr(bench, "synthetic_batches", lambda cfg, i, dev: i)
     run = object.__new__(bench.ModeRun)
-    run.cfg, run.dev, run.env, run.pipe = None, None, {}, Pipe()
+    run.cfg, run.dev, run.pipe = None, None, Pipe()
     run.losses, run.times, run.host_times, run.growth = [], [], [], bench.GraphStats()
     run.chain(3)
     run.step(timed=False)

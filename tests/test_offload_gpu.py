@@ -140,28 +140,27 @@ def test_cli_offload_check_json(tmp_path: Path, capsys) -> None:
 @pytest.mark.parametrize("mode", ["release", "release/la0", "resident", "release+first", "resident+first",
                                   "release+first+shared", "release+first+shared+strict"])
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
-def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule: str,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule: str) -> None:
     """The captured stage actions with their saved activations in VMM groups: 0 mismatches vs native eager.
     `release/la0`: release restoring each group only at its own backward (the default depth is 1).
-    `+first`: QEFFECT_OFFLOAD_LAUNCH_FIRST=1 (reaps and look-ahead restores after the replay's launch).
-    `+shared`: QEFFECT_OFFLOAD_SHARE_SLOTS=1 (groups whose backwards follow one another share a slot: fewer
-    unmaps and maps; the default), the others =0. `+strict`: QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD=1 (a
-    backward before any hook saw its D2H done waits, releases and restores; else it reads the bytes in place,
-    `kept_at_backward`, the default)."""
+    `+first`: `offload.launch_first` (reaps and look-ahead restores after the replay's launch; the default),
+    the others false. `+shared`: `offload.share_slots = "any"` (groups whose backwards follow one another
+    share a slot: fewer unmaps and maps; the default), the others "off". `+strict`:
+    `offload.release_at_backward` (a backward before any hook saw its D2H done waits, releases and restores;
+    else it reads the bytes in place, `kept_at_backward`, the default)."""
     from qeffect.config import load_config
     from qeffect.verify.state import run_verify_state
 
     mode, strict, _ = mode.partition("+strict")
-    monkeypatch.setenv("QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD", "1" if strict else "0")
     mode, shared, _ = mode.partition("+shared")
-    monkeypatch.setenv("QEFFECT_OFFLOAD_SHARE_SLOTS", "1" if shared else "0")
     mode, first, _ = mode.partition("+first")
-    monkeypatch.setenv("QEFFECT_OFFLOAD_LAUNCH_FIRST", "1" if first else "0")
     mode, _, depth = mode.partition("/la")
-    cfg = load_config(None).with_overrides(**{"train.device": "cuda", "train.offload": mode,
+    cfg = load_config(None).with_overrides(**{"train.device": "cuda", "offload.mode": mode,
                                               "pipeline.schedule": schedule,
-                                              "train.offload_lookahead": int(depth) if depth else None})
+                                              "offload.release_at_backward": bool(strict),
+                                              "offload.share_slots": "any" if shared else "off",
+                                              "offload.launch_first": bool(first),
+                                              "offload.lookahead": int(depth) if depth else None})
     report = run_verify_state(cfg, steps=3, path="captured-direct")
     assert report.passed, report.first_divergence
     o = report.graphs["offload"]  # the offload really ran: every offloaded group copied out every step
@@ -171,7 +170,7 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
     assert o["release_at_backward"] == bool(strict), o
     if mode == "release":  # every release group is offloaded, so a look-ahead always has one to restore
         assert (o["prefetches"] > 0) is (o["lookahead"] > 0), o
-    # both modes: the groups whose window is short are not offloaded (train.offload_min_window, default 12:
+    # both modes: the groups whose window is short are not offloaded (offload.min_window, default 12:
     # the last two virtual stages' in Interleaved, six in ZB-V), as the schedule's plan names them
     events, short, runs = offload_plan(cfg)
     n = len({g for _, g in events}) - len(short)  # the offloaded groups
@@ -187,7 +186,7 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
     if mode == "release" and not shared:
         assert o["d2h_copies"] == 3 * n and o["unmaps"] >= o["h2d_copies"] and o["slots"] == n, o
     if shared:  # runs of two groups share a slot (four actions between a run's last forward and its first
-        # backward: QEFFECT_OFFLOAD_SHARE_GAP's default), the plan's runs; each group goes out once a step
+        # backward: offload.share_gap's default), the plan's runs; each group goes out once a step
         assert runs and o["shared_slots"] == [[f"s{s}.m{m}" for s, m in run] for run in runs], o
         assert o["slots"] == n - len(runs) and o["d2h_copies"] == 3 * n, o
         assert o["unmaps"] < 3 * n and (3 * o["slots"] <= o["unmaps"] or not strict), o
@@ -196,15 +195,15 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
 def offload_plan(cfg) -> tuple[list, set, list]:  # noqa: ANN001 - a qeffect Config
     """The schedule's offload events of `cfg` ((kind, (stage, microbatch)), one per action), the groups its
     window leaves on the device, and the runs of the others that share a slot by default."""
-    from qeffect.offload.group import DEFAULT_SHARE_GAP
     from qeffect.offload.plan import shared_slots, short_window_groups
-    from qeffect.runtime.build import named_events, schedule_of
+    from qeffect.offload.planning import named_events
+    from qeffect.runtime.build import schedule_of
     from qeffect.schedule import global_order
 
     events = named_events(global_order(schedule_of(cfg)))
-    short = short_window_groups(events, cfg.train.offload_min_window)
+    short = short_window_groups(events, cfg.offload.min_window)
     offloaded = [g for g in dict.fromkeys(g for _, g in events) if g not in short]
-    return events, short, shared_slots(events, offloaded, min_gap=DEFAULT_SHARE_GAP)
+    return events, short, shared_slots(events, offloaded, cfg.offload.slot_members, min_gap=cfg.offload.share_gap)
 
 
 @pytest.mark.parametrize("mode", ["off", "release", "resident"])
@@ -219,7 +218,7 @@ def test_a_torn_down_offloaded_pipeline_leaves_no_cuda_memory(mode: str) -> None
 
     dev = torch.device("cuda", torch.cuda.current_device())
     # h2048: parameters of ~1.3 GB, so a leak of the graphs stands far above the 32 MiB cuBLAS workspace
-    cfg = load_config("examples/configs/h2048.toml").with_overrides(**{"train.device": "cuda", "train.offload": mode})
+    cfg = load_config("examples/configs/h2048.toml").with_overrides(**{"train.device": "cuda", "offload.mode": mode})
     gc.collect()
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qeffect.config import load_config
+from qeffect.config import OffloadConfig, load_config
 from qeffect.offload.fake import FakeDevice
 from qeffect.offload.group import GroupState, OffloadManager, OffloadStateError, OffloadStats
 from qeffect.offload.plan import (
@@ -23,8 +23,16 @@ from qeffect.offload.plan import (
     shared_slots,
     short_window_groups,
 )
-from qeffect.runtime.build import named_events, schedule_of
+from qeffect.offload.planning import named_events
+from qeffect.runtime.build import schedule_of
 from qeffect.schedule import global_order
+
+
+def manager(mode: str, dev: FakeDevice, **kw) -> OffloadManager:
+    """A manager on the fake device whose config has `kw` over these tests' base: consumed slots reaped and
+    every group offloaded (`reap`, `min_window` 0) unless given: the state machine's paths, not a run's."""
+    config = OffloadConfig(mode=mode, **{"reap": True, "min_window": 0, **kw})
+    return OffloadManager(config, device="cpu", driver=dev.driver(), streams=dev)
 
 
 def schedule_events(schedule: str, microbatches: int) -> list[tuple[str, tuple[int, int]]]:
@@ -59,9 +67,8 @@ def _run(events, banks: list[int] | None, steps: int = 2, seed: int = 0, *, plan
     its slot went waits and restores: every group goes out and back). Returns the stats, the groups the manager keeps (resident) or does not
     offload (release), and the groups found not evicted (d2h pending or kept) at their backward in every step."""
     dev = FakeDevice(seed, granularity=64 * 1024, progress=2)
-    mgr = OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, skip_kept_d2h=skip,
-                         min_window=min_window, share_slots=share, release_consumed=reap, slot_members=members,
-                         release_at_backward=at_backward, share_gap=0)
+    mgr = manager(mode, dev, skip_kept_d2h=skip, min_window=min_window, share_slots="any" if share else "off",
+                  reap=reap, slot_members=members, release_at_backward=at_backward, share_gap=0)
     names = sorted({g for _, g in events})
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in names}
     for k, g in enumerate(names):
@@ -189,7 +196,7 @@ def test_a_claim_off_the_plan_raises_instead_of_evicting_a_kept_group() -> None:
     g = next(iter(sorted(kept)))
     other = next(h for h in sorted(plan) if h != g and plan[h] == plan[g])
     dev = FakeDevice(0, granularity=64 * 1024)
-    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev)
+    mgr = manager("resident", dev)
     groups = {h: mgr.group(f"s{h[0]}.m{h[1]}") for h in sorted(plan)}
     for grp in groups.values():
         grp.discover(torch.empty(4, 4))
@@ -228,15 +235,16 @@ class _Act:
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_config_switch_reaches_the_manager_and_capture_passes_the_events(monkeypatch, schedule: str,
                                                                          skip: bool) -> None:
-    """`train.offload_skip_kept_d2h` goes through `make_offload_manager` (as `offload_banks` and
-    `offload_reap` do) and `capture_ranks` gives the resident manager the step's events: it keeps
+    """`offload.skip_kept_d2h` goes through `make_offload_manager` (in the one config, as `offload.banks` and
+    `offload.reap` do) and `capture_ranks` plans with the step's events: the resident manager keeps
     exactly `kept_groups` of the planned banks, or nothing with the switch off."""
-    cfg = load_config().with_overrides(**{"pipeline.schedule": schedule, "train.offload_skip_kept_d2h": skip,
-                                          "train.offload_banks": 3, "train.offload_bank_plan": "colour",
-                                          "train.offload_min_window": 0})  # every group offloaded
-    assert load_config().train.offload_skip_kept_d2h is True
+    cfg = load_config().with_overrides(**{"pipeline.schedule": schedule, "offload.skip_kept_d2h": skip,
+                                          "offload.banks": 3, "offload.bank_plan": "colour",
+                                          "offload.min_window": 0})  # every group offloaded
+    assert load_config().offload.skip_kept_d2h is True
     mgr, made, acts, order = _captured(monkeypatch, cfg)
-    assert made["skip_kept_d2h"] is skip and mgr.skip_kept_d2h is skip and made["num_banks"] == 3
+    assert made == cfg.offload.model_copy(update={"mode": "resident"}) and mgr.config is made
+    assert mgr.skip_kept_d2h is skip and mgr.num_banks >= 3
     events = named_events(order)
     plan = assign_banks(events, min_banks=3)
     names = {g.name for g in mgr.kept}
@@ -251,11 +259,16 @@ SEARCHED = "0:3:0:1:0:3:2:1:0:2:0:3:2:1:0:2"
 
 
 def test_banks_given_by_hand_reach_the_manager_and_run_the_schedule(monkeypatch) -> None:
-    monkeypatch.setenv("QEFFECT_OFFLOAD_BANKS", SEARCHED)
-    mgr, _, _, order = _captured(monkeypatch, load_config())
+    """`offload.explicit_banks` overrides the bank plan; banks that do not fit the schedule are a config error
+    at capture, naming the field."""
+    from qeffect.errors import UserError
+
     given = [int(b) for b in SEARCHED.split(":")]
-    assert mgr.bank_plan == given and mgr.num_banks == 4
+    mgr, _, _, order = _captured(monkeypatch, load_config().with_overrides(**{"offload.explicit_banks": given}))
+    assert mgr.bank_plan == given and mgr.num_banks == 4 and mgr.bank_search is None
     mgr.close()
+    with pytest.raises(UserError, match=r"offload\.explicit_banks=.*expected 16 bank indices"):
+        _captured(monkeypatch, load_config().with_overrides(**{"offload.explicit_banks": [0, 1]}))
     events = schedule_events("interleaved", 4)
     for seed in range(3):
         _run(events, given, seed=seed, plan=True)  # every backward reads its own forward's bytes
@@ -263,23 +276,20 @@ def test_banks_given_by_hand_reach_the_manager_and_run_the_schedule(monkeypatch)
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_the_default_plan_is_the_search_and_runs_the_schedule(monkeypatch, schedule: str) -> None:
-    """`train.offload_bank_plan = "search"` (the default): `capture_ranks` allocates the plan that
+    """`offload.bank_plan = "search"` (the default): `capture_ranks` allocates the plan that
     `offload.timing.search_banks` finds over the step's events and the estimated costs, no slower in the
-    simulation and no larger than the colouring with `offload_search_banks` banks, and with it every
+    simulation and no larger than the colouring with `offload.search_banks` banks, and with it every
     backward reads its own forward's bytes on the fake device."""
     from qeffect.offload.timing import simulate
-    from qeffect.runtime.build import estimate_costs, offload_events
 
     cfg = load_config().with_overrides(**{"pipeline.schedule": schedule})
-    assert cfg.train.offload_bank_plan == "search" and cfg.train.offload_search_banks == 6
+    assert cfg.offload.bank_plan == "search" and cfg.offload.search_banks == 6
     mgr, _, acts, order = _captured(monkeypatch, cfg)
     found = mgr.bank_search
     assert found is not None and mgr.bank_plan == list(found.best.plan) and found.seconds > 0
     assert found.best.step_ms <= found.colour.step_ms and found.best.mapped_bytes <= found.budget_bytes
-    ranks = [type("R", (), {"actions": acts})()]
-    events = offload_events([(0, a) for _, a in order], ranks)
-    costs = estimate_costs(ranks, mgr, events, 8)
-    assert simulate(events, costs, found.best.plan).step_ms == found.best.step_ms  # what it says it found
+    events, costs = _estimate(mgr, acts, order)
+    assert simulate(events, costs, found.best.plan, mgr.config).step_ms == found.best.step_ms  # what it found
     assert found.colour.plan == tuple(assign_banks(events, min_banks=6)[g] for g in backward_order(events))
     mgr.close()
     named = schedule_events(schedule, 4)
@@ -296,28 +306,26 @@ def test_banks_given_by_hand_are_checked() -> None:
         explicit_banks(events, "0,1")
     with pytest.raises(ValueError, match=r"conflict .* but share bank 0"):
         explicit_banks(events, ",".join(["0"] * 16))
+    assert explicit_banks(events, [int(b) for b in SEARCHED.split(":")]) == explicit_banks(events, SEARCHED)
+    with pytest.raises(ValueError, match=r"offload\.explicit_banks='0:1': expected 16"):
+        explicit_banks(events, [0, 1])
 
 
 def _captured(monkeypatch, cfg):
-    """`make_offload_manager` and `capture_ranks` for `cfg` over stand-in actions on the fake device:
-    (the resident manager, the arguments it was made with, the actions, the schedule's order)."""
+    """`make_offload_manager` and `capture_ranks` for `cfg` in resident mode over stand-in actions on the fake
+    device: (the manager, the config it was made with, the actions, the schedule's order)."""
     from qeffect.runtime import build as build_mod
 
     dev = FakeDevice(0, granularity=64 * 1024)
-    made = {}
+    made = []
 
-    def fake_manager(mode, **kw):
-        made.update(kw)
-        return OffloadManager(mode, device="cpu", driver=dev.driver(), streams=dev, num_banks=kw["num_banks"],
-                          release_consumed=kw["release_consumed"], skip_kept_d2h=kw["skip_kept_d2h"],
-                          min_window=kw["min_window"], bank_plan=kw["bank_plan"], search_banks=kw["search_banks"],
-                          search_prefer=kw["search_prefer"])
+    def fake_manager(config, **kw):
+        made.append(config)
+        return OffloadManager(config, device="cpu", driver=dev.driver(), streams=dev)
 
     monkeypatch.setattr(build_mod, "OffloadManager", fake_manager)
-    t = cfg.train
-    mgr = build_mod.make_offload_manager("resident", "cpu", t.offload_banks, t.offload_reap, t.offload_skip_kept_d2h,
-                                         t.offload_min_window, bank_plan=t.offload_bank_plan,
-                                         search_banks=t.offload_search_banks, search_prefer=t.offload_search_prefer)
+    cfg = cfg.with_overrides(**{"offload.mode": "resident"})
+    mgr = build_mod.make_offload_manager(build_mod.offload_config(cfg), "cpu")
     sched = schedule_of(cfg)
     order = global_order(sched)
     acts = {s: _Act(s, {m: mgr.group(f"s{s}.m{m}") for m in range(sched.microbatches)})
@@ -332,7 +340,17 @@ def _captured(monkeypatch, cfg):
 
     ranks = [_Rank(r) for r in range(sched.pp)]
     build_mod.capture_ranks(ranks, order, mgr, 1, 8)
-    return mgr, made, acts, order
+    return mgr, made[0], acts, order
+
+
+def _estimate(mgr: OffloadManager, acts: dict, order) -> tuple[list, object]:
+    """The events and estimated costs `offload.planning.plan` searched with for `_captured`'s pipeline."""
+    from qeffect.offload.planning import estimate_costs, step_events
+    from qeffect.runtime.build import offload_step
+
+    step = offload_step([type("R", (), {"actions": acts})()], order, 1, 8)
+    events = step_events(step.order, step.groups)
+    return events, estimate_costs(mgr, events, step)
 
 
 # ------------------------------------------------------------------- release: short windows
@@ -361,7 +379,7 @@ def test_the_windows_name_the_late_stages_groups(schedule: str) -> None:
     last = {(3, m) for m in range(4)}
     assert short_window_groups(events, 2) == last
     assert short_window_groups(events, 0) == set()
-    assert load_config().train.offload_min_window == 12
+    assert load_config().offload.min_window == 12
     third = {(2, m) for m in (range(4) if schedule == "interleaved" else (0, 3))}
     assert short_window_groups(events, 12) == last | third
 
@@ -385,7 +403,7 @@ def test_resident_mode_leaves_the_windows_groups_out_and_off_mode_ignores_it() -
     short = short_window_groups(events, 5)
     assert short and len(short) < 16
     dev = FakeDevice(0, granularity=64 * 1024)
-    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev, min_window=5)
+    mgr = manager("resident", dev, min_window=5)
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in sorted({g for _, g in events})}
     for g in groups.values():
         g.discover(torch.empty(3, 3))
@@ -393,16 +411,16 @@ def test_resident_mode_leaves_the_windows_groups_out_and_off_mode_ignores_it() -
     assert {g.name for g in mgr.not_offloaded} == {groups[g].name for g in short}
     assert all(g.offloaded == (k not in short) and (g.bank is None) == (k in short) for k, g in groups.items())
     mgr.close()
-    mgr = OffloadManager("off", device="cpu", driver=dev.driver(), streams=dev, min_window=5)
+    mgr = manager("off", dev, min_window=5)
     assert mgr.short_window(events) == set()
     mgr.close()
     with pytest.raises(ValueError, match="min_window"):
-        OffloadManager("release", device="cpu", driver=dev.driver(), streams=dev, min_window=-1)
+        OffloadConfig(mode="release", min_window=-1)
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_resident_with_a_window_leaves_the_short_groups_on_the_device(schedule: str) -> None:
-    """`min_window = 2` in resident mode (`train.offload_min_window`): the last stage's groups get no
+    """`min_window = 2` in resident mode (`offload.min_window`): the last stage's groups get no
     slot, no bank and no copies; the others still read their own bytes back (three seeds), and the banks
     are sized by the offloaded groups alone."""
     events, steps = schedule_events(schedule, 4), 3
@@ -414,7 +432,7 @@ def test_resident_with_a_window_leaves_the_short_groups_on_the_device(schedule: 
         st, kept, _ = _run(events, banks, steps, seed=seed, plan=True, min_window=2)
         assert not kept & short and st.d2h_copies + st.d2h_skipped == steps * (16 - len(short))
     dev = FakeDevice(0, granularity=64 * 1024)
-    mgr = OffloadManager("resident", device="cpu", driver=dev.driver(), streams=dev, min_window=2)
+    mgr = manager("resident", dev, min_window=2)
     groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in sorted({g for _, g in events})}
     for g, grp in groups.items():
         grp.discover(torch.empty(1 << (16 + 2 * (g[0] == 3)), dtype=torch.uint8))  # the last stage's 4x larger
@@ -427,53 +445,80 @@ def test_resident_with_a_window_leaves_the_short_groups_on_the_device(schedule: 
 
 
 def test_the_resident_window_comes_from_the_config(monkeypatch) -> None:
-    """`train.offload_min_window` (default 12) reaches the resident manager `capture_ranks` builds: the last
+    """`offload.min_window` (default 12) reaches the resident manager `capture_ranks` builds: the last
     two stages' groups are not offloaded (Interleaved, M=4), with 2 the last stage's; 0 offloads every group
     (the A/B)."""
     mgr, made, _, _ = _captured(monkeypatch, load_config())
     late = {f"s{s}.m{m}" for s in (2, 3) for m in range(4)}
-    assert made["min_window"] == 12 and {g.name for g in mgr.not_offloaded} == late
+    assert made.min_window == 12 and {g.name for g in mgr.not_offloaded} == late
     mgr.close()
-    mgr, made, _, _ = _captured(monkeypatch, load_config().with_overrides(**{"train.offload_min_window": 2}))
-    assert made["min_window"] == 2 and {g.name for g in mgr.not_offloaded} == {f"s3.m{m}" for m in range(4)}
+    mgr, made, _, _ = _captured(monkeypatch, load_config().with_overrides(**{"offload.min_window": 2}))
+    assert made.min_window == 2 and {g.name for g in mgr.not_offloaded} == {f"s3.m{m}" for m in range(4)}
     mgr.close()
-    mgr, made, _, _ = _captured(monkeypatch, load_config().with_overrides(**{"train.offload_min_window": 0}))
-    assert made["min_window"] == 0 and mgr.not_offloaded == [] and all(g.bank is not None for g in mgr.groups)
+    mgr, made, _, _ = _captured(monkeypatch, load_config().with_overrides(**{"offload.min_window": 0}))
+    assert made.min_window == 0 and mgr.not_offloaded == [] and all(g.bank is not None for g in mgr.groups)
     mgr.close()
 
 
 @pytest.mark.parametrize("prefer", ["copies", "memory"])
 def test_capture_searches_with_the_preference_of_the_config(monkeypatch, prefer: str) -> None:
-    """`train.offload_search_prefer` (default "copies") reaches `capture_ranks`' search: its plan is the one
-    `search_banks(prefer=...)` finds for the same events and estimate, and the two preferences differ here."""
+    """`offload.search_prefer` (default "copies") reaches `capture_ranks`' search: its plan is the one
+    `search_banks` finds for the same events, estimate and config, and the two preferences differ here."""
     from qeffect.offload.timing import search_banks
-    from qeffect.runtime.build import estimate_costs, offload_events, search_tries
 
     cfg = load_config()
-    assert cfg.train.offload_search_prefer == "copies"
-    mgr, made, acts, order = _captured(monkeypatch, cfg.with_overrides(**{"train.offload_search_prefer": prefer}))
-    assert made["search_prefer"] == mgr.search_prefer == prefer
-    ranks = [type("R", (), {"actions": acts})()]
-    events = offload_events([(0, a) for _, a in order], ranks)
-    costs = estimate_costs(ranks, mgr, events, 8)
-    kw = {"max_banks": mgr.search_banks, "tries": search_tries(), "lookahead": mgr.lookahead,
-          "chunk_bytes": mgr.copy_chunk_bytes, "skip_kept_d2h": mgr.skip_kept_d2h}
-    want = {p: search_banks(events, costs, prefer=p, **kw).best for p in ("copies", "memory")}
+    assert cfg.offload.search_prefer == "copies"
+    mgr, made, acts, order = _captured(monkeypatch, cfg.with_overrides(**{"offload.search_prefer": prefer}))
+    assert made.search_prefer == mgr.config.search_prefer == prefer
+    events, costs = _estimate(mgr, acts, order)
+    want = {p: search_banks(events, costs, made.model_copy(update={"search_prefer": p})).best
+            for p in ("copies", "memory")}
     assert mgr.bank_search.best == want[prefer]
     assert want["copies"].d2h_bytes < want["memory"].d2h_bytes  # the two differ here: the test can fail
+    mgr.close()
+
+
+def test_the_search_tries_come_from_the_config(monkeypatch) -> None:
+    """`offload.search_tries` reaches the capture-time search; 0 keeps the colouring with `search_banks` banks."""
+    mgr, made, acts, order = _captured(monkeypatch, load_config().with_overrides(**{"offload.search_tries": 0}))
+    found = mgr.bank_search
+    assert made.search_tries == 0 and found.tried == 1 and found.best == found.colour
+    events, _ = _estimate(mgr, acts, order)
+    assert mgr.bank_plan == [assign_banks(events, min_banks=6)[g] for g in backward_order(events)]
+    mgr.close()
+
+
+def test_one_planning_call_allocates_a_release_manager_from_its_config() -> None:
+    """`offload.planning.plan` in release mode: no banks and no search; the config's window names the groups
+    left on the device, its sharing rule the runs of the others that share a slot."""
+    from qeffect.offload.planning import StepInputs, plan
+
+    cfg = load_config()
+    events = schedule_events("interleaved", 4)
+    dev = FakeDevice(0, granularity=64 * 1024)
+    mgr = OffloadManager(OffloadConfig(mode="release"), device="cpu", driver=dev.driver(), streams=dev)
+    groups = {g: mgr.group(f"s{g[0]}.m{g[1]}") for g in sorted({g for _, g in events})}
+    for grp in groups.values():
+        grp.discover(torch.empty(4, 4))
+    order = [a for _, a in global_order(schedule_of(cfg))]
+    got = plan(mgr, StepInputs(order=order, groups=groups, elements=dict.fromkeys(range(4), 1), tokens=8))
+    assert got.banks is None and got.search is None and mgr.bank_search is None
+    assert got.events == [(k, groups[g]) for k, g in events] and got.backward == mgr.backward_order
+    short = short_window_groups(events, cfg.offload.min_window)
+    assert {g.name for g in mgr.not_offloaded} == {groups[g].name for g in short}
+    runs = shared_slots(events, [g for g in backward_order(events) if g not in short], cfg.offload.slot_members,
+                        min_gap=cfg.offload.share_gap)
+    assert runs and [[g.name for g in run] for run in mgr.shared] == [[groups[g].name for g in run] for run in runs]
     mgr.close()
 
 
 def test_the_search_leaves_the_short_groups_out_of_the_banks(monkeypatch) -> None:
     """With the resident window (the default), the capture-time search sees the short groups as empty (no
     bank, no copies) and its plan runs: the manager maps banks for the offloaded groups only."""
-    from qeffect.runtime.build import estimate_costs, offload_events
-
     mgr, _, acts, order = _captured(monkeypatch, load_config())
     assert {g.name for g in mgr.not_offloaded} == {f"s{s}.m{m}" for s in (2, 3) for m in range(4)}
     assert mgr.bank_search is not None and mgr.banks and all(g.bank is None for g in mgr.not_offloaded)
-    ranks = [type("R", (), {"actions": acts})()]
-    costs = estimate_costs(ranks, mgr, offload_events([(0, a) for _, a in order], ranks), 8)
+    _, costs = _estimate(mgr, acts, order)
     assert {g.name for g, n in costs.nbytes.items() if n == 0} == {g.name for g in mgr.not_offloaded}
     mgr.close()
 
@@ -490,7 +535,7 @@ def test_a_not_offloaded_group_leaves_autograd_alone_and_backward_is_bitwise() -
 
     ref = torch.autograd.grad(f(x).sum(), (x, w))
     dev = FakeDevice(0, granularity=64 * 1024)
-    mgr = OffloadManager("release", device="cpu", driver=dev.driver(), streams=dev, min_window=1)
+    mgr = manager("release", dev, min_window=1)
     a, b = mgr.group("a"), mgr.group("b")
     for g in (a, b):
         with g.discovery_hooks():
@@ -520,26 +565,25 @@ def test_config_reaches_the_manager(monkeypatch) -> None:
     made = {}
 
     class _Manager:
-        def __init__(self, mode, **kw) -> None:
-            made.update(kw, mode=mode)
+        def __init__(self, config, **kw) -> None:
+            made.update(config=config, **kw)
 
     monkeypatch.setattr(build_mod, "OffloadManager", _Manager)
-    assert load_config().train.offload_lookahead == 1
-    cfg = load_config().with_overrides(**{"train.offload_min_window": 7, "train.offload_lookahead": 3})
-    build_mod.make_offload_manager("release", "cpu", cfg.train.offload_banks, cfg.train.offload_reap,
-                                   cfg.train.offload_skip_kept_d2h, cfg.train.offload_min_window,
-                                   cfg.train.offload_lookahead)
-    assert made["min_window"] == 7 and made["lookahead"] == 3 and made["mode"] == "release"
-    for field in ("offload_min_window", "offload_lookahead"):
-        with pytest.raises(Exception, match=field):
-            load_config().with_overrides(**{f"train.{field}": -1})
+    assert load_config().offload.lookahead == 1
+    cfg = load_config().with_overrides(**{"offload.mode": "release", "offload.min_window": 7, "offload.lookahead": 3})
+    build_mod.make_offload_manager(build_mod.offload_config(cfg), "cpu")
+    assert made["config"] is cfg.offload and list(made) == ["config", "device"]  # one model, nothing else
+    assert build_mod.offload_config(cfg, native=True) == cfg.offload.model_copy(update={"mode": "off"})
+    for field in ("min_window", "lookahead"):
+        with pytest.raises(Exception, match=f"offload.{field}"):
+            load_config().with_overrides(**{f"offload.{field}": -1})
 
 
 def test_a_not_offloaded_group_backward_still_starts_the_next_restore() -> None:
     """Look-ahead: the group after a not-offloaded one in backward order is restored during that group's
     backward, as it would be during an offloaded one's."""
     dev = FakeDevice(0, granularity=64 * 1024)
-    mgr = OffloadManager("release", device="cpu", driver=dev.driver(), streams=dev, min_window=1)
+    mgr = manager("release", dev, min_window=1)
     a, b = mgr.group("a"), mgr.group("b")
     for g in (a, b):
         g.discover(torch.empty(4, 4))

@@ -11,11 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from qeffect.config import load_config
+from qeffect.config import DEFAULT_SEARCH_TRIES, OffloadConfig, load_config
 from qeffect.offload.plan import assign_banks, backward_order, conflicts
 from qeffect.offload.timing import MIB, SCALE, StepCosts, TimedStreams, search_banks, simulate
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "offload_sim.py"
+
+
+def resident(**kw) -> OffloadConfig:
+    """A resident offload config with `kw` (the search's budget, tries and preference)."""
+    return OffloadConfig(mode="resident", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +94,7 @@ def test_the_search_finds_a_valid_plan_no_slower_and_no_larger_than_the_colourin
     """h2048's durations: every plan is valid (no conflicting groups share a bank), the best is within the
     colouring's memory with 4 banks and faster than the colouring with 2 or 4; the same seed, the same plan."""
     events, costs = h2048(sim, schedule)
-    found = search_banks(events, costs, max_banks=4, tries=60)
+    found = search_banks(events, costs, resident(search_banks=4, search_tries=60))
     order, edges = backward_order(events), conflicts(events)
     bank = dict(zip(order, found.best.plan, strict=True))
     assert all(bank[g] != bank[h] for g in order for h in edges[g])
@@ -97,14 +102,14 @@ def test_the_search_finds_a_valid_plan_no_slower_and_no_larger_than_the_colourin
     assert found.colour.plan == tuple(assign_banks(events, min_banks=4)[g] for g in order)
     assert found.best.step_ms < min(found.colour.step_ms, simulate(events, costs).step_ms)
     assert 1 < found.tried <= 61
-    assert search_banks(events, costs, max_banks=4, tries=60).best == found.best
+    assert search_banks(events, costs, resident(search_banks=4, search_tries=60)).best == found.best
 
 
 def test_on_a_tie_the_search_takes_the_plan_with_less_memory(sim) -> None:
     """`prefer="memory"`, copies of no cost: every plan runs at the step without offload, so the search only
     trades memory: it ends below the colouring's 4 banks, at no more than the 2-bank colouring's memory."""
     events, costs = h2048(sim, gbps=1e12)
-    found = search_banks(events, costs, max_banks=4, tries=20, prefer="memory")
+    found = search_banks(events, costs, resident(search_banks=4, search_tries=20, search_prefer="memory"))
     assert found.best.step_ms == pytest.approx(found.best.off_ms, rel=1e-9)
     assert found.best.mapped_bytes < found.colour.mapped_bytes
     assert found.best.mapped_bytes <= simulate(events, costs).mapped_bytes
@@ -112,12 +117,13 @@ def test_on_a_tie_the_search_takes_the_plan_with_less_memory(sim) -> None:
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_preferring_copies_keeps_more_groups_in_their_banks_within_the_budget(sim, schedule: str) -> None:
-    """`prefer="copies"` (`train.offload_search_prefer`, the default): with the last stage's groups on the
+    """`search_prefer="copies"` (`offload.search_prefer`, the default): with the last stage's groups on the
     device and the 6-bank budget, h2048's plans as fast as without offload, and fewer bytes copied than the
     plan that prefers memory (which may map less); every plan valid; an unknown preference is refused."""
     events, costs = h2048(sim, schedule)
     costs = sim.without_short(costs, events, 2)
-    by = {p: search_banks(events, costs, max_banks=6, tries=200, prefer=p) for p in ("memory", "copies")}
+    by = {p: search_banks(events, costs, resident(search_banks=6, search_tries=200, search_prefer=p))
+          for p in ("memory", "copies")}
     mem, cop = by["memory"].best, by["copies"].best
     assert cop.step_ms == pytest.approx(cop.off_ms, rel=1e-9) and mem.step_ms == pytest.approx(mem.off_ms, rel=1e-9)
     assert cop.d2h_bytes + cop.h2d_bytes < mem.d2h_bytes + mem.h2d_bytes and cop.kept > mem.kept
@@ -125,22 +131,24 @@ def test_preferring_copies_keeps_more_groups_in_their_banks_within_the_budget(si
     order, edges = backward_order(events), conflicts(events)
     bank = dict(zip(order, cop.plan, strict=True))
     assert all(bank[g] != bank[h] for g in order for h in edges[g])
-    with pytest.raises(ValueError, match="prefer"):
-        search_banks(events, costs, tries=2, prefer="speed")
+    with pytest.raises(ValueError, match="search_prefer"):
+        resident(search_tries=2, search_prefer="speed")
 
 
-def test_an_unknown_preference_is_refused_by_the_config_and_the_manager(tmp_path) -> None:
-    """`train.offload_search_prefer` takes "copies" or "memory": the config names the file and the field, the
-    manager refuses anything else."""
+def test_an_unknown_preference_is_refused_by_the_config_and_the_manager_takes_only_a_config(tmp_path) -> None:
+    """`offload.search_prefer` takes "copies" or "memory": the config file's error names the file and the
+    field, the model refuses anything else, and the manager takes nothing but a config."""
     from qeffect.errors import UserError
     from qeffect.offload import OffloadManager
 
     bad = tmp_path / "bad.toml"
-    bad.write_text('[train]\noffload_search_prefer = "bytes"\n')
-    with pytest.raises(UserError, match=r"bad\.toml.*train\.offload_search_prefer"):
+    bad.write_text('[offload]\nsearch_prefer = "bytes"\n')
+    with pytest.raises(UserError, match=r"bad\.toml.*offload\.search_prefer"):
         load_config(bad)
     with pytest.raises(ValueError, match="search_prefer"):
-        OffloadManager("resident", device="cpu", driver=object(), streams=object(), search_prefer="bytes")
+        resident(search_prefer="bytes")
+    with pytest.raises(TypeError, match="OffloadConfig"):
+        OffloadManager("resident", device="cpu", driver=object(), streams=object())
 
 
 def test_costs_say_the_step_without_offload() -> None:
@@ -149,7 +157,7 @@ def test_costs_say_the_step_without_offload() -> None:
 
 
 def test_given_banks_are_timed_and_bad_ones_are_refused(sim, tmp_path, monkeypatch, capsys) -> None:
-    """`--plan` times banks given by hand (here the 4-bank plan of gpu_session's offload-bank-search) and
+    """`--plan` times banks given by hand (here a 4-bank plan `--search` found, timed on the H200 at 08f6f82) and
     writes them to the JSON; banks that do not fit the schedule end the script with a usage error."""
     plan = "0:3:0:1:0:3:2:1:0:1:0:3:2:1:0:3"
     out = tmp_path / "sim.json"
@@ -166,7 +174,7 @@ def test_given_banks_are_timed_and_bad_ones_are_refused(sim, tmp_path, monkeypat
 
 
 def test_the_window_leaves_the_last_stages_groups_out(sim, tmp_path, monkeypatch, capsys) -> None:
-    """`--min-window 2` (the script's default; `train.offload_min_window = 2` does the same): the last
+    """`--min-window 2` (the script's default; `offload.min_window = 2` does the same): the last
     stage's groups are empty, so the banks shrink; 0 offloads every group; a negative window is a usage
     error."""
     rows = {}
@@ -199,25 +207,25 @@ def test_robustness_compares_the_estimate_with_plans_searched_for_the_given_dura
     assert "estimate's plan x" in capsys.readouterr().out
 
 
-def test_no_tries_keep_the_colouring_and_the_environment_sets_the_tries(sim, monkeypatch) -> None:
+def test_no_tries_keep_the_colouring_and_the_config_sets_the_tries(sim, tmp_path) -> None:
+    """`offload.search_tries`: 0 keeps the colouring with `search_banks` banks; 400 by default; a config file
+    sets it, and a bad value is refused naming the file and the field."""
     import gc
 
     from qeffect.errors import UserError
-    from qeffect.offload.timing import DEFAULT_TRIES
-    from qeffect.runtime.build import search_tries
 
     events, costs = h2048(sim)
-    found = search_banks(events, costs, max_banks=4, tries=0)
+    found = search_banks(events, costs, resident(search_banks=4, search_tries=0))
     assert found.best == found.colour and found.tried == 1
     assert gc.isenabled()  # the search turns collections off while it runs, and back on
-    monkeypatch.delenv("QEFFECT_OFFLOAD_SEARCH_TRIES", raising=False)
-    assert search_tries() == DEFAULT_TRIES == 400
-    monkeypatch.setenv("QEFFECT_OFFLOAD_SEARCH_TRIES", "12")
-    assert search_tries() == 12
-    for bad in ("-1", "many"):
-        monkeypatch.setenv("QEFFECT_OFFLOAD_SEARCH_TRIES", bad)
-        with pytest.raises(UserError, match="QEFFECT_OFFLOAD_SEARCH_TRIES"):
-            search_tries()
+    assert OffloadConfig().search_tries == DEFAULT_SEARCH_TRIES == 400
+    path = tmp_path / "tries.toml"
+    path.write_text("[offload]\nsearch_tries = 12\n")
+    assert load_config(path).offload.search_tries == 12
+    for bad in ("-1", '"many"'):
+        path.write_text(f"[offload]\nsearch_tries = {bad}\n")
+        with pytest.raises(UserError, match=r"tries\.toml.*offload\.search_tries"):
+            load_config(path)
 
 
 def test_matrix_elements_count_the_gemm_weights_and_not_the_embeddings() -> None:
@@ -225,7 +233,7 @@ def test_matrix_elements_count_the_gemm_weights_and_not_the_embeddings() -> None
     its token and position tables; a last stage's layers and its head (h x vocab)."""
     from qeffect.fp8 import DelayedScalingRecipe, ReferenceBackend
     from qeffect.model import GPTShape, build_chunks
-    from qeffect.runtime.build import matrix_elements
+    from qeffect.offload.planning import matrix_elements
 
     h, f, vocab = 32, 64, 64
     shape = GPTShape(layers_per_chunk=1, num_stages=2, vocab_size=vocab, hidden=h, ffn=f, heads=4, seq_len=8,

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from qeffect.cli.app import main
-from qeffect.config import load_config
+from qeffect.config import RunConfig, bit_changing_fields, load_config
 from qeffect.fp8.te import te_available
+from qeffect.graphs.handshake import run_settings
 from qeffect.profile.flops import count_matrix_flops, gemm_problems
 from qeffect.profile.report import SCHEMA_VERSION, ProfileReport, Spread, TraceSummary, break_even_steps
 from qeffect.profile.resources import parse_microbatches, resource_rows
+from qeffect.profile.targets import with_targets
 from qeffect.profile.trace import (
     CATEGORY_NAMES,
     WINDOW,
@@ -50,8 +52,7 @@ def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ProfileRep
     d = tmp_path_factory.mktemp("profile")
     (d / "small.toml").write_text(SMALL)
     out = d / "report.json"
-    with pytest.raises(SystemExit) as exc, pytest.MonkeyPatch.context() as mp:
-        mp.setenv("QEFFECT_FUSED_TRANSPOSE", "kernel")  # a switch the report must record
+    with pytest.raises(SystemExit) as exc:
         main(["profile", "--config", str(d / "small.toml"), "--device", "cpu", "--steps", "2", "--warmup", "1",
               "--microbatches", "2,4", "--trace", "1", "--json", str(out)])
     assert exc.value.code in (0, None)
@@ -69,7 +70,10 @@ def test_report_schema_round_trip(profiled) -> None:
     assert "--trace 1" in report.command and report.trace_steps == 1
     assert raw["configs"][0]["trace"]["steps"] == 1 and again.result("native-eager").trace is not None
     assert report.device == "cpu" and report.torch_version == torch.__version__
-    assert report.environment.get("QEFFECT_FUSED_TRANSPOSE") == "kernel"
+    # the settings it ran under: every bit-changing one and the [runtime] section; no environment
+    assert report.settings == run_settings(RunConfig.model_validate(report.config)) and report.environment == {}
+    assert report.settings["model.vocab_size"] == 512 and report.settings["runtime.rank_streams"] is True
+    assert set(bit_changing_fields()) < set(report.settings)
     assert report.init_draw_seconds is not None and report.init_draw_seconds > 0  # drawn once, outside setups
     q = report.result("qeffect-eager")
     assert q.losses_equal_native is True and q.non_finite_losses == 0 and len(q.losses) == 3
@@ -84,7 +88,7 @@ def test_losses_off_native_or_not_finite_are_flagged(profiled, capsys) -> None:
     r = ProfileReport.model_validate_json(report.model_dump_json())
     q = r.result("qeffect-eager")
     q.losses = [q.losses[0], float("nan"), q.losses[2] + 1e-6]
-    r.with_targets()
+    with_targets(r)
     assert q.losses_equal_native is False and q.non_finite_losses == 1
     from rich.console import Console
 
@@ -293,7 +297,8 @@ def test_version_1_report_still_renders(capsys, profiled, tmp_path) -> None:
     path, _ = profiled
     raw = json.loads(path.read_text())
     raw["schema_version"] = 1
-    del raw["trace_steps"]
+    del raw["trace_steps"], raw["settings"]
+    raw["environment"] = {"QEFFECT_FUSED_TRANSPOSE": "kernel"}  # what reports recorded before settings
     for c in raw["configs"]:
         del c["trace"], c["trace_error"]
     old = tmp_path / "v1.json"
@@ -652,7 +657,7 @@ def _hand_report(profiled, medians_ms: dict[str, float], backend: str = "te", hi
                                 "te-graphed-mcore": "te-mcore"}.get(c.name, "eager")
             c.persistent_growth_bytes_per_step = 0.0
     derive_ratios([c for c in r.configs if c.status == "ok"], r.floor.seconds, r.floor.seconds_layers_only)
-    return r.with_targets()
+    return with_targets(r)
 
 
 def test_target_thresholds_by_hand(profiled) -> None:
@@ -703,7 +708,7 @@ def test_a_missed_break_even_names_the_setup_that_would_meet_it_and_where_the_se
     from qeffect.profile.matrix import derive_ratios
 
     derive_ratios([c for c in r.configs if c.status == "ok"], r.floor.seconds, r.floor.seconds_layers_only)
-    t = {t.name: t for t in r.with_targets().targets}["break-even"]
+    t = {t.name: t for t in with_targets(r).targets}["break-even"]
     assert t.met is False and t.value == pytest.approx((9.5 - 7.5) / 0.095, rel=1e-12)
     assert "(worst: captured-copy)" in t.description
     assert t.needed == "captured-copy: setup <= 8.45 s (now 9.50 s) or a faster step"
@@ -712,7 +717,7 @@ def test_a_missed_break_even_names_the_setup_that_would_meet_it_and_where_the_se
                               "values 1.00 + ranks 1.00 + first step 1.50; ")
     copy.setup_seconds = 8.45  # at the threshold: met, nothing to explain
     derive_ratios([c for c in r.configs if c.status == "ok"], r.floor.seconds, r.floor.seconds_layers_only)
-    t = {t.name: t for t in r.with_targets().targets}["break-even"]
+    t = {t.name: t for t in with_targets(r).targets}["break-even"]
     assert t.met and t.where is None and t.needed is None
 
 
@@ -724,14 +729,14 @@ def test_ratio_targets_say_how_they_stand_against_the_baselines_fastest_step(pro
     r = _hand_report(profiled, base)
     r.result("native-eager").step_seconds = [0.110, 0.120, 0.150]
     r.result("te-graphed-model").step_seconds = [0.027, 0.030, 0.031]
-    by = {t.name: t for t in r.with_targets().targets}
+    by = {t.name: t for t in with_targets(r).targets}
     assert by["speedup-vs-native"].note == ("native-eager's 3 timed steps spanned 110.00-150.00 ms (median "
                                             "120.00); against its fastest step captured-direct is 5.50x")
     assert by["vs-te-anchor"].note.endswith("against its fastest step captured-direct is 1.35x")
     assert by["fastest-vs-te-anchor"].note.endswith("against its fastest step captured-zbv-direct is 1.80x")
     assert by["speedup-vs-native"].met  # the target itself stays on the medians
     r.result("native-eager").step_seconds = []
-    assert {t.name: t for t in r.with_targets().targets}["speedup-vs-native"].note is None
+    assert {t.name: t for t in with_targets(r).targets}["speedup-vs-native"].note is None
 
 
 def test_ratio_targets_give_the_ratio_on_device_work_alone_when_both_were_traced(profiled) -> None:
@@ -749,11 +754,11 @@ def test_ratio_targets_give_the_ratio_on_device_work_alone_when_both_were_traced
 
     r.result("te-graphed-model").trace = trace(32.0, 18.0)
     r.result("captured-direct").trace = trace(21.0, 15.0)
-    note = {t.name: t for t in r.with_targets().targets}["vs-te-anchor"].note
+    note = {t.name: t for t in with_targets(r).targets}["vs-te-anchor"].note
     assert note == ("traced GPU busy per step: te-graphed-model 18.00 ms of 32.00 wall, captured-direct 15.00 of 21.00: "
                     "on device work alone captured-direct is 1.20x")
     r.result("captured-direct").trace = trace(21.0, None)  # a CPU trace: no device time
-    assert {t.name: t for t in r.with_targets().targets}["vs-te-anchor"].note is None
+    assert {t.name: t for t in with_targets(r).targets}["vs-te-anchor"].note is None
 
 
 LAYERS_NOTE = ("against te-graphed (TE's graphed layers alone: no embeddings, head or loss, bf16 params and "
@@ -764,7 +769,7 @@ def _anchor_targets(profiled, medians_ms: dict[str, float]) -> dict:
     r = _hand_report(profiled, medians_ms)
     for c in r.configs:
         c.step_seconds = []  # no spread notes: the references' notes alone
-    return {t.name: t for t in r.with_targets().targets}
+    return {t.name: t for t in with_targets(r).targets}
 
 
 def test_anchor_targets_are_judged_on_the_same_model_with_the_layers_alone_in_the_notes(profiled) -> None:
@@ -830,7 +835,7 @@ def test_a_failed_captured_configuration_fails_the_every_configuration_targets(p
     r.result("captured-zbv-direct").status = "failed"
     r.resources = [row.model_copy(update={"microbatches": 16, "capture_note": "failed: OutOfMemoryError"})
                    for row in r.resources or []]
-    by = {t.name: t for t in r.with_targets().targets}
+    by = {t.name: t for t in with_targets(r).targets}
     assert list(by)[-3:] == ["break-even", "capture-host-time", "zero-growth"]
     for name in ("break-even", "zero-growth"):
         assert by[name].met is False and "captured-zbv-direct" in by[name].note

@@ -10,16 +10,15 @@ from qeffect.runtime.build import build_single_process, rank_streams
 from qeffect.runtime.transport import LocalTransport
 
 
-def test_rank_streams_are_for_pipelines_without_offload(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rank_streams_are_for_pipelines_without_offload() -> None:
     """Both backends (Transformer Engine's captures get a workspace per rank), not with offload, not when
     switched off."""
     cfg = load_config()
     assert cfg.fp8.backend == "reference" and rank_streams(cfg)
     assert rank_streams(cfg.with_overrides(**{"fp8.backend": "te"}))
-    assert not rank_streams(cfg.with_overrides(**{"train.offload": "release"}))
-    assert not rank_streams(cfg.with_overrides(**{"train.offload": "resident"}))
-    monkeypatch.setenv("QEFFECT_RANK_STREAMS", "0")
-    assert not rank_streams(cfg)
+    assert not rank_streams(cfg.with_overrides(**{"offload.mode": "release"}))
+    assert not rank_streams(cfg.with_overrides(**{"offload.mode": "resident"}))
+    assert not rank_streams(cfg.with_overrides(**{"runtime.rank_streams": False}))
 
 
 def test_pipelines_without_graphs_keep_one_stream() -> None:

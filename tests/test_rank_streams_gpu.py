@@ -44,11 +44,10 @@ def _cfg(schedule: str, backend: str):
 @pytest.mark.parametrize("backend", ["reference", "te"])
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 @pytest.mark.parametrize("path", ["captured-direct", "captured-copy"])
-def test_rank_streams_keep_the_bits_of_native_eager_and_of_one_stream(monkeypatch: pytest.MonkeyPatch,
-                                                                      schedule: str, path: str,
+def test_rank_streams_keep_the_bits_of_native_eager_and_of_one_stream(schedule: str, path: str,
                                                                       backend: str) -> None:
     """Five steps of the same data: the losses, then every parameter and optimizer moment, bit for bit,
-    with rank streams (the default), with one stream (``QEFFECT_RANK_STREAMS=0``) and native eager."""
+    with rank streams (the default), with one stream (``runtime.rank_streams = false``) and native eager."""
     from qeffect.runtime.build import build_single_process
     from qeffect.verify.state import bitwise_equal, synthetic_batches
 
@@ -57,8 +56,8 @@ def test_rank_streams_keep_the_bits_of_native_eager_and_of_one_stream(monkeypatc
     cfg = _cfg(schedule, backend)
     native = build_single_process(cfg, native=True, device="cuda")
     streams = build_single_process(cfg, native=False, device="cuda", path=path)
-    monkeypatch.setenv("QEFFECT_RANK_STREAMS", "0")
-    one = build_single_process(cfg, native=False, device="cuda", path=path)
+    one = build_single_process(cfg.with_overrides(**{"runtime.rank_streams": False}), native=False, device="cuda",
+                               path=path)
     assert streams.rank_streams is not None and len(streams.rank_streams) == cfg.pipeline.pp
     assert one.rank_streams is None
     # Transformer Engine's captures took a workspace per rank, kept with the pipeline

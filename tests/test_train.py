@@ -32,6 +32,15 @@ def test_default_train_learns(tmp_path: Path) -> None:
     lines = (runs[0] / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == summary["steps"] == 60
     assert "ratio" in proc.stdout
+    # what the run ran under: the whole resolved config, and in the summary every bit-changing setting and
+    # the [runtime] section
+    from qeffect.config import RunConfig, bit_changing_fields, load_config
+    from qeffect.graphs.handshake import run_settings
+
+    cfg = RunConfig.model_validate(json.loads((runs[0] / "config.json").read_text()))
+    assert cfg == load_config() and summary["config"] == cfg.model_dump()
+    assert summary["settings"] == run_settings(cfg)
+    assert set(summary["settings"]) == {*bit_changing_fields(), "runtime.rank_streams"}
 
 
 def _bad_shards(tmp_path: Path) -> dict[str, tuple[str, str]]:
@@ -88,7 +97,7 @@ def test_captured_training_equals_eager_training(tmp_path: Path) -> None:
     base = load_config().with_overrides(**{"train.device": "cuda", "train.steps": 6, "train.eval_every": 3})
     runs = {"eager": {}, "captured-direct": {"train.path": "captured-direct"}}
     if bindings_available():
-        runs["captured-direct+release"] = {"train.path": "captured-direct", "train.offload": "release"}
+        runs["captured-direct+release"] = {"train.path": "captured-direct", "offload.mode": "release"}
     losses = {}
     for name, over in runs.items():
         s = train(base.with_overrides(**over), out=tmp_path / name)

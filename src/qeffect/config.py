@@ -1,6 +1,8 @@
-"""Validated run configuration, loaded from TOML. One pydantic model per concern.
+"""Validated run configuration, loaded from TOML. One pydantic model per section.
 
-Errors name the file and the dotted field so that a user can fix the TOML without reading code.
+Errors name the file and the dotted field so that a user can fix the TOML without reading code. Every
+field has a description (docs/configuration.md is generated from them: scripts/config_docs.py). A field marked
+``changes_bits`` changes the numbers a run computes: a resume must keep it (`bit_changing_fields`).
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -16,19 +18,32 @@ from qeffect.errors import UserError
 
 DEFAULT_CONFIG = "tiny.toml"
 
+# Defaults of the [offload] section's sizes and counts, named for the tests and scripts that compare with them.
+DEFAULT_COPY_CHUNK_MIB = 2.0
+DEFAULT_STORE_BATCH_MIB = 0.25
+DEFAULT_SHARE_GAP = 4
+DEFAULT_SEARCH_TRIES = 400
+
+
+def _bits(description: str, default: Any, **kw: Any) -> Any:
+    """A field that changes the numbers a run computes (recorded, and kept on resume)."""
+    return Field(default, description=description, json_schema_extra={"changes_bits": True}, **kw)
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class ModelConfig(_Strict):
-    vocab_size: int = Field(32768, ge=2)
-    hidden: int = Field(64, ge=1)
-    ffn: int = Field(256, ge=1)
-    heads: int = Field(4, ge=1)
-    layers_per_chunk: int = Field(1, ge=1)
-    seq_len: int = Field(32, ge=2)
-    microbatch_size: int = Field(2, ge=1)
+    """The GPT's shape: every field changes the numbers."""
+
+    vocab_size: int = _bits("Vocabulary size (rows of the token table and the output head).", 32768, ge=2)
+    hidden: int = _bits("Hidden width of every layer.", 64, ge=1)
+    ffn: int = _bits("Width of the feed-forward layer's inner projection.", 256, ge=1)
+    heads: int = _bits("Attention heads; must divide `hidden`.", 4, ge=1)
+    layers_per_chunk: int = _bits("Transformer layers in each pipeline chunk (stage).", 1, ge=1)
+    seq_len: int = _bits("Tokens per sequence.", 32, ge=2)
+    microbatch_size: int = _bits("Sequences per microbatch.", 2, ge=1)
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelConfig:
@@ -38,15 +53,20 @@ class ModelConfig(_Strict):
 
 
 class PipelineConfig(_Strict):
-    pp: int = Field(2, ge=1)
-    dp: int = Field(1, ge=1)
-    chunks_per_rank: int = Field(2, ge=1)
-    microbatches: int = Field(4, ge=1)
-    schedule: Literal["interleaved", "zbv"] = "interleaved"
-    wgrad_staging: int = Field(8, ge=0)
-    """Staged weight-gradient accumulation: microbatch weight gradients kept in the GEMM's own dtype and
-    folded into the fp32 gradient in one pass per group of this many (0: add each as it comes). Used when
-    every stage runs dW in microbatch order; same bits either way, fewer memory passes, more memory."""
+    """How the model is split over ranks and how a step is scheduled."""
+
+    pp: int = _bits("Pipeline-parallel ranks.", 2, ge=1)
+    dp: int = _bits("Data-parallel replicas of the pipeline (torchrun: pp x dp processes).", 1, ge=1)
+    chunks_per_rank: int = _bits("Model chunks (virtual stages) per pipeline rank.", 2, ge=1)
+    microbatches: int = _bits("Microbatches per step and replica.", 4, ge=1)
+    schedule: Literal["interleaved", "zbv"] = Field(
+        "interleaved", description="Schedule: 'interleaved' (1F1B over virtual stages) or 'zbv' (zero-bubble "
+        "V, split backward with deferred weight gradients). Same bits either way.")
+    wgrad_staging: int = Field(
+        8, ge=0, description="Staged weight-gradient accumulation: microbatch weight gradients kept in the "
+        "GEMM's dtype and folded into the fp32 gradient once per group of this many (0: add each as it "
+        "comes). Used when every stage runs dW in microbatch order; same bits either way, fewer memory "
+        "passes, more memory.")
 
     @property
     def num_stages(self) -> int:
@@ -54,91 +74,138 @@ class PipelineConfig(_Strict):
 
 
 class FP8Config(_Strict):
-    backend: Literal["reference", "te"] = "reference"
-    margin: int = Field(0, ge=0)
-    amax_history_len: int = Field(4, ge=1)
-    amax_compute_algo: Literal["max", "most_recent"] = "max"
-    head: Literal["backend", "torchao"] = "backend"
-    """The last chunk's output head. "backend": the backend's delayed-scaling linear (a matrix linear: dW
-    work, checkpointed FP8 state). "torchao": torchao's dynamic tensorwise `Float8Linear` (the torchao
-    extra; model.hidden, model.vocab_size and microbatch_size * seq_len multiples of 16): stateless, so
-    no FP8 state to checkpoint, and its weight gradient comes in dI like the non-matrix parameters."""
+    """FP8 delayed scaling: the backend and its recipe."""
+
+    backend: Literal["reference", "te"] = _bits(
+        "FP8 backend: 'reference' (pure PyTorch, runs on the CPU) or 'te' (Transformer Engine, CUDA).",
+        "reference")
+    margin: int = _bits("Delayed-scaling margin: scale = fp8_max / amax / 2**margin.", 0, ge=0)
+    amax_history_len: int = _bits("Length of each tensor's amax history.", 4, ge=1)
+    amax_compute_algo: Literal["max", "most_recent"] = _bits(
+        "How the scale's amax comes from the history: its maximum or its newest entry.", "max")
+    head: Literal["backend", "torchao"] = _bits(
+        "The last chunk's output head. 'backend': the backend's delayed-scaling linear (dW work, "
+        "checkpointed FP8 state). 'torchao': torchao's dynamic tensorwise Float8Linear (the torchao "
+        "extra; hidden, vocab_size and microbatch_size * seq_len multiples of 16): stateless, its weight "
+        "gradient comes in dI.", "backend")
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(3e-3, gt=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    """AdamW."""
+
+    lr: float = _bits("Learning rate.", 3e-3, gt=0)
+    beta1: float = _bits("AdamW's first-moment decay.", 0.9, ge=0, lt=1)
+    beta2: float = _bits("AdamW's second-moment decay.", 0.95, ge=0, lt=1)
+    eps: float = _bits("AdamW's epsilon.", 1e-8, gt=0)
+    weight_decay: float = _bits("Decoupled weight decay.", 0.0, ge=0)
 
 
 class TrainConfig(_Strict):
-    steps: int = Field(60, ge=1)
-    seed: int = 0
-    device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    path: Literal["eager", "captured-copy", "captured-direct"] = "eager"
-    offload: Literal["off", "release", "resident"] = "off"
-    # resident offload: the bank plan (which groups share a bank: which are copied out, which copies a
-    # forward or a backward waits for). "search" (default): the plan with the shortest step that
-    # offload.timing simulates, over 400 tries of valid plans at capture (on the H200's host about 0.9 s at
-    # h2048, 2.6 s at h4096), within the bank memory the colouring maps with `offload_search_banks` banks;
-    # "colour": the greedy colouring with at least `offload_banks` banks (offload.plan.assign_banks; the
-    # A/B). QEFFECT_OFFLOAD_BANKS=b0:b1:... (one bank per group, in backward order) overrides both.
-    offload_bank_plan: Literal["search", "colour"] = "search"
-    # resident offload, "colour": at least this many banks (more: fewer evictions and reloads, more memory)
-    offload_banks: int = Field(2, ge=2, le=64)
-    # resident offload, "search": no more bank memory than the colouring maps with this many banks. H200
-    # (f253344): 6 against 4, h2048 ZB-V x1.043 / 1.042 against x1.076 / 1.131, Interleaved x1.050 / 1.053
-    # against x1.052 (in less memory: 88-100 MiB of banks against 110), h4096 x1.043 against x1.064 (176
-    # MiB against 140)
-    offload_search_banks: int = Field(6, ge=2, le=64)
-    # resident offload, "search": among plans the simulation times as fast, the one that copies fewer bytes
-    # to and from the host ("copies", default: it keeps more groups in their banks, within the same memory
-    # budget) or the one that maps less bank memory ("memory"; the A/B). H200, the modes timed in alternating
-    # rounds, of no offload: d76cd7b h2048 Interleaved x1.026 against x1.034, ZB-V x1.024 against x1.033,
-    # h4096 x1.022 against x1.028; 05a12ea x1.029 / 1.029, x1.027 / 1.028, x1.025 / 1.025
-    offload_search_prefer: Literal["memory", "copies"] = "copies"
-    # release offload: also release a slot after its backward (its memory comes back until the group's next
-    # forward, for one more unmap and remap per group per step); false (default) keeps it mapped from the
-    # backward to the next forward, which writes it anyway. Either way the slot's memory is returned
-    # between the forward and the backward. H200, h2048 ZB-V: x1.047 of no offload kept, x1.149 reaped.
-    offload_reap: bool = False
-    # resident offload: no D2H for a group whose bank, by the schedule's static plan, no other group claims
-    # between its forward and its backward (its bytes are still there); false copies every group (the A/B)
-    offload_skip_kept_d2h: bool = True
-    # release and resident offload: a group whose input gradient comes within fewer than this many other
-    # actions of its forward is not offloaded (12: at M = 4, the last two virtual stages' groups in
-    # Interleaved, six of sixteen in ZB-V; 2: the last stage's alone). Release: its D2H could hardly finish
-    # and its memory come back before the backward. Resident: the plan would mostly keep it in its bank
-    # anyway; left on the device it needs no bank and no slot copies in the forward graph. Such a group's
-    # activations stay in the graph pool, which at these shapes is not the step's peak: h2048 on the H200
-    # (b21ab02) resident x1.017 / 1.025 of off with 12 against x1.031 / 1.029 with 2, peak allocated
-    # 7.83 / 7.81 GiB against 7.79 (off 7.94). 0 offloads every group (the A/B)
-    offload_min_window: int = Field(12, ge=0, le=1_000_000)
-    # release and resident offload: each backward restores this many offloaded groups ahead (next in
-    # backward order) on the copy stream; deeper hides a copy longer than one backward, and maps the
-    # slots (release) earlier; 0 restores each group only at its own backward (the A/B: for release on the
-    # H200, 0 was faster in 8 of 10 schedule-runs, by less than the host moves the step; CHANGELOG)
-    offload_lookahead: int = Field(1, ge=0, le=64)
-    eval_every: int = Field(20, ge=0)
-    eval_batches: int = Field(4, ge=1)
-    data: str = ""
-    tokenizer: str = ""
-    run_dir: str = "runs"
-    # Checkpoints: every N steps (0: none) and always at the last step when either field is set;
-    # "" puts them under <run folder>/checkpoints.
-    checkpoint_every: int = Field(0, ge=0)
-    checkpoint_dir: str = ""
+    """The training run: length, device, action path, data, evaluation and checkpoints."""
+
+    steps: int = Field(60, ge=1, description="Optimizer steps to run.")
+    seed: int = _bits("Seed of the initial weights and the data order.", 0)
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Device to train on.")
+    dtype: Literal["float32", "bfloat16"] = _bits("Activation dtype (master weights stay fp32).", "float32")
+    path: Literal["eager", "captured-copy", "captured-direct"] = Field(
+        "eager", description="How stage actions run: 'eager' (checked eager actions), 'captured-copy' (CUDA "
+        "graphs, gradients copied out between replays) or 'captured-direct' (CUDA graphs writing gradients "
+        "straight into the arena). Same bits on every path.")
+    eval_every: int = Field(20, ge=0, description="Held-out evaluation every N steps (0: only at the end).")
+    eval_batches: int = Field(4, ge=1, description="Held-out batches per evaluation.")
+    data: str = Field("", description="Training data: a C4-format JSON-lines file or folder ('': the bundled "
+                      "Jargon File asset).")
+    tokenizer: str = Field("", description="A tokenizers JSON file ('': the bundled byte-level BPE).")
+    run_dir: str = Field("runs", description="Folder under which each run writes its own folder.")
+    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: none), and at the "
+                                  "last step when this or checkpoint_dir is set.")
+    checkpoint_dir: str = Field("", description="Where checkpoints go ('': <run folder>/checkpoints).")
+
+
+class RuntimeConfig(_Strict):
+    """Runtime choices that change speed, not numbers."""
+
+    rank_streams: bool = Field(
+        True, description="One-process captured pipelines without offload: launch each rank's actions and "
+        "optimizer step on its own CUDA stream, ordered by events at hand-offs, so ranks overlap on the "
+        "device. False keeps one stream (less host work per step). Same bits either way.")
+
+
+class OffloadConfig(_Strict):
+    """Activation offload of captured actions (one CUDA GPU, one process): modes and their knobs."""
+
+    mode: Literal["off", "release", "resident"] = Field(
+        "off", description="'off'; 'release': each offloaded group's device memory is unmapped while its "
+        "activations live on the host; 'resident': groups share a few always-mapped banks (ping-pong). "
+        "Needs a captured path. Same bits as no offload.")
+    min_window: int = Field(
+        12, ge=0, le=1_000_000, description="A group whose input gradient comes within fewer than this many "
+        "other actions of its forward is not offloaded (its copy could hardly finish in time); 0 offloads "
+        "every group.")
+    lookahead: int = Field(
+        1, ge=0, le=64, description="Each backward restores this many offloaded groups ahead on the copy "
+        "stream (0: each group only at its own backward).")
+    copy_chunk_mib: float = Field(
+        DEFAULT_COPY_CHUNK_MIB, ge=0, description="Resident: copy each group in chunks of this many MiB, so "
+        "a restore into a bank whose previous owner's copy-out is still running follows it chunk by chunk "
+        "(0: one copy per group).")
+    store_batch_mib: float = Field(
+        DEFAULT_STORE_BATCH_MIB, ge=0, description="At capture, saved tensors smaller than this many MiB go "
+        "into their slot in batches, one multi-tensor copy (0: each tensor copied on its own).")
+    reap: bool = Field(
+        False, description="Release: also release a slot after its backward (its memory comes back until the "
+        "group's next forward, for one more unmap and remap per group and step).")
+    release_at_backward: bool = Field(
+        False, description="Release: a backward that finds its group's copy-out not yet seen done waits for "
+        "it, releases the slot and restores it (false: keeps the slot mapped and reads the bytes in place).")
+    share_slots: Literal["any", "nested", "off"] = Field(
+        "any", description="Release: groups whose backwards follow one another share one slot ('any' run of "
+        "them, only groups that 'nested', or 'off': a slot per group).")
+    slot_members: int = Field(2, ge=1, le=64, description="Release: at most this many groups share one slot.")
+    share_gap: int = Field(
+        DEFAULT_SHARE_GAP, ge=0, le=1_000_000, description="Release: a shared slot's run needs this many "
+        "actions between its last forward and its first backward (time for the last copy-out).")
+    launch_first: bool = Field(
+        True, description="Run look-ahead restores and reaps right after the backward's replay is launched, "
+        "so their driver calls do not delay that launch (false: before the replay).")
+    bank_plan: Literal["search", "colour"] = Field(
+        "search", description="Resident: how groups are assigned to banks. 'search': the plan with the "
+        "shortest step that offload.timing simulates over `search_tries` valid plans at capture; 'colour': "
+        "the greedy colouring with at least `banks` banks.")
+    banks: int = Field(2, ge=2, le=64, description="Resident, 'colour': at least this many banks.")
+    search_banks: int = Field(
+        6, ge=2, le=64, description="Resident, 'search': no more bank memory than the colouring maps with "
+        "this many banks.")
+    search_prefer: Literal["memory", "copies"] = Field(
+        "copies", description="Resident, 'search': among plans simulated as fast, the one that copies fewer "
+        "bytes ('copies') or maps less bank memory ('memory').")
+    search_tries: int = Field(
+        DEFAULT_SEARCH_TRIES, ge=0, le=1_000_000, description="Resident, 'search': plans tried at capture "
+        "(0: the colouring with `search_banks` banks).")
+    explicit_banks: list[int] = Field(
+        default_factory=list, description="Resident: banks given by hand, one per group in backward order "
+        "(as scripts/offload_sim.py --search prints them); overrides bank_plan. Empty: planned.")
+    skip_kept_d2h: bool = Field(
+        True, description="Resident: no copy-out for a group whose bank no other group claims between its "
+        "forward and its backward (its bytes are still there).")
+    skip_futile_restores: bool = Field(
+        True, description="Resident: start no look-ahead restore that a forward would evict again before "
+        "its backward.")
+    driver_streams: bool = Field(
+        True, description="Issue offload copies and events through the CUDA driver API (cheaper host calls) "
+        "instead of torch's stream operations.")
 
 
 class RunConfig(_Strict):
+    """A whole run: every section of the TOML file."""
+
     model: ModelConfig = ModelConfig()
     pipeline: PipelineConfig = PipelineConfig()
     fp8: FP8Config = FP8Config()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    offload: OffloadConfig = OffloadConfig()
 
     def with_overrides(self, **dotted: object) -> RunConfig:
         """Return a copy with `section.field` overrides applied (None values are ignored)."""
@@ -149,6 +216,24 @@ class RunConfig(_Strict):
             section, field = key.split(".", 1)
             data[section][field] = value
         return validate_config(data, source="command line")
+
+
+def bit_changing_fields() -> tuple[str, ...]:
+    """Every `section.field` marked ``changes_bits``: what a resume must keep and every record carries."""
+    out = []
+    for section, info in RunConfig.model_fields.items():
+        model = info.annotation
+        for name, field in model.model_fields.items():
+            extra = field.json_schema_extra
+            if isinstance(extra, dict) and extra.get("changes_bits"):
+                out.append(f"{section}.{name}")
+    return tuple(out)
+
+
+def bit_changing_settings(cfg: RunConfig) -> dict[str, Any]:
+    """`section.field -> value` for every bit-changing field of `cfg` (for summaries and reports)."""
+    data = cfg.model_dump()
+    return {key: data[key.split(".")[0]][key.split(".")[1]] for key in bit_changing_fields()}
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from qeffect.audit.report import AuditReport, AuditShape, Failure, ModeResult, Versions, summarize
-from qeffect.audit.runner import DELAY_WGRAD, MODES, mode_settings
+from qeffect.audit.runner import DELAY_WGRAD, MODES, mode_settings, short_path
 from qeffect.errors import UserError
 
 DEFAULT_CONFIG = Path("examples/configs/h2048.toml")
@@ -209,12 +209,6 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)?)(?::\s?(.*))?$")
 
 
-def _short(path: str) -> str:
-    from qeffect.audit.runner import _short_path
-
-    return _short_path(path)
-
-
 def parse_crash(output: str) -> dict[str, Any]:
     """Type, message and innermost Megatron frame of the last Python traceback in a child's output."""
     lines = output.splitlines()
@@ -237,7 +231,7 @@ def parse_crash(output: str) -> dict[str, Any]:
     megatron = [f for f in frames if "/megatron/" in f[0].replace("\\", "/")]
 
     def where(f: tuple[str, int, str]) -> str:
-        return f"{_short(f[0])}:{f[1]} in {f[2]}"
+        return f"{short_path(f[0])}:{f[1]} in {f[2]}"
 
     return {"type": exc_type, "message": message, "megatron_location": where(megatron[-1]) if megatron else None,
             "origin_location": where(frames[-1]) if frames else None}

@@ -53,7 +53,7 @@ def mode_settings(mode: str) -> dict[str, Any]:
     return json.loads(json.dumps(_MODE_SETTINGS[mode]))
 
 
-def _short_path(filename: str) -> str:
+def short_path(filename: str) -> str:
     """Cut a frame's file name to the package-relative part (`megatron/core/...`, `transformer_engine/...`)."""
     name = filename.replace("\\", "/")
     for marker in ("/megatron/", "/transformer_engine/", "/torch/", "/qeffect/"):
@@ -67,7 +67,7 @@ def describe_exception(exc: BaseException, stage: str) -> dict[str, Any]:
     """Exception type, message and the innermost Megatron frame (`megatron/...py:LINE in FUNC`)."""
     frames = traceback.extract_tb(exc.__traceback__)
     megatron = [f for f in frames if "/megatron/" in f.filename.replace("\\", "/")]
-    where = (lambda f: f"{_short_path(f.filename)}:{f.lineno} in {f.name}") if frames else None
+    where = (lambda f: f"{short_path(f.filename)}:{f.lineno} in {f.name}") if frames else None
     message = str(exc) or repr(exc)
     return {
         "type": type(exc).__name__,

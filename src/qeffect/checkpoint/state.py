@@ -27,6 +27,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from qeffect.config import bit_changing_fields
+
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
 PAYLOAD_FILE = "qeffect.json"
@@ -47,11 +49,14 @@ NOT_SAVED = [
     "weight-cache contents (quantized weights) and versions e_C",
 ]
 
-# Fields a resumed run must share with the checkpoint: pipeline shape, schedule, recipe, model shape,
-# activation dtype. Everything else (steps, evaluation, paths, device, optimizer hyper-parameters) may
-# change between a save and a resume.
-RESUME_SECTIONS = ("model", "pipeline", "fp8")
-RESUME_FIELDS = ("train.dtype",)
+# Fields a resumed run must share with the checkpoint: every setting that changes the numbers a run computes
+# (`config.bit_changing_fields`: model shape, recipe and backend, optimizer hyper-parameters, seed, activation
+# dtype, ...) and the layout the checkpoint's keys and data positions depend on (pipeline shape, schedule,
+# microbatches). Everything else (steps, evaluation, paths, device, action path, runtime and offload choices,
+# staged weight-gradient accumulation) may change between a save and a resume: it leaves the bits alone.
+LAYOUT_FIELDS = ("pipeline.pp", "pipeline.dp", "pipeline.chunks_per_rank", "pipeline.microbatches",
+                 "pipeline.schedule")
+RESUME_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(bit_changing_fields() + LAYOUT_FIELDS))
 
 
 def param_key(stage: int, name: str) -> str:
@@ -204,10 +209,15 @@ def tensor_state(view: LocalView) -> dict[str, torch.Tensor]:
 
 
 # -------------------------------------------------------------------------------------------------- rng
+def _bytes_text(state: torch.Tensor) -> str:
+    """A uint8 state tensor as base64, without numpy interop: the bytes of a storage of its own."""
+    return base64.b64encode(bytes(state.clone().untyped_storage())).decode()
+
+
 def rng_state(device: torch.device | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    out: dict[str, Any] = {"cpu": _bytes_text(torch.get_rng_state())}
     if device is not None and device.type == "cuda" and torch.cuda.is_initialized():
-        out["cuda"] = base64.b64encode(torch.cuda.get_rng_state(device).numpy().tobytes()).decode()
+        out["cuda"] = _bytes_text(torch.cuda.get_rng_state(device))
     return out
 
 
@@ -238,11 +248,13 @@ _ABSENT = object()
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any], *, only_resume_fields: bool = True,
                        labels: tuple[str, str] = ("checkpoint", "run")) -> list[str]:
-    """`field: checkpoint X, run Y` for every differing field (the resume-relevant ones by default)."""
+    """`field: checkpoint X, run Y` for every differing field (`RESUME_FIELDS` by default). Stored configs are
+    compared as dicts, so a checkpoint written under another config schema (e.g. `train.offload*` fields,
+    now `[offload]`) still loads: only fields present on either side are compared."""
     a, b = _flatten(saved), _flatten(current)
 
     def relevant(k: str) -> bool:
-        return not only_resume_fields or k.split(".", 1)[0] in RESUME_SECTIONS or k in RESUME_FIELDS
+        return not only_resume_fields or k in RESUME_FIELDS
 
     out = []
     for k in sorted(set(a) | set(b)):

@@ -1,4 +1,4 @@
-"""The `qeffect` command line: one thin module per command, registered here.
+"""The `qeffect` command line's entry point: one thin module per command, each imported here.
 
 `main` turns usage errors and `UserError`s into one line on stderr with exit code 2 (never a traceback).
 """
@@ -9,49 +9,27 @@ import sys
 
 import typer
 
-from qeffect import __version__
+from qeffect.cli.root import app, fail
 from qeffect.errors import ReportError, UserError
 
-app = typer.Typer(
-    name="qeffect",
-    help="FP8 pipeline-parallel training that stays bitwise equal to eager under CUDA graphs.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
-
-
-def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"qeffect {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
-    ),
-) -> None:
-    """FP8 pipeline-parallel training that stays bitwise equal to eager under CUDA graphs."""
+# the order `qeffect --help` lists the commands in
+COMMANDS = ("verify-state", "train", "capture", "inspect-checkpoint", "profile", "offload-check", "audit-megatron")
 
 
 def _register() -> None:
-    from qeffect.cli import verify_state  # noqa: F401  (each module registers its command on `app`)
+    """Import every command module (each registers its command on `app`), listed in `COMMANDS`' order; at
+    `main`, not at import, so that importing this module stays cheap."""
+    from qeffect.cli import (  # noqa: F401
+        audit_megatron,
+        capture,
+        inspect_checkpoint,
+        offload_check,
+        profile,
+        train,
+        verify_state,
+    )
 
-    for name in ("train", "capture", "inspect_checkpoint", "profile", "offload_check", "audit_megatron"):
-        try:
-            __import__(f"qeffect.cli.{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"qeffect.cli.{name}":
-                raise
-
-
-def fail(message: str, code: int = 2) -> None:
-    """Print one line to stderr and exit with `code`."""
-    typer.echo(f"qeffect: error: {message}", err=True)
-    raise SystemExit(code)
+    app.registered_commands.sort(key=lambda c: COMMANDS.index(c.name))
 
 
 def _is(err: BaseException, name: str) -> bool:

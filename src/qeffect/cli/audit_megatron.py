@@ -7,8 +7,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from qeffect.cli.app import app
 from qeffect.cli.common import write_json
+from qeffect.cli.root import app
 
 
 @app.command("audit-megatron")

@@ -8,8 +8,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from qeffect.cli.app import app, fail
 from qeffect.cli.common import Backend, PathMode, Schedule, config_from_cli, write_json
+from qeffect.cli.root import app, fail
 from qeffect.errors import UserError
 
 

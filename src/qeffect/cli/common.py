@@ -25,6 +25,8 @@ class PathMode(StrEnum):
 
 
 class Offload(StrEnum):
+    """`--offload` of train and verify-state: the `offload.mode` override (the values of `OffloadConfig.mode`)."""
+
     off = "off"
     release = "release"
     resident = "resident"

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from qeffect.cli.app import app
+from qeffect.cli.root import app
 
 
 def _mib(n: int) -> str:

@@ -8,13 +8,24 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from qeffect.cli.app import app
-from qeffect.cli.common import write_json
+from qeffect.cli.common import config_from_cli, write_json
+from qeffect.cli.root import app
+from qeffect.config import OffloadConfig
 from qeffect.errors import UserError
+
+
+def offload_check_config(config: Path | None) -> OffloadConfig:
+    """The `[offload]` section offload-check builds its managers from: the one `qeffect train` and
+    `verify-state` read from the same `--config` (the embedded default's without one), so all three run the
+    same knobs; each check then sets its mode (`offload.checks.check_config`)."""
+    return config_from_cli(config).offload
 
 
 @app.command("offload-check")
 def offload_check(
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="Run config TOML whose [offload] section the checks use (default: the "
+        "embedded default's, as train and verify-state)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
     remaps: int = typer.Option(100, "--remaps", min=1, help="Remaps of one slot in the address-stability check."),
     layers: int = typer.Option(4, "--layers", min=3, help="Layers of the ping-pong and look-ahead stacks (>= 3)."),
@@ -40,15 +51,17 @@ def offload_check(
     bad = sorted(set(only) - set(CHECKS))
     if bad:
         raise UserError(f"qeffect offload-check: unknown --only {', '.join(bad)} (known: {', '.join(CHECKS)})")
+    offload = offload_check_config(config)  # a bad config file fails first, with or without a GPU
     if not torch.cuda.is_available():
         raise UserError("qeffect offload-check needs a CUDA device; none is available")
     console = Console()
-    command = "qeffect offload-check" + (f" --json {json_out}" if json_out else "")
+    command = "qeffect offload-check" + (f" --config {config}" if config else "") + (f" --json {json_out}" if json_out else "")
     try:
         with console.status("offload checks") as status:
             report = run_offload_checks(remaps=remaps, layers=layers, release_mib=release_mib, hidden=hidden, rows=rows,
                                         children=not no_children, only=only or None, command=command,
-                                        progress=lambda name: status.update(f"offload check: {name}"))
+                                        progress=lambda name: status.update(f"offload check: {name}"),
+                                        config=offload)
     except OffloadUnavailable as err:
         raise UserError(str(err)) from None
     table = Table(title=f"offload-check on {report.device_name} (VMM granularity "

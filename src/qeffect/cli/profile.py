@@ -8,9 +8,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from qeffect.cli.app import app
 from qeffect.cli.common import Backend, Device, config_from_cli, write_json
+from qeffect.cli.root import app
 from qeffect.errors import ReportError, UserError
+from qeffect.profile.targets import with_targets
 
 
 def _ms(x: float | None) -> str:
@@ -61,6 +62,10 @@ def render(report, console: Console) -> None:
                   _num(c.speedup_vs_native, "{:.2f}"), _num(c.setup_seconds, "{:.2f}"), be,
                   _num(c.floor_ratio, "{:.1f}"))
     console.print(t)
+    if report.te_fallbacks:  # a slower path after a failed private TE lookup: timings may not be TE's best
+        console.print("[yellow]warning: Transformer Engine internals not as expected, slower paths ran "
+                      "(fp8.te_compat): " + ", ".join(f"{k} x{n}" for k, n in sorted(report.te_fallbacks.items())) + "[/yellow]",
+                      highlight=False)
     _render_losses(report, console)
     _render_traces(report, console)
     for c in report.configs:
@@ -177,7 +182,7 @@ def profile(
                               "and summarize where a step's time goes: GPU busy/idle, host aten time, top kernels (under torchrun: every rank)."),
     microbatches: str | None = typer.Option(None, "--microbatches", help="Also analyse resources for these M, e.g. 2,4,8,16."),
     configs: str | None = typer.Option(None, "--configs", help="Comma-separated subset (default: all): native-eager, qeffect-eager, captured-copy, "
-                                "captured-direct, captured-zbv-direct, te-graphed (TE's graphed layers alone, as DESIGN.md §8 measured them: context), "
+                                "captured-direct, captured-zbv-direct, te-graphed (TE's graphed layers alone, as docs/design.md §8 describes them: context), "
                                 "te-graphed-model (the same graphs in the whole model, fp32 masters; the TE targets' anchor is the faster of it and te-graphed-mcore), "
                                 "te-graphed-mcore (te-graphed-model as Megatron-LM sets TE up: fused wgrad accumulation, FP8 weights cached per step)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the report as JSON to this file."),
@@ -295,4 +300,4 @@ def _load(path: Path):
         raise ReportError(f"{path}: profile report schema {report.schema_version}, this qeffect reads "
                           f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
     report.check_losses()  # reports older than the loss check: from their recorded losses
-    return report if report.targets else report.with_targets()  # older reports: from their measurements
+    return report if report.targets else with_targets(report)  # older reports: from their measurements

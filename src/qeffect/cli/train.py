@@ -8,8 +8,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from qeffect.cli.app import app
 from qeffect.cli.common import Backend, Device, Offload, PathMode, Schedule, config_from_cli, write_json
+from qeffect.cli.root import app
 
 
 @app.command("train")
@@ -54,7 +54,7 @@ def train(
     cfg = config_from_cli(config, **{
         "train.steps": steps, "train.seed": seed, "pipeline.schedule": schedule.value if schedule else None,
         "fp8.backend": backend.value if backend else None, "train.device": device.value if device else None,
-        "train.path": path.value if path else None, "train.offload": offload.value if offload else None,
+        "train.path": path.value if path else None, "offload.mode": offload.value if offload else None,
         "train.data": data, "train.tokenizer": tokenizer, "pipeline.pp": pp, "pipeline.dp": dp,
         "train.checkpoint_every": checkpoint_every,
         "train.checkpoint_dir": str(checkpoint_dir) if checkpoint_dir is not None else None,

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from qeffect.cli.app import app
 from qeffect.cli.common import Backend, Device, Head, Offload, PathMode, Schedule, config_from_cli, write_json
+from qeffect.cli.root import app
 from qeffect.errors import UserError
 
 
@@ -64,12 +64,12 @@ def verify_state(
                                      "train.device": device.value if device else None,
                                      "fp8.backend": backend.value if backend else None,
                                      "fp8.head": head.value if head else None,
-                                     "train.offload": offload.value if offload else None,
+                                     "offload.mode": offload.value if offload else None,
                                      "train.seed": seed})
     _check_device(cfg.train.device, path.value)
     from qeffect.runtime.build import check_path
 
-    check_path(path.value, cfg.train.device, cfg.train.offload)
+    check_path(path.value, cfg.train.device, cfg.offload.mode)
     from qeffect.runtime.distributed import launched_by_torchrun
 
     if launched_by_torchrun():

@@ -1,4 +1,5 @@
-"""Explicit state and resource contracts: keys, tape pool, effect token, epochs, arena, commit barrier.
+"""Explicit state and resource contracts: keys, tape pool, effect token, epochs, device completion, arena,
+commit barrier.
 
 Everything here is host-side bookkeeping that imports no CUDA and never initializes a CUDA context,
 so every contract check runs (and is tested) on a CPU-only machine.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from .arena import ALIGN_BYTES, GradientArena
 from .commit import CommitBarrier, ReductionTracker
+from .completion import CheckedCompletionLedger, CompletionLedger, EventOps, completion_ledger
 from .epochs import EpochClock, WeightCacheVersion
 from .errors import (
     FAMILIES,
@@ -32,8 +34,10 @@ __all__ = [
     "NO_CONSUMER",
     "ArenaViolation",
     "CacheEpochViolation",
+    "CheckedCompletionLedger",
     "CommitBarrier",
     "CommitViolation",
+    "CompletionLedger",
     "Consumer",
     "ConsumerOrderViolation",
     "ContractViolation",
@@ -42,6 +46,7 @@ __all__ = [
     "EffectToken",
     "EffectTokenViolation",
     "EpochClock",
+    "EventOps",
     "GradientArena",
     "InvocationKey",
     "PoolCapacityError",
@@ -51,4 +56,5 @@ __all__ = [
     "TapeRef",
     "TapeViolation",
     "WeightCacheVersion",
+    "completion_ledger",
 ]

@@ -108,7 +108,8 @@ class CommitViolation(ContractViolation):
 
 
 class DeviceCompletionViolation(ContractViolation):
-    """Device completion: a graph boundary was crossed without its stream/event edge (used by graphs/)."""
+    """Device completion: a consumer would run without its producer's event (``contracts.completion``):
+    a wait before any record, a read on a stream that did not wait, or a wait older than the latest record."""
 
     family = "device-completion"
 

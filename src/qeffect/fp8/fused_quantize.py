@@ -17,70 +17,58 @@ The output gradient's pass can also sum its columns (`quantize_amax_colsum`: the
 torch's ``dy.sum(0)`` took 1.30 ms of a 30.7 ms h4096 reference step to compute with 128 more kernels):
 that pass runs one program per column strip, which adds each 256-row tile's column sums in row order, in
 fp32, and casts once. A fixed order, not torch's over the rows, so other bits than ``dy.sum(0)``, the
-same in the native and the split paths (both call this). ``QEFFECT_FUSED_DBIAS=0`` takes torch's sum
-(A/B runs). (Before, each row block's sums went to a partials tensor that torch then summed:
-two more kernels per pass.)
+same in the native and the split paths (both call this), on every GPU run.
 
 With a scaling state's scratch words the pass also completes the delayed-scaling transition
 (`quantize_transition`): the program that finishes last records the amax, rolls the history and
 updates the scale, instead of a zeroing kernel before and `fused_update`'s kernel after.
 
-Triton is imported lazily and only for CUDA tensors; without it (CPU, or no Triton) the torch sequence
-runs. ``QEFFECT_FUSED_QUANTIZE=0`` forces the sequence (for A/B measurements). The kernel compiles on
-first use, which the eager warm-up before capture provides (no JIT inside a CUDA graph capture).
+Triton is imported lazily and only for CUDA tensors; without it (CPU, below sm90, or no Triton) the torch
+sequence runs. The kernel compiles on first use, which the eager warm-up before capture provides (no JIT
+inside a CUDA graph capture).
 
-GPU history (H200, Triton 3.6): the first form (9338c7f) stored the transpose from the kernel through
-transposed fp8 pointers; it wrote wrong bytes for some fp32 tiles (64x64, 256x4096), so the fp32 master
-weights' transposes were garbage and training went to NaN on both the captured and the native side (the
-bitwise matrix agreed; verify-state now fails on non-finite losses). An explicit byte transpose in the
-kernel (d7e5437) was still wrong for those fp32 tiles and right for bf16. So the kernel transposes 16-bit
-inputs only (9ed487e: reference matrix 0 mismatches, h4096 captured step 62.5 -> 59.8 ms against torch's
-transposes); fp32 ones are quantized, then their bytes transposed by `transpose_bytes`, a tiled
-Triton byte transpose (torch's strided copy took 4.5 ms of that 59.8 ms; bitwise checked on the H200).
-``QEFFECT_FUSED_TRANSPOSE=torch`` makes torch do all.
+Transposes (H200, Triton 3.6): storing the transpose from the kernel, through transposed fp8 pointers or as
+an explicit byte transpose of the tile, wrote wrong bytes for some fp32 tiles (64x64, 256x4096) and right
+ones for bf16: with garbage transposes of the fp32 master weights training went to NaN on both the
+captured and the native side (the bitwise matrix agreed; verify-state fails on non-finite losses). So the
+kernel transposes 16-bit inputs only; fp32 ones are quantized, then their bytes transposed by
+`transpose_bytes`, a tiled Triton byte transpose (torch's strided copy of FP8 runs at a small fraction of
+the bandwidth; `benchmarks/results/profile-h4096-reference-torch-transpose-h200.json` is a step with
+torch's transposes).
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
+from qeffect.fp8.fused_common import TransitionState, cast_fp8, sm90_or_newer
+from qeffect.fp8.fused_update import history_block, transition_math
 from qeffect.fp8.recipe import fp8_max
-from qeffect.fp8.scaling import cast_fp8
 from qeffect.triton_lazy import on_device, triton_kernel
-
-if TYPE_CHECKING:
-    from qeffect.fp8.scaling import ScalingState
 
 BLOCK_M, BLOCK_N, WARPS = 64, 64, 2  # the plain pass: rows x columns per tile, warps (no bits depend on them;
 # 2 warps: 0.80 ms per h4096 step against 0.91-0.92 with 4, both with relaxed amax atomics, in
-# `quantize-ab-h4096-4621d44-h200.json`)
+# `benchmarks/results/quantize-ab-h4096-4621d44-h200.json`)
 COLSUM_BLOCK_M, COLSUM_BLOCK_N, COLSUM_WARPS = 256, 32, 8  # the pass that also sums the columns: one program per
 # column strip (h4096's narrowest output gradient, 4,096 columns: 128 programs), over tiles of 256 rows (a
 # 256-token microbatch in one tile, not four 64-row tiles one after another: four dependent loads per program)
 COLSUM_WIDE_FROM, COLSUM_WIDE_BLOCK_N, COLSUM_WIDE_WARPS = 8192, 16, 1  # from this many columns on: strips of 16
-# columns, one warp each (no cross-warp reduction). `quantize_ab.py` at 6ffe517 (H200, relaxed atomics, per call):
-# 9.9 against 13.9 us at 12,288 columns and 10.2 against 12.9 at 11,008 (64 passes per h4096 step), but 8.2
-# against 5.1 at 4,096 (too few warps in flight). The column sums' bits follow the strip (`tl.sum`'s tree),
-# the same for every caller of one shape: native and split paths alike.
+# columns, one warp each (no cross-warp reduction). `benchmarks/results/quantize-ab-h4096-6ffe517-h200.json`
+# (relaxed atomics, per call): 9.9 against 13.9 us at 12,288 columns and 10.2 against 12.9 at 11,008 (64 passes
+# per h4096 step), but 8.2 against 5.1 at 4,096 (too few warps in flight). The column sums' bits follow the strip
+# (`tl.sum`'s tree), the same for every caller of one shape: native and split paths alike.
 TRANSPOSE_BLOCK = (64, 64, 4)  # `transpose_bytes`: rows x columns per tile, warps (`weight_cast_ab.py` sweeps it)
 AMAX_SEM = "relaxed"  # each program's atomic max into the amax word: nothing needs it ordered but the ticket,
 # whose acquire-release does that (and a kernel boundary without a transition). Relaxed was faster for every tile
 # and strip `quantize_ab.py` timed: 1.38 -> 1.19 ms per h4096 step for the column-sum passes, and with 2 warps
 # 0.93 -> 0.80 ms for the others. (With these settings the whole GPU suite twice failed on an invalidated capture
-# before `GraphManager` paused the garbage collector during captures; since then it passes with either:
-# `scripts/suite_with_quantize_settings.py` runs it with the other.)
+# before `GraphManager` paused the garbage collector during captures; since then it passes with either.)
 
 
 @triton_kernel
 def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
-    from qeffect.fp8 import fused_update
-
-    _scale_transition = fused_update._math()
+    _scale_transition = transition_math()
     globals()["_scale_transition"] = _scale_transition  # module globals: every Triton version resolves those
 
     @triton.jit
@@ -209,17 +197,10 @@ def transpose_bytes(q: Tensor, out: Tensor | None = None, block: tuple[int, int,
 def fused_available(x: Tensor) -> bool:
     """Whether `x` quantizes through the fused kernel: CUDA on sm90 or newer (Triton's fp32->fp8 cast is
     one round-to-nearest-even `cvt` there; below, it rounds through fp16 first or cannot cast E4M3), 2-D
-    contiguous, Triton present, not disabled."""
+    contiguous, Triton present."""
     return (x.is_cuda and x.dim() == 2 and x.is_contiguous()
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.numel() > 0
-            and os.environ.get("QEFFECT_FUSED_QUANTIZE", "1") != "0"
-            and _sm90_or_newer(x.device.index) and _kernel() is not None)
-
-
-@functools.cache
-def _sm90_or_newer(index: int | None) -> bool:
-    """Cached: asked once per quantize, and capture time is host time."""
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+            and sm90_or_newer(x.device.index) and _kernel() is not None)
 
 
 def quantize_sequence(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype: torch.dtype,
@@ -247,24 +228,19 @@ def quantize_amax_colsum(x: Tensor, scale: Tensor, amax_slot: Tensor, fp8_dtype:
     """`quantize_amax(transpose=True)` of a 2-D `x` that also returns its column sums in `dtype` (a bias
     gradient: the output gradient summed over the tokens), `(q, q_t, sums)`.
 
-    Fused (GPU, ``QEFFECT_FUSED_DBIAS`` not 0): the pass runs one program per column strip, which sums
+    Fused (GPU): the pass runs one program per column strip, which sums
     each 256-row tile's columns and adds those in row order, in fp32, then casts once (fixed shapes, fixed
     order: the same bits every run, and the same as `quantize_transition`'s; not torch's order over the
     rows). Elsewhere ``x.sum(0, dtype=dtype)``."""
     if x.dim() != 2:
         raise ValueError(f"quantize_amax_colsum wants a 2-D tensor, got {tuple(x.shape)}")
-    if not fused_available(x) or not fused_dbias():
+    if not fused_available(x):
         q, qt = quantize_amax(x, scale, amax_slot, fp8_dtype, transpose=True)
         return q, qt, x.sum(0, dtype=dtype)
     return _launch(x, scale, amax_slot, fp8_dtype, True, dtype)
 
 
-def fused_dbias() -> bool:
-    """Whether the bias gradient comes from the quantize pass (``QEFFECT_FUSED_DBIAS`` not 0; A/B runs)."""
-    return os.environ.get("QEFFECT_FUSED_DBIAS", "1") != "0"
-
-
-def quantize_transition(x: Tensor, state: ScalingState, scale_inv: Tensor, transpose: bool,
+def quantize_transition(x: Tensor, state: TransitionState, scale_inv: Tensor, transpose: bool,
                         colsum: torch.dtype | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One delayed-scaling transition of `state` (`ScalingState`, with its `scratch`) in one launch:
     quantize `x` with the scale, its amax recorded, `scale_inv` = 1 / that scale, the history rolled
@@ -285,20 +261,15 @@ def quantize_transition(x: Tensor, state: ScalingState, scale_inv: Tensor, trans
     return transition_launch(x, state, scale_inv, transpose, colsum)
 
 
-def transition_launch(x: Tensor, state: ScalingState, scale_inv: Tensor, transpose: bool,
+def transition_launch(x: Tensor, state: TransitionState, scale_inv: Tensor, transpose: bool,
                       colsum: torch.dtype | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """`quantize_transition` without its checks, for a caller that has made them (`ScalingState`'s
     transition asks `fused_available` to choose this path: asking again is host time on every eager step)."""
-    in_pass = colsum is not None and fused_dbias()
-    q, qt, sums = _launch(x, state.scale, state.scratch, state.fp8_dtype, transpose, colsum if in_pass else None,
-                          transition=(state, scale_inv))
-    if colsum is not None and not in_pass:
-        sums = x.sum(0, dtype=colsum)
-    return q, qt, sums
+    return _launch(x, state.scale, state.scratch, state.fp8_dtype, transpose, colsum, transition=(state, scale_inv))
 
 
 def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, transpose: bool,
-            colsum: torch.dtype | None, transition: tuple[ScalingState, Tensor] | None = None,
+            colsum: torch.dtype | None, transition: tuple[TransitionState, Tensor] | None = None,
             ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The kernel over `x` (fused path): `(q, q_t or None, the column sums in `colsum` or None)`.
 
@@ -317,8 +288,6 @@ def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, tran
         amax.zero_()  # the atomic max starts from 0 (|x| >= 0, so 0 is the identity)
         hist, scale_inv, inv_pow2_margin, algo, hblock = q, q, 1.0, "max", 16  # (not read)
     else:
-        from qeffect.fp8.fused_update import history_block
-
         state, scale_inv = transition
         hist, inv_pow2_margin, algo = state.amax_history, 2.0 ** -state.margin, state.amax_compute_algo
         hblock = history_block(hist.numel())
@@ -330,7 +299,7 @@ def _launch(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype, tran
                         HBLOCK=hblock, SUM_CAST=colsum is not None and colsum != torch.float32,
                         AMAX_SEM=AMAX_SEM, num_warps=warps)
     if transpose and not in_kernel:
-        qt = transpose_bytes(q) if _transpose_mode() == "kernel" else q.t().contiguous()
+        qt = transpose_bytes(q)
     return q, (qt if transpose else None), (sums if colsum is not None else None)
 
 
@@ -342,18 +311,10 @@ def colsum_strip(n: int) -> tuple[int, int]:
     return COLSUM_BLOCK_N, COLSUM_WARPS
 
 
-def _transpose_mode() -> str:
-    mode = os.environ.get("QEFFECT_FUSED_TRANSPOSE", "kernel")
-    if mode not in ("kernel", "torch"):
-        raise ValueError(f"QEFFECT_FUSED_TRANSPOSE must be 'kernel' or 'torch', got {mode!r}")
-    return mode
-
-
 def _transpose_in_kernel(x: Tensor) -> bool:
     """Whether the quantize kernel also writes `q^T` (as bytes, from the same tile): 16-bit inputs.
 
     fp32 inputs (the master weights, once per step) are transposed by `transpose_bytes` after the
     quantize kernel: on the H200 (Triton 3.6) both forms of the in-kernel transpose wrote wrong bytes for
-    some fp32 tiles, and right bytes for every bf16 case tested. `QEFFECT_FUSED_TRANSPOSE=torch` leaves
-    every transpose to torch (A/B runs)."""
-    return _transpose_mode() == "kernel" and x.dtype in (torch.bfloat16, torch.float16)
+    some fp32 tiles, and right bytes for every bf16 case tested."""
+    return x.dtype in (torch.bfloat16, torch.float16)

@@ -12,11 +12,10 @@ the same arithmetic on the same fp32 values:
 - `sf = (fmax / amax) / 2**margin`, kept at the old scale where `amax` is not > 0 or not finite, and
   FLT_MAX where it overflowed to infinity. Both divisions are correctly rounded (`tl.div_rn`): Triton's
   `/` is approximate, and Triton 3.6 on the H200 ignored `tl.fdiv`'s `ieee_rounding` (1-ulp differences
-  from torch in the first GPU run, at dae9dd2).
+  from torch).
 
 GPU tests compare the bits with the torch sequence over histories with zeros, NaNs, infinities and
-tiny amaxes. Triton is imported lazily; without it (CPU) the torch sequence runs.
-``QEFFECT_FUSED_QUANTIZE=0`` turns this off too (one switch for the reference backend's fused passes).
+tiny amaxes. Triton is imported lazily; without it (CPU, or below sm90) the torch sequence runs.
 
 CPU tests run the kernel under Triton's interpreter, whose float arithmetic is numpy's (IEEE): they
 check the semantics, not the GPU's rounding. That is what `tests/test_fused_update_gpu.py` is for: it
@@ -25,19 +24,17 @@ caught `tl.fdiv(..., ieee_rounding=True)` rounding approximately on the H200 (Tr
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-from qeffect.fp8.fused_quantize import _sm90_or_newer
+from qeffect.fp8.fused_common import sm90_or_newer
 from qeffect.triton_lazy import triton_kernel
 
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
 @triton_kernel
-def _math(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
+def transition_math(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     @triton.jit
     def _scale_transition(hist, first, rolled, idx, inside, scale, fmax, inv_pow2_margin, flt_max,
                           MOST_RECENT: tl.constexpr):
@@ -66,7 +63,7 @@ def _math(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
 
 @triton_kernel
 def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
-    _scale_transition = _math()  # module globals too (see `_math`)
+    _scale_transition = transition_math()  # module globals too (see `transition_math`)
 
     @triton.jit
     def update_scale(hist_ptr, scale_ptr, scale_inv_ptr, L, fmax, inv_pow2_margin, flt_max,
@@ -88,9 +85,8 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
 
 
 def fused_update_available(scale: Tensor) -> bool:
-    """CUDA on sm90 or newer with Triton, not disabled (the same switch as the fused quantization)."""
-    return (scale.is_cuda and os.environ.get("QEFFECT_FUSED_QUANTIZE", "1") != "0"
-            and _sm90_or_newer(scale.device.index) and _kernel() is not None)
+    """CUDA on sm90 or newer with Triton (`fused_common.sm90_or_newer`), as the fused quantization."""
+    return scale.is_cuda and sm90_or_newer(scale.device.index) and _kernel() is not None
 
 
 def history_block(length: int) -> int:

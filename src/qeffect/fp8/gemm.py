@@ -14,10 +14,10 @@ every product has this form.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from qeffect.fp8.te_compat import scaled_mm
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -55,10 +55,9 @@ def _check_out(out: Tensor, shape: tuple[int, int], out_dtype: torch.dtype, devi
 
 def bias_in_epilogue(device: torch.device, out_dtype: torch.dtype) -> bool:
     """Whether `fp8_mm` adds a bias inside the GEMM (cuBLASLt's bias epilogue: the fp32 result plus the
-    bias, rounded once, as Transformer Engine's FP8 GEMMs add theirs): on CUDA for 16-bit outputs, unless
-    ``QEFFECT_REF_BIAS_EPILOGUE=0`` (A/B runs: the rounded product, then a separate add)."""
-    return (device.type == "cuda" and out_dtype in (torch.bfloat16, torch.float16)
-            and os.environ.get("QEFFECT_REF_BIAS_EPILOGUE", "1") != "0")
+    bias, rounded once, as Transformer Engine's FP8 GEMMs add theirs): on CUDA for 16-bit outputs. Elsewhere
+    (the CPU, fp32 outputs) the rounded product, then a separate add."""
+    return device.type == "cuda" and out_dtype in (torch.bfloat16, torch.float16)
 
 
 def fp8_mm(
@@ -72,8 +71,9 @@ def fp8_mm(
 ) -> Tensor:
     """`(a_q @ b_q.T) * a_scale_inv * b_scale_inv (+ bias)` as `out_dtype`, written into `out` when given.
 
-    CUDA: `torch._scaled_mm` (FP8 tensor cores, fp32 accumulation). CPU: the FP8 values are exact in
-    fp32, so the product is an fp32 matmul followed by the same scale multiplication and cast.
+    CUDA: `torch._scaled_mm` (as `te_compat.scaled_mm`; FP8 tensor cores, fp32 accumulation). CPU: the
+    FP8 values are exact in fp32, so the product is an fp32 matmul followed by the same scale
+    multiplication and cast.
     With `out=` the bits are those of the call without it: on CUDA the same cuBLASLt call writes the
     destination directly (it must be contiguous and 16-byte aligned); on CPU the same ops are
     evaluated and copied in. `bias` (cast to `out_dtype`) is added in the GEMM's epilogue where
@@ -88,15 +88,15 @@ def fp8_mm(
             raise ValueError("fp8_mm: bias= and out= together are not supported")
         bias = bias.to(out_dtype)
         if bias_in_epilogue(a_q.device, out_dtype):
-            return torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale_inv, scale_b=b_scale_inv, bias=bias,
-                                    out_dtype=out_dtype)
+            return scaled_mm(a_q, b_q.t(), scale_a=a_scale_inv, scale_b=b_scale_inv, bias=bias,
+                             out_dtype=out_dtype)
         return fp8_mm(a_q, a_scale_inv, b_q, b_scale_inv, out_dtype) + bias
     if a_q.is_cuda:
         if out is None:
-            return torch._scaled_mm(
+            return scaled_mm(
                 a_q, b_q.t(), scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype
             )
-        return torch._scaled_mm(
+        return scaled_mm(
             a_q, b_q.t(), scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype, out=out
         )
     prod = torch.mm(a_q.float(), b_q.float().t())

@@ -15,14 +15,12 @@ a process-local quantized-weight cache, and a store of retained weight-gradient 
 The weight-gradient GEMM writes the activation dtype, as Transformer Engine's does (its wgrad GEMM
 outputs the activation dtype unless accumulation is fused), and the fp32 `.grad` sums those values
 cast: the te backend's numerics, and half the staging memory and traffic of fp32 slots (the staged
-fold reads every slot once per step, and the GEMMs write half the bytes). A module built with
-``QEFFECT_REF_WGRAD_DTYPE=weight`` keeps its GEMM in the weight's dtype (fp32, the form before; A/B
-runs). With fp32 activations, as on the CPU, the two are the same.
+fold reads every slot once per step, and the GEMMs write half the bytes). With fp32 activations, as on
+the CPU, that is the weight's dtype.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,7 +166,6 @@ class RefFP8Linear(nn.Module):
         self.register_buffer("transition_scratch", torch.zeros(3, 2, dtype=torch.int32, device=device),
                              persistent=False)
         self.delay_wgrad = False
-        self.wgrad_in_activation_dtype = wgrad_in_activation_dtype()  # fixed at construction (module doc)
         self.wgrad_store: list[WgradWork] = []
         self._cache: WeightCache | None = None
         self._bias_buffer: Tensor | None = None  # `bias_cast`'s buffer
@@ -299,9 +296,9 @@ class RefFP8Linear(nn.Module):
         return buf.copy_(b)
 
     def wgrad_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
-        """The dtype the wgrad GEMM writes: the activation dtype (module doc), or the weight's for a module
-        built with ``QEFFECT_REF_WGRAD_DTYPE=weight``. A staging slot in it is the GEMM's own output."""
-        return activation_dtype if self.wgrad_in_activation_dtype else self.weight.dtype
+        """The dtype the wgrad GEMM writes: the activation dtype (module doc). A staging slot in it is the
+        GEMM's own output."""
+        return activation_dtype
 
     def compute_wgrad(self, work: WgradWork, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
         """`dW [out, in]` from retained work, in the weight's dtype; with `out` it is written there (direct
@@ -328,12 +325,3 @@ class RefFP8Linear(nn.Module):
         """Return the retained work (in `dI` order) and clear the store."""
         work, self.wgrad_store = self.wgrad_store, []
         return work
-
-
-def wgrad_in_activation_dtype() -> bool:
-    """Whether the reference wgrad GEMM writes the activation dtype (the default) or the weight's
-    (``QEFFECT_REF_WGRAD_DTYPE=weight``, for A/B runs)."""
-    mode = os.environ.get("QEFFECT_REF_WGRAD_DTYPE", "activation")
-    if mode not in ("activation", "weight"):
-        raise ValueError(f"QEFFECT_REF_WGRAD_DTYPE must be 'activation' or 'weight', got {mode!r}")
-    return mode == "activation"

@@ -12,12 +12,14 @@ addresses stay fixed.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from qeffect.fp8.fused_common import cast_fp8
+from qeffect.fp8.fused_quantize import fused_available, quantize_amax, quantize_amax_colsum, transition_launch
+from qeffect.fp8.fused_update import fused_update_available, update_scale_fused
 from qeffect.fp8.recipe import DelayedScalingRecipe, fp8_max
 
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -33,13 +35,6 @@ def quantize(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, 
     """
     scale_inv = scale.reciprocal()
     return cast_fp8(x, scale, fp8_dtype), scale_inv
-
-
-def cast_fp8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
-    """`x * scale` saturated at the format's largest finite value, cast round-to-nearest-even: the bits
-    every quantization path (this module's, the fused kernel's reference sequence) must produce."""
-    fmax = fp8_max(fp8_dtype)
-    return (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype).contiguous()
 
 
 def record_amax(x: Tensor, amax_history: Tensor) -> None:
@@ -73,10 +68,6 @@ def update_scale(
 
 def _fused_update(scale: Tensor) -> bool:
     """Whether the transition runs as one GPU kernel (`fp8.fused_update`): CUDA, sm90+, Triton."""
-    if not scale.is_cuda:
-        return False
-    from qeffect.fp8.fused_update import fused_update_available
-
     return fused_update_available(scale)
 
 
@@ -126,8 +117,6 @@ class ScalingState:
     def _update(self, fused: bool, scale_inv_out: Tensor | None = None) -> None:
         """The transition, as one kernel (`fused`, which can also write `scale_inv_out`) or torch's sequence."""
         if fused:
-            from qeffect.fp8.fused_update import update_scale_fused
-
             update_scale_fused(self.amax_history, self.scale, self.fmax, self.margin, self.amax_compute_algo,
                                scale_inv_out=scale_inv_out)
         else:
@@ -159,17 +148,12 @@ class ScalingState:
     def _transition(self, x: Tensor, transpose: bool, colsum: torch.dtype | None = None) -> tuple:
         """`quantize_amax` (one fused pass on a GPU, the torch sequence elsewhere and for non-2-D `x`),
         with `scale_inv` taken before and the scale update after; with `colsum`, the column sums too.
-        With a `scratch` on a GPU the pass completes the update itself (`quantize_transition`): one launch."""
-        from qeffect.fp8.fused_quantize import (
-            fused_available,
-            quantize_amax,
-            quantize_amax_colsum,
-            transition_launch,
-        )
-
+        With a `scratch` on a GPU the pass completes the update itself (`quantize_transition`): one launch
+        instead of three (the amax slot's zeroing, the pass, the update), the same bits
+        (`benchmarks/results/ref-transition-ab-h4096-interleaved-67760eb-h200.json`)."""
         fused = _fused_update(self.scale)  # the update kernel also writes 1 / (the scale before it)
         scale_inv = torch.empty_like(self.scale) if fused else self.scale.reciprocal()  # before the update
-        if fused and self.scratch is not None and fused_transition() and fused_available(x):
+        if fused and self.scratch is not None and fused_available(x):
             q, q_t, sums = transition_launch(x, self, scale_inv, transpose, colsum)  # (scratch: __post_init__)
         else:
             if colsum is None:
@@ -179,9 +163,3 @@ class ScalingState:
                 q, q_t, sums = quantize_amax_colsum(x, self.scale, self.amax_history[0], self.fp8_dtype, colsum)
             self._update(fused, scale_inv if fused else None)
         return (q, q_t, scale_inv) if colsum is None else (q, q_t, scale_inv, sums)
-
-
-def fused_transition() -> bool:
-    """Whether a state with a `scratch` quantizes and updates in one launch (``QEFFECT_FUSED_TRANSITION``
-    not 0; the same bits either way: A/B runs)."""
-    return os.environ.get("QEFFECT_FUSED_TRANSITION", "1") != "0"

@@ -3,7 +3,7 @@
 Transformer Engine is imported lazily (inside functions only): `import qeffect.fp8.te` works on a
 machine without it, and `TEBackend(...)` raises `UserError` there.
 
-Design (TE 2.20; see DESIGN.md §4):
+Design (TE 2.20; see docs/design.md §6):
 
 - **Scaling-state isolation.** TE's delayed scaling keeps every module's amax history in process-global
   buffers keyed by the recipe's text, and each autocast exit (forward) and the backward of the first
@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from qeffect.errors import UserError
+from qeffect.fp8 import te_compat
 from qeffect.fp8.recipe import DelayedScalingRecipe
 from qeffect.fp8.reference import EMPTY_CACHE_MSG
 from qeffect.fp8.weight_cast import WeightCastTarget
@@ -104,9 +105,11 @@ def te_available() -> bool:
 
 
 def require_te() -> None:
+    """UserError unless Transformer Engine imports here and is a supported release (`te_compat`)."""
     reason = te_import_error()
     if reason is not None:
         raise UserError(TE_MISSING_MSG + (f" ({reason})" if reason else ""))
+    te_compat.check_te_version()
 
 
 def te_recipe_kwargs(recipe: DelayedScalingRecipe) -> dict[str, Any]:
@@ -203,23 +206,6 @@ class TEWeightCache:
     w_q: Tensor  # [out, in] E4M3 (rowwise data)
     w_q_t: Tensor | None  # [in, out] E4M3 (columnwise data, for dgrad), if TE made it
     scale_inv: Tensor
-
-
-def _linear_node(node: Any, depth: int = 4) -> Any:
-    """TE's `_Linear` autograd node behind `y.grad_fn` (directly, or under a few view/reshape nodes).
-
-    The backward FP8 update is a post-hook on this node: it must run after TE's backward quantized the
-    output gradient (recording its amax), never before.
-    """
-    if node is None:
-        return None
-    frontier = [node]
-    for _ in range(depth):
-        for n in frontier:
-            if type(n).__name__ == "_LinearBackward":
-                return n
-        frontier = [nxt for n in frontier for nxt, _ in n.next_functions if nxt is not None]
-    raise RuntimeError(f"no TE _LinearBackward node behind {type(node).__name__}: cannot place the backward FP8 update")
 
 
 @functools.cache
@@ -349,16 +335,16 @@ def te_linear_class() -> type[nn.Module]:
 
         @property
         def weight_cache(self) -> TEWeightCache | None:
-            ws = self._fp8_workspaces.get("weight")
-            if not self._cache_valid or ws is None or getattr(ws, "_data", None) is None:
+            ws = te_compat.weight_workspace(self)
+            if not self._cache_valid or ws is None or te_compat.float8_data(ws) is None:
                 return None
-            data = ws._data
-            w_t = getattr(ws, "_transpose", None)
+            data = te_compat.float8_data(ws)
+            w_t = te_compat.float8_transpose(ws)
             fp8 = self.recipe.fwd_dtype
             return TEWeightCache(
                 data.view(fp8) if data.dtype == torch.uint8 else data,
                 None if w_t is None else (w_t.view(fp8) if w_t.dtype == torch.uint8 else w_t),
-                ws._scale_inv,
+                te_compat.float8_scale_inv(ws),
             )
 
         def invalidate_cache(self) -> None:
@@ -373,19 +359,19 @@ def te_linear_class() -> type[nn.Module]:
             builds on the first forward with ``is_first_microbatch=True``."""
             if self._weight_cast is not None:
                 return self._weight_cast
-            ws = self._fp8_workspaces.get("weight")
-            data = getattr(ws, "_data", None)
-            if not self.fp8_initialized_state or data is None or type(ws).__name__ != "Float8Tensor":
+            ws = te_compat.weight_workspace(self)
+            data = te_compat.float8_data(ws)
+            if not self.fp8_initialized_state or data is None or not te_compat.is_float8_tensor(ws):
                 raise RuntimeError(f"{name or 'linear'}: no FP8 weight cache yet (TE builds it on the first forward "
                                    "with is_first_microbatch=True)")
-            if self.recipe.fwd_dtype != torch.float8_e4m3fn or getattr(ws, "_transpose_invalid", False):
+            if self.recipe.fwd_dtype != torch.float8_e4m3fn or te_compat.float8_transpose_invalid(ws):
                 raise RuntimeError(f"{name or 'linear'}: the optimizer's cast writes E4M3 with a valid transpose")
-            t = getattr(ws, "_transpose", None)
+            t = te_compat.float8_transpose(ws)
             st = self.fp8_meta["scaling_fwd"]
             self._weight_cast = WeightCastTarget(
                 name, self.weight, data.view(torch.float8_e4m3fn),
-                None if t is None else t.view(torch.float8_e4m3fn), st.scale[1:2], ws._scale_inv,
-                st.amax_history[0, 1:2])
+                None if t is None else t.view(torch.float8_e4m3fn), st.scale[1:2],
+                te_compat.float8_scale_inv(ws), st.amax_history[0, 1:2])
             return self._weight_cast
 
         # -- bias in the activation dtype ------------------------------------------------------------
@@ -404,11 +390,6 @@ def te_linear_class() -> type[nn.Module]:
         def bias_grad_input(self) -> Tensor | None:
             """The tensor TE takes as the bias, whose gradient is the bias's (None: the bias itself)."""
             return self._bias_act
-
-        def _get_weight_and_bias_tensors(self) -> tuple[Tensor, Tensor | None]:
-            weight, bias = super()._get_weight_and_bias_tensors()
-            stand_in = getattr(self, "_bias_act", None)  # TE's __init__ may ask before ours has run
-            return weight, (stand_in if stand_in is not None and bias is not None else bias)
 
         # -- compute -------------------------------------------------------------------------------
         def _contexts(self, act_dtype: torch.dtype) -> contextlib.ExitStack:
@@ -441,7 +422,7 @@ def te_linear_class() -> type[nn.Module]:
                 self._cache_valid = True
             if torch.is_grad_enabled():  # TE updates forward scaling only in grad mode, too
                 self._update_scaling("scaling_fwd", forward=True)
-                node = _linear_node(y.grad_fn)
+                node = te_compat.linear_backward_node(y.grad_fn)
                 if node is not None:
                     node.register_hook(functools.partial(self._after_backward, delayed))
             return y
@@ -486,6 +467,7 @@ def te_linear_class() -> type[nn.Module]:
                 if wgrad.data_ptr() != out.data_ptr():  # TE did not take the buffer: same bits via a copy
                     if wgrad.dtype != out.dtype:  # a narrower slot would round the gradient: refuse
                         raise ValueError(f"dW staging slot is {out.dtype}, the wgrad GEMM wrote {wgrad.dtype}")
+                    te_compat.count_fallback("te.wgrad_staging_copy")
                     out.copy_(wgrad)
                 return out
             if accumulate:
@@ -498,9 +480,11 @@ def te_linear_class() -> type[nn.Module]:
             """`wgrad_store.pop()`, optionally with the GEMM's output buffer set to `into` (TE's wgrad
             closure keeps its GEMM arguments in `wgrad_gemm_kwargs`, with `out=None` when not fusing
             accumulation); a closure of another shape or dtype falls back to TE's own buffer."""
-            kwargs = _wgrad_gemm_kwargs(self.wgrad_store) if into is not None else None
-            plain = kwargs is not None and all(kwargs.get(k) is None for k in _PLAIN_GEMM_KWARGS)
+            kwargs = te_compat.wgrad_gemm_kwargs(self.wgrad_store) if into is not None else None
+            plain = kwargs is not None and all(kwargs.get(k) is None for k in te_compat.PLAIN_GEMM_KWARGS)
             if not plain or kwargs.get("out_dtype") != into.dtype or kwargs.get("accumulate"):
+                if into is not None and kwargs is None:  # the closure lookup failed: never silent
+                    te_compat.count_fallback("te.wgrad_closure_lookup")
                 (wgrad, _bgrad), _ = self.wgrad_store.pop()
                 return wgrad
             tensors, func = self.wgrad_store.context.get()
@@ -525,6 +509,7 @@ def te_linear_class() -> type[nn.Module]:
 
     for _name in TE_STATE_NAMES:
         setattr(TELinear, _name, _state_property(_name))
+    te_compat.bias_stand_in(TELinear, "_bias_act")  # TE then takes `use_activation_bias`'s tensor as the bias
 
     return TELinear
 
@@ -577,24 +562,6 @@ def batched_scaling_updates():
         groups.setdefault((id(te_recipe), forward), (te_recipe, []))[1].append(st)
     for (_, forward), (te_recipe, states) in groups.items():
         _run_updates(states, forward, te_recipe)
-
-
-# Only a plain high-precision wgrad GEMM may be handed our buffer: no output already bound (fused
-# accumulation), no output quantizer (block-scaled recipes), no userbuffers communication overlap.
-_PLAIN_GEMM_KWARGS = ("out", "quantization_params", "ub", "ub_type", "extra_output")
-
-
-def _wgrad_gemm_kwargs(store: Any) -> dict | None:
-    """The keyword dict of the oldest queued wgrad closure (TE 2.x `Linear`), without dequeuing it."""
-    queue = getattr(getattr(store, "context", None), "queue", None)
-    if not queue:
-        return None
-    _tensors, func = queue[0]
-    code, cells = getattr(func, "__code__", None), getattr(func, "__closure__", None) or ()
-    if code is None or "wgrad_gemm_kwargs" not in code.co_freevars:
-        return None
-    kwargs = cells[code.co_freevars.index("wgrad_gemm_kwargs")].cell_contents
-    return kwargs if isinstance(kwargs, dict) else None
 
 
 class TEBackend:

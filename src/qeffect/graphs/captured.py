@@ -16,8 +16,7 @@ bodies for real, so the FP8 state is snapshotted before and restored (in place, 
 caches, tokens and arena are rewritten by the first replays.
 
 The effect token's device update (one int64 buffer per chunk that every graph of the chunk increments in
-place, so a replay copies no token in; ``QEFFECT_TOKEN_COPY=1``: one token input per slot, copied from the
-previous action's token output before each replay and incremented into a new output, the A/B), the
+place, so a replay copies no token in: stream order is the chain's order on the device), the
 backends' amax/scale updates (te: batched, one fused kernel per
 direction at the end of each F or dI, `fp8.te.batched_scaling_updates`) and the accumulation of
 the non-matrix gradients (into fixed buffers that `.grad` is bound to after each dI replay) are inside
@@ -29,7 +28,6 @@ stage's token table accumulates its gradient over the rows each microbatch touch
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -86,9 +84,7 @@ class CapturedStageActions(StageActions):
     # `_token_grad` records (`runtime.lazy_rows`); the F graphs then catch up their tokens' rows first
     lazy_rows: Callable[[torch.Tensor, torch.Tensor], LazyRows | None] | None = field(default=None, repr=False)
     _lazy: LazyRows | None = field(default=None, repr=False)
-    # effect token on the device: False (default) one buffer per chunk, incremented in place by every graph;
-    # True: a token input per slot, copied in before each replay (one more copy per replay; the A/B)
-    token_copy: bool = field(default_factory=lambda: os.environ.get("QEFFECT_TOKEN_COPY", "0") == "1")
+    # effect token on the device: one buffer per chunk, incremented in place by every graph (no copy per replay)
     _tok_buf: torch.Tensor | None = field(default=None, repr=False)
     # the optimizer casts the FP8 weight caches (`fp8.weight_cast`): slot 0's F graph takes them as they are
     weight_cast: bool = False
@@ -113,9 +109,8 @@ class CapturedStageActions(StageActions):
         self._x: dict[int, torch.Tensor] = {}
         self._tgt: dict[int, torch.Tensor] = {}
         self._gout: dict[int, torch.Tensor] = {}
-        self._tok: dict[int, torch.Tensor] = {}
         # every graph of this chunk increments it in place: stream order is the chain's order on the device
-        self._tok_buf = None if self.token_copy else torch.zeros((), dtype=torch.int64, device=dev)
+        self._tok_buf = torch.zeros((), dtype=torch.int64, device=dev)
         self._out: dict[int, torch.Tensor] = {}
         self._work: dict[int, dict[str, object]] = {}
         self._token_out: dict[int, torch.Tensor] = {}
@@ -134,8 +129,6 @@ class CapturedStageActions(StageActions):
                 self._x[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
             else:
                 self._x[m] = torch.zeros(self.input_shape, dtype=self.input_dtype, device=dev, requires_grad=True)
-            if self.token_copy:
-                self._tok[m] = torch.zeros((), dtype=torch.int64, device=dev)
             if last:
                 self._tgt[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
             if self.offload is not None:
@@ -150,20 +143,11 @@ class CapturedStageActions(StageActions):
         self._out[m] = out
         if self._token_grad is not None:
             self._token_out[m] = self.chunk.token_out
-        return out, self._next_token(m)
+        return out, self._next_token()
 
-    def _next_token(self, m: int) -> torch.Tensor:
-        """Inside a graph body: the next token's device value (in place on the chunk's buffer, or from
-        slot `m`'s copied-in token)."""
-        return self._tok[m] + 1 if self.token_copy else self._tok_buf.add_(1)
-
-    def _token_input(self, m: int) -> dict[str, torch.Tensor]:
-        """Slot `m`'s static token input (none with the in-place buffer)."""
-        return {"token": self._tok[m]} if self.token_copy else {}
-
-    def _token_dynamic(self, prev: EffectToken) -> dict[str, torch.Tensor]:
-        """What a replay copies into the token input: the consumed token's value (nothing in place)."""
-        return {"token": prev.value} if self.token_copy else {}
+    def _next_token(self) -> torch.Tensor:
+        """Inside a graph body: the next token's device value (in place on the chunk's buffer)."""
+        return self._tok_buf.add_(1)
 
     def capture_graphs(self) -> None:
         """Capture every slot's F, then dI, then dW; restore the FP8 state that warm-up moved."""
@@ -175,7 +159,7 @@ class CapturedStageActions(StageActions):
             for t in self.weight_casts:
                 t.captured = True
         for m in range(self._microbatches):
-            inputs = {"x": self._x[m], **self._token_input(m)}
+            inputs = {"x": self._x[m]}
             if m in self._tgt:
                 inputs["targets"] = self._tgt[m]
             hooks = self.groups[m].capture_hooks() if m in self.groups else contextlib.nullcontext()
@@ -203,10 +187,10 @@ class CapturedStageActions(StageActions):
                     accumulate_into([self._ngrad[n] for n in grads], list(grads.values()), init=m == 0)
                     if token_grad is not None:  # the same bits from the rows this microbatch touched
                         grads[TOKEN_TABLE] = self._token_grad.accumulate(m, self._x[m], token_grad)
-                return grad_in, grads, self._next_token(m)
+                return grad_in, grads, self._next_token()
 
             self.slots[m].dI = self.manager.capture(
-                f"{tag}.dI{m}", di_body, static_inputs={"grad": self._gout[m], **self._token_input(m)},
+                f"{tag}.dI{m}", di_body, static_inputs={"grad": self._gout[m]},
                 warmup=0, private_pool=True)
         written = [sorted(self.slots[m].dI.outputs[1]) for m in range(self._microbatches)]
         if any(w != written[0] for w in written):  # dI(0) copies what later dIs add to: the same set each
@@ -225,9 +209,9 @@ class CapturedStageActions(StageActions):
                             self.arena.flush(arena_name(self.stage, pname), m)
                     else:
                         grads[pname] = lin.compute_wgrad(self._work[m][name])
-                return grads, self._next_token(m)
+                return grads, self._next_token()
 
-            self.slots[m].dW = self.manager.capture(f"{tag}.dW{m}", dw_body, static_inputs=self._token_input(m),
+            self.slots[m].dW = self.manager.capture(f"{tag}.dW{m}", dw_body, static_inputs={},
                                                     warmup=0, private_pool=True)
         saved = self._saved
         with torch.no_grad():
@@ -308,10 +292,9 @@ class CapturedStageActions(StageActions):
         if refresh != (m == 0):  # the slot-0 graph is the one that refreshes the weight cache
             raise RuntimeError(f"stage {self.stage}: cache refresh on microbatch {m} is not captured")
         out, tok = graphs.F.outputs
-        prev = token
         token = self.ledger.consume(token, f"F{m}", value=tok)
         ref = self.pool.allocate(key)
-        dynamic = {"x": inp, **self._token_dynamic(prev)}
+        dynamic = {"x": inp}
         if targets is not None:
             dynamic["targets"] = targets
         group = self.groups.get(m)
@@ -337,7 +320,6 @@ class CapturedStageActions(StageActions):
                                f"order: expected dI({self._di_next}), got dI({m})")
         graphs = self.slots[m]
         grad_in, grads, tok = graphs.dI.outputs
-        prev = token
         token = self.ledger.consume(token, f"dI{m}", value=tok)
 
         group = self.groups.get(m)
@@ -345,7 +327,7 @@ class CapturedStageActions(StageActions):
         def run() -> None:
             if group is not None:
                 group.before_backward()  # restore (remap + H2D) unless look-ahead did; then look ahead
-            self.manager.replay(graphs.dI, {"grad": grad_output, **self._token_dynamic(prev)})
+            self.manager.replay(graphs.dI, {"grad": grad_output})
             if group is not None:
                 group.backward_launched()  # launch-first: reaps and look-ahead restores now, beside the replay
             for n in grads:  # the parameters this dI's graph wrote (allow_unused may leave some out)
@@ -364,13 +346,12 @@ class CapturedStageActions(StageActions):
         grads, tok = graphs.dW.outputs
         if self.direct:  # the destinations captured into the graph must be the arena's views (data_ptr too)
             self.checked_destinations(m, grads)
-        prev = token
         token = self.ledger.consume(token, f"dW{m}", value=tok)
 
         group = self.groups.get(m)
 
         def run() -> None:
-            self.manager.replay(graphs.dW, self._token_dynamic(prev))
+            self.manager.replay(graphs.dW, {})
             if group is not None:  # dW is the last reader: the retained dW work references saved tensors
                 group.after_backward()
             if self.direct:

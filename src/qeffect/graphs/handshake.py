@@ -1,6 +1,6 @@
 """Producer-consumer race check of the replay handshake (paper: 3 fresh processes x 200 checks).
 
-The captured graph reads a static input `i`, spins for about a millisecond (`torch.cuda._sleep`),
+The captured graph reads a static input `i`, spins for about a millisecond (`fp8.te_compat.cuda_sleep`),
 then writes f(i) = 2 i + 1 into its static output. For each check the caller (on its own stream)
 first does a little work of its own (a short spin), then writes a new `i` into a fresh tensor,
 replays through the manager with that tensor as the dynamic input, snapshots the output with a clone
@@ -29,9 +29,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
+
+from qeffect.config import RunConfig, bit_changing_settings
+from qeffect.fp8.te_compat import cuda_sleep
 
 PROTOCOLS: tuple[str, ...] = ("one-way", "two-way", "stream-ordered")
 SAFE: tuple[str, ...] = ("two-way", "stream-ordered")  # must show no stale read
@@ -102,7 +105,7 @@ def run_handshake_check(protocol: str, checks: int = 200, device: str = "cuda", 
 
         def body() -> torch.Tensor:
             y = x * 2 + 1  # read i first ...
-            torch.cuda._sleep(graph_sleep_cycles)  # ... then stay busy ...
+            cuda_sleep(graph_sleep_cycles)  # ... then stay busy ...
             out.copy_(y)  # ... and publish f(i) only at the tail
             return out
 
@@ -114,7 +117,7 @@ def run_handshake_check(protocol: str, checks: int = 200, device: str = "cuda", 
         t0 = time.perf_counter()
         for k in range(checks):
             i = k + 1  # warm-up left f(0) in `out`: never the answer of a check
-            torch.cuda._sleep(caller_sleep_cycles)  # caller still busy when replay is enqueued
+            cuda_sleep(caller_sleep_cycles)  # caller still busy when replay is enqueued
             dyn = torch.full((1,), float(i), device=dev, dtype=torch.float32)
             res = mgr.replay(action, {"i": dyn})
             del dyn  # freed at once: record_stream must keep it alive for the graph stream's copy
@@ -145,10 +148,13 @@ def _run_child(protocol: str, checks: int, json_path: Path, device: str) -> Hand
     return HandshakeResult.model_validate_json(json_path.read_text())
 
 
-def qeffect_environment() -> dict[str, str]:
-    """The QEFFECT_* switches a measurement ran under (fused quantize, its transpose, ...), for provenance:
-    two reports of one revision can differ by them."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("QEFFECT_") and k != "QEFFECT_GIT_REVISION"}
+def run_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The settings a run or measurement ran under, for provenance (summaries, checkpoints' configs, reports):
+    every bit-changing setting (`config.bit_changing_settings`) and the `[runtime]` section, as
+    `section.field -> value`. Two runs of one revision can differ only by their config, never by the
+    environment: nothing reads a switch from it."""
+    runtime = {f"runtime.{k}": v for k, v in cfg.runtime.model_dump().items()}
+    return {**bit_changing_settings(cfg), **runtime}
 
 
 def script_provenance() -> dict[str, str]:

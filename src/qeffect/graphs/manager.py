@@ -11,7 +11,10 @@ Here every replay is
 4. the caller's stream waits on an external event recorded at the graph tail during capture.
 
 No host synchronization anywhere on that path. `protocol="one-way"` drops steps 1 and 4 on purpose, to
-reproduce GraphPP's defect (`qeffect.graphs.handshake` measures both).
+reproduce GraphPP's defect (`qeffect.graphs.handshake` measures both). Step 4 is a device completion of
+`qeffect.contracts.completion` keyed by the graph's name: the tail event, recorded once at capture, fires
+again on every replay; `GraphManager(checked_completion=True)` names the one-way defect on a CPU
+(`check_use` after a replay the caller did not wait for raises `DeviceCompletionViolation`).
 
 `protocol="stream-ordered"` gives the same two guarantees with no edge at all: the graph is captured on
 the graph stream but replayed on the caller's stream (a CUDA graph launches into any stream), after the
@@ -36,6 +39,7 @@ from typing import Any, Literal, Protocol, get_args
 import torch
 from torch import Tensor
 
+from qeffect.contracts import completion_ledger
 from qeffect.graphs.stats import GraphStats
 
 HandshakeProtocol = Literal["two-way", "one-way", "stream-ordered"]
@@ -129,6 +133,25 @@ class TorchCudaBackend:
         return torch.cuda.memory_reserved(self.device)
 
 
+class _BackendEvents:
+    """The completion contract's event operations on a `GraphBackend` (its events record on the current
+    stream: inside a capture, the graph stream, so the record becomes the graph's tail node)."""
+
+    __slots__ = ("backend",)
+
+    def __init__(self, backend: GraphBackend) -> None:
+        self.backend = backend
+
+    def new_event(self, name: str) -> Any:
+        return self.backend.new_external_event()
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record()  # the current stream is `stream`: the ledger records only inside `capture`
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+
 @dataclass
 class CapturedAction:
     """One captured graph: its static input buffers (fixed addresses), static outputs and tail event.
@@ -154,7 +177,7 @@ class GraphManager:
     """Owns the graph stream and the shared graph memory pool; captures and replays stage actions."""
 
     def __init__(self, device: torch.device | str = "cuda", *, protocol: HandshakeProtocol = "two-way",
-                 backend: GraphBackend | None = None) -> None:
+                 backend: GraphBackend | None = None, checked_completion: bool = False) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
         self.protocol: HandshakeProtocol = protocol
@@ -163,6 +186,9 @@ class GraphManager:
         self.pool = self.backend.graph_pool_handle()
         self.actions: dict[str, CapturedAction] = {}
         self.stats = GraphStats(protocol=protocol)
+        # each graph's tail: recorded at capture, fired by every replay, waited on by the caller (two-way)
+        self.completions = completion_ledger(_BackendEvents(self.backend), checked=checked_completion,
+                                             name="graph tails")
 
     # ------------------------------------------------------------------------------------ capture
     @contextmanager
@@ -215,7 +241,7 @@ class GraphManager:
         pool = be.graph_pool_handle() if private_pool else self.pool
         with be.capture(graph, pool, self.stream):
             outputs = fn()
-            tail.record()  # inside the capture: current stream is the graph stream
+            self.completions.record(name, self.stream, event=tail)  # inside the capture: a node of the graph
         seconds = time.perf_counter() - t0
         allocated_after, reserved_after = be.memory_allocated(), be.memory_reserved()
         action = CapturedAction(name=name, graph=graph, static_inputs=dict(static_inputs), outputs=outputs,
@@ -250,6 +276,8 @@ class GraphManager:
             if dynamic:
                 self._copy_inputs(action, dynamic, None)
             action.graph.replay()
+            if self.completions.checked:  # the tail fires on the caller's stream (production skips the query)
+                self.completions.fired(action.name, be.current_stream())
             action.replays += 1
             self.stats.record_replay(0)
             return action.outputs
@@ -261,11 +289,19 @@ class GraphManager:
             if dynamic:
                 self._copy_inputs(action, dynamic, self.stream)  # (2) after the edge, on the graph stream
             action.graph.replay()  # (3)
+        self.completions.fired(action.name, self.stream)  # the tail node fired again, on the graph stream
         if two_way:
-            caller.wait_event(action.tail_event)  # (4) graph tail -> caller
+            self.completions.wait(action.name, caller)  # (4) graph tail -> caller
         action.replays += 1
         self.stats.record_replay(2 if two_way else 0)
         return action.outputs
+
+    def check_use(self, action: CapturedAction, stream: Any = None) -> None:
+        """Checked completion: raise `DeviceCompletionViolation` if work queued on `stream` (default: the
+        current one) now could read `action`'s outputs before its latest replay finished (one-way, or a
+        replay after the wait). Without `checked_completion`: nothing."""
+        if self.completions.checked:
+            self.completions.use(action.name, self.backend.current_stream() if stream is None else stream)
 
     def _copy_inputs(self, action: CapturedAction, dynamic: dict[str, Tensor], stream: Any) -> None:
         """Copy each dynamic input into its static buffer on the current stream; `stream` (the graph

@@ -4,22 +4,21 @@ Why: the model's torch form (`F.cross_entropy(logits.float(), ...)`) copies the 
 to fp32, runs log-softmax (whose fp32 output autograd keeps for the backward), then the NLL; its
 backward runs the NLL's and log-softmax's backward kernels in fp32 and copies the gradient back to the
 activation dtype. At h4096's 256 tokens x 32,768 vocabulary that is seven kernels per microbatch and
-0.7 ms of a captured step on the H200 (`step-gaps-h4096-te-{1559970,2dae921}-h200.json`). Here the
-forward is one pass over each row (a per-lane online max and sum of exponentials, in fp32) plus one
-program for the mean, and the backward one pass that writes the gradient in the logits' dtype. What it keeps for the backward: the fp32 log-sum-exp per row, not an
-fp32 copy of the logits.
+0.7 ms of a captured step on the H200 (`benchmarks/results/step-gaps-h4096-te-{1559970,2dae921}-h200.json`).
+Here the forward is one pass over each row (a per-lane online max and sum of exponentials, in fp32) plus one
+program for the mean, and the backward one pass that writes the gradient in the logits' dtype. What it keeps
+for the backward: the fp32 log-sum-exp per row, not an fp32 copy of the logits.
 
 Bits: deterministic (fixed block order, no atomics). Native eager and every qeffect path share the model
 code, so they keep identical bits; the numbers differ from the torch form's by rounding (a different
 summation order, Triton's `exp`/`log`). Same semantics as `F.cross_entropy(..., reduction="mean")`:
 targets equal to ``ignore_index`` (-100) add nothing and are not counted (all ignored: NaN, as torch);
 a target outside [0, V) makes the loss and its row's gradient NaN (torch stops on a device assert).
-``QEFFECT_FUSED_CE=0`` keeps the torch form (for A/B runs; native and qeffect runs must agree on it).
+The device chooses (`available`), so native and qeffect runs always take the same form.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -92,10 +91,6 @@ def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
         tl.store(dx_ptr + row * v + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
     return forward, mean, backward
-
-
-def enabled() -> bool:
-    return os.environ.get("QEFFECT_FUSED_CE", "1") != "0"
 
 
 def available(logits: Tensor, targets: Tensor) -> bool:

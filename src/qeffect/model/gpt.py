@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -92,22 +91,17 @@ def _layer_norm(ln: nn.LayerNorm, x: Tensor) -> Tensor:
 
 def layer_norm(ln: nn.LayerNorm, x: Tensor) -> Tensor:
     """The model's LayerNorm: on 16-bit CUDA activations the Triton kernels of `model/layernorm.py` (fp32
-    statistics and parameters, no dtype copies), else `_layer_norm`. ``QEFFECT_FUSED_LAYERNORM=0`` keeps
-    the torch form (for A/B runs; the numbers differ, so native and qeffect runs must agree on it)."""
-    if ln.bias is not None and _fused_norm_enabled() and fused_layer_norm_available(x, ln.weight):
+    statistics and parameters, no dtype copies), else `_layer_norm`. The device decides, so native and
+    qeffect runs, which share this code, agree (the two forms round differently)."""
+    if ln.bias is not None and fused_layer_norm_available(x, ln.weight):
         return triton_layer_norm(ln, x)
     return _layer_norm(ln, x)
 
 
-def _fused_norm_enabled() -> bool:
-    return os.environ.get("QEFFECT_FUSED_LAYERNORM", "1") != "0"
-
-
 def _fused_residual(ln: nn.LayerNorm, x: Tensor) -> bool:
-    """The residual adds ride in the Triton LayerNorm's passes (`add_layer_norm`, `fork_layer_norm`):
-    the same bits as the add and the norm apart. ``QEFFECT_FUSED_RESIDUAL=0`` keeps them apart (A/B)."""
-    return (os.environ.get("QEFFECT_FUSED_RESIDUAL", "1") != "0" and ln.bias is not None and _fused_norm_enabled()
-            and fused_layer_norm_available(x, ln.weight))
+    """The residual adds ride in the Triton LayerNorm's passes (`add_layer_norm`, `fork_layer_norm`) where
+    that norm runs: the same bits as the add and the norm apart, fewer passes over the activations."""
+    return ln.bias is not None and fused_layer_norm_available(x, ln.weight)
 
 
 def add_layer_norm(ln: nn.LayerNorm, x: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,10 +122,9 @@ def fork_layer_norm(ln: nn.LayerNorm, x: Tensor) -> tuple[Tensor, Tensor]:
 
 def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     """The model's loss, mean fp32 cross-entropy: on 16-bit CUDA logits the Triton passes of
-    `model/cross_entropy.py` (no fp32 copy of the logits), else the torch form below.
-    ``QEFFECT_FUSED_CE=0`` keeps the torch form (for A/B runs; the numbers differ, so native and
-    qeffect runs must agree on it)."""
-    if fused_ce.enabled() and fused_ce.available(logits, targets):
+    `model/cross_entropy.py` (no fp32 copy of the logits), else the torch form below. The device decides,
+    so native and qeffect runs, which share this code, agree (the two forms round differently)."""
+    if fused_ce.available(logits, targets):
         return fused_ce.triton_cross_entropy(logits, targets)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -159,10 +152,8 @@ def _head_views(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def split_heads(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The attention's q, k, v from the fused projection; ``QEFFECT_SPLIT_HEADS=autograd`` keeps
-    autograd's route (for A/B runs)."""
-    if os.environ.get("QEFFECT_SPLIT_HEADS") == "autograd":
-        return _head_views(qkv, heads)
+    """The attention's q, k, v from the fused projection, as views; the backward writes the three
+    gradients in one copy (`_SplitHeads`), autograd's values and bits."""
     return _SplitHeads.apply(qkv, heads)
 
 

@@ -2,12 +2,14 @@
 
 `vmm.VmmSlot` keeps a graph's captured address valid while its memory is released and restored;
 `group.OffloadManager` / `OffloadGroup` move a captured forward's saved activations to pinned host
-memory and back around the replays (release or resident ping-pong mode, with look-ahead);
+memory and back around the replays (release or resident ping-pong mode, with look-ahead), every knob
+from one `qeffect.config.OffloadConfig` (the run config's `[offload]` section);
 `plan` and `timing` give resident mode its banks (the schedule's conflicts; the simulated step and the
-bank search); `checks` is the GPU check behind `qeffect offload-check`. Importing this package needs neither a GPU
-nor `cuda.bindings` (imported lazily by `driver.load_bindings`).
+bank search); `planning.plan` is the one call a builder makes at capture (events, costs, banks, short
+windows, then the allocation); `checks` is the GPU check behind `qeffect offload-check`. Importing this
+package needs neither a GPU nor `cuda.bindings` (imported lazily by `driver.load_bindings`).
 
-Tested on CPU against `fake.FakeDevice` and on the H200 by tests/test_offload_gpu.py and `qeffect offload-check`.
+Tested on CPU against `fake.FakeDevice` and on a GPU by tests/test_offload_gpu.py and `qeffect offload-check`.
 """
 
 from __future__ import annotations

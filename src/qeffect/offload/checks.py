@@ -19,6 +19,10 @@
 - negative-unmapped-replay (child process): a replay over an unmapped slot is a hard fault (error
   700, the context dies); the child catches it and reports it.
 
+Every manager here is built from one `OffloadConfig` (`check_config`): `OffloadConfig()` unless the caller
+passes the run config's `[offload]` section, so the checks run the defaults `qeffect train` and
+`qeffect verify-state` run; a check sets only its mode and the knob it compares (look-ahead on and off).
+
 Every function here needs CUDA and cuda.bindings (`require_gpu`).
 
 Run on the H200 (benchmarks/results/offload-check-h200.json); tests/test_offload_gpu.py runs the same
@@ -41,6 +45,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, Field
 
+from qeffect.config import OffloadConfig
+from qeffect.fp8.te_compat import cuda_sleep
 from qeffect.offload.driver import OffloadUnavailable, VmmDriver, bindings_available
 from qeffect.offload.group import OffloadManager, OffloadMode
 from qeffect.offload.vmm import VmmSlot
@@ -70,6 +76,15 @@ class OffloadCheckReport(BaseModel):
     granularity: int | None = None
     command: str | None = None
     git_revision: str | None = None
+    offload_config: dict[str, Any] | None = None  # the `[offload]` section the managers were built from
+
+
+def check_config(mode: OffloadMode, base: OffloadConfig | None = None, **knobs: Any) -> OffloadConfig:
+    """The config a check's manager gets: `base` (the run config's `[offload]` section; default
+    `OffloadConfig()`, the defaults of `qeffect train` and `verify-state`) in `mode`, with `knobs` (what the
+    check compares) over it; validated like a config file."""
+    data = (base or OffloadConfig()).model_dump() | {"mode": mode, **knobs}
+    return OffloadConfig.model_validate(data)
 
 
 def require_gpu() -> None:
@@ -234,7 +249,7 @@ class ToyStack:
             g = torch.cuda.CUDAGraph()
             with self.groups[k].capture_hooks(), torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
                 if fwd_sleep:
-                    torch.cuda._sleep(fwd_sleep)
+                    cuda_sleep(fwd_sleep)
                 y = self._body(k)
             self.F.append(g)
             self.y.append(y)
@@ -243,7 +258,7 @@ class ToyStack:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
                 if bwd_sleep:
-                    torch.cuda._sleep(bwd_sleep)
+                    cuda_sleep(bwd_sleep)
                 grads = torch.autograd.grad(self.y[k], self._inputs(k), self.gy[k], retain_graph=True)
             self.B.append(g)
             self.grads.append(grads)
@@ -299,9 +314,9 @@ class ToyStack:
 
 
 def _stack_run(mode: OffloadMode, driver: VmmDriver, *, layers: int, hidden: int, rows: int, steps: int,
-               fwd_sleep: int, bwd_sleep: int) -> tuple[list, dict]:
+               fwd_sleep: int, bwd_sleep: int, config: OffloadConfig | None = None) -> tuple[list, dict]:
     dev = driver.torch_device
-    mgr = OffloadManager(mode, device=dev, driver=driver if mode != "off" else None)
+    mgr = OffloadManager(check_config(mode, config), device=dev, driver=driver if mode != "off" else None)
     try:
         stack = ToyStack(mgr, layers, hidden, rows, fwd_sleep=fwd_sleep, bwd_sleep=bwd_sleep)
         gen = torch.Generator(device=dev).manual_seed(1)
@@ -331,11 +346,11 @@ def _same(a: list, b: list) -> tuple[int, int]:
 
 
 def check_pingpong_bitwise(driver: VmmDriver, *, layers: int = 4, hidden: int = 512, rows: int = 1024,
-                           steps: int = 3, sleep: int = 200_000) -> CheckResult:
+                           steps: int = 3, sleep: int = 200_000, config: OffloadConfig | None = None) -> CheckResult:
     t0 = time.perf_counter()
     if layers < 3:
         return _result("pingpong-bitwise", t0, False, f"needs >= 3 layers to reuse a bank, got {layers}")
-    kw = dict(layers=layers, hidden=hidden, rows=rows, steps=steps, fwd_sleep=sleep, bwd_sleep=sleep)
+    kw = dict(layers=layers, hidden=hidden, rows=rows, steps=steps, fwd_sleep=sleep, bwd_sleep=sleep, config=config)
     ref, _ = _stack_run("off", driver, **kw)
     metrics: dict[str, Any] = {"layers": layers, "steps": steps}
     ok = True
@@ -352,13 +367,14 @@ def check_pingpong_bitwise(driver: VmmDriver, *, layers: int = 4, hidden: int = 
 
 
 def check_lookahead_overlap(driver: VmmDriver, *, layers: int = 4, hidden: int = 1024, rows: int = 4096,
-                            sleep: int = 2_000_000, steps: int = 2) -> CheckResult:
-    """Release mode, host synchronized before every backward; compare look-ahead on and off."""
+                            sleep: int = 2_000_000, steps: int = 2, config: OffloadConfig | None = None) -> CheckResult:
+    """Release mode, host synchronized before every backward; compare look-ahead one group deep and off."""
     t0 = time.perf_counter()
     dev = driver.torch_device
     runs: dict[str, dict[str, Any]] = {}
     for lookahead in (True, False):
-        mgr = OffloadManager("release", device=dev, driver=driver, lookahead=lookahead, timing=True)
+        mgr = OffloadManager(check_config("release", config, lookahead=int(lookahead)), device=dev, driver=driver,
+                             timing=True)
         try:
             stack = ToyStack(mgr, layers, hidden, rows, bwd_sleep=sleep)
             gen = torch.Generator(device=dev).manual_seed(2)
@@ -448,13 +464,12 @@ def _child_unmapped_replay(device: torch.device, json_path: Path) -> dict[str, A
 
 
 def _run_child(which: str, device: torch.device, tmp: Path) -> tuple[dict[str, Any] | None, int, str]:
+    """Run `main` in a child process (a fresh interpreter that imports this qeffect first)."""
     json_path = tmp / f"{which}.json"
-    env = os.environ.copy()
     src = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "qeffect.offload.checks", "--child", which, "--device", str(device),
-           "--json", str(json_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    argv = ["--child", which, "--device", str(device), "--json", str(json_path)]
+    code = f"import sys; sys.path.insert(0, {src!r}); from qeffect.offload.checks import main; sys.exit(main({argv!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     data = json.loads(json_path.read_text()) if json_path.exists() else None
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
     return data, proc.returncode, tail[0]
@@ -489,8 +504,12 @@ def check_negative_unmapped_replay(device: torch.device, tmp: Path) -> CheckResu
 def run_offload_checks(*, device: str | torch.device = "cuda", remaps: int = 100, layers: int = 4,
                        release_mib: int = 256, hidden: int = 1024, rows: int = 4096, children: bool = True,
                        only: list[str] | None = None, command: str | None = None,
-                       progress: Callable[[str], None] | None = None) -> OffloadCheckReport:
-    """Run the checks (all, or `only`) on one device; a check that raises is reported as failed."""
+                       progress: Callable[[str], None] | None = None,
+                       config: OffloadConfig | None = None) -> OffloadCheckReport:
+    """Run the checks (all, or `only`) on one device; a check that raises is reported as failed. The
+    managers' knobs come from `config` (a run config's `[offload]` section; default `OffloadConfig()`),
+    each check setting its mode (`check_config`)."""
+    config = config or OffloadConfig()
     require_gpu()
     dev = torch.device(device)
     if dev.index is None:
@@ -511,8 +530,9 @@ def run_offload_checks(*, device: str | torch.device = "cuda", remaps: int = 100
             "d2h-release-frees": lambda: check_d2h_release_frees(driver, release_mib * MIB),
             "h2d-replay": lambda: check_h2d_replay(driver),
             "pingpong-bitwise": lambda: check_pingpong_bitwise(driver, layers=layers, hidden=max(64, hidden // 2),
-                                                               rows=max(64, rows // 4)),
-            "lookahead-overlap": lambda: check_lookahead_overlap(driver, layers=layers, hidden=hidden, rows=rows),
+                                                               rows=max(64, rows // 4), config=config),
+            "lookahead-overlap": lambda: check_lookahead_overlap(driver, layers=layers, hidden=hidden, rows=rows,
+                                                                 config=config),
             "negative-naive-reload": lambda: check_negative_naive_reload(dev, tmp),
             "negative-unmapped-replay": lambda: check_negative_unmapped_replay(dev, tmp),
         }
@@ -533,7 +553,7 @@ def run_offload_checks(*, device: str | torch.device = "cuda", remaps: int = 100
     return OffloadCheckReport(checks=results, passed=all(r.passed for r in results) and bool(results),
                               device_name=torch.cuda.get_device_name(dev), torch_version=torch.__version__,
                               cuda_bindings_version=_bindings_version(), granularity=granularity,
-                              command=command, git_revision=git_revision())
+                              command=command, git_revision=git_revision(), offload_config=config.model_dump())
 
 
 def _bindings_version() -> str | None:

@@ -57,7 +57,7 @@ def bindings_available() -> bool:
     return True
 
 
-def _code(result: Any) -> int:
+def result_code(result: Any) -> int:
     """Numeric value of a CUresult (IntEnum before cuda-bindings 13.1, a faster int-like enum after)."""
     try:
         return int(result)
@@ -97,7 +97,7 @@ class VmmDriver:
 
     # ------------------------------------------------------------------------------------ checking
     def _error(self, call: str, result: Any) -> CudaDriverError:
-        code = _code(result)
+        code = result_code(result)
         name, message = getattr(result, "name", None) or f"CUresult {code}", "(no description)"
         try:  # describing an error must never raise a different one
             r, s = self.cu.cuGetErrorName(result)

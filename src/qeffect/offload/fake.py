@@ -442,7 +442,8 @@ class FakeDevice:
         return VmmDriver(0, cu=self.cu, torch_device="cpu")
 
     # -------------------------------------------------------------------------------- StreamOps
-    def current_stream(self) -> FakeStream:
+    def current_stream(self, device: Any = None) -> FakeStream:
+        """`device` is ignored (one fake device): it lets `LocalTransport(ops=FakeDevice())` ask per tensor."""
         return self._current
 
     def new_stream(self, name: str) -> FakeStream:

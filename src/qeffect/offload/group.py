@@ -8,7 +8,7 @@ microbatch slot) of a captured stage):
 2. allocation (`OffloadManager.allocate`, -> `mapped`): outside any capture, the manager lays the
    tensors out (256-byte aligned), reserves VMM slots, maps them and allocates pinned host buffers.
 3. capture (`capture_hooks()`, `mapped`): while F is captured, each saved tensor is copied into its
-   slot view (those under `store_batch_bytes` together, by one multi-tensor copy; QEFFECT_OFFLOAD_STORE_BATCH_MIB,
+   slot view (those under `store_batch_bytes`, `offload.store_batch_mib`, together by one multi-tensor copy;
    0: each at once) and autograd keeps the view instead, so the captured backward reads the slot's VA. The
    session checks count, order, shape/stride/dtype/device against discovery and data_ptr() == VA.
 4. forward offload (`after_forward`): the compute stream records `forward_done`; the D2H stream waits
@@ -21,15 +21,14 @@ microbatch slot) of a captured stage):
 5. backward restore (`before_backward`): release: remap at the same VA and H2D on the H2D stream (a
    group still in `release_d2h_pending`, its D2H not yet seen done by any hook, keeps its slot mapped and
    its backward reads the bytes in place: no release, map or H2D, `kept_at_backward`; with
-   `release_at_backward`, QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD=1, the host waits for that D2H, releases the
-   slot and restores it at once, as before);
+   `offload.release_at_backward`, the host waits for that D2H, releases the slot and restores it at once);
    resident: H2D into the group's bank only if another group took the bank meanwhile
    (`resident_reload_pending`); then the compute stream waits on `restore_done` (-> `mapped`); from
    `resident_d2h_pending` or `resident_kept` nothing to do (-> `mapped`).
-   Look-ahead: right after that, the next `lookahead` (1 by default; `train.offload_lookahead`)
+   Look-ahead: right after that, the next `lookahead` (`offload.lookahead`, 1 by default)
    offloaded groups in backward order are restored on the H2D stream, so their copies run while the
-   current backward graph (and, deeper, the actions after it) run. With the manager's `launch_first`
-   (the default; QEFFECT_OFFLOAD_LAUNCH_FIRST=0 turns it off) the look-ahead, and the
+   current backward graph (and, deeper, the actions after it) run. With `offload.launch_first`
+   (the default) the look-ahead, and the
    reaps of finished D2H copies, run in `backward_launched`, right after the backward's dI replay is
    launched, so that the host's driver calls for them do not delay that launch; `after_forward` reaps
    (once the forward is launched) and `before_forward` no longer does. Only the first may evict a live
@@ -38,7 +37,7 @@ microbatch slot) of a captured stage):
 6. `after_backward` records `consumed` on the compute stream: the bytes are no longer needed.
 
 Modes. `release`: each group has its own slot (or shares one: below); the device memory of a group exists only while its
-activations are on the device. With `release_consumed` (config `train.offload_reap = true`) the slot
+activations are on the device. With `release_consumed` (`offload.reap = true`) the slot
 is also released after a consumed backward ("reaped", when its `consumed` event has completed; checked
 without blocking at every hook) and remapped, without H2D, before the next forward; the config's
 default keeps it mapped from the backward to the next forward, which writes it anyway (half the driver
@@ -47,12 +46,12 @@ hot path, but the host does not wait for a D2H after the forward (that would kee
 of the device and serialize every copy with the step): the slot is released at the first hook whose event
 query finds the copy done; a backward that comes before that reads the bytes where they are (a host far
 ahead of the device sees a short window's copy done only after it queued the backward).
-With the schedule's events and `share_slots` (the default; QEFFECT_OFFLOAD_SHARE_SLOTS=0 turns it off),
-groups whose backwards follow one another and whose forwards all come before the first of those backwards
-(`offload.plan.shared_slots`; up to `slot_members`, QEFFECT_OFFLOAD_SLOT_MEMBERS, 2 by default) share one
+With the schedule's events and `offload.share_slots` ("any" by default; "off": a slot per group), groups
+whose backwards follow one another and whose forwards all come before the first of those backwards
+(`offload.plan.shared_slots`; up to `offload.slot_members`, 2 by default) share one
 slot, one after another in it: the slot goes once every member's D2H is done and no member's bytes are
 still needed in it, and comes back (one map) at the first member's restore, which restores every member
-whose bytes are on the host. A run needs `share_gap` (QEFFECT_OFFLOAD_SHARE_GAP, 4 by default) actions
+whose bytes are on the host. A run needs `offload.share_gap` (4 by default) actions
 between its last forward and its first backward, the time for the last member's D2H to finish and be seen.
 A step then unmaps and maps each slot once, not each group (h2048: 12 groups in 7 slots Interleaved, 6 ZB-V).
 `resident` (ping-pong): at least `num_banks` (2) slots mapped for the whole run; group i of the
@@ -66,12 +65,12 @@ D2H finished and its previous backward consumer finished (stream waits on `bank.
 copied to the host at all (`resident_kept`); a claim that would evict such a group raises
 `OffloadStateError` (the run deviates from the plan: its bytes exist nowhere else). Its bank's next
 writer still waits on its `consumed` (`bank.last_consumed`); it leaves no D2H to wait for.
-Resident copies go in chunks of `copy_chunk_bytes` (`DEFAULT_CHUNK_MIB`; QEFFECT_OFFLOAD_CHUNK_MIB, 0:
+Resident copies go in chunks of `copy_chunk_bytes` (`offload.copy_chunk_mib`, 2 MiB by default; 0:
 one copy per group), each D2H chunk recording its own event: a restore into a bank whose previous owner's
 D2H is still running waits, chunk by chunk, only for the D2H chunk covering the bytes it overwrites, so
 the two copies overlap instead of running one after the other (the forward that evicts a group often
 runs one or two actions before that group's backward). A forward still waits for the whole D2H.
-With the schedule's events and `min_window` > 0 (`train.offload_min_window`), neither mode offloads a
+With the schedule's events and `min_window` > 0 (`offload.min_window`), neither mode offloads a
 group whose backward comes within fewer than `min_window` other actions of its forward
 (`offload.plan.short_window_groups`: with 2 the last virtual stage's groups; the config's default, 12,
 also leaves the third stage's short ones). In release mode its D2H could hardly finish before the backward,
@@ -94,19 +93,19 @@ naming the group, the hook and what was expected. Empty groups (nothing eligible
 Streams, events and copies go through `StreamOps`, driver calls through `VmmDriver`, so the whole
 state machine and its ordering run on CPU against `qeffect.offload.fake.FakeDevice`.
 
-In a captured pipeline (`graphs/captured.py`, `runtime/build.capture_ranks`) there is one group per
+The manager takes its knobs from one `OffloadConfig` (the run config's `[offload]` section). In a
+captured pipeline (`graphs/captured.py`, `runtime/build.capture_ranks`) there is one group per
 (chunk, microbatch slot): discovery is an eager F of the slot, the backward window runs from `dI`
 (`before_backward`) to `dW` (`after_backward`: the retained dW work references saved tensors), and
-resident banks come from the capture-time search over the schedule's order (`offload.timing.search_banks`,
-`train.offload_bank_plan = "search"`), the colouring (`offload.plan.assign_banks`, `"colour"`) or, for
-experiments, QEFFECT_OFFLOAD_BANKS (`offload.plan.explicit_banks`). The CPU tests run
+`offload.planning.plan` allocates the groups at capture: resident banks come from the search over the
+schedule's order (`offload.timing.search_banks`, `offload.bank_plan = "search"`), the colouring
+(`offload.plan.assign_banks`, `"colour"`) or, for experiments, `offload.explicit_banks`. The CPU tests run
 this module against the fake device; `qeffect offload-check` and tests/test_offload_gpu.py on a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -117,6 +116,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from qeffect.config import OffloadConfig
+from qeffect.fp8.te_compat import foreach_copy_
 from qeffect.offload.driver import VmmDriver
 from qeffect.offload.plan import backward_order as plan_backward_order
 from qeffect.offload.plan import (
@@ -132,27 +133,23 @@ from qeffect.offload.vmm import VmmSlot, span_bytes
 OffloadMode = Literal["off", "release", "resident"]
 MODES: tuple[str, ...] = ("off", "release", "resident")
 ALIGNMENT = 256  # what cudaMalloc guarantees; vectorized kernels may rely on it
-# resident copies in chunks of 2 MiB: h2048's 18 MiB groups as 9 copies. On the H200 (1e40573, one process,
-# driver stream operations) interleaved resident ran 11.95 ms against 12.60 ms with one copy per group,
-# ZB-V 11.19 against 11.45; 4 MiB chunks 12.06 and 11.21
-DEFAULT_CHUNK_MIB = 2
-# release: a run of groups shares a slot only with at least this many actions between its last forward and
-# its first backward (`offload.plan.shared_slots(min_gap=)`), else its last D2H is rarely seen done before that
-# backward and the slot is not released that step. H200, h2048 Interleaved (d58871e, alternating rounds): with
-# any run (0) stage 2's microbatches 0 and 1 shared a slot three actions apart and its backward came first in
-# 110 of 528 forwards, 0.844 of the slot bytes returned before the backward; with 4, 41 and 1.000, one slot
-# more (7), the step x1.072 of no offload against x1.071. ZB-V: the same 6 slots either way
-DEFAULT_SHARE_GAP = 4
-# a captured forward copies its saved tensors smaller than this many MiB into the slot together, with one
-# multi-tensor kernel per batch instead of one copy node each (h2048: about 22 tensors per group, many of a
-# few KiB, each a device-to-device copy node of ~1 us); larger ones are copied at once (a multi-tensor
-# kernel gives one block to each 64 Ki elements: too few for MiB-sized tensors, and batching every tensor
-# was slower on the H200: Interleaved 12.34 / 12.30 ms against 12.00 / 12.02 ms). A batch is copied at the
-# group's last saved tensor, or once it holds STORE_BATCH_FLUSH times the threshold: the originals stay
-# alive until then, so each forward graph's private pool may hold that much more (h2048: no change in peak
-# allocated memory). On the H200 (h2048, each twice in alternation) resident took Interleaved 11.90 / 11.83
-# ms against 12.33 / 11.99 ms copying each tensor at once, ZB-V 11.08 / 11.15 against 11.25 / 11.25.
-DEFAULT_STORE_BATCH_MIB = 0.25
+MIB = 1 << 20
+# The defaults of the sizes the manager takes from its config live in qeffect.config, next to their fields:
+# resident copies in chunks of DEFAULT_COPY_CHUNK_MIB (2 MiB: h2048's 18 MiB groups as 9 copies) ran faster
+# than one copy per group and than 4 MiB chunks
+# (benchmarks/results/offload-bench-h2048-interleaved-driver-ops-1e40573-h200.json); a shared release slot
+# needs DEFAULT_SHARE_GAP (4) actions between its last forward and its first backward, else its last D2H is
+# rarely seen done before that backward and the slot is not released that step
+# (benchmarks/results/offload-bench-h2048-*-share-gap-70bc05f-h200.json).
+#
+# A captured forward copies its saved tensors smaller than `store_batch_bytes` (DEFAULT_STORE_BATCH_MIB) into
+# the slot together, one multi-tensor kernel per batch instead of one copy node each (h2048: about 22 tensors
+# per group, many of a few KiB, each a copy node of about 1 us); larger ones are copied at once, since a
+# multi-tensor kernel gives one block to each 64 Ki elements, too few for MiB-sized tensors (batching every
+# tensor was slower, benchmarks/results/offload-bench-h2048-*-store-all-batched-517d03b-h200.json; the small
+# ones alone faster, benchmarks/results/offload-bench-h2048-*-store-small-batched-d3f8669-h200.json). A batch
+# is copied at the group's last saved tensor, or once it holds STORE_BATCH_FLUSH times the threshold: the
+# originals stay alive until then, so each forward graph's private pool may hold that much more.
 STORE_BATCH_FLUSH = 8
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -381,7 +378,7 @@ class OffloadGroup:
             srcs.append(src)
         with torch.no_grad():
             for dsts, srcs in by_word.values():
-                torch._foreach_copy_(dsts, srcs)
+                foreach_copy_(dsts, srcs)
 
     def _checked_view(self, i: int, t: Tensor) -> Tensor:
         self._allocated("store")
@@ -629,26 +626,6 @@ class OffloadGroup:
         return f"OffloadGroup({self.name!r}, {self.state}, live={self.live}, phase={self.phase}, nbytes={self.nbytes})"
 
 
-def _bytes_from_env(var: str, default_mib: float, zero: str) -> int:
-    """A size in MiB from environment variable `var` (unset: `default_mib`; 0 means `zero`), in bytes."""
-    raw = os.environ.get(var, str(default_mib))
-    try:
-        mib = float(raw)
-    except ValueError:
-        raise ValueError(f"{var}={raw!r}: expected a number of MiB (0: {zero})") from None
-    if mib < 0:
-        raise ValueError(f"{var}={raw!r}: expected a number of MiB >= 0")
-    return int(mib * (1 << 20))
-
-
-def count_from_env(var: str, default: int) -> int:
-    """A whole number >= 0 from environment variable `var` (unset: `default`)."""
-    raw = os.environ.get(var, str(default))
-    if not raw.isdigit():
-        raise ValueError(f"{var}={raw!r}: expected a whole number >= 0")
-    return int(raw)
-
-
 def _unlinked(t: Tensor) -> Tensor:
     """What a pack hook keeps of a tensor it does not move: the same bytes without the autograd link.
 
@@ -690,113 +667,76 @@ class _SavedOnce:
 class OffloadManager:
     """Owns the groups of one device, their slots or banks, the D2H and H2D streams, and statistics.
 
-    `device`, `driver` and `streams` default to the real CUDA ones (built only for release and
-    resident modes); the CPU tests pass a `FakeDevice`'s.
+    Every knob comes from one `OffloadConfig` (`config`, the run config's `[offload]` section), so a
+    training run, `qeffect verify-state` and `qeffect offload-check` build their managers alike; its field
+    descriptions say what each does. `device`, `driver` and `streams` default to the real CUDA ones (built
+    only for release and resident modes); the CPU tests pass a `FakeDevice`'s. `timing`: restores keep
+    timed events (`OffloadStats.restores`); `alignment`: of each saved tensor in its slot; `eligible`:
+    which saved tensors are offloaded (`default_eligible`).
     """
 
-    def __init__(self, mode: OffloadMode = "release", *, device: torch.device | str | None = None,
-                 driver: VmmDriver | None = None, streams: StreamOps | None = None, num_banks: int = 2,
-                 lookahead: bool | int = True, release_consumed: bool = True, timing: bool = False,
-                 alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
-                 skip_kept_d2h: bool = True, min_window: int = 0, copy_chunk_bytes: int | None = None,
-                 store_batch_bytes: int | None = None,
-                 bank_plan: Literal["colour", "search"] = "colour", search_banks: int = 6,
-                 search_prefer: Literal["memory", "copies"] = "copies", launch_first: bool | None = None,
-                 share_slots: bool | Literal["nested"] | None = None, slot_members: int | None = None,
-                 share_gap: int | None = None, release_at_backward: bool | None = None) -> None:
-        if copy_chunk_bytes is None:
-            copy_chunk_bytes = _bytes_from_env("QEFFECT_OFFLOAD_CHUNK_MIB", DEFAULT_CHUNK_MIB, "one copy")
-        if copy_chunk_bytes < 0:
-            raise ValueError(f"copy_chunk_bytes must be >= 0 (0: one copy per group), got {copy_chunk_bytes}")
-        if store_batch_bytes is None:
-            store_batch_bytes = _bytes_from_env("QEFFECT_OFFLOAD_STORE_BATCH_MIB", DEFAULT_STORE_BATCH_MIB,
-                                                "each tensor copied at once")
-        if store_batch_bytes < 0:
-            raise ValueError(f"store_batch_bytes must be >= 0 (0: each tensor copied at once), got {store_batch_bytes}")
-        if mode not in MODES:
-            raise ValueError(f"offload mode must be one of {MODES}, got {mode!r}")
-        if search_prefer not in ("memory", "copies"):
-            raise ValueError(f"search_prefer must be 'memory' or 'copies', got {search_prefer!r}")
-        if num_banks < 2:
-            raise ValueError(f"resident ping-pong needs at least 2 banks, got {num_banks}")
-        if min_window < 0:
-            raise ValueError(f"min_window must be >= 0, got {min_window}")
-        if int(lookahead) < 0:
-            raise ValueError(f"lookahead must be >= 0 (groups restored ahead), got {lookahead}")
+    def __init__(self, config: OffloadConfig, *, device: torch.device | str | None = None,
+                 driver: VmmDriver | None = None, streams: StreamOps | None = None, timing: bool = False,
+                 alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None) -> None:
+        if not isinstance(config, OffloadConfig):
+            raise TypeError(f"OffloadManager takes an OffloadConfig (the run config's [offload] section), got "
+                            f"{config!r}")
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
-        self.mode: OffloadMode = mode
+        self.config = config
+        self.mode: OffloadMode = config.mode
+        # resident: at least this many banks (the colouring may add more: `allocate(banks=)`)
+        self.num_banks = config.banks
         # look-ahead depth: how many offloaded groups, next in backward order, each backward restores ahead
-        self.num_banks, self.lookahead, self.release_consumed = num_banks, int(lookahead), release_consumed
-        # the host work a replay does not wait for (reaps of finished D2Hs, the look-ahead restores) runs after
+        self.lookahead = config.lookahead
+        # release: also release a slot once its backward has consumed it (`offload.reap`)
+        self.release_consumed = config.reap
+        # The host work a replay does not wait for (reaps of finished D2Hs, the look-ahead restores) runs after
         # the replay is launched (`OffloadGroup.backward_launched`, and `after_forward`'s reap), not before it:
-        # at h2048 a release step's device stood idle before backward launches while the host made that
-        # work's driver calls (`scripts/step_gaps.py --offload release`: ~2 ms per step of gaps ending in a
-        # restore's copy; H200, b03a3f0 and 537b277: release faster in 5 of 6 alternating comparisons, e.g. h2048
-        # Interleaved x1.133 of no offload against x1.192). False: before the replay (the hooks' order before `launch_first`).
-        # None: True unless QEFFECT_OFFLOAD_LAUNCH_FIRST=0
-        if launch_first is None:
-            launch_first = os.environ.get("QEFFECT_OFFLOAD_LAUNCH_FIRST", "1") != "0"
-        self.launch_first = launch_first
+        # else the device stands idle before each backward launch while the host makes that work's driver calls
+        # (benchmarks/results/step-gaps-h2048-release-launch-first-b03a3f0-h200.json,
+        # offload-bench-h2048-*-launch-first-b03a3f0-h200.json). False: before the replay.
+        self.launch_first = config.launch_first
         # release, with allocate(events=): groups whose backwards follow one another share one slot, up to
-        # `slot_members` of them (`offload.plan.shared_slots`), so one unmap and one map (five driver calls in all)
-        # serve them all. H200, h2048, alternating rounds (97d2aa3): release x1.069 / 1.083 of no offload
-        # (Interleaved / ZB-V) against x1.184 / 1.180 with a slot per group, x1.092 / 1.097 with nested groups
-        # only, x1.080 / 1.155 three to a slot; the same peak driver memory. None: QEFFECT_OFFLOAD_SHARE_SLOTS
-        # ("0": a slot per group; "nested": only groups that nest, `shared_slots(nested=True)`; else any run) and
-        # QEFFECT_OFFLOAD_SLOT_MEMBERS (default 2)
-        if share_slots is None:
-            env = os.environ.get("QEFFECT_OFFLOAD_SHARE_SLOTS", "1")
-            share_slots = "nested" if env == "nested" else env != "0"
-        if slot_members is None:
-            slot_members = count_from_env("QEFFECT_OFFLOAD_SLOT_MEMBERS", 2)
-        if slot_members < 1:
-            raise ValueError(f"slot_members must be >= 1 (groups per shared slot), got {slot_members}")
+        # `slot_members` of them (`offload.plan.shared_slots`; "nested": only groups that nest), so one unmap
+        # and one map (five driver calls in all) serve them all, for the same peak driver memory
+        # (benchmarks/results/offload-bench-h2048-*-share-runs-97d2aa3-h200.json). "off": a slot per group.
+        self.share_slots: Literal["any", "nested", "off"] = config.share_slots
+        self.slot_members = config.slot_members
         # release: a shared slot's run needs this many actions between its last forward and its first backward
-        # (`shared_slots(min_gap=)`). None: QEFFECT_OFFLOAD_SHARE_GAP, else DEFAULT_SHARE_GAP
-        if share_gap is None:
-            share_gap = count_from_env("QEFFECT_OFFLOAD_SHARE_GAP", DEFAULT_SHARE_GAP)
-        if share_gap < 0:
-            raise ValueError(f"share_gap must be >= 0 (actions), got {share_gap}")
+        # (`shared_slots(min_gap=)`)
+        self.share_gap = config.share_gap
         # release: a backward that finds its slot's D2H not yet seen done keeps the slot mapped (its bytes are
         # still there: no unmap, map or H2D; `kept_at_backward`). True: the host waits for the D2H, releases the
-        # slot and restores it at once (the behaviour before; its memory comes back only for that moment).
-        # None: QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD=1 for True
-        if release_at_backward is None:
-            release_at_backward = os.environ.get("QEFFECT_OFFLOAD_RELEASE_AT_BACKWARD", "0") == "1"
-        self.share_slots, self.slot_members, self.share_gap = share_slots, slot_members, share_gap
-        self.release_at_backward = release_at_backward
+        # slot and restores it at once (its memory comes back only for that moment).
+        self.release_at_backward = config.release_at_backward
         self.shared: list[list[OffloadGroup]] = []  # release: the runs of groups sharing a slot (backward order)
         self.timing, self.alignment = timing, alignment
-        self.skip_kept_d2h = skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
-        # resident: copy each group in chunks of this many bytes (0: one copy; None: QEFFECT_OFFLOAD_CHUNK_MIB,
-        # else DEFAULT_CHUNK_MIB), so that a restore into a bank whose previous owner's D2H is still running
-        # follows it chunk by chunk instead of waiting for all of it
-        self.copy_chunk_bytes = -(-copy_chunk_bytes // alignment) * alignment
+        self.skip_kept_d2h = config.skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
+        # resident: copy each group in chunks of this many bytes (0: one copy), so that a restore into a bank
+        # whose previous owner's D2H is still running follows it chunk by chunk instead of waiting for all of it
+        chunk = int(config.copy_chunk_mib * MIB)
+        self.copy_chunk_bytes = -(-chunk // alignment) * alignment
         # capture: saved tensors smaller than this many bytes go into the slot in batches (0: one copy each)
-        self.store_batch_bytes = store_batch_bytes
+        self.store_batch_bytes = int(config.store_batch_mib * MIB)
         # with allocate(events=): a group with fewer other actions than this between its F and its B (the
         # last virtual stage's) is not offloaded (0: every group). Release: its D2H could not finish, no memory
         # would come back. Resident: the plan keeps it in its bank anyway; left out, it needs no bank and
-        # skips its slot copies inside the forward graph (H200: x1.027-1.036 of no offload, against
-        # x1.041-1.052 with every group offloaded)
-        self.min_window = min_window
+        # skips its slot copies inside the forward graph
+        # (benchmarks/results/offload-bench-h2048-*-min-window-b21ab02-h200.json)
+        self.min_window = config.min_window
         self._eligible_fn = eligible or default_eligible
-        # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward
-        # (QEFFECT_SKIP_FUTILE_RESTORES=0 starts them anyway: the A/B)
-        self.skip_futile_restores = os.environ.get("QEFFECT_SKIP_FUTILE_RESTORES", "1") != "0"
+        # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward,
+        # a wasted copy that forward would wait for (benchmarks/results/offload-bench-h2048-*-futile-d6fd534-h200.json)
+        self.skip_futile_restores = config.skip_futile_restores
         self.groups: list[OffloadGroup] = []
         self.banks: list[Bank] = []
         self.stats = OffloadStats()
         self.backward_order: list[OffloadGroup] = []
         self.bank_plan: list[int] = []
         self.kept: list[OffloadGroup] = []  # resident: groups the plan keeps in their bank (no D2H)
-        # resident: how `runtime.build.capture_ranks` plans the banks (`train.offload_bank_plan`): "colour"
-        # (`offload.plan.assign_banks`) or "search" (`offload.timing`, within the colouring's memory with
-        # `search_banks` banks; among plans as fast, fewer bytes copied or less memory: `search_prefer`); the
-        # search's result once it ran
-        self.bank_plan_kind, self.search_banks, self.search_prefer = bank_plan, search_banks, search_prefer
-        self.bank_search: Any = None  # offload.timing.SearchResult
+        # resident: the bank search's result (`offload.timing.SearchResult`), once `offload.planning.plan` ran it
+        self.bank_search: Any = None
         self.not_offloaded: list[OffloadGroup] = []  # the plan's short-window groups (no slot, no bank)
         # resident, with allocate(events=): (x, g) look-ahead restores of g at x's backward that a forward
         # would evict before g's backward (`offload.plan.futile_restores`): not started
@@ -813,14 +753,13 @@ class OffloadManager:
         self.driver: VmmDriver | None = driver
         self.streams: StreamOps | None = streams
         self._own_driver = False
-        if mode != "off":
+        if self.mode != "off":
             if self.device.type == "cuda" and self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             if self.streams is None:
-                # QEFFECT_OFFLOAD_DRIVER_STREAMS=0: torch's stream operations (the A/B; 14 us per copy and
-                # event record on the H200's host, against 2 us through the driver)
-                driver_ops = os.environ.get("QEFFECT_OFFLOAD_DRIVER_STREAMS", "1") != "0"
-                self.streams = (DriverCudaStreams if driver_ops else TorchCudaStreams)(self.device)
+                # the driver's stream operations cost the host less per copy and event record than torch's
+                # (benchmarks/results/offload-host-ops-8fff3e4-h200.json); false: torch's (the A/B)
+                self.streams = (DriverCudaStreams if config.driver_streams else TorchCudaStreams)(self.device)
             if self.driver is None:
                 self.driver = VmmDriver(self.device.index or 0)
                 self._own_driver = True
@@ -850,7 +789,7 @@ class OffloadManager:
         that consecutive backwards never share one. `banks` (resident mode): the bank index of each
         group of `backward_order` (see `offload.plan.assign_banks`), instead of position mod
         `num_banks`; the manager then has max(banks) + 1 banks. `events`: one step's F / B / E events
-        in execution order (`offload.plan`; `runtime.build.offload_events`), the same every step: in
+        in execution order (`offload.plan`; `offload.planning.step_events`), the same every step: in
         resident mode with `skip_kept_d2h`, the groups `offload.plan.kept_groups` keeps are never copied
         to the host (and a claim that would evict one raises); with `min_window` > 0 (release and
         resident), the groups `offload.plan.short_window_groups` names are not offloaded (no slot, no
@@ -887,7 +826,7 @@ class OffloadManager:
             self.not_offloaded = [g for g in order if g in short]
             for g in self.not_offloaded:
                 g.offloaded = False
-            if self.mode == "release" and self.share_slots:
+            if self.mode == "release" and self.share_slots != "off":
                 self.shared = shared_slots(events, [g for g in order if g.offloaded and g.nbytes], self.slot_members,
                                            nested=self.share_slots == "nested", min_gap=self.share_gap)
                 for run in self.shared:

@@ -21,7 +21,7 @@ the restored bytes again. Such a restore is a wasted copy, and the forward that 
 
 `short_window_groups` says which groups neither mode should offload at all: their backward comes
 within fewer than `min_window` other actions of their forward (with 2 the last virtual stage's groups,
-whose input gradient follows their forward at once; with `train.offload_min_window`'s default of 12 at
+whose input gradient follows their forward at once; with `offload.min_window`'s default of 12 at
 M = 4 also the third stage's in Interleaved, two of them in ZB-V). In release mode their D2H can hardly
 finish, and their memory come back, before the backward needs them again: offloading them costs copies
 and driver calls for little. In resident mode the plan mostly keeps them in their bank anyway: they would
@@ -98,9 +98,12 @@ def assign_banks(events: Sequence[Event], min_banks: int = 2) -> dict[Hashable, 
     return banks
 
 
-def explicit_banks(events: Sequence[Event], text: str, source: str = "QEFFECT_OFFLOAD_BANKS") -> list[int]:
-    """Banks given by hand (`scripts/offload_sim.py --search` prints them): "b0:b1:..." (or commas) in backward
-    order. Checked against `conflicts`: two groups that conflict never share a bank."""
+def explicit_banks(events: Sequence[Event], given: Sequence[int] | str,
+                   source: str = "offload.explicit_banks") -> list[int]:
+    """Banks given by hand (`offload.explicit_banks`; `scripts/offload_sim.py --search` prints them), one per
+    group in backward order: a list or "b0:b1:..." (or commas). Checked against `conflicts`: two groups
+    that conflict never share a bank."""
+    text = given if isinstance(given, str) else ":".join(map(str, given))
     try:
         banks = [int(b) for b in text.replace(":", ",").split(",")]
     except ValueError:

@@ -5,6 +5,9 @@ before which copy, and when the host may unmap). With every such operation going
 the CPU tests replace the GPU by `qeffect.offload.fake.FakeDevice`, a scheduler that runs each stream's
 queue in a random legal interleaving, and check both the recorded order and the bytes.
 
+`StreamOps` is the device-completion contract's `EventOps` (`qeffect.contracts.completion`) plus copies
+and host waits: every implementation here (and `FakeDevice`) can back a `CompletionLedger` as is.
+
 `TorchCudaStreams` runs on the H200 in tests/test_offload_gpu.py and `qeffect offload-check`.
 """
 
@@ -15,8 +18,11 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from qeffect.contracts import EventOps
+from qeffect.fp8.te_compat import current_raw_stream_getter
 
-class StreamOps(Protocol):
+
+class StreamOps(EventOps, Protocol):
     """Streams and events are opaque to the caller; only these operations touch them."""
 
     def current_stream(self) -> Any: ...
@@ -78,7 +84,8 @@ class TorchCudaStreams:
 
 class RawStream(NamedTuple):
     """A stream as its handle alone: what `DriverCudaStreams` needs of the current stream (torch builds a
-    `torch.cuda.Stream` for each `current_stream` call: 2.6 us against 0.3 on the H200's host, 8fff3e4)."""
+    `torch.cuda.Stream` for each `current_stream` call, several times the raw handle's host cost:
+    benchmarks/results/offload-host-ops-8fff3e4-h200.json)."""
 
     cuda_stream: int
 
@@ -89,11 +96,11 @@ class DriverCudaStreams(TorchCudaStreams):
 
     Why: chunked resident copies issue several copies and events per group, and the host then queues a
     step almost as slowly as the device runs it; a driver call skips torch's dispatcher and stream
-    guard (`scripts/offload_host_ops.py` measures both). Events are torch's (their `query`,
-    `synchronize` and `elapsed_time` stay torch's: `Event.query` took 0.26 us against `cuEventQuery`'s 0.70
-    through `cuda.bindings`, 8fff3e4), created at once by a first record: torch creates
+    guard (benchmarks/results/offload-host-ops-8fff3e4-h200.json measured both). Events are torch's (their
+    `query`, `synchronize` and `elapsed_time` stay torch's: torch's `Event.query` costs the host less than
+    `cuEventQuery` through `cuda.bindings`, same file), created at once by a first record: torch creates
     the CUDA event lazily at its first record, and a raw handle must exist before a driver call uses it.
-    The default of `OffloadManager` on a GPU; QEFFECT_OFFLOAD_DRIVER_STREAMS=0 selects torch's (the A/B).
+    The default of `OffloadManager` on a GPU; `offload.driver_streams = false` selects torch's (the A/B).
     Copies need contiguous tensors of equal size: offload copies whole byte views of slots and pinned host buffers."""
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
@@ -107,13 +114,13 @@ class DriverCudaStreams(TorchCudaStreams):
         self._streams: dict[int, Any] = {}
         self._events: dict[int, Any] = {}
         # torch's current raw stream of a device index (its CUDA builds have it), else torch's stream object
-        self._current_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._current_raw = current_raw_stream_getter()
 
     def _check(self, call: str, ret: tuple) -> None:
         if ret[0] != self._ok:
-            from qeffect.offload.driver import CudaDriverError, _code
+            from qeffect.offload.driver import CudaDriverError, result_code
 
-            raise CudaDriverError(call, _code(ret[0]), str(ret[0]), "stream operation on raw handles")
+            raise CudaDriverError(call, result_code(ret[0]), str(ret[0]), "stream operation on raw handles")
 
     def _stream(self, stream: torch.cuda.Stream) -> Any:
         h = stream.cuda_stream

@@ -2,9 +2,9 @@
 
 Why: the greedy colouring (`offload.plan.assign_banks`) picks which groups share a bank without looking at
 copy times, and in resident mode that choice decides which groups are copied out, which copies a forward
-or a backward waits for, and which restores overlap compute. On the H200 (h2048 and h4096, one process,
-bitwise equal) the colouring ran resident at x1.14-1.25 of no offload, the plans this search finds at
-capture at x1.04-1.10 (benchmarks/results/offload-bench-*-bank-{plan,tries,six}-*).
+or a backward waits for, and which restores overlap compute. On the GPU the plans this search finds at
+capture ran resident offload markedly faster than the colouring, bitwise equal
+(benchmarks/results/offload-bench-*-bank-{plan,tries,six}-*).
 
 How: the real `OffloadManager` (plan, kept groups, chunked copies, look-ahead, every wait) runs over a
 `FakeDevice`'s driver and `TimedStreams`, which queue every stream operation; a discrete-event pass then
@@ -12,8 +12,8 @@ gives each its start: an action takes its given duration on the compute stream, 
 its stream's bandwidth (one copy engine per direction), a wait starts no earlier than the record it
 waits for. The host costs nothing, copies take no memory bandwidth from compute, and the slot copies
 inside the forward graphs are left out (F takes as long as without offload; they cost the same for every
-plan). So it gives the floor that the dependencies and the copy bandwidth set, not the GPU's step; on the
-H200 it put resident's ratio 0.03-0.1 under the GPU's but ranked the plans as the GPU did. The groups'
+plan). So it gives the floor that the dependencies and the copy bandwidth set, not the GPU's step: it
+puts resident's step under the GPU's but ranked the plans as the GPU did (scripts/offload_sim.py runs it). The groups'
 bytes are simulated divided by `SCALE` (bandwidth too, so every time is the same): a plan costs
 milliseconds, not the tens of MiB of fake memory per bank.
 """
@@ -26,22 +26,23 @@ import time
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from qeffect.config import OffloadConfig
 from qeffect.offload.fake import FakeDevice
-from qeffect.offload.group import DEFAULT_CHUNK_MIB, OffloadManager
+from qeffect.offload.group import ALIGNMENT, OffloadManager
 from qeffect.offload.plan import Event, assign_banks, backward_order, conflicts
 
 MIB = 1 << 20
 SCALE = 1024  # simulated bytes per real byte: 1/1024 (a 2 MiB chunk is simulated as 2 KiB)
 GRANULARITY = 2 * MIB  # the H200's VMM granularity: a bank maps its largest group rounded up to it
 DEFAULT_GBPS = 52.0  # pinned host copies per direction on the H200 (scripts/copy_bandwidth.py: 50-55 GB/s)
-# 400 tries: with the 6-bank budget about 0.9 s at h2048 (16 groups) and 2.6 s at h4096 (32) on the H200's
-# host (f253344); with a 4-bank budget, in the simulation 200 tries left h4096 Interleaved at x1.021, 400 at
-# x1.006, 800 at x1.011, 1600 at x1.005 (on the GPU 400 and 200 ran alike: x1.064 / 1.067, x1.061 / 1.066)
-DEFAULT_TRIES = 400
+# The search's default tries (`offload.search_tries`, config.DEFAULT_SEARCH_TRIES: 400) take about a second
+# of the host's time at h2048 (16 groups) and a few at h4096 (32); more found no faster plan in the
+# simulation nor on the GPU (benchmarks/results/offload-bench-*-bank-tries-f253344-h200.json).
+RESIDENT = OffloadConfig(mode="resident")
 
 
 @dataclass(eq=False)
@@ -172,22 +173,29 @@ class SimResult:
         return self.step_ms / self.off_ms
 
 
-def simulate(events: Sequence[Event], costs: StepCosts, banks: Sequence[int] | None = None, *,
-             min_banks: int = 2, lookahead: int = 1, chunk_bytes: int = DEFAULT_CHUNK_MIB * MIB,
-             skip_kept_d2h: bool = True, steps: int = 4) -> SimResult:
+def simulated_config(config: OffloadConfig) -> OffloadConfig:
+    """The simulated manager's config: `config`'s resident knobs (look-ahead, chunks, kept groups, launch
+    order, futile restores), its chunks scaled down with the bytes (`SCALE`; rounded as the real manager
+    rounds them). Every group is offloaded (`min_window` 0): the costs give short-window groups no bytes."""
+    chunk = -(-int(config.copy_chunk_mib * MIB) // ALIGNMENT) * ALIGNMENT
+    return config.model_copy(update={"mode": "resident", "banks": 2, "min_window": 0,
+                                     "copy_chunk_mib": -(-chunk // SCALE) / MIB})
+
+
+def simulate(events: Sequence[Event], costs: StepCosts, banks: Sequence[int] | None = None,
+             config: OffloadConfig = RESIDENT, *, steps: int = 4) -> SimResult:
     """Resident offload of one step's `events` (run `steps` times) with `banks` (one per group in backward
-    order; default `assign_banks(events, min_banks)`); `lookahead`, `chunk_bytes` and `skip_kept_d2h` as
-    the manager's."""
+    order; default `assign_banks(events, config.banks)`), the manager's knobs from `config`
+    (`simulated_config`)."""
     order = backward_order(events)
     if banks is None:
-        colour = assign_banks(events, min_banks=min_banks)
+        colour = assign_banks(events, min_banks=config.banks)
         banks = [colour[g] for g in order]
     if len(banks) != len(order):
         raise ValueError(f"banks: expected one per group ({len(order)}), got {len(banks)}")
     streams = TimedStreams(costs.gbps, costs.gbps, scale=SCALE)
     fake = FakeDevice(0, total=1 << 40, granularity=GRANULARITY // SCALE)
-    mgr = OffloadManager("resident", device="cpu", driver=fake.driver(), streams=streams, num_banks=2,
-                         lookahead=lookahead, copy_chunk_bytes=-(-chunk_bytes // SCALE), skip_kept_d2h=skip_kept_d2h)
+    mgr = OffloadManager(simulated_config(config), device="cpu", driver=fake.driver(), streams=streams)
     sim = {}
     for kind, g in events:
         if kind == "F":
@@ -235,30 +243,29 @@ class SearchResult:
     seconds: float = 0.0  # the search's host time
 
 
-def search_banks(events: Sequence[Event], costs: StepCosts, *, max_banks: int = 6, tries: int = DEFAULT_TRIES,
-                 seed: int = 0, prefer: Literal["memory", "copies"] = "copies", **kw: Any) -> SearchResult:
-    """A local search for the bank plan with the shortest simulated step, with no more bank memory than
-    `assign_banks(events, max_banks)` maps (ties broken by `prefer`); every plan it tries is valid (no
-    two conflicting groups share a bank, `offload.plan.conflicts`). Half the tries start from the
+def search_banks(events: Sequence[Event], costs: StepCosts, config: OffloadConfig = RESIDENT, *,
+                 seed: int = 0) -> SearchResult:
+    """A local search, `config.search_tries` plans, for the bank plan with the shortest simulated step, with
+    no more bank memory than `assign_banks(events, config.search_banks)` maps (ties broken by
+    `config.search_prefer`); every plan it tries is valid (no two conflicting groups share a bank,
+    `offload.plan.conflicts`) and is simulated with `config`'s knobs. Half the tries start from the
     colouring (so it finds nothing worse), half from first fit (a local search stops at local optima);
     each try moves one or two groups to another allowed bank. Deterministic for a given `seed`.
-    `prefer`: among plans as fast, the one with less bank memory ("memory"), or with fewer bytes copied
-    to and from the host, then less memory ("copies", the default, as `train.offload_search_prefer`'s:
-    steps within 0.1 us count as ties); the copies' share of memory bandwidth and their host work are
-    outside the model, so fewer may run faster."""
-    if prefer not in ("memory", "copies"):
-        raise ValueError(f"prefer must be 'memory' or 'copies', got {prefer!r}")
+    `search_prefer`: among plans as fast, the one with less bank memory ("memory"), or with fewer bytes
+    copied to and from the host, then less memory ("copies", the default: steps within 0.1 us count as
+    ties); the copies' share of memory bandwidth and their host work are outside the model, so fewer may
+    run faster. 0 tries: the colouring with `search_banks` banks."""
     enabled, t0 = gc.isenabled(), time.perf_counter()
     gc.disable()  # each plan builds a manager full of reference cycles: collections would take 2/3 of the time
     try:
-        return replace(_search(events, costs, max_banks, tries, seed, prefer, kw), seconds=time.perf_counter() - t0)
+        return replace(_search(events, costs, config, seed), seconds=time.perf_counter() - t0)
     finally:
         if enabled:
             gc.enable()
 
 
-def _search(events: Sequence[Event], costs: StepCosts, max_banks: int, tries: int, seed: int, prefer: str,
-            kw: dict[str, Any]) -> SearchResult:
+def _search(events: Sequence[Event], costs: StepCosts, config: OffloadConfig, seed: int) -> SearchResult:
+    max_banks, tries, prefer = config.search_banks, config.search_tries, config.search_prefer
     rng = random.Random(seed)
     groups = backward_order(events)
     edges = conflicts(events)
@@ -274,7 +281,7 @@ def _search(events: Sequence[Event], costs: StepCosts, max_banks: int, tries: in
     def run(plan: Sequence[int]) -> SimResult:
         key = tuple(plan)
         if key not in seen:
-            seen[key] = simulate(events, costs, key, **kw)
+            seen[key] = simulate(events, costs, key, config)
         return seen[key]
 
     start = run([colour[g] for g in groups])

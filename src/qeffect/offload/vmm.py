@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from qeffect.fp8.te_compat import storage_from_data_pointer
 from qeffect.offload.driver import VmmDriver
 
 
@@ -49,7 +50,7 @@ def wrap_pointer(ptr: int, nbytes: int, device: torch.device | str, dtype: torch
                  stride: Sequence[int] | None = None) -> torch.Tensor:
     """A tensor over memory PyTorch does not own: `data_ptr() == ptr`, nothing is freed when it dies.
 
-    `torch._C._construct_storage_from_data_pointer` builds a storage with no deleter over
+    `fp8.te_compat.storage_from_data_pointer` builds a storage with no deleter over
     [ptr, ptr + nbytes); `Tensor.set_` gives it a dtype, shape and stride. Works for CUDA and CPU
     pointers alike (the CPU tests wrap a CPU tensor's pointer).
     """
@@ -62,7 +63,7 @@ def wrap_pointer(ptr: int, nbytes: int, device: torch.device | str, dtype: torch
         raise ValueError(f"a {dtype} view of shape {shape} stride {stride} needs {need} bytes, only {nbytes} given")
     if ptr % itemsize:
         raise ValueError(f"pointer {ptr:#x} is not aligned to the {itemsize}-byte {dtype}")
-    storage = torch._C._construct_storage_from_data_pointer(int(ptr), device, int(nbytes))
+    storage = storage_from_data_pointer(ptr, device, nbytes)
     t = torch.empty(0, dtype=dtype, device=device)
     t.set_(storage, 0, shape, stride)
     return t

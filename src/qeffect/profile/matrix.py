@@ -48,6 +48,7 @@ from qeffect.profile.flops import (
 )
 from qeffect.profile.report import TE_PATHS, ConfigResult, ProfileReport, Spread, break_even_steps
 from qeffect.profile.resources import resource_rows
+from qeffect.profile.targets import with_targets
 from qeffect.profile.trace import sync_device
 from qeffect.runtime.build import build_chunks_for, build_single_process, dtype_of
 from qeffect.runtime.phases import SetupClock
@@ -85,7 +86,7 @@ CONFIGS: tuple[ConfigSpec, ...] = (
                path="captured-direct"),
     ConfigSpec("captured-zbv-direct", "captured actions, direct placement, ZB-V zero bubble",
                path="captured-direct", schedule="zbv"),
-    ConfigSpec(TE_ANCHOR, "Transformer Engine make_graphed_callables per TransformerLayer, the layers alone (DESIGN.md §8)",
+    ConfigSpec(TE_ANCHOR, "Transformer Engine make_graphed_callables per TransformerLayer, the layers alone (docs/design.md)",
                path="te", schedule=None),
     ConfigSpec("te-graphed-model", "anchor: the same per-layer TE graphs in the whole model (fp32 masters, "
                "embeddings, head, loss, fused AdamW)", path="te-model", schedule=None),
@@ -381,15 +382,17 @@ def make_report(cfg: RunConfig, device: torch.device, *, command: str, config_pa
                 **extra: Any) -> ProfileReport:
     """The report of a finished matrix: provenance (command, revision, device, versions), the config, the
     results, and the targets evaluated from them. `extra`: trace_steps, resources, world_size."""
-    from qeffect.graphs.handshake import qeffect_environment
+    from qeffect.fp8.te_compat import fallbacks
+    from qeffect.graphs.handshake import run_settings
 
-    return ProfileReport(
-        command=command, git_revision=git_revision(), environment=qeffect_environment(),
+    return with_targets(ProfileReport(
+        command=command, git_revision=git_revision(), settings=run_settings(cfg),
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         device=device.type, device_name=device_name_of(device), torch_version=torch.__version__,
-        te_version=te_version(), config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
+        te_version=te_version(), te_fallbacks=fallbacks(),
+        config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
         steps=steps, warmup=warmup, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
-        **extra).with_targets()
+        **extra))
 
 
 def derive_ratios(results: list[ConfigResult], floor: float, floor_layers: float) -> None:

@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 import statistics
 import struct
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from qeffect.profile.flops import Floor, GemmRate, MatrixFlops
-from qeffect.profile.targets import TargetCheck
 
 # 2: optional per-configuration `trace`; 3: `world_size` and per-rank memory (torchrun); 4: `targets`;
 # 5: `trace_by_rank` (traces under torchrun); 6: per-configuration `setup_phases`
@@ -199,17 +198,38 @@ class ResourceRow(BaseModel):
     capture_note: str | None = None
 
 
+class TargetCheck(BaseModel):
+    """One acceptance target: the measured value against its threshold (`profile.targets` evaluates
+    them; the class is here, with the report's other parts, because the report holds them)."""
+
+    name: str
+    description: str
+    value: float | None  # None: not measured in this report
+    threshold: float
+    comparison: Literal[">=", "<=", "<"]  # value <comparison> threshold meets it
+    met: bool | None  # None: not measured (see `note`)
+    shortfall: float | None = None  # missed: how far from the threshold, relative (0.06 = 6% short)
+    needed: str | None = None  # missed: what would meet it, in the report's own units
+    where: str | None = None  # missed: the trace summary of the configuration the target is about
+    note: str | None = None
+
+
 class ProfileReport(BaseModel):
     schema_version: int = SCHEMA_VERSION
     kind: Literal["profile"] = "profile"
     command: str
     git_revision: str | None
-    environment: dict[str, str] = Field(default_factory=dict)  # the QEFFECT_* switches it ran under
+    # the bit-changing settings and the [runtime] section it ran under (`graphs.handshake.run_settings`)
+    settings: dict[str, Any] = Field(default_factory=dict)
+    # legacy: the QEFFECT_* environment switches older reports ran under (read, never written)
+    environment: dict[str, str] = Field(default_factory=dict)
     created: str
     device: str
     device_name: str
     torch_version: str
     te_version: str | None
+    # slower paths taken because a private TE lookup failed ({name: times}, `fp8.te_compat.fallbacks`)
+    te_fallbacks: dict[str, int] = Field(default_factory=dict)
     config_path: str | None
     config: dict
     backend: str
@@ -225,16 +245,8 @@ class ProfileReport(BaseModel):
     floor: Floor
     configs: list[ConfigResult]
     resources: list[ResourceRow] | None = None
-    # issue 8's acceptance targets from the measurements above (met, by how much, where the time goes)
+    # the acceptance targets evaluated from the measurements above (met, by how much, where the time goes)
     targets: list[TargetCheck] = Field(default_factory=list)
-
-    def with_targets(self) -> ProfileReport:
-        """Evaluate the targets (all derived from this report's measurements) into `targets`."""
-        from qeffect.profile.targets import evaluate_targets
-
-        self.check_losses()
-        self.targets = evaluate_targets(self)
-        return self
 
     def check_losses(self) -> None:
         """Fill each configuration's `non_finite_losses` and `losses_equal_native` from the losses."""

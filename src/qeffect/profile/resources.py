@@ -74,13 +74,10 @@ def arena_bytes_per_rank(schedule: Schedule, specs: dict[int, dict[str, Spec]], 
     return out
 
 
-def wgrad_staging_dtype(cfg: RunConfig) -> torch.dtype | None:
+def wgrad_staging_dtype(cfg: RunConfig) -> torch.dtype:
     """The dtype of the staging slots a run of `cfg` allocates: both backends' wgrad GEMMs write the
-    activation dtype (`wgrad_dtype`), the reference's the fp32 parameter's with
-    ``QEFFECT_REF_WGRAD_DTYPE=weight`` (None)."""
-    from qeffect.fp8.reference import wgrad_in_activation_dtype
-
-    return dtype_of(cfg) if cfg.fp8.backend == "te" or wgrad_in_activation_dtype() else None
+    activation dtype (`wgrad_dtype`)."""
+    return dtype_of(cfg)
 
 
 def resource_rows(cfg: RunConfig, microbatches: list[int], schedules: list[str], *,

@@ -7,7 +7,7 @@ run is "not measured" (`met` is None) with the reason, never passed.
 
 The two Transformer Engine targets compare with TE's per-layer `make_graphed_callables` "on the same
 model": `te-graphed-model` (TE's defaults) or `te-graphed-mcore` (as Megatron-LM sets TE up), whichever was
-faster in the run. `te-graphed`, the layers alone as DESIGN.md §8 measured them, is not the same model (no
+faster in the run. `te-graphed`, the layers alone as docs/design.md measures them, is not the same model (no
 embeddings, head or loss; bf16 params and optimizer): its ratio is given in the notes, with the step that
 the target's factor against it would need.
 """
@@ -15,12 +15,9 @@ the target's factor against it would need.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel
-
-if TYPE_CHECKING:
-    from qeffect.profile.report import ConfigResult, ProfileReport
+from qeffect.profile.report import ConfigResult, ProfileReport, TargetCheck
+from qeffect.profile.trace import trace_line
 
 SPEEDUP_VS_NATIVE = 6.0
 VS_TE_ANCHOR = 1.5
@@ -30,22 +27,7 @@ FLOOR_RATIO_HIDDEN = 4096  # the issue sets the floor target for the hidden-4,09
 BREAK_EVEN_STEPS = 10.0
 CAPTURE_MICROBATCHES = 16
 CAPTURE_SECONDS = 1.0
-QEFFECT_CONFIGS = ("qeffect-eager", "captured-copy", "captured-direct", "captured-zbv-direct")
-
-
-class TargetCheck(BaseModel):
-    """One target: the measured value against its threshold."""
-
-    name: str
-    description: str
-    value: float | None  # None: not measured in this report
-    threshold: float
-    comparison: Literal[">=", "<=", "<"]  # value <comparison> threshold meets it
-    met: bool | None  # None: not measured (see `note`)
-    shortfall: float | None = None  # missed: how far from the threshold, relative (0.06 = 6% short)
-    needed: str | None = None  # missed: what would meet it, in the report's own units
-    where: str | None = None  # missed: the trace summary of the configuration the target is about
-    note: str | None = None
+OUR_CONFIGS = ("qeffect-eager", "captured-copy", "captured-direct", "captured-zbv-direct")
 
 
 def _check(name: str, description: str, value: float | None, threshold: float, comparison: str, *,
@@ -62,8 +44,6 @@ def _check(name: str, description: str, value: float | None, threshold: float, c
         shortfall = 1.0 - value / threshold if comparison == ">=" else value / threshold - 1.0
     where = None
     if not met and about is not None:
-        from qeffect.profile.trace import trace_line
-
         lines = [f"{c.name} setup {c.setup_line()}" for c in setup_of if c.setup_line() is not None]
         traces = [f"{label}: {trace_line(t)}" for label, t in about.labelled_traces() if t is not None]
         lines += traces or [f"{about.name}: no trace (run with --trace N for where the time goes)"]
@@ -128,7 +108,7 @@ def _same_model_anchor(report: ProfileReport) -> ConfigResult | None:
 
 def _beside(report: ProfileReport, anchor: ConfigResult | None, ours: ConfigResult, factor: float) -> str | None:
     """The ratios against the TE references that ran other than the target's anchor: the other same-model
-    setup, and the layers alone (DESIGN.md §8's measurement, not the same model: context, with the step
+    setup, and the layers alone (docs/design.md's measurement, not the same model: context, with the step
     that `factor` against it would need)."""
     if not ours.median_step_seconds:
         return None
@@ -148,6 +128,14 @@ def _beside(report: ProfileReport, anchor: ConfigResult | None, ours: ConfigResu
 def _ok(report: ProfileReport, name: str) -> ConfigResult | None:
     c = report.result(name)
     return c if c is not None and c.status == "ok" else None
+
+
+def with_targets(report: ProfileReport) -> ProfileReport:
+    """Check the losses, then evaluate the targets into `report.targets` (all derived from the report's
+    measurements, so an older report gets them too); returns the report."""
+    report.check_losses()
+    report.targets = evaluate_targets(report)
+    return report
 
 
 def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
@@ -184,7 +172,7 @@ def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
                 needed=f"captured-direct step <= {a / VS_TE_ANCHOR * ms:.2f} ms "
                        f"(now {direct.median_step_seconds * ms:.2f} ms)", about=direct,
                 note=_notes(_baseline_notes(anchor, direct), _beside(report, anchor, direct, VS_TE_ANCHOR))))
-            ours = [c for c in (_ok(report, n) for n in QEFFECT_CONFIGS) if c is not None]
+            ours = [c for c in (_ok(report, n) for n in OUR_CONFIGS) if c is not None]
             fastest = min(ours, key=lambda c: c.median_step_seconds)
             out.append(_check(
                 "fastest-vs-te-anchor", f"fastest qeffect configuration ({fastest.name}) at least "

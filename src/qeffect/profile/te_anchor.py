@@ -1,6 +1,6 @@
 """The Transformer Engine anchors: TE's own `make_graphed_callables`, one graphed `TransformerLayer` per layer.
 
-`te-graphed` (`TEGraphedLayers`) is what TE users do today without qeffect, as DESIGN.md §8 measured it
+`te-graphed` (`TEGraphedLayers`) is what TE users do today without qeffect, as docs/design.md §8 describes it
 (22.1 ms / 43.7 ms per step for h2048 / h4096): the model's layers as TE `TransformerLayer`s (same hidden,
 FFN, heads, sequence and microbatch size, as many layers as the pipeline has), each graphed separately
 with FP8 delayed scaling from the run's recipe, params in the activation dtype (TE's usual setup), dropout

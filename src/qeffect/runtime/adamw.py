@@ -3,7 +3,7 @@
 Why: at hidden 4,096 the optimizer is a fifth of a captured step, and it is a memory pass: per fp32
 parameter it reads the parameter, gradient and both moments and writes three of them back. Over h4096's
 parameters on the H200 torch's fused multi-tensor kernel moved those bytes at 3.25 TB/s, this at 3.56
-(`benchmarks/adamw_ab.py` at b8191fc: 7.75 against 7.07 ms).
+(7.75 against 7.07 ms: `benchmarks/results/adamw-ab-h4096-b8191fc-h200.json`).
 
 Bits: the arithmetic is torch's fused kernel's (``ATen/native/cuda/fused_adam_utils.cuh``): fp32 math,
 decoupled weight decay first, ``exp_avg = fma(b1, m, fma(-b1, g, g))``, ``exp_avg_sq = fma(b2, v,
@@ -21,14 +21,15 @@ time than it saves. The step counts are incremented first, for all, as torch's f
 The staged fold can ride along (`TritonAdamW.fold_into_step`, fed by `contracts.arena`'s deferred last
 group): the pass then reads the bf16 staging slots, adds them in slot order in fp32 (the fold's own
 additions, so its bits) and updates with the sum, never writing the fp32 gradient: 40 bytes per element
-instead of the fold's 20 plus the update's 28 (h4096 on the H200, `adamw_ab.py` at 7ccdba6: 8.48
-against 9.92 ms).
+instead of the fold's 20 plus the update's 28 (h4096 on the H200, `benchmarks/adamw_ab.py
+--fold-sweep`: 8.48 against 9.92 ms).
 
 The FP8 weight cast can ride along too (`TritonAdamW.cast_after_step`, `fp8.weight_cast`): for each
 registered Transformer Engine weight the pass also writes the updated weight's E4M3 bytes, its amax and
 1 / scale (Transformer Engine's delayed-scaling cast, bit for bit), and a byte pass its transpose: the
 next step's first forward then does not read every fp32 weight again (h4096 on the H200,
-`weight_cast_ab.py` at 0fccb9a: 8.44 ms against 7.46 + 1.45 for the pass and TE's cast).
+8.44 ms against 7.46 + 1.45 for the pass and TE's cast:
+`benchmarks/results/weight-cast-kernels-h4096-d75d374-h200.json`).
 
 State: the optimizer is a `torch.optim.AdamW(fused=True)` and initializes its state through it, so
 checkpoints, `state_dict` and resumes see torch's layout (`step` a device fp32 scalar). Anything the
@@ -39,80 +40,44 @@ non-contiguous tensors, no Triton) runs torch's own step.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
-from torch.optim.optimizer import _get_scalar_dtype
 
 from qeffect.fp8.fused_quantize import transpose_bytes
 from qeffect.fp8.recipe import fp8_max
+from qeffect.fp8.te_compat import (
+    adamw_init_group,
+    foreach_add_,
+    foreach_neg_,
+    foreach_pow,
+    foreach_sqrt_,
+    foreach_zero_,
+    fused_adamw_,
+    scalar_dtype,
+)
 from qeffect.fp8.weight_cast import WeightCastTarget
+from qeffect.runtime import lazy_rows
+from qeffect.runtime.adamw_math import adamw_math
+from qeffect.runtime.lazy_rows import LazyRows
 from qeffect.stage.accumulate import fold_staged
 from qeffect.triton_lazy import triton_kernel
-
-if TYPE_CHECKING:
-    from qeffect.runtime.lazy_rows import LazyRows
 
 BLOCK = 4096
 NUM_WARPS = 16  # best of an ad-hoc sweep (BLOCK 1024-8192 x 4-16 warps, one 50M-element tensor, H200): all within 5%
 FOLD_BLOCK = 1024  # the pass that also folds the staged slots (`TritonAdamW.fold_into_step`): best of
 FOLD_WARPS = 16  # `adamw_ab.py --fold-sweep` (block 1024-8192 x 4-16 warps on h4096, H200): 4.04 TB/s
 MIN_NUMEL = 1 << 20  # smaller tensors (norms, biases) stay in torch's one multi-tensor launch: same bits
-CAST_ITER = 4  # blocks per program when the pass casts (`weight_cast_ab.py --iters` at 0fccb9a, h4096 on the
+CAST_ITER = 4  # blocks per program when the pass casts (`benchmarks/weight_cast_ab.py --iters`, h4096 on the
 # H200: 8.82 / 8.60 / 8.36 / 8.44 / 8.65 ms for 1 / 2 / 4 / 8 / 16, against 8.91 for the pass and TE's cast)
 CAST_TRANSPOSE_BLOCK = (128, 128, 8)  # the cast's byte transpose (`weight_cast_ab.py --sweep`, h4096's 17
-# weights on the H200: 0.58 ms against 0.78 with `transpose_bytes`' default 64 x 64 x 4 at 771864c; 0.46 / 0.53
-# at 0fccb9a)
-
-
-@triton_kernel
-def _math(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
-    @triton.jit
-    def _adamw_update(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, offs, mask, lr, beta1,
-                      beta2, weight_decay, eps, COUNT: tl.constexpr, INIT: tl.constexpr, DECAY: tl.constexpr):
-        """The update at ``offs`` (any shape), stored; returns the new parameter. With ``COUNT`` staged
-        slots (``s_ptr``, rows ``slot_stride`` apart) the gradient is their fold first, as
-        `stage.accumulate.fold_staged` adds: fp32, slot order, onto ``g`` or (``INIT``) onto slot 0."""
-        if INIT:
-            g = tl.load(s_ptr + offs, mask=mask).to(tl.float32)
-            for j in tl.static_range(1, COUNT):
-                g = g + tl.load(s_ptr + j * slot_stride + offs, mask=mask).to(tl.float32)
-        else:
-            g = tl.load(g_ptr + offs, mask=mask)
-            for j in tl.static_range(0, COUNT):
-                g = g + tl.load(s_ptr + j * slot_stride + offs, mask=mask).to(tl.float32)
-        p = tl.load(p_ptr + offs, mask=mask)
-        m = tl.load(m_ptr + offs, mask=mask)
-        v = tl.load(v_ptr + offs, mask=mask)
-        p, m, v = _adamw_step(p, g, m, v, lr, beta1, beta2, weight_decay, eps, tl.load(bc1_ptr),
-                              tl.load(bc2_sqrt_ptr), DECAY)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        return p
-
-    @triton.jit
-    def _adamw_step(p, g, m, v, lr, beta1, beta2, weight_decay, eps, bc1, bc2_sqrt, DECAY: tl.constexpr):
-        """The arithmetic of one update on loaded values (torch's fused kernel's): (p, m, v) after it.
-        Shared by every pass that updates, so each gives the bits of the others (`runtime.lazy_rows`)."""
-        if DECAY:
-            p = p - lr * weight_decay * p
-        m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
-        gg = g * g
-        v = tl.fma(beta2, v, tl.fma(-beta2, gg, gg))
-        step_size = tl.div_rn(lr, bc1)
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-        p = p - tl.div_rn(step_size * m, denom)
-        return p, m, v
-
-    globals()["_adamw_update"] = _adamw_update  # module globals: every Triton version resolves those
-    globals()["_adamw_step"] = _adamw_step
-    return _adamw_update, _adamw_step
+# weights on the H200: 0.58 ms against 0.78 with `transpose_bytes`' default 64 x 64 x 4; 0.46 / 0.53
+# in a later run)
 
 
 @triton_kernel
 def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
-    _adamw_update, _adamw_step = _math()  # module globals too (see `_math`)
+    _adamw_update, _ = adamw_math()
+    globals()["_adamw_update"] = _adamw_update  # Triton resolves callees in module globals
 
     @triton.jit
     def adamw(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, n, lr, beta1, beta2,
@@ -150,7 +115,7 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
 def _fresh_state(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict[str, torch.Tensor]:
     """A parameter's state as torch's fused AdamW creates it before its first step (`_init_group`), in
     the given (zeroed) moment tensors."""
-    step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=param.device)
+    step = torch.zeros((), dtype=scalar_dtype(is_fused=True), device=param.device)
     return {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
@@ -161,13 +126,13 @@ def _fp32_contiguous_cuda(t: torch.Tensor) -> bool:
 def bias_corrections(steps: list[torch.Tensor], beta1: float, beta2: float) -> tuple[list[torch.Tensor], ...]:
     """``1 - beta1**step`` and ``sqrt(1 - beta2**step)`` per step tensor, with torch's device ``pow``
     (four multi-tensor launches per list, whatever its length)."""
-    bc1 = torch._foreach_pow(beta1, steps)
-    torch._foreach_neg_(bc1)
-    torch._foreach_add_(bc1, 1.0)
-    bc2 = torch._foreach_pow(beta2, steps)
-    torch._foreach_neg_(bc2)
-    torch._foreach_add_(bc2, 1.0)
-    torch._foreach_sqrt_(bc2)
+    bc1 = foreach_pow(beta1, steps)
+    foreach_neg_(bc1)
+    foreach_add_(bc1, 1.0)
+    bc2 = foreach_pow(beta2, steps)
+    foreach_neg_(bc2)
+    foreach_add_(bc2, 1.0)
+    foreach_sqrt_(bc2)
     return bc1, bc2
 
 
@@ -225,8 +190,6 @@ class TritonAdamW(torch.optim.AdamW):
         on `rows` (the rows the step touched, V in unused slots), every other row when it is next read.
         Its state is created now, as torch creates it, so that graphs captured before the first step can
         take its tensors. Whoever reads the table or its moments otherwise must `settle` first."""
-        from qeffect.runtime import lazy_rows
-
         group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
         if group is None:
             raise ValueError("lazy_rows: the table is not in this optimizer's groups")
@@ -236,7 +199,7 @@ class TritonAdamW(torch.optim.AdamW):
         if not state:  # ahead of the first step
             state.update(_fresh_state(param, torch.zeros_like(param, memory_format=torch.preserve_format),
                                       torch.zeros_like(param, memory_format=torch.preserve_format)))
-        lazy = lazy_rows.LazyRows(param, state["exp_avg"], state["exp_avg_sq"], rows, done=int(state["step"].item()))
+        lazy = LazyRows(param, state["exp_avg"], state["exp_avg_sq"], rows, done=int(state["step"].item()))
         self._lazy[param] = lazy
         return lazy
 
@@ -371,7 +334,7 @@ class TritonAdamW(torch.optim.AdamW):
         folds, self._folds = self._folds, {}
         casts = dict(self._casts)
         if casts:  # every cast's atomic max starts from 0
-            torch._foreach_zero_([t.pending_amax for t in casts.values()])
+            foreach_zero_([t.pending_amax for t in casts.values()])
         if folds:
             held = {id(p) for group in self.param_groups for p in group["params"]}
             if any(id(p) not in held for p in folds):
@@ -393,13 +356,13 @@ class TritonAdamW(torch.optim.AdamW):
                 loss = super().step(closure)
                 _cast_alone(list(casts.values()), zeroed=True)
                 return loss
-            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
+            adamw_init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
             groups.append((group, params, grads, exp_avgs, exp_avg_sqs, steps))
         kernel = _kernel()
         for group, *lists in groups:
             if not lists[0]:
                 continue
-            torch._foreach_add_(lists[-1], 1.0)  # every step count, as torch's fused step does first
+            foreach_add_(lists[-1], 1.0)  # every step count, as torch's fused step does first
             beta1, beta2 = group["betas"]
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
             large = [i for i, p in enumerate(lists[0]) if p.numel() >= MIN_NUMEL or p in self._lazy]
@@ -407,8 +370,8 @@ class TritonAdamW(torch.optim.AdamW):
             if small:
                 p, g, m, v, s = ([lst[i] for i in small] for lst in lists)
                 _fold_first({t: folds.pop(t) for t in p if t in folds})
-                torch._fused_adamw_(p, g, m, v, [], s, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
-                                    weight_decay=wd, eps=eps, maximize=False)
+                fused_adamw_(p, g, m, v, [], s, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
+                             weight_decay=wd, eps=eps, maximize=False)
             if large:
                 p, g, m, v, s = ([lst[i] for i in large] for lst in lists)
                 bc1, bc2_sqrt = bias_corrections(s, beta1, beta2)
@@ -442,7 +405,7 @@ def _launch_cast(t: WeightCastTarget, update: tuple | None, count: int = 0, init
     """One pass over `t.weight`: the update (``update``: the AdamW arguments after the weight) and the
     cast, or (``None``) the cast alone; then the cast's transpose as its own byte pass (Triton's in-kernel
     transposes of fp32-born tiles wrote wrong bytes on the H200: `fp8.fused_quantize`'s history, and
-    again here at 34447b4). `t.pending_amax` must be 0."""
+    again for this cast). `t.pending_amax` must be 0."""
     p = t.weight
     g, block, stride, m, v, b1, b2, lr, beta1, beta2, wd, eps = update or (p, p, 0, p, p, p, p, 0.0, 0.0, 0.0, 0.0, 0.0)
     n = p.numel()
@@ -461,7 +424,7 @@ def _launch_cast(t: WeightCastTarget, update: tuple | None, count: int = 0, init
 def _cast_alone(targets: list[WeightCastTarget], zeroed: bool = False) -> None:
     """The cast of each target as its own pass (its pending amax zeroed first unless `zeroed`)."""
     if targets and not zeroed:
-        torch._foreach_zero_([t.pending_amax for t in targets])
+        foreach_zero_([t.pending_amax for t in targets])
     for t in targets:
         _launch_cast(t, None)
 

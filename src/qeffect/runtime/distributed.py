@@ -180,7 +180,7 @@ class DistributedPipeline:
     def __init__(self, cfg: RunConfig, *, native: bool = False, direct: bool = True, path: str = "eager",
                  capture: bool = True, clock: SetupClock | None = None) -> None:
         """`path`: eager, or captured-copy / captured-direct (this rank's actions as CUDA graphs on its
-        GPU, with `cfg.train.offload`). `capture=False` defers capture to `capture()` (resume). Only this
+        GPU, with `cfg.offload.mode`). `capture=False` defers capture to `capture()` (resume). Only this
         rank's stages are built. `clock`: times the build's phases, as `build_single_process`'s."""
         if not dist.is_initialized():
             raise RuntimeError("DistributedPipeline needs an initialized process group (use init_from_env)")

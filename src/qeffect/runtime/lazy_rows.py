@@ -6,7 +6,7 @@ gradient still moves the moments and the weight), a fifth of the optimizer's mem
 
 Bits: a row untouched for k steps gets, when it is next read, those k updates one after another with
 a +0.0 gradient and each step's own learning rate, decay, betas, epsilon and bias corrections, in the
-arithmetic every Triton update shares (`runtime.adamw._adamw_step`): the bits the dense passes would
+arithmetic every Triton update shares (`runtime.adamw_math`): the bits the dense passes would
 have left, step by step. Rows are brought up to date (`catch_up`):
 
 - before a forward reads them: the first stage's captured `F` graphs catch up their microbatch's
@@ -34,7 +34,7 @@ import os
 import torch
 from torch import Tensor
 
-from qeffect.runtime import adamw
+from qeffect.runtime.adamw_math import adamw_math
 from qeffect.triton_lazy import on_device, triton_kernel
 
 CAPACITY = 1024  # steps of per-step scalars kept: a row may fall at most this many steps minus one behind
@@ -47,8 +47,8 @@ FIELDS = ("lr", "weight_decay", "eps", "beta1", "beta2", "bc1", "bc2_sqrt")
 
 @triton_kernel
 def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
-    _adamw_update, _adamw_step = adamw._math()
-    globals()["_adamw_update"] = _adamw_update  # Triton resolves module globals (see `adamw._math`)
+    _adamw_update, _adamw_step = adamw_math()
+    globals()["_adamw_update"] = _adamw_update  # Triton resolves module globals (see `adamw_math`)
     globals()["_adamw_step"] = _adamw_step
 
     @triton.jit

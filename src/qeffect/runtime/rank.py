@@ -8,7 +8,6 @@ and the torch.distributed executor (one rank per process).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,9 +34,10 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, *, triton
 
     fused=True: one multi-tensor kernel per step instead of ~10 per parameter (the single-tensor loop's
     launches and memory passes were a visible part of a captured step). `TritonAdamW` moves the same
-    bytes faster on large tensors; ``QEFFECT_TRITON_ADAMW=0`` keeps torch's kernel (for A/B runs)."""
+    bytes faster on large tensors (`benchmarks/results/adamw-ab-h4096-h200.json`) and also folds the
+    deferred staged gradients and casts the FP8 weights in its pass."""
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if triton and os.environ.get("QEFFECT_TRITON_ADAMW", "1") != "0":
+    if triton:
         return TritonAdamW(params, **kwargs)
     return torch.optim.AdamW(params, fused=True, **kwargs)
 
@@ -156,13 +156,12 @@ class QEffectRank(BaseRank):
                  offload: OffloadManager | None = None, accumulate: bool = False, staging: int = 0) -> None:
         super().__init__(rank, chunks, num_stages, microbatches, optim)
         # captured: the token table's AdamW row-lazy (`runtime.lazy_rows`); off under data parallelism (set
-        # before capture), ``QEFFECT_LAZY_TOKEN_ROWS=0`` for A/B runs
-        self.lazy_token_rows = os.environ.get("QEFFECT_LAZY_TOKEN_ROWS", "1") != "0"
+        # before capture: the replicas' reduced table gradient is dense)
+        self.lazy_token_rows = True
         device = next(next(iter(self.chunks.values())).parameters()).device
-        if os.environ.get("QEFFECT_ACTIVATION_BIAS", "1") != "0":  # TE's biases cast once per step
-            for chunk in self.chunks.values():
-                if hasattr(chunk, "use_activation_biases"):
-                    chunk.use_activation_biases()
+        for chunk in self.chunks.values():  # TE's biases cast once per step, not per call
+            if hasattr(chunk, "use_activation_biases"):
+                chunk.use_activation_biases()
         self.clock = EpochClock()
         self.pool = TapePool(tape_capacity or len(self.chunks) * microbatches, name=f"rank{rank}.tapes")
         specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -187,7 +186,7 @@ class QEffectRank(BaseRank):
             }
         else:  # captured: the same checked protocol, graph replays as the physical actions
             shape, dtype = activation
-            cast = isinstance(self.optimizer, TritonAdamW) and os.environ.get("QEFFECT_WEIGHT_CAST", "1") != "0"
+            cast = isinstance(self.optimizer, TritonAdamW)  # the optimizer's pass casts the FP8 weights
             self.actions = {
                 s: CapturedStageActions(c, self.pool, self.clock, self.arena, direct=direct, manager=manager,
                                         input_shape=shape, input_dtype=dtype, offload=offload, weight_cast=cast,
@@ -195,8 +194,7 @@ class QEffectRank(BaseRank):
                 for s, c in self.chunks.items()
             }
         self.manager = manager
-        if manager is not None and isinstance(self.optimizer, TritonAdamW) and os.environ.get(
-                "QEFFECT_OPTIM_GRAPH", "1") != "0":
+        if manager is not None and isinstance(self.optimizer, TritonAdamW):
             self.optimizer.use_graph()  # captured: the optimizer step replays from a graph too
         self.tokens = {s: a.ledger.current for s, a in self.actions.items()}
         self.refs: dict[tuple[int, int], object] = {}

@@ -4,9 +4,11 @@ With `rank_streams` (captured paths on a GPU, see `runtime.build.rank_streams_fo
 and its optimizer commit are launched on that rank's own CUDA stream, as on a pipeline of one GPU per
 rank: the host still issues the global order, but the device runs one rank's work beside the other's
 wherever the schedule lets it (the handoffs between ranks are the only edges: `LocalTransport(events=
-True)`). A step starts with every rank stream waiting on the caller's stream and ends with the caller's
-stream waiting on every rank stream, so what a step returns or leaves behind is ordered on the caller's
-stream as before. The arithmetic of every action is the same: only which kernels may overlap changes.
+True)`, device completions of `qeffect.contracts.completion`). A step starts with every rank stream
+waiting on the caller's stream and ends with the caller's stream waiting on every rank stream, so what a
+step returns or leaves behind is ordered on the caller's stream as before (whole-stream edges: `wait_stream`
+records an event on the stream it waits for, the same rule with an event nobody needs to name). The
+arithmetic of every action is the same: only which kernels may overlap changes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class SingleProcessPipeline:
         self.offload = None  # the OffloadManager when captured actions offload their activations
         self.rank_streams: list[torch.cuda.Stream] | None = None  # one per rank: see the module docstring
         self.keep_alive: list[torch.Tensor] = []  # what captured graphs use by address only (workspaces)
+        self.checked_completion = False  # check each hand-off between rank streams (host bookkeeping: debugging)
 
     def on_rank_stream(self, rank: int):
         """The context rank `rank`'s work is launched in: its stream, or the caller's without rank streams."""
@@ -56,7 +59,7 @@ class SingleProcessPipeline:
 
     def _actions(self, batches: Sequence[Batch], observer: Observer | None) -> torch.Tensor:
         """Launch every action of one step (each on its rank's stream); the step loss, on the last rank's."""
-        transport = LocalTransport(events=self.rank_streams is not None)
+        transport = LocalTransport(events=self.rank_streams is not None, checked=self.checked_completion)
         if self.offload is not None:
             self.offload.begin_step()  # groups left live by an aborted step are dropped first
         for rank, action in self.order:

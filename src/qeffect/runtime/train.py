@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import BaseModel
@@ -25,6 +26,7 @@ from pydantic import BaseModel
 from qeffect.config import RunConfig
 from qeffect.data import DataStream, load_datasets, load_tokenizer
 from qeffect.errors import ReportError, UserError
+from qeffect.graphs.handshake import run_settings
 from qeffect.runtime.build import build_single_process, capture_graphs
 
 SCHEMA_VERSION = 1
@@ -43,6 +45,9 @@ class TrainSummary(BaseModel):
     kind: str = "train-summary"
     run_dir: str | None
     config: dict
+    # every bit-changing setting and the [runtime] section, `section.field -> value` (`run_settings`): what
+    # another run must match to compare bits with this one
+    settings: dict[str, Any] = {}
     steps: int
     world_size: int
     tokens_per_step: int
@@ -280,7 +285,8 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
     st = sorted(times)
     med = st[len(st) // 2]
     summary = TrainSummary(
-        run_dir=str(run_dir) if run_dir else None, config=cfg.model_dump(), steps=cfg.train.steps, world_size=world,
+        run_dir=str(run_dir) if run_dir else None, config=cfg.model_dump(), settings=run_settings(cfg),
+        steps=cfg.train.steps, world_size=world,
         tokens_per_step=tokens_per_step, first_ten_ce=first, last_ten_ce=last, last_to_first_ratio=last / first,
         heldout_ce=heldout, heldout_first=heldout[0][1] if heldout else None,
         heldout_last=heldout[-1][1] if heldout else None, median_step_time_s=med,

@@ -6,9 +6,11 @@ executor supplies point-to-point transports with the same interface.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from qeffect.contracts import CompletionLedger, EventOps, completion_ledger
 
 
 class Transport(Protocol):
@@ -19,35 +21,64 @@ class Transport(Protocol):
         """Take the tensor that `stage` produced for microbatch `m`."""
 
 
+class TransportEvents(EventOps, Protocol):
+    """The completion contract's event operations, plus the current stream of a tensor's device."""
+
+    def current_stream(self, device: torch.device) -> Any: ...
+
+
+class TorchCudaEvents:
+    """torch.cuda's calls: a fresh `torch.cuda.Event()` per hand-off, recorded on the producer's current
+    stream, waited on by the consumer's (`Stream.wait_event`)."""
+
+    __slots__ = ()
+
+    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(device)
+
+    def new_event(self, name: str) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        event.record(stream)
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+
 class LocalTransport:
     """In-process hand-off: every rank lives in this process and runs in one global order.
 
-    `events=True` (ranks on their own CUDA streams, `SingleProcessPipeline.rank_streams`): `put` records
-    an event on the producer's current stream and `get` makes the consumer's current stream wait on it,
-    so a consumer reads a tensor only after the producer's stream has written it (host order alone
-    orders nothing across streams)."""
+    `events=True` (ranks on their own CUDA streams, `SingleProcessPipeline.rank_streams`): each hand-off
+    is a device completion (`qeffect.contracts.completion`) keyed `(kind, stage, m)`: `put` records it on
+    the producer's current stream and `get` makes the consumer's current stream wait on it, so a consumer
+    reads a tensor only after the producer's stream has written it (host order alone orders nothing across
+    streams). `ops`: the streams and events (default torch.cuda's; `offload.fake.FakeDevice` on a CPU);
+    `checked`: a checked ledger (`completions`)."""
 
-    def __init__(self, *, events: bool = False) -> None:
-        self._slots: dict[tuple[str, int, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+    def __init__(self, *, events: bool = False, ops: TransportEvents | None = None, checked: bool = False) -> None:
+        self._slots: dict[tuple[str, int, int], torch.Tensor] = {}
         self.events = events
+        self._ops: TransportEvents = ops if ops is not None else TorchCudaEvents()
+        self.completions: CompletionLedger | None = (
+            completion_ledger(self._ops, checked=checked, name="transport") if events else None)
 
     def put(self, kind: str, stage: int, m: int, tensor: torch.Tensor) -> None:
         key = (kind, stage, m)
         if key in self._slots:
             raise RuntimeError(f"{kind} of stage {stage} microbatch {m} published twice")
-        written = None
-        if self.events:
-            written = torch.cuda.Event()
-            written.record(torch.cuda.current_stream(tensor.device))  # the producer's stream
-        self._slots[key] = (tensor, written)
+        if self.completions is not None:
+            self.completions.record(key, self._ops.current_stream(tensor.device))  # the producer's stream
+        self._slots[key] = tensor
 
     def get(self, kind: str, stage: int, m: int) -> torch.Tensor:
+        key = (kind, stage, m)
         try:
-            tensor, written = self._slots.pop((kind, stage, m))
+            tensor = self._slots.pop(key)
         except KeyError:
             raise RuntimeError(f"{kind} of stage {stage} microbatch {m} is not available yet") from None
-        if written is not None:
-            torch.cuda.current_stream(tensor.device).wait_event(written)
+        if self.completions is not None:
+            self.completions.take(key, self._ops.current_stream(tensor.device))  # the consumer's stream
         return tensor
 
     def empty(self) -> bool:

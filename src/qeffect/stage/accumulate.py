@@ -10,12 +10,10 @@ an IEEE fp32 round-to-nearest add -- exactly what ``region.add_(slot)`` computes
 rounding), so the fused pass and the ``copy_``/``add_`` sequence give identical bits (GPU-tested).
 
 Triton is imported lazily and only for CUDA tensors; without it (CPU, or no Triton) the fold runs as
-the plain tensor sequence. ``QEFFECT_FUSED_FOLD=0`` forces the sequence (for A/B measurements).
+the plain tensor sequence (the same bits).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -45,9 +43,8 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
 
 
 def fused_available(t: torch.Tensor) -> bool:
-    """Whether the fold of `t` runs as the fused kernel (CUDA fp32 region, Triton present, not disabled)."""
-    return (t.is_cuda and t.dtype == torch.float32 and os.environ.get("QEFFECT_FUSED_FOLD", "1") != "0"
-            and _kernel() is not None)
+    """Whether the fold of `t` runs as the fused kernel (CUDA fp32 region, Triton present)."""
+    return t.is_cuda and t.dtype == torch.float32 and _kernel() is not None
 
 
 def fold_staged(region: torch.Tensor, block: torch.Tensor, count: int, init: bool) -> None:
@@ -144,8 +141,8 @@ def launch_multi(dsts: list[torch.Tensor], srcs: list[torch.Tensor], init: bool)
 
 def accumulate_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, init: bool) -> None:
     """``dst.copy_(src)`` (`init`) or ``dst.add_(src)`` for each pair, batched where the kernel covers it;
-    the rest (CPU, other dtypes or layouts, no Triton, ``QEFFECT_FUSED_ACCUMULATE=0``) one by one."""
-    fused = os.environ.get("QEFFECT_FUSED_ACCUMULATE", "1") != "0" and _multi_kernel() is not None
+    the rest (CPU, other dtypes or layouts, no Triton) one by one."""
+    fused = _multi_kernel() is not None
     by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for d, s in zip(dsts, srcs, strict=True):
         if fused and _batchable(d, s):

@@ -1,6 +1,6 @@
 """The native eager reference: the same chunk modules, full autograd backward per microbatch.
 
-This is the oracle every qeffect mode is compared with (DESIGN.md §5). It uses no contracts: plain
+This is the oracle every qeffect mode is compared with (docs/design.md §7). It uses no contracts: plain
 autograd, gradients accumulated by autograd into `.grad` in backward order. Interleaved 1F1B runs each
 stage's backward in ascending microbatch order, so `.grad` is summed m = 0, 1, ..., M-1 — the same fixed
 order the gradient arena uses.

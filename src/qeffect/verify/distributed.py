@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
+from qeffect.graphs.handshake import run_settings
 from qeffect.runtime.build import schedule_of
 from qeffect.runtime.distributed import DistributedPipeline
 from qeffect.verify.state import (
@@ -65,6 +66,7 @@ class DistVerifyReport(BaseModel):
     chunks_per_rank: int
     microbatches: int
     steps: int
+    settings: dict[str, Any] = {}  # bit-changing settings and [runtime] (`graphs.handshake.run_settings`)
     injection: str | None
     categories: list[CategoryResult]
     first_divergence: RankDivergence | None
@@ -200,7 +202,7 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
     return DistVerifyReport(
         schedule=p.schedule, path=path, backend=cfg.fp8.backend, device=str(qeff.device.type),
         world_size=dist.get_world_size(), pp=p.pp, dp=p.dp, chunks_per_rank=p.chunks_per_rank,
-        microbatches=p.microbatches, steps=steps, injection=injection, categories=cats,
+        microbatches=p.microbatches, steps=steps, settings=run_settings(cfg), injection=injection, categories=cats,
         first_divergence=earliest, losses=losses, non_finite_losses=non_finite, notes=notes, graphs_per_rank=graphs,
         passed=passed,
         seconds=time.perf_counter() - t0)

@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel
 
 from qeffect.contracts import (
+    CheckedCompletionLedger,
     CommitBarrier,
     Consumer,
     ContractViolation,
@@ -39,8 +40,8 @@ from qeffect.contracts import (
 
 Op = tuple[str, Callable[[], object]]
 
-MIN_INJECTIONS = 7
-MIN_FAMILIES = 6
+MIN_INJECTIONS = 8
+MIN_FAMILIES = 7  # every family of contracts.errors.FAMILIES
 
 
 @dataclass
@@ -472,8 +473,72 @@ def _checkpoint_live_tape() -> Injection:
     )
 
 
+class _HostEvents:
+    """The device's event calls on the host: streams are names, events plain objects, calls are counted
+    (a rejected wait must issue none)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def new_event(self, name: str) -> object:
+        return object()
+
+    def record(self, event: object, stream: str) -> None:
+        self.calls.append(("record", stream))
+
+    def wait(self, stream: str, event: object) -> None:
+        self.calls.append(("wait", stream))
+
+
+def _completion_use_without_wait() -> Injection:
+    ops = _HostEvents()
+    led = CheckedCompletionLedger(ops, "transport")
+    a0, a1 = ("act", 0, 0), ("act", 0, 1)
+    return Injection(
+        family="device-completion",
+        name="hand-off read on a rank stream that did not wait",
+        ops=[
+            ("F(0,0) publishes act(0,0) on rank0", lambda: led.record(a0, "rank0")),
+            ("rank1 waits on act(0,0)", lambda: led.wait(a0, "rank1")),
+            ("F(1,0) reads act(0,0) on rank1", lambda: led.use(a0, "rank1")),
+            ("F(0,1) publishes act(0,1) on rank0", lambda: led.record(a1, "rank0")),
+            ("F(1,1) reads act(0,1) on rank1 without a wait", lambda: led.use(a1, "rank1")),
+            ("rank1 waits on act(0,1)", lambda: led.wait(a1, "rank1")),
+            ("F(1,1) reads act(0,1) on rank1", lambda: led.use(a1, "rank1")),
+        ],
+        invalid_index=4,
+        observe=lambda: (led.snapshot(), tuple(ops.calls)),
+        checks="ledger snapshot (records, generations, waits) and the device calls issued unchanged; "
+        "the wait then makes the read valid",
+    )
+
+
+def _completion_stale_wait() -> Injection:
+    ops = _HostEvents()
+    led = CheckedCompletionLedger(ops, "graph tails")
+    g = "stage0.F0"  # the graph manager keys a graph's tail by the graph's name
+    return Injection(
+        family="device-completion",
+        name="graph outputs read after a replay the caller did not wait for (one-way)",
+        ops=[
+            ("capture F0: tail recorded on the graph stream", lambda: led.record(g, "graph")),
+            ("replay 1 fires the tail", lambda: led.fired(g, "graph")),
+            ("caller waits on the tail", lambda: led.wait(g, "caller")),
+            ("caller reads replay 1's outputs", lambda: led.use(g, "caller")),
+            ("replay 2 fires the tail (no wait: one-way)", lambda: led.fired(g, "graph")),
+            ("caller reads replay 2's outputs", lambda: led.use(g, "caller")),
+            ("caller waits on the tail", lambda: led.wait(g, "caller")),
+            ("caller reads replay 2's outputs after the wait", lambda: led.use(g, "caller")),
+        ],
+        invalid_index=5,
+        observe=lambda: (led.snapshot(), tuple(ops.calls)),
+        checks="ledger snapshot unchanged (the caller's wait still covers replay 1 only); a new wait then "
+        "covers replay 2",
+    )
+
+
 def build_injections() -> list[Injection]:
-    """Fresh objects for every injection (13 injections, 6 families)."""
+    """Fresh objects for every injection (15 injections, 7 families)."""
     return [
         _stale_ref_aba(),
         _foreign_ref(),
@@ -488,4 +553,6 @@ def build_injections() -> list[Injection]:
         _commit_live_tape(),
         _commit_pending_reduction(),
         _checkpoint_live_tape(),
+        _completion_use_without_wait(),
+        _completion_stale_wait(),
     ]

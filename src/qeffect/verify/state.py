@@ -18,12 +18,13 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel
 
 from qeffect.config import RunConfig
+from qeffect.graphs.handshake import run_settings
 from qeffect.runtime.build import build_single_process, schedule_of
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.schedule import Action, ActionKind, Schedule, validate
@@ -81,6 +82,8 @@ class VerifyReport(BaseModel):
     pp: int
     chunks_per_rank: int
     microbatches: int
+    # every bit-changing setting and the [runtime] section it ran under (`graphs.handshake.run_settings`)
+    settings: dict[str, Any] = {}
     injection: str | None
     categories: list[CategoryResult]
     first_divergence: Divergence | None
@@ -414,14 +417,14 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                                  "unmaps": o.stats.unmaps, "maps": o.stats.maps, "evictions": o.stats.evictions,
                                  "slots": len(o.slots()), "shared_slots": [[g.name for g in run] for run in o.shared],
                                  "not_offloaded": [g.name for g in o.not_offloaded],
-                                 "bank_plan_kind": o.bank_plan_kind, "kept": [g.name for g in o.kept],
-                                 "search_prefer": o.search_prefer if o.bank_plan_kind == "search" else None}
+                                 "bank_plan_kind": o.config.bank_plan, "kept": [g.name for g in o.kept],
+                                 "search_prefer": o.config.search_prefer if o.config.bank_plan == "search" else None}
         passed = passed and graphs["graphs_per_rank"] == graphs["expected_per_rank"]
     non_finite = non_finite_count(losses)
     passed = passed and non_finite == 0
     return VerifyReport(
         schedule=cfg.pipeline.schedule, path=path, backend=cfg.fp8.backend, device=str(device), steps=steps,
         pp=sched.pp, chunks_per_rank=cfg.pipeline.chunks_per_rank, microbatches=cfg.pipeline.microbatches,
-        injection=injection, categories=cats, first_divergence=tally.first, amax_rollover=rollover,
+        settings=run_settings(cfg), injection=injection, categories=cats, first_divergence=tally.first, amax_rollover=rollover,
         losses=losses, non_finite_losses=non_finite, graphs=graphs, seconds=time.perf_counter() - t0, torch_version=torch.__version__, passed=passed,
     )
