@@ -9,13 +9,17 @@ bit, over several steps, with and without weight decay, on sizes that do and do 
 from __future__ import annotations
 
 import copy
+import math
 import subprocess
 import sys
 import textwrap
+from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
 
+from adamw_reference import adamw_step, fma32, folded_gradient
 from qeffect.config import OptimConfig
 from qeffect.runtime import adamw
 from qeffect.runtime.adamw import TritonAdamW
@@ -95,9 +99,16 @@ def test_large_tensors_take_the_pass_and_small_ones_torchs_kernel(monkeypatch):
 
 INTERPRETED = textwrap.dedent("""
     import os
+    import sys
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, sys.argv[1])  # tests/: the fp32 reference
     import torch
+    from adamw_reference import adamw_step, folded_gradient
     from qeffect.runtime import adamw
+
+    def same_bits(a, b):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
     n = adamw.BLOCK + 17
     torch.manual_seed(0)
     p0 = torch.randn(n) * 0.02
@@ -108,17 +119,24 @@ INTERPRETED = textwrap.dedent("""
         for _ in range(3):
             g = torch.randn(n) * 1e-3
             slots = (torch.randn(max(count, 1), n + 5) * 1e-3).to(torch.bfloat16)
-            if count:  # the fold's additions: fp32, slot order
-                g = slots[0, :n].float() + slots[1, :n].float() + slots[2, :n].float()
-            ref.grad = g
+            nan = torch.full_like(g, float("nan"))  # with INIT the pass must not read g
+            g_in = nan if count else g
+            g_used = folded_gradient(g_in, slots, count, init=count > 0)
+            ref.grad = g_used
             opt.step()
             step += 1
             bc1, bc2_sqrt = adamw.bias_corrections([step], 0.9, 0.95)
+            want = adamw_step(p.clone(), g_used, m.clone(), v.clone(), lr=3e-4, beta1=0.9, beta2=0.95,
+                              weight_decay=wd, eps=1e-8, bc1=bc1[0], bc2_sqrt=bc2_sqrt[0], interpreted=True)
             block = adamw.FOLD_BLOCK if count else adamw.BLOCK
-            adamw._kernel()[(-(-n // block),)](p, torch.full_like(g, float("nan")) if count else g, slots,
-                                               slots.stride(0), m, v, bc1[0], bc2_sqrt[0], n, 3e-4, 0.9, 0.95, wd,
-                                               1e-8, p, p, p, p, 0.0, COUNT=count, INIT=count > 0, DECAY=wd != 0,
-                                               UPDATE=True, CAST=False, BLOCK=block, num_warps=adamw.NUM_WARPS)
+            adamw._kernel()[(-(-n // block),)](p, g_in, slots, slots.stride(0), m, v, bc1[0], bc2_sqrt[0], n, 3e-4,
+                                               0.9, 0.95, wd, 1e-8, p, p, p, p, 0.0, COUNT=count, INIT=count > 0,
+                                               DECAY=wd != 0, UPDATE=True, CAST=False, BLOCK=block,
+                                               num_warps=adamw.NUM_WARPS)
+            for name, got, exp in (("p", p, want[0]), ("m", m, want[1]), ("v", v, want[2])):
+                assert same_bits(got, exp), (wd, count, name, (got != exp).sum().item())
+        # the algebra is torch's AdamW: its CPU step orders the operations otherwise (no fma, decay after
+        # the moments' lerp, ...), so only close to it; the bits are the reference's above
         st = opt.state[ref]
         torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(m, st["exp_avg"], rtol=1e-5, atol=1e-9)
@@ -128,12 +146,95 @@ INTERPRETED = textwrap.dedent("""
 """)
 
 
-def test_the_pass_computes_adamw_under_the_interpreter():
-    """The kernel's algebra on CPU (Triton's interpreter; CPU AdamW rounds differently, hence the
-    tolerance): the bits against torch's CUDA kernel are the GPU test's."""
+def test_the_pass_computes_the_fp32_reference_bit_for_bit_under_the_interpreter():
+    """The kernel under Triton's interpreter against `adamw_reference.adamw_step` (the kernel's operation
+    order in plain torch, each operation and fma rounded once): the same bits for p, exp_avg and exp_avg_sq,
+    every step, with and without decay and fold. One operation differs from the compiled kernel, and the
+    reference follows the interpreter there: it passes float arguments as Python floats, so ``lr *
+    weight_decay`` is a double product (`adamw_reference`'s docstring); the compiled form's bits against
+    torch's CUDA kernel are the GPU tests'. (Against torch's CPU AdamW only close: it orders the operations
+    otherwise.)"""
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600)
+    tests = str(Path(__file__).parent)
+    out = subprocess.run([sys.executable, "-c", INTERPRETED, tests], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def _exact_fma32(a: float, b: float, c: float) -> float:
+    """``a * b + c`` rounded once to fp32 (ties to even), from the exact rational value."""
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    near = torch.tensor(float(exact), dtype=torch.float32)
+    cands = [torch.nextafter(near, torch.tensor(-math.inf)), near, torch.nextafter(near, torch.tensor(math.inf))]
+    best = min(abs(Fraction(x.item()) - exact) for x in cands)
+    ties = [x for x in cands if abs(Fraction(x.item()) - exact) == best]
+    return min(ties, key=lambda x: x.view(torch.int32).item() & 1).item()  # ties: the even one
+
+
+def test_fma32_rounds_once() -> None:
+    """`adamw_reference.fma32` against exact rational arithmetic: random operands of mixed magnitudes and
+    the cases where rounding in fp64 first would round twice (a tiny addend just past an fp32 midpoint)."""
+    one = 1 + 2.0**-12  # one * one = 1 + 2^-11 + 2^-24: exactly an fp32 midpoint
+    hard = [(one, one, 2.0**-80), (one, one, -(2.0**-80)), (-one, one, 2.0**-80), (one, one, 0.0),
+            (0.9, 0.123, -0.1107), (3.0, 1.0 / 3.0, -1.0)]
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(400, generator=gen) * 10.0 ** torch.randint(-6, 6, (400,), generator=gen)
+    b = torch.randn(400, generator=gen)
+    c = -a * b * (1 + torch.randn(400, generator=gen) * 2.0**-20)  # near-cancellations
+    cases = [tuple(torch.tensor(x, dtype=torch.float32).item() for x in h) for h in hard]
+    cases += list(zip(a.tolist(), b.tolist(), c.tolist(), strict=True))
+    ta, tb, tc = (torch.tensor([x[i] for x in cases], dtype=torch.float32) for i in range(3))
+    got = fma32(ta, tb, tc)
+    want = torch.tensor([_exact_fma32(*x) for x in cases], dtype=torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    naive = (ta.double() * tb.double() + tc.double()).float()  # what rounding twice gives
+    assert naive[0].item() != got[0].item()  # the first hard case tells them apart
+
+
+def test_reference_step_is_torchs_adamw_algebra() -> None:
+    """The reference is AdamW (close to torch's CPU step; the operation order, not the algebra, differs)."""
+    torch.manual_seed(1)
+    p0, g = torch.randn(300) * 0.02, torch.randn(300) * 1e-3
+    ref = p0.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([ref], lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref.grad = g
+    opt.step()
+    bc1, bc2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.95).sqrt()
+    p, m, v = adamw_step(p0, g, torch.zeros(300), torch.zeros(300), lr=3e-4, beta1=0.9, beta2=0.95,
+                         weight_decay=0.1, eps=1e-8, bc1=bc1, bc2_sqrt=bc2)
+    torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(m, opt.state[ref]["exp_avg"], rtol=1e-6, atol=0.0)
+    slots = torch.randn(3, 310).to(torch.bfloat16)
+    assert torch.equal(folded_gradient(g, slots, 3, init=True),
+                       slots[0, :300].float() + slots[1, :300].float() + slots[2, :300].float())
+    assert torch.equal(folded_gradient(g, slots, 2, init=False), g + slots[0, :300].float() + slots[1, :300].float())
+    assert folded_gradient(g, slots, 0, init=False) is g
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_fp32_reference_is_bitwise_torch_fused_on_cuda(wd):
+    """The reference's bits are torch's fused CUDA AdamW's (so the CPU test above pins the kernel to the
+    same bits as this GPU test pins torch's kernel), over several steps."""
+    shapes = [(adamw.MIN_NUMEL + 5,), (33, 7)]
+    params, opt = _run(torch.optim.AdamW, shapes, 1, "cuda", wd, fused=True)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for _ in range(4):
+        grads = [torch.randn(p.shape, device="cuda", generator=gen) * 1e-3 for p in params]
+        want = []
+        for p, g in zip(params, grads, strict=True):
+            st = opt.state[p]
+            step = st["step"] + 1
+            bc1, bc2 = adamw.bias_corrections([step], *HYPER["betas"])
+            want.append(adamw_step(p.detach().clone(), g, st["exp_avg"].clone(), st["exp_avg_sq"].clone(),
+                                   lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1],
+                                   weight_decay=wd, eps=HYPER["eps"], bc1=bc1[0], bc2_sqrt=bc2[0]))
+            p.grad = g
+        opt.step()
+        for p, (wp, wm, wv) in zip(params, want, strict=True):
+            st = opt.state[p]
+            for got, exp in ((p.detach(), wp), (st["exp_avg"], wm), (st["exp_avg_sq"], wv)):
+                assert torch.equal(got.view(torch.int32), exp.view(torch.int32))
 
 
 def test_runtimes_pick_their_optimizer():

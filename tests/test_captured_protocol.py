@@ -59,7 +59,9 @@ def test_replays_are_checked_and_recorded() -> None:
     acts = _actions()
     x, y = _tokens()
     f = acts.forward(0, x, acts.ledger.current, y)
-    with pytest.raises(ConsumerOrderViolation):
+    with pytest.raises(ConsumerOrderViolation,
+                       match=r"dW before dI for K\(e=0,s=0,m=0,u=0,i=0\): expected completed consumers dI,"
+                             r" found completed consumers none"):
         acts.weight_grad(0, f.ref, f.token)
     di = acts.input_grad(0, f.ref, torch.tensor(0.5), f.token)
     dw = acts.weight_grad(0, f.ref, di.token)
@@ -86,7 +88,9 @@ def test_captured_destination_must_be_the_arena_view() -> None:
     x, y = _tokens()
     f = acts.forward(0, x, acts.ledger.current, y)
     di = acts.input_grad(0, f.ref, torch.tensor(0.5), f.token)
-    with pytest.raises(ArenaViolation):
+    with pytest.raises(ArenaViolation,
+                       match=r"wrong binding for arena 'arena' view s0\.blocks\.0\.qkv\.weight\[m=0\] in c"
+                             r"heck_write: expected data_ptr"):
         acts.weight_grad(0, f.ref, di.token)
     assert acts.manager.replays[-1][0] == "dI0"  # refused before the dW replay
 

@@ -161,7 +161,8 @@ def test_premature_checkpoint_is_refused_and_writes_nothing(tmp_path) -> None:
     pipe = build_single_process(cfg, native=False)
     rank, action = pipe.order[0]
     pipe.ranks[rank].run(action, synthetic_batches(cfg, 0, "cpu"), LocalTransport())  # a live tape
-    with pytest.raises(CommitViolation) as exc:
+    with pytest.raises(CommitViolation, match=r"premature checkpoint at e_W=0: expected quiescence .*found: pipeline "
+                                              r"rank 0: pool 'rank0\.tapes' has 1 live tape\(s\)") as exc:
         save_checkpoint(pipe, tmp_path / "ck", cfg)
     assert exc.value.relation == "premature checkpoint" and "live tape" in str(exc.value)
     assert list(tmp_path.iterdir()) == []

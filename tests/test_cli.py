@@ -26,7 +26,7 @@ def test_version(capsys) -> None:
 def test_help_lists_commands(capsys) -> None:
     rc, out, _ = run(capsys, "--help")
     assert rc == 0
-    for cmd in ("train", "verify-state"):
+    for cmd in ("train", "verify-state", "config"):
         assert cmd in out
 
 
@@ -39,6 +39,11 @@ def test_help_lists_commands(capsys) -> None:
     ["train", "--pp", "-1"],
     ["verify-state", "--offload", "release"],
     ["verify-state", "--offload", "bogus"],
+    ["verify-state", "--set", "model.hiden=64"],
+    ["train", "--set", "optim.lr"],
+    ["train", "--set", "optim.lr=-1"],
+    ["config", "show", "--set", "nosuch.field=1"],
+    ["config", "bogus"],
 ])
 def test_bad_usage_is_one_line_exit_2(capsys, argv: list[str]) -> None:
     rc, _, err = run(capsys, *argv)

@@ -53,3 +53,10 @@ def test_cli_flags_are_found():
     flags = _module().cli_flags()
     assert "`qeffect train --steps`" in flags["train.steps"]
     assert "`qeffect train --offload`" in flags["offload.mode"]
+
+
+def test_the_intro_says_every_field_takes_set():
+    text = _module().render()
+    assert "with `--set section.field=value`" in text and "`qeffect config schema`" in text
+    flags = _module().cli_flags()  # said once in the intro, not as a flag of every field
+    assert not any("--set" in entry for entries in flags.values() for entry in entries)

@@ -183,13 +183,13 @@ def test_abort_unusable_until_rebuild():
 
 
 def test_constructor_validation():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"microbatches must be an int >= 1, got 0"):
         GradientArena(SPECS, microbatches=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"GradientArena needs at least one parameter spec"):
         GradientArena({}, microbatches=1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"arena spec 'w': shape must be positive ints, got \(0, 3\)"):
         GradientArena({"w": ((0, 3), torch.float32)}, microbatches=1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"arena spec 'w': dtype must be a torch\.dtype, got 'float32'"):
         GradientArena({"w": ((2,), "float32")}, microbatches=1)  # type: ignore[dict-item]
 
 
@@ -265,21 +265,29 @@ def test_accumulating_out_of_order_write_is_refused_before_it_lands():
     a = GradientArena(FP32, microbatches=3, accumulate=True)
     _accumulate(a, "w", _grads(1, (64,), 0))
     before = a.view("w", 0).clone()
-    with pytest.raises(ArenaViolation) as e:
+    with pytest.raises(ArenaViolation,
+                       match=r"out-of-order accumulation for arena 'arena' view w\[m=2\]: expected microba"
+                             r"tch 1 next") as e:
         a.check_write("w", 2, a.view("w", 2))
     assert e.value.relation == "out-of-order accumulation" and (e.value.expected, e.value.found) == (1, 2)
     assert torch.equal(a.view("w", 0), before) and a.written == {("w", 0)}
-    with pytest.raises(ArenaViolation) as e:  # and a second dW(0) is a duplicate, as in the default layout
+    with pytest.raises(ArenaViolation,
+                       match=r"duplicate write for arena 'arena' view w\[m=0\]: expected exactly one write"
+                             r" in epoch 0") as e:  # and a second dW(0) is a duplicate, as in the default layout
         a.check_write("w", 0, a.view("w", 0))
     assert e.value.relation == "duplicate write"
 
 
 def test_accumulating_write_into_another_parameter_is_aliased():
     a = GradientArena(FP32, microbatches=2, accumulate=True)
-    with pytest.raises(ArenaViolation) as e:
+    with pytest.raises(ArenaViolation,
+                       match=r"aliased write for arena 'arena' view w\[m=0\]: expected a write confined to"
+                             r" w\[m=0\], found a destination overlapping view\(s\) v\[m=0\]") as e:
         a.record_write("w", 0, a.view("v", 0))
     assert e.value.relation in ("aliased write", "wrong binding")
-    with pytest.raises(ArenaViolation) as e:  # a slice of w's own region is not w's view either
+    with pytest.raises(ArenaViolation,
+                       match=r"wrong binding for arena 'arena' view w\[m=0\] in record_write: expected sha"
+                             r"pe \(64,\), found \(32,\)") as e:  # a slice of w's own region is not w's view either
         a.record_write("w", 0, a.view("w", 0)[:32])
     assert e.value.relation == "wrong binding"
 
@@ -295,7 +303,9 @@ def test_accumulating_epochs_overwrite_without_zeroing():
     _accumulate(a, "w", second)
     a.finalize()
     assert torch.equal(a.sum_microbatches("w"), second[0] + second[1])
-    with pytest.raises(ArenaViolation) as e:
+    with pytest.raises(ArenaViolation,
+                       match=r"sum before finalize for arena 'arena' parameter w: expected a finalized epo"
+                             r"ch 0, found 2 missing writes") as e:
         GradientArena({"w": ((64,), torch.float32)}, 2, accumulate=True).sum_microbatches("w")
     assert e.value.relation == "sum before finalize"
 
@@ -388,16 +398,24 @@ def test_staged_fold_reduce_is_pluggable_and_called_per_group():
 
 def test_staged_out_of_order_and_misbound_writes_are_refused():
     a = GradientArena(FP32, microbatches=4, accumulate=True, staging=2)
-    with pytest.raises(ArenaViolation) as e:
+    with pytest.raises(ArenaViolation,
+                       match=r"out-of-order accumulation for arena 'arena' view w\[m=1\]: expected microba"
+                             r"tch 0 next") as e:
         a.check_write("w", 1, a.view("w", 1))
     assert e.value.relation == "out-of-order accumulation"
-    with pytest.raises(ArenaViolation) as e:  # slot 1 is not dW(0)'s destination
+    with pytest.raises(ArenaViolation,
+                       match=r"wrong binding for arena 'arena' view w\[m=0\] in check_write: expected data"
+                             r"_ptr") as e:  # slot 1 is not dW(0)'s destination
         a.check_write("w", 0, a.view("w", 1))
     assert e.value.relation == "wrong binding"
-    with pytest.raises(ArenaViolation) as e:  # nor is the region
+    with pytest.raises(ArenaViolation,
+                       match=r"wrong binding for arena 'arena' view w\[m=0\] in check_write: expected data"
+                             r"_ptr") as e:  # nor is the region
         a.check_write("w", 0, a.region("w"))
     assert e.value.relation == "wrong binding"
-    with pytest.raises(ArenaViolation) as e:  # another parameter's slot
+    with pytest.raises(ArenaViolation,
+                       match=r"aliased write for arena 'arena' view w\[m=0\]: .* overlapping view\(s\) v\["
+                             r"m=0\]") as e:  # another parameter's slot
         a.check_write("w", 0, a.view("v", 0))
     assert e.value.relation in ("aliased write", "wrong binding")
     with pytest.raises(ValueError, match="holds the sum over microbatches"):
@@ -426,7 +444,9 @@ def test_deferred_last_fold_has_the_bits_of_adding_as_it_comes(M, G, seed, bf16,
         sequential_reduce(finished, block, count, init)  # what the consumer (the optimizer's pass) adds
         assert torch.equal(finished, expect[-1]) and a.take_pending_fold("w") is None
         for read in (lambda: a.sum_microbatches("w"), lambda: a.storage_views("w"), lambda: a.prefix_sum("w", M - 1)):
-            with pytest.raises(ArenaViolation) as e:  # the region lacks the group its consumer adds
+            with pytest.raises(ArenaViolation,
+                               match=r"sum after take for arena 'arena' parameter w: expected the deferred"
+                                     r" last group in the region") as e:  # the region lacks the group its consumer adds
                 read()
             assert e.value.relation == "sum after take"
     else:
@@ -446,10 +466,14 @@ def test_deferred_fold_is_refused_before_its_writes():
     assert [a.flushes(m) for m in range(3)] == [False, True, False]
     grads = _grads(3, (10,), 1)
     _stage_all(a, "w", grads[:2])
-    with pytest.raises(ArenaViolation) as e:  # the data-parallel reduce reads the storage before finalize
+    with pytest.raises(ArenaViolation,
+                       match=r"fold before the last write for arena 'arena' view w\[m=2\]: expected dW\(2"
+                             r"\) written") as e:  # the data-parallel reduce reads the storage before finalize
         a.storage_views("w")
     assert e.value.relation == "fold before the last write"
-    with pytest.raises(ArenaViolation) as e:
+    with pytest.raises(ArenaViolation,
+                       match=r"take_pending_fold before finalize for arena 'arena' parameter w: expected a"
+                             r" finalized epoch 0") as e:
         a.take_pending_fold("w")
     assert e.value.relation == "take_pending_fold before finalize"
     _stage_all(a, "w", grads, start=2)

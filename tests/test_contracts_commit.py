@@ -14,6 +14,7 @@ from qeffect.contracts import (
     InvocationKey,
     ReductionTracker,
     TapePool,
+    TapeViolation,
     WeightCacheVersion,
 )
 
@@ -84,20 +85,25 @@ def test_commit_refusal_lists_every_reason_then_aborts():
     calls = []
     before = barrier.reasons("commit")
     assert len(before) == 5
-    with pytest.raises(CommitViolation) as ei:
+    with pytest.raises(CommitViolation,
+                       match=r"premature commit at e_W=0: expected quiescence, found: pool 'p0' has 1 live"
+                             r" tape") as ei:
         barrier.check_quiescent()
     msg = str(ei.value)
     for part in ("premature commit", "K(e=0,s=1,m=1,u=0,i=0)", "K(e=0,s=0,m=0,u=0,i=0)", "w[m=1]", "v[m=0]",
                  "v[m=1]", "all-reduce w", "'p0'", "'p1'", "'a0'", "'a1'"):
         assert part in msg, part
     assert pools[1].live_count == 1 and all(a.usable for a in arenas)  # check_quiescent mutates nothing
-    with pytest.raises(CommitViolation):
+    with pytest.raises(CommitViolation,
+                       match=r"premature commit at e_W=0: expected quiescence, found: pool 'p0' has 1 live"
+                             r" tape"):
         barrier.commit(lambda: calls.append(1))
     assert calls == [] and clock.e_W == 0 and [a.epoch for a in arenas] == [0, 0] and red.epoch == 0
     assert pools[0].live_count == 0 and pools[1].live_count == 0 and not any(a.usable for a in arenas)
     assert red.pending() == ["all-reduce w"]
-    with pytest.raises(Exception, match="stale|free slot"):
-        pools[1].resolve(live, InvocationKey(0, 1, 1))
+    with pytest.raises(TapeViolation, match=r"free slot for K\(e=0,s=1,m=1,u=0,i=0\): expected live generation 1, "
+                                            r"found slot 0 free \(current generation 1\); pool 'p1'"):
+        pools[1].resolve(live, InvocationKey(0, 1, 1))  # the abort purged it
 
 
 @pytest.mark.parametrize("reason", ["tape", "arena", "reduction", "aborted"])
@@ -127,7 +133,7 @@ def test_checkpoint_quiescence():
     arenas[0].record_write("w", 1, arenas[0].view("w", 1))
     with pytest.raises(CommitViolation, match=r"premature checkpoint .*writes in flight \[w\[m=1\]\]"):
         barrier.check_quiescent("checkpoint")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"purpose must be one of \('commit', 'checkpoint'\), got 'save'"):
         barrier.check_quiescent("save")
 
 
@@ -160,6 +166,7 @@ def test_weight_cache_follows_commit():
     barrier.commit(lambda: None)
     from qeffect.contracts import CacheEpochViolation
 
-    with pytest.raises(CacheEpochViolation):
+    with pytest.raises(CacheEpochViolation,
+                       match=r"stale weight cache for cache 'q': expected e_C == e_W = 1, found e_C = 0"):
         cache.check_forward(clock, False)
     assert cache.check_forward(clock, True) and cache.e_C == 1

@@ -33,7 +33,7 @@ def test_key_str_defaults_and_order():
 
 def test_key_is_frozen():
     k = InvocationKey(0, 0, 0)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"cannot assign to field 'e'"):
         k.e = 1  # type: ignore[misc]
 
 

@@ -370,5 +370,5 @@ def test_model_catches_a_broken_pool(monkeypatch):
         return ref
 
     monkeypatch.setattr(tape_mod.TapePool, "allocate", no_bump)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=r"generation"):  # the model's generation check fires
         run_state_machine_as_test(TapePoolMachine, settings=settings(SETTINGS, max_examples=200))

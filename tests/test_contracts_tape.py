@@ -71,7 +71,8 @@ def test_capacity_never_preempts():
     pool.allocate(K1)
     pool.allocate(K2)
     before = pool.snapshot()
-    with pytest.raises(PoolCapacityError) as ei:
+    with pytest.raises(PoolCapacityError,
+                       match=r"pool 'p' is full for K\(e=0,s=1,m=0,u=0,i=0\): capacity 2") as ei:
         pool.allocate(K3)
     msg = str(ei.value)
     assert str(K1) in msg and str(K2) in msg and "capacity 2" in msg
@@ -104,7 +105,9 @@ def test_stale_ref_with_context_manager_does_not_abort_live_tape():
     new = pool.allocate(K2)
     before = pool.snapshot()
     ran = []
-    with pytest.raises(TapeViolation):
+    with pytest.raises(TapeViolation,
+                       match=r"stale generation for K\(e=0,s=0,m=0,u=0,i=0\): expected generation 2, found"
+                             r" 1"):
         with pool.consume(old, K1, Consumer.DI):
             ran.append(1)
     assert ran == [] and pool.snapshot() == before and pool.live_keys() == [K2]
@@ -145,7 +148,7 @@ def test_consumer_rules():
     with pytest.raises(ConsumerOrderViolation, match="duplicate dI"):
         pool.mark_consumed(ref, Consumer.DI)
     assert pool.snapshot() == mid
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"consumer must be Consumer\.DI or Consumer\.DW"):
         pool.check_consumer(ref, K1, Consumer.DI | Consumer.DW)
 
 
@@ -164,7 +167,9 @@ def test_consume_context_manager_success_and_failure():
         with pool.consume(ref2, K2, Consumer.DI):
             raise RuntimeError("kernel failed")
     assert pool.live_count == 0  # aborted
-    with pytest.raises(TapeViolation):
+    with pytest.raises(TapeViolation,
+                       match=r"free slot for K\(e=0,s=0,m=1,u=0,i=0\): expected live generation 2, found s"
+                             r"lot 0 free"):
         pool.resolve(ref2, K2)
     again = pool.allocate(K2)
     assert (again.slot, again.generation) == (0, 3)  # K1 used gen 1, the aborted K2 gen 2
@@ -175,13 +180,17 @@ def test_abort_and_purge():
     a, b = pool.allocate(K(0, 0, 0)), pool.allocate(K(1, 0, 0))
     c = pool.allocate(K(0, 1, 1))
     pool.abort(a)
-    with pytest.raises(TapeViolation):
+    with pytest.raises(TapeViolation,
+                       match=r"free slot for K\(e=0,s=0,m=0,u=0,i=0\): expected live generation 1, found s"
+                             r"lot 0 free"):
         pool.abort(a)
     assert pool.live_keys() == [K(1, 0, 0), K(0, 1, 1)]
     assert pool.purge(0) == [K(0, 1, 1)]
     assert pool.live_keys() == [K(1, 0, 0)]
     assert pool.purge(0) == []
-    with pytest.raises(TapeViolation):
+    with pytest.raises(TapeViolation,
+                       match=r"free slot for K\(e=0,s=1,m=1,u=0,i=0\): expected live generation 1, found s"
+                             r"lot 2 free"):
         pool.resolve(c, K(0, 1, 1))
     assert pool.resolve(b, K(1, 0, 0)).key == K(1, 0, 0)
     assert pool.peak_live == 3
@@ -204,7 +213,7 @@ def test_snapshot_detects_changes():
 
 def test_constructor_validation():
     for bad in (0, -1, True, 1.5):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"TapePool capacity must be an int >= 1"):
             TapePool(bad)  # type: ignore[arg-type]
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"allocate needs an InvocationKey, got tuple"):
         TapePool(1).allocate((0, 0, 0))  # type: ignore[arg-type]

@@ -88,7 +88,9 @@ def test_cache_epoch_refresh_and_verify():
     assert cache.check_forward(clock, False) is False
     clock.advance()
     k = InvocationKey(1, 0, 3)
-    with pytest.raises(CacheEpochViolation) as ei:
+    with pytest.raises(CacheEpochViolation,
+                       match=r"stale weight cache for cache 'q' at K\(e=1,s=0,m=3,u=0,i=0\): expected e_C "
+                             r"== e_W = 1, found e_C = 0") as ei:
         cache.check_forward(clock, False, key=k)
     msg = str(ei.value)
     assert "expected e_C == e_W = 1, found e_C = 0" in msg and str(k) in msg and ei.value.key == k
@@ -97,7 +99,8 @@ def test_cache_epoch_refresh_and_verify():
     assert cache.check_forward(clock, False) is False
     cache.invalidate()
     assert cache.e_C is None and cache.snapshot() == ("cache", "q", None)
-    with pytest.raises(CacheEpochViolation):
+    with pytest.raises(CacheEpochViolation,
+                       match=r"stale weight cache for cache 'q': expected e_C == e_W = 1, found e_C = None"):
         cache.check_forward(clock, False)
 
 
@@ -107,5 +110,5 @@ def test_clock():
     c.restore(7)
     assert c.e_W == 7
     for bad in (-1, True, 1.0):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"epoch must be an int >= 0"):
             c.restore(bad)  # type: ignore[arg-type]

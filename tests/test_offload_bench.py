@@ -138,7 +138,9 @@ def test_plus_suffixes_are_config_overrides(bench) -> None:
     for bad in ("off+QEFFECT_TOKEN_COPY=1", "resident+offload.reap"):
         with pytest.raises(ValueError, match="expected \\+section.field=VALUE"):
             bench.label_switches(bad)
-    with pytest.raises(Exception, match="offload.bogus"):
+    from qeffect.errors import UserError
+
+    with pytest.raises(UserError, match=r"invalid configuration: offload\.bogus: unknown field"):
         bench.mode_config(cfg, "resident+offload.bogus=1")
 
 

@@ -574,8 +574,10 @@ def test_config_reaches_the_manager(monkeypatch) -> None:
     build_mod.make_offload_manager(build_mod.offload_config(cfg), "cpu")
     assert made["config"] is cfg.offload and list(made) == ["config", "device"]  # one model, nothing else
     assert build_mod.offload_config(cfg, native=True) == cfg.offload.model_copy(update={"mode": "off"})
+    from qeffect.errors import UserError
+
     for field in ("min_window", "lookahead"):
-        with pytest.raises(Exception, match=f"offload.{field}"):
+        with pytest.raises(UserError, match=rf"invalid configuration: offload\.{field}: Input should be greater"):
             load_config().with_overrides(**{f"offload.{field}": -1})
 
 

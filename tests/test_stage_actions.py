@@ -31,7 +31,9 @@ def test_dw_before_di_is_rejected_and_tape_kept() -> None:
     (x, y) = synthetic_batches(CFG, 0, "cpu")[0]
     f = act.forward(0, x, act.ledger.current, y)
     before = rank.pool.snapshot()
-    with pytest.raises(ConsumerOrderViolation):
+    with pytest.raises(ConsumerOrderViolation,
+                       match=r"dW before dI for K\(e=0,s=0,m=0,u=0,i=0\): expected completed consumers dI,"
+                             r" found completed consumers none"):
         act.weight_grad(0, f.ref, f.token)
     assert rank.pool.snapshot() == before
     di = act.input_grad(0, f.ref, torch.tensor(0.5), f.token)
@@ -44,13 +46,16 @@ def test_stale_token_and_stale_reference_are_rejected() -> None:
     (x, y) = synthetic_batches(CFG, 0, "cpu")[0]
     t0 = act.ledger.current
     f = act.forward(0, x, t0, y)
-    with pytest.raises(EffectTokenViolation):
+    with pytest.raises(EffectTokenViolation,
+                       match=r"stale token for stage0: expected seq 1, found 0; action dI0"):
         act.input_grad(0, f.ref, torch.tensor(0.5), t0)  # the token F already consumed
     di = act.input_grad(0, f.ref, torch.tensor(0.5), f.token)
     dw = act.weight_grad(0, f.ref, di.token)
     f1 = act.forward(1, x, dw.token, y)  # reuses the released slot with a new generation
     assert f1.ref.slot == f.ref.slot and f1.ref.generation != f.ref.generation
-    with pytest.raises(TapeViolation):
+    with pytest.raises(TapeViolation,
+                       match=r"foreign reference for K\(e=0,s=0,m=1,u=0,i=0\): expected key K\(e=0,s=0,m=1"
+                             r",u=0,i=0\), found reference for K\(e=0,s=0,m=0"):
         act.input_grad(1, f.ref, torch.tensor(0.5), f1.token)  # the old reference (ABA)
     assert rank.pool.live_count == 1
 
@@ -59,7 +64,9 @@ def test_stale_weight_cache_after_commit_is_rejected() -> None:
     pipe, rank, act = _single_stage()
     pipe.step(synthetic_batches(CFG, 0, "cpu"))
     (x, y) = synthetic_batches(CFG, 1, "cpu")[1]
-    with pytest.raises(CacheEpochViolation):
+    with pytest.raises(CacheEpochViolation,
+                       match=r"stale weight cache for cache 'stage0': expected e_C == e_W = 1, found e_C ="
+                             r" 0"):
         act.forward(1, x, act.ledger.current, y)  # microbatch 1 first after the commit: no refresh
 
 

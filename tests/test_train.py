@@ -32,6 +32,13 @@ def test_default_train_learns(tmp_path: Path) -> None:
     lines = (runs[0] / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == summary["steps"] == 60
     assert "ratio" in proc.stdout
+    # stdout is a pipe: a plain line every train.log_every (10) steps, with the norm taken on those steps
+    logged = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert logged == [f"{s}/60" for s in range(10, 61, 10)], proc.stdout
+    records = [json.loads(line) for line in lines]
+    assert all(r["lr"] > 0 and r["wall_s"] > 0 and r["mfu"] is None for r in records)
+    assert [r["step"] for r in records if r["grad_norm"] is not None] == list(range(10, 61, 10))
+    assert summary["mfu"] is None and summary["mfu_note"].startswith("no MFU on cpu")
     # what the run ran under: the whole resolved config, and in the summary every bit-changing setting and
     # the [runtime] section
     from qeffect.config import RunConfig, bit_changing_fields, load_config

@@ -7,7 +7,9 @@ field has a description (docs/configuration.md is generated from them: scripts/c
 
 from __future__ import annotations
 
+import difflib
 import tomllib
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -98,6 +100,22 @@ class OptimConfig(_Strict):
     beta2: float = _bits("AdamW's second-moment decay.", 0.95, ge=0, lt=1)
     eps: float = _bits("AdamW's epsilon.", 1e-8, gt=0)
     weight_decay: float = _bits("Decoupled weight decay.", 0.0, ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = _bits(
+        "Learning-rate schedule after the warm-up: 'constant' (lr throughout), 'cosine' or 'linear' decay from "
+        "lr to min_lr over decay_steps.", "constant")
+    warmup_steps: int = _bits("Steps of linear warm-up from lr / warmup_steps to lr (0: none).", 0, ge=0)
+    decay_steps: int = _bits("Steps of decay after the warm-up (0: until train.steps); min_lr after them.", 0,
+                             ge=0)
+    min_lr: float = _bits("Learning rate at the end of a cosine or linear decay.", 0.0, ge=0)
+    clip_grad_norm: float = _bits(
+        "Clip the global gradient L2 norm (every parameter of every stage and replica, reduced in a fixed "
+        "order) to this value (0: no clipping).", 0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _min_lr_below_lr(self) -> OptimConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        return self
 
 
 class TrainConfig(_Strict):
@@ -111,15 +129,39 @@ class TrainConfig(_Strict):
         "eager", description="How stage actions run: 'eager' (checked eager actions), 'captured-copy' (CUDA "
         "graphs, gradients copied out between replays) or 'captured-direct' (CUDA graphs writing gradients "
         "straight into the arena). Same bits on every path.")
-    eval_every: int = Field(20, ge=0, description="Held-out evaluation every N steps (0: only at the end).")
+    eval_every: int = Field(20, ge=0, description="Held-out evaluation before the first step, every N steps "
+                            "and after the last (0: none).")
     eval_batches: int = Field(4, ge=1, description="Held-out batches per evaluation.")
-    data: str = Field("", description="Training data: a C4-format JSON-lines file or folder ('': the bundled "
-                      "Jargon File asset).")
-    tokenizer: str = Field("", description="A tokenizers JSON file ('': the bundled byte-level BPE).")
+    nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="On a non-finite loss or gradient norm: 'stop' with a one-line message naming the "
+        "step and the last good checkpoint, or 'skip' that step's optimizer commit (counted in metrics).")
+    log_every: int = Field(10, ge=1, description="Without a terminal, print a plain progress line every N "
+                           "steps (with a terminal: a progress bar).")
     run_dir: str = Field("runs", description="Folder under which each run writes its own folder.")
     checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: none), and at the "
                                   "last step when this or checkpoint_dir is set.")
     checkpoint_dir: str = Field("", description="Where checkpoints go ('': <run folder>/checkpoints).")
+    keep_checkpoints: int = Field(0, ge=0, description="Keep the newest K checkpoints, deleting older ones after "
+                                  "each save (0: keep all).")
+
+
+class DataConfig(_Strict):
+    """Training and held-out data, and the tokenizer."""
+
+    path: str = Field("", description="Training data: a prepared folder (qeffect prepare-data), a C4-format "
+                      "JSON-lines file or glob of shards ('': the bundled Jargon File asset).")
+    tokenizer: str = Field("", description="A tokenizers JSON file ('': the bundled byte-level BPE).")
+    eot: str = Field("", description="The end-of-text token put between documents ('': the tokenizer's own).")
+    heldout_fraction: float = Field(0.1, ge=0, lt=1, description="Fraction of the documents held out for "
+                                    "evaluation when no heldout_path is given.")
+    heldout_path: str = Field("", description="Held-out data, in the same forms as path ('': a fraction of path).")
+
+
+class LoggingConfig(_Strict):
+    """Where metrics go besides metrics.jsonl."""
+
+    tensorboard: bool = Field(False, description="Also write the metrics as TensorBoard scalars under "
+                              "<run folder>/tensorboard (the tensorboard extra).")
 
 
 class RuntimeConfig(_Strict):
@@ -204,6 +246,8 @@ class RunConfig(_Strict):
     fp8: FP8Config = FP8Config()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    logging: LoggingConfig = LoggingConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     offload: OffloadConfig = OffloadConfig()
 
@@ -270,3 +314,78 @@ def load_config(path: str | Path | None = None) -> RunConfig:
     except tomllib.TOMLDecodeError as err:
         raise UserError(f"{source}: not valid TOML: {err}") from None
     return validate_config(data, source)
+
+
+# ------------------------------------------------------------------------------- --set section.field=value
+SET_FORMAT = "section.field=value"
+
+
+def _set_value(text: str, annotation: Any) -> Any:
+    """The right-hand side of a `--set`: a TOML value (`3e-4`, `true`, `[0, 1]`, `"text"`), else the plain
+    text (so `cuda` or `runs/a` need no quotes). A string field keeps the text as written when it parses as
+    another TOML type (`data.eot=2024` is the string "2024", not an integer)."""
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text.strip()
+    if annotation is str and not isinstance(value, str):
+        return text.strip()
+    return value
+
+
+def _unknown(what: str, name: str, known: list[str], prefix: str = "") -> str:
+    """`unknown field (did you mean optim.lr?)`, or the list of what there is when nothing is close."""
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return f"unknown {what} (did you mean {prefix}{close[0]}?)"
+    listing = f"fields of [{prefix.rstrip('.')}]" if prefix else "sections"
+    return f"unknown {what} ({listing}: {', '.join(known)})"
+
+
+def parse_set(item: str, source: str = "--set") -> tuple[str, str, Any]:
+    """`section.field=value` -> (section, field, value), the field checked against `RunConfig`'s models and
+    the value parsed as in a TOML file (`_set_value`); a `UserError` of one line naming `item` otherwise."""
+    where = f"{source} {item}"
+    key, eq, text = item.partition("=")
+    key = key.strip()
+    if not eq:
+        raise UserError(f"{where}: expected {SET_FORMAT} (no '=')")
+    sections = RunConfig.model_fields
+    section, dot, field = key.partition(".")
+    if not dot or not section or not field:
+        owners = [s for s, info in sections.items() if key in info.annotation.model_fields]
+        hint = f" (did you mean {owners[0]}.{key}?)" if len(owners) == 1 else ""
+        raise UserError(f"{where}: expected {SET_FORMAT}{hint}")
+    if section not in sections:
+        raise UserError(f"{where}: {_unknown('section', section, list(sections))}")
+    fields = sections[section].annotation.model_fields
+    if field not in fields:
+        raise UserError(f"{where}: {_unknown('field', field, list(fields), prefix=f'{section}.')}")
+    return section, field, _set_value(text, fields[field].annotation)
+
+
+def apply_sets(cfg_or_data: RunConfig | dict, items: Sequence[str] | None,
+               source: str = "--set") -> RunConfig:
+    """Apply `section.field=value` items (later ones win) to a config, or to TOML data not yet validated,
+    and validate the result like a TOML file: any error is one line naming the item or the field."""
+    if isinstance(cfg_or_data, RunConfig):
+        if not items:
+            return cfg_or_data
+        data = cfg_or_data.model_dump()
+    else:
+        data = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_or_data.items()}
+    keys = []
+    for item in items or ():
+        section, field, value = parse_set(item, source)
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise UserError(f"{source} {item}: [{section}] is not a table")
+        table[field] = value
+        keys.append((item, section, field))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        # name the items behind the errors: a field's, or a section's (a check across its fields)
+        locs = {tuple(str(x) for x in e["loc"][:2]) for e in err.errors()}
+        named = [item for item, section, field in keys if (section, field) in locs or (section,) in locs]
+        raise UserError(_format_errors(err, " ".join([source, ", ".join(named)]) if named else source)) from None

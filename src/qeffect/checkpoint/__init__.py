@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from qeffect.checkpoint.dcp import (
+    latest_checkpoint,
     load_checkpoint,
+    prune_checkpoints,
+    remove_stale_saves,
     resolve_checkpoint,
     save_checkpoint,
     step_dir,
@@ -26,9 +29,12 @@ __all__ = [
     "CheckpointReport",
     "diff_checkpoints",
     "inspect_checkpoint",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_tensors",
     "open_checkpoint",
+    "prune_checkpoints",
+    "remove_stale_saves",
     "resolve_checkpoint",
     "save_checkpoint",
     "step_dir",

@@ -6,7 +6,9 @@ Save (at a quiescent optimizer boundary only):
   2. DCP writes the tensors into `<DIR>.tmp-<token>` beside `DIR` (same file system, so a rename works);
   3. global rank 0 hashes every file and writes `qeffect.json` (schema version, step, epochs, config,
      recipe, stages, data position, RNG, file manifest) *last*, then renames the folder to `DIR`.
-A crash at any point leaves at most a `*.tmp-*` folder, never a half checkpoint under the final name.
+A crash at any point leaves at most a `*.tmp-*` folder, never a half checkpoint under the final name; the
+next save into the same folder removes such leftovers (`remove_stale_saves`: global rank 0, only folders
+whose writing process is gone). `prune_checkpoints` keeps the newest K `step-<N>` folders of a root.
 An existing non-empty `DIR` is refused unless it is a qeffect checkpoint and `overwrite=True` (the
 training loop replaces the checkpoint of the same step of an abandoned earlier attempt this way): the old
 folder is renamed aside, the new one renamed in, and the old one deleted.
@@ -20,6 +22,7 @@ cache (the first forward refreshes it), then restore the data position and the R
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -158,6 +161,8 @@ def save_checkpoint(pipe: Any, path: str | Path, cfg: RunConfig, *, stream: Any 
     token = _broadcast(view, f"{os.getpid()}-{time.time_ns():x}")
     tmp = final.with_name(f"{final.name}.tmp-{token}")
     if view.global_rank == 0:
+        if final.parent.is_dir():
+            remove_stale_saves(final.parent)
         tmp.mkdir(parents=True)
     _barrier(view)
 
@@ -231,6 +236,118 @@ def _install(tmp: Path, final: Path, token: str) -> None:
 def update_latest(root: str | Path, folder: Path) -> None:
     """Point `root/latest` at `folder` (atomically; written after the folder is in place)."""
     write_text_atomic(Path(root) / LATEST_FILE, folder.name + "\n")
+
+
+# ------------------------------------------------------------------------------------- housekeeping
+_STEP_RE = re.compile(r"step-(\d+)")
+# what a save or a prune leaves beside its target while it runs: `<name>.tmp-<pid>-<hex>` (being written),
+# `<name>.old-<pid>-<hex>` (a replaced checkpoint, deleted once the new one is in place),
+# `<name>.del-<pid>-<hex>` (a pruned checkpoint being deleted), `.latest.tmp-<pid>` (the atomic write of
+# `latest`)
+_LEFTOVER_RE = re.compile(r"(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<pid>\d+)-[0-9a-f]+")
+_FILE_TMP_RE = re.compile(rf"\.{LATEST_FILE}\.tmp-(?P<pid>\d+)")
+# what a checkpoint folder (complete or not) holds: DCP's data and metadata files, ours, and their temp files
+_PAYLOAD_RE = re.escape(PAYLOAD_FILE)
+_SAVE_FILE_RE = re.compile(rf"(\.metadata|.*\.distcp|{_PAYLOAD_RE}|\.{_PAYLOAD_RE}\.tmp-\d+)(\.tmp)?")
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether the process that wrote a leftover can no longer be writing it (this process counts as gone:
+    its saves run one at a time, so a leftover of its own is from an earlier, failed one)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, under another user
+        return False
+    return False
+
+
+def _holds_only_save_files(folder: Path) -> bool:
+    """A leftover of ours holds nothing but checkpoint files (a folder of another program's is left alone)."""
+    return all(f.is_file() and _SAVE_FILE_RE.fullmatch(f.name) for f in folder.iterdir())
+
+
+def remove_stale_saves(root: str | Path) -> list[Path]:
+    """Delete what killed saves left in `root` (`*.tmp-*` folders, a `.latest.tmp-*` file, deletions of pruned
+    checkpoints), and `*.old-*` folders whose replacement is in place; returns what was removed.
+
+    Only leftovers whose writing process (the pid in the name) is gone on this host and that hold nothing
+    but checkpoint files are touched, so a save in progress elsewhere in the same folder, or another
+    program's folder of a similar name, is left alone; an `.old-` folder whose final name is missing
+    (a save killed between the two renames) is the only complete copy and is kept. The caller must own the
+    folder: global rank 0 under torchrun.
+    """
+    removed = []
+    for p in sorted(Path(root).iterdir()):
+        m = _LEFTOVER_RE.fullmatch(p.name)
+        if m is not None and p.is_dir() and not p.is_symlink():
+            if not _process_gone(int(m["pid"])) or not _holds_only_save_files(p):
+                continue
+            if m["kind"] == "old" and not (p.parent / m["name"]).is_dir():
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+            continue
+        f = _FILE_TMP_RE.fullmatch(p.name)
+        if f is not None and p.is_file() and _process_gone(int(f["pid"])):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def _step_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """The complete `step-<N>` checkpoints of `root` (with their `qeffect.json`), by step."""
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.fullmatch(p.name)
+        if m is not None and p.is_dir() and not p.is_symlink() and (p / PAYLOAD_FILE).is_file():
+            out.append((int(m[1]), p))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint `root/latest` names, else the complete `step-<N>` folder of the highest step, else None
+    (no folder, or nothing saved in it yet)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    latest = root / LATEST_FILE
+    if latest.is_file():
+        name = latest.read_text().strip()
+        if name and "/" not in name and not name.startswith(".") and (root / name / PAYLOAD_FILE).is_file():
+            return root / name
+    found = _step_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(root: str | Path, keep: int, *, protect: Path) -> list[Path]:
+    """Keep `protect` (the checkpoint just written) and the newest `keep - 1` other `step-<N>` checkpoints of
+    `root`, by step number; delete the rest and return them. `keep` 0: delete nothing.
+
+    Never deleted: `protect`, the folder `latest` names, anything that is not a complete `step-<N>`
+    checkpoint. Each folder is renamed to `<name>.del-<token>` first, so a deletion cut short leaves a
+    leftover that the next save removes, never a half checkpoint under a step name.
+    """
+    if keep < 1:
+        return []
+    root = Path(root)
+    spared = {Path(protect).resolve()}
+    named = latest_checkpoint(root)
+    if named is not None:
+        spared.add(named.resolve())
+    others = [p for _, p in _step_checkpoints(root) if p.resolve() not in spared]
+    doomed = others[:max(0, len(others) - (keep - 1))]
+    token = f"{os.getpid()}-{time.time_ns():x}"
+    removed = []
+    for p in doomed:
+        gone = p.with_name(f"{p.name}.del-{token}")
+        os.replace(p, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+        removed.append(p)
+    return removed
 
 
 # --------------------------------------------------------------------------------------------- load

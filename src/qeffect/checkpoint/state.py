@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from qeffect.config import bit_changing_fields
+from qeffect.config import RunConfig, bit_changing_fields
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
@@ -246,15 +246,24 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 _ABSENT = object()
 
 
+def _decays_to_the_last_step(flat: dict[str, Any]) -> bool:
+    """Whether the learning rate of this config depends on `train.steps` (a decay with decay_steps = 0)."""
+    return flat.get("optim.schedule", "constant") != "constant" and flat.get("optim.decay_steps", 0) == 0
+
+
 def config_differences(saved: dict[str, Any], current: dict[str, Any], *, only_resume_fields: bool = True,
                        labels: tuple[str, str] = ("checkpoint", "run")) -> list[str]:
-    """`field: checkpoint X, run Y` for every differing field (`RESUME_FIELDS` by default). Stored configs are
-    compared as dicts, so a checkpoint written under another config schema (e.g. `train.offload*` fields,
-    now `[offload]`) still loads: only fields present on either side are compared."""
-    a, b = _flatten(saved), _flatten(current)
+    """`field: checkpoint X, run Y` for every differing field (`RESUME_FIELDS` by default, and
+    `train.steps` where a decay ends at the last step: another length bends the learning-rate curve).
+    Stored configs are compared as dicts over today's defaults, so a checkpoint written under another
+    config schema still loads: a field it lacks counts as its default (the value it ran with), and a field
+    it has that is gone (e.g. `train.offload*`, now `[offload]`) is compared only where both have it."""
+    defaults = _flatten(RunConfig().model_dump())
+    a, b = {**defaults, **_flatten(saved)}, {**defaults, **_flatten(current)}
+    steps_matter = _decays_to_the_last_step(a) or _decays_to_the_last_step(b)
 
     def relevant(k: str) -> bool:
-        return not only_resume_fields or k in RESUME_FIELDS
+        return not only_resume_fields or k in RESUME_FIELDS or (steps_matter and k == "train.steps")
 
     out = []
     for k in sorted(set(a) | set(b)):

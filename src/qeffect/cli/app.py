@@ -13,7 +13,9 @@ from qeffect.cli.root import app, fail
 from qeffect.errors import ReportError, UserError
 
 # the order `qeffect --help` lists the commands in
-COMMANDS = ("verify-state", "train", "capture", "inspect-checkpoint", "profile", "offload-check", "audit-megatron")
+COMMANDS = ("verify-state", "prepare-data", "train", "capture", "inspect-checkpoint", "profile", "offload-check",
+            "audit-megatron")
+# command groups (typer sub-apps, such as `config show|schema`) follow the commands
 
 
 def _register() -> None:
@@ -22,8 +24,10 @@ def _register() -> None:
     from qeffect.cli import (  # noqa: F401
         audit_megatron,
         capture,
+        config,
         inspect_checkpoint,
         offload_check,
+        prepare_data,
         profile,
         train,
         verify_state,

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from qeffect.cli.common import Backend, PathMode, Schedule, config_from_cli, write_json
+from qeffect.cli.common import SET_HELP, SET_METAVAR, Backend, PathMode, Schedule, config_from_cli, write_json
 from qeffect.cli.root import app, fail
 from qeffect.errors import UserError
 
@@ -16,6 +16,7 @@ from qeffect.errors import UserError
 @app.command("capture")
 def capture(
     config: Path | None = typer.Option(None, "--config", "-c", help="Run config TOML whose stage actions to capture."),
+    sets: list[str] | None = typer.Option(None, "--set", metavar=SET_METAVAR, help=SET_HELP),
     handshake_check: bool = typer.Option(False, "--handshake-check",
                                          help="Run the producer-consumer race check of both replay protocols."),
     processes: int = typer.Option(3, "--processes", min=1, help="Fresh processes per protocol."),
@@ -34,13 +35,14 @@ def capture(
     handshake and for stream-ordered replay (the graph launched on the caller's stream). Exit 0 only if
     one-way showed stale reads (the check can see the race) and the other two none.
     """
+    cfg = None if handshake_check else _config(config, path, schedule, backend, sets)  # its errors first
     import torch
 
     if not torch.cuda.is_available():
         raise UserError("qeffect capture needs a CUDA device; none is available")
     console = Console()
-    if not handshake_check:
-        _capture_config(config, path, schedule, backend, steps, json_out, console)
+    if cfg is not None:
+        _capture_config(cfg, path, steps, json_out, console)
         return
     from qeffect.graphs.handshake import SAFE, HandshakeError, run_handshake_suite
 
@@ -67,12 +69,20 @@ def capture(
     raise typer.Exit(0 if report.passed else 1)
 
 
-def _capture_config(config: Path | None, path: PathMode, schedule: Schedule | None, backend: Backend | None,
-                    steps: int, json_out: Path | None, console: Console) -> None:
+def _config(config: Path | None, path: PathMode, schedule: Schedule | None, backend: Backend | None,
+            sets: list[str] | None):
+    """The config to capture: the file, --schedule / --backend, train.device cuda, then --set."""
     if path is PathMode.eager:
         raise UserError("qeffect capture: --path must be captured-copy or captured-direct")
-    cfg = config_from_cli(config, **{"pipeline.schedule": schedule.value if schedule else None,
-                                     "fp8.backend": backend.value if backend else None, "train.device": "cuda"})
+    cfg = config_from_cli(config, sets=sets, **{"pipeline.schedule": schedule.value if schedule else None,
+                                                "fp8.backend": backend.value if backend else None,
+                                                "train.device": "cuda"})
+    if cfg.train.device != "cuda":
+        raise UserError(f"qeffect capture captures CUDA graphs: train.device must be cuda, not {cfg.train.device}")
+    return cfg
+
+
+def _capture_config(cfg, path: PathMode, steps: int, json_out: Path | None, console: Console) -> None:
     from qeffect.profile.capture import run_capture
 
     with console.status(f"capturing every stage action ({path.value}) and replaying {steps} steps"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from qeffect.config import RunConfig, load_config
+from qeffect.config import RunConfig, apply_sets, load_config
 
 
 class Schedule(StrEnum):
@@ -47,9 +47,17 @@ class Head(StrEnum):
     torchao = "torchao"
 
 
-def config_from_cli(config: Path | None, **overrides: object) -> RunConfig:
-    """Load `config` (or the embedded default) and apply `section.field` overrides given on the CLI."""
-    return load_config(config).with_overrides(**overrides)
+# `--set` of train, verify-state, profile, capture and config show (the same text in each command's --help)
+SET_METAVAR = "SECTION.FIELD=VALUE"
+SET_HELP = ("Set any config field as the TOML would, e.g. --set optim.lr=3e-4 --set train.device=cuda (value: a "
+            "TOML value, else plain text); repeatable. Applied last: wins over --config and the dedicated flags. "
+            "`qeffect config schema` lists the fields.")
+
+
+def config_from_cli(config: Path | None, *, sets: list[str] | None = None, **overrides: object) -> RunConfig:
+    """Load `config` (or the embedded default), apply the dedicated flags' `section.field` overrides, then the
+    `--set section.field=value` items: file < dedicated flags < --set (the last of two --set of one field wins)."""
+    return apply_sets(load_config(config).with_overrides(**overrides), sets)
 
 
 def write_json(path: Path, report: BaseModel | dict) -> None:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from qeffect.cli.common import Backend, Device, config_from_cli, write_json
+from qeffect.cli.common import SET_HELP, SET_METAVAR, Backend, Device, config_from_cli, write_json
 from qeffect.cli.root import app
 from qeffect.errors import ReportError, UserError
-from qeffect.profile.targets import with_targets
 
 
 def _ms(x: float | None) -> str:
@@ -160,7 +160,7 @@ def _render_traces(report, console: Console) -> None:
 
 def _command(config: Path | None, device: Device | None, backend: Backend | None, steps: int, warmup: int,
              microbatches: str | None, configs: str | None, json_out: Path | None, plot: Path | None,
-             trace: int = 0) -> str:
+             trace: int = 0, sets: list[str] | None = None) -> str:
     parts = ["qeffect profile"]
     for flag, value in (("--config", config), ("--device", device and device.value),
                         ("--backend", backend and backend.value), ("--steps", steps), ("--warmup", warmup),
@@ -168,12 +168,14 @@ def _command(config: Path | None, device: Device | None, backend: Backend | None
                         ("--plot", plot)):
         if value is not None:
             parts.append(f"{flag} {value}")
+    parts += [f"--set {shlex.quote(item)}" for item in sets or ()]
     return " ".join(parts)
 
 
 @app.command("profile")
 def profile(
     config: Path | None = typer.Option(None, "--config", "-c", help="Run config TOML (default: the embedded tiny CPU config)."),
+    sets: list[str] | None = typer.Option(None, "--set", metavar=SET_METAVAR, help=SET_HELP),
     device: Device | None = typer.Option(None, "--device", help="cpu or cuda (default: the config's)."),
     backend: Backend | None = typer.Option(None, "--backend", help="FP8 backend (default: the config's)."),
     steps: int = typer.Option(20, "--steps", min=1, help="Timed steps per configuration (after warm-up)."),
@@ -201,7 +203,8 @@ def profile(
     Under torchrun (`torchrun --nproc-per-node P*D -m qeffect profile ...`), one pipeline rank per
     process and GPU: every timed step ends with the device synchronized and a barrier of all ranks;
     rank 0 prints and writes the report, with memory per rank and the floor split over the stages
-    (--trace: every rank's summary; --microbatches is single-process).
+    (--trace: every rank's summary; --microbatches is single-process). Each configuration's path and
+    schedule, and the step counts, are profile's own (--configs, --steps, --warmup), not the config's.
     """
     console = Console()
     if plot is not None:
@@ -214,11 +217,12 @@ def profile(
         report = _load(report_in)
     elif launched_by_torchrun():
         report = _distributed(config, device, backend, steps, warmup, microbatches, configs, json_out, plot,
-                              console, trace)
+                              console, trace, sets)
         if report is None:  # ranks other than 0: rank 0 prints and writes
             raise typer.Exit(0)
     else:
-        report = _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace)
+        report = _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace,
+                      sets)
     render(report, console)
     if json_out and report_in is None:
         write_json(json_out, report)
@@ -234,7 +238,7 @@ def profile(
     raise typer.Exit(1 if failed else 0)
 
 
-def _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace=0):
+def _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace=0, sets=None):
     from qeffect.profile.matrix import run_profile
     from qeffect.profile.resources import parse_microbatches
 
@@ -242,23 +246,24 @@ def _run(config, device, backend, steps, warmup, microbatches, configs, json_out
         ms = parse_microbatches(microbatches) if microbatches is not None else None
     except ValueError as err:
         raise UserError(str(err)) from None
-    cfg, names = _inputs(config, device, backend, configs)
-    command = _command(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, trace)
+    cfg, names = _inputs(config, device, backend, configs, sets)
+    command = _command(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, trace, sets)
     with console.status("profiling") as status:
         return run_profile(cfg, steps=steps, warmup=warmup, configs=names, microbatches=ms, command=command,
                            config_path=str(config) if config else None, trace_steps=trace,
                            progress=lambda msg: status.update(f"profiling: {msg}"))
 
 
-def _inputs(config, device, backend, configs):
-    """The run config (with the CLI's device and backend) and the configuration names (None: all)."""
+def _inputs(config, device, backend, configs, sets=None):
+    """The run config (with the CLI's device and backend, then --set) and the configuration names (None: all)."""
     names = [n.strip() for n in configs.split(",")] if configs is not None else None
-    cfg = config_from_cli(config, **{"train.device": device.value if device else None,
-                                     "fp8.backend": backend.value if backend else None})
+    cfg = config_from_cli(config, sets=sets, **{"train.device": device.value if device else None,
+                                                "fp8.backend": backend.value if backend else None})
     return cfg, names
 
 
-def _distributed(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace):
+def _distributed(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace,
+                 sets=None):
     """Under torchrun: the matrix with one pipeline rank per process; rank 0 gets the report, others None."""
     import contextlib
 
@@ -268,10 +273,10 @@ def _distributed(config, device, backend, steps, warmup, microbatches, configs, 
     from qeffect.runtime.distributed import init_from_env
 
     refuse_single_process_options(microbatches)
-    cfg, names = _inputs(config, device, backend, configs)
+    cfg, names = _inputs(config, device, backend, configs, sets)
     init_from_env(cfg.train.device)
     command = f"torchrun --nproc-per-node {dist.get_world_size()} " + _command(
-        config, device, backend, steps, warmup, None, configs, json_out, plot, trace)
+        config, device, backend, steps, warmup, None, configs, json_out, plot, trace, sets)
     rank0 = dist.get_rank() == 0
     try:
         with console.status("profiling") if rank0 else contextlib.nullcontext() as status:
@@ -289,6 +294,7 @@ def _load(path: Path):
     from pydantic import ValidationError
 
     from qeffect.profile.report import READABLE_SCHEMA_VERSIONS, ProfileReport
+    from qeffect.profile.targets import with_targets
 
     if not path.is_file():
         raise UserError(f"{path}: report file not found")

@@ -9,7 +9,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from qeffect.cli.common import Backend, Device, Head, Offload, PathMode, Schedule, config_from_cli, write_json
+from qeffect.cli.common import (
+    SET_HELP,
+    SET_METAVAR,
+    Backend,
+    Device,
+    Head,
+    Offload,
+    PathMode,
+    Schedule,
+    config_from_cli,
+    write_json,
+)
 from qeffect.cli.root import app
 from qeffect.errors import UserError
 
@@ -35,10 +46,36 @@ def _faults(json_out: Path | None, console: Console) -> int:
     return 0 if report.passed else 1
 
 
+def _oracle_check(cfg, path: str, json_out: Path | None, console: Console) -> int:
+    from qeffect.verify.oracle import run_oracle_check
+
+    steps = 2  # step 0 clean, the perturbation in step 1: a run per category, so short ones
+    report = run_oracle_check(cfg, steps=steps, path=path)
+    table = Table(title=f"oracle check ({path}): one perturbed tensor per category, {steps} steps each")
+    for col in ("category", "step", "action", "perturbed", "first divergence", "result"):
+        table.add_column(col)
+    for r in report.results:
+        d = r.first_divergence
+        found = "-" if d is None else f"{d.category}, step {d.step}, {d.action}, stage {d.stage}, m {d.microbatch}"
+        table.add_row(r.category, str(r.step), r.action, r.perturbed or "-", found, "pass" if r.passed else "FAIL",
+                      style=None if r.passed else "red")
+    console.print(table)
+    console.print(f"{sum(r.passed for r in report.results)}/{len(report.results)} categories caught where "
+                  f"perturbed; {report.seconds:.1f} s; {'PASS' if report.passed else 'FAIL'}")
+    if json_out:
+        write_json(json_out, report)
+    return 0 if report.passed else 1
+
+
 @app.command("verify-state")
 def verify_state(
     config: Path | None = typer.Option(None, "--config", "-c", help="Run config TOML (default: the embedded tiny CPU config)."),
+    sets: list[str] | None = typer.Option(None, "--set", metavar=SET_METAVAR, help=SET_HELP),
     faults: bool = typer.Option(False, "--faults", help="Run the CPU-only contract fault injections instead."),
+    oracle_check: bool = typer.Option(
+        False, "--oracle-check",
+        help="Instead: per category, a 2-step run with one tensor's lowest bit flipped in step 1; the "
+             "oracle must name that category, step and action first."),
     steps: int = typer.Option(20, "--steps", min=1, help="Optimizer steps to compare."),
     schedule: Schedule | None = typer.Option(None, "--schedule", help="Pipeline schedule (default: the config's)."),
     path: PathMode = typer.Option(PathMode.eager, "--path", help="qeffect mode to compare with native eager."),
@@ -48,6 +85,8 @@ def verify_state(
     offload: Offload | None = typer.Option(
         None, "--offload", help="Captured paths: saved activations in VMM slots, release or resident (cuda)."),
     seed: int | None = typer.Option(None, "--seed", help="Seed for parameters and synthetic data."),
+    pp: int | None = typer.Option(None, "--pp", min=1, help="Pipeline-parallel degree (default: the config's)."),
+    dp: int | None = typer.Option(None, "--dp", min=1, help="Data-parallel degree (under torchrun; default: the config's)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
 ) -> None:
     """Prove a qeffect mode bitwise equal to the native eager reference, action by action.
@@ -56,17 +95,21 @@ def verify_state(
     the same seed, parameters, data and FP8 recipe, and compares loss, activations, gradients,
     parameters, AdamW state, FP8 scaling state, cache contents and epochs, and resource counts with
     torch.equal after every action and optimizer step. Exit 1 on any mismatch, naming the first.
+    The steps compared and the qeffect mode are --steps and --path (not the config's train.steps and
+    train.path).
     """
     console = Console()
     if faults:
         raise typer.Exit(_faults(json_out, console))
-    cfg = config_from_cli(config, **{"pipeline.schedule": schedule.value if schedule else None,
-                                     "train.device": device.value if device else None,
-                                     "fp8.backend": backend.value if backend else None,
-                                     "fp8.head": head.value if head else None,
-                                     "offload.mode": offload.value if offload else None,
-                                     "train.seed": seed})
+    cfg = config_from_cli(config, sets=sets, **{"pipeline.schedule": schedule.value if schedule else None,
+                                                "train.device": device.value if device else None,
+                                                "fp8.backend": backend.value if backend else None,
+                                                "fp8.head": head.value if head else None,
+                                                "offload.mode": offload.value if offload else None,
+                                                "train.seed": seed, "pipeline.pp": pp, "pipeline.dp": dp})
     _check_device(cfg.train.device, path.value)
+    if oracle_check:
+        raise typer.Exit(_oracle_check(cfg, path.value, json_out, console))
     from qeffect.runtime.build import check_path
 
     check_path(path.value, cfg.train.device, cfg.offload.mode)

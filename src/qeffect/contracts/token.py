@@ -57,12 +57,9 @@ class EffectLedger:
     def history(self) -> list[tuple[int, str]]:
         return list(self._history)
 
-    def consume(self, token: EffectToken, action: str, value: torch.Tensor | None = None) -> EffectToken:
-        """Check that ``token`` is current, then produce and return the next token.
-
-        ``value``: the next token's device value when a captured graph already computed it from this
-        token's value (the graph's token output); otherwise a kernel computes ``token.value + 1`` here.
-        """
+    def check(self, token: EffectToken, action: str) -> None:
+        """Raise :class:`EffectTokenViolation` unless ``token`` is current; changes nothing. An action
+        calls this before any other effect (a cache refresh, a write) so a refused action leaves none."""
         cur = self._current
         if not isinstance(token, EffectToken):
             raise EffectTokenViolation.build("not an effect token", key=self.name, expected="EffectToken",
@@ -79,6 +76,15 @@ class EffectLedger:
             raise EffectTokenViolation.build(
                 "forged token", key=self.name, expected=f"the ledger's current token (seq {cur.seq})",
                 found=f"another token object with seq {token.seq}", note=f"action {action}")
+
+    def consume(self, token: EffectToken, action: str, value: torch.Tensor | None = None) -> EffectToken:
+        """Check that ``token`` is current, then produce and return the next token.
+
+        ``value``: the next token's device value when a captured graph already computed it from this
+        token's value (the graph's token output); otherwise a kernel computes ``token.value + 1`` here.
+        """
+        self.check(token, action)
+        cur = self._current
         # Device-side dependency: the next value is computed from this one by a kernel, not on the host.
         nxt = EffectToken(token.value + 1 if value is None else value, cur.seq + 1, self.name)
         self._history.append((cur.seq, action))

@@ -1,4 +1,5 @@
-"""C4-format JSON-lines reading, token packing and a resumable microbatch stream.
+"""Token packing, the run's datasets and a resumable microbatch stream (reading files: ``records``;
+prepared folders: ``prepared``; the checks before any of it: ``plan``).
 
 Every check runs when a dataset is built, before any training step: a bad shard must fail in one line
 naming the file (and line), not an hour into a run. Everything here is deterministic in (data, seed),
@@ -8,107 +9,26 @@ so a resumed run sees exactly the microbatches an uninterrupted one would have s
 from __future__ import annotations
 
 import array
-import glob
-import gzip
 import hashlib
-import json
 import math
-import os
 import random
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import torch
 from tokenizers import Tokenizer
 
-from qeffect.data.tokenizer import HELDOUT_ASSET, TRAIN_ASSET, bundled_asset, eot_id
+from qeffect.data.plan import DataPlan, Source, plan_data
+from qeffect.data.prepared import PreparedDataset, heldout_dataset, train_dataset
+from qeffect.data.records import iter_records, resolve_files
+from qeffect.data.tokenizer import HELDOUT_ASSET, TRAIN_ASSET, bundled_asset, resolve_eot
 from qeffect.errors import UserError
 
-_GZIP_MAGIC = b"\x1f\x8b"
-_GLOB_CHARS = frozenset("*?[")
 _ENCODE_CHUNK = 1024  # documents per encode_batch call: bounds memory on large user corpora
-HELDOUT_FRACTION = 10  # with a user spec and no held-out spec, the last ceil(n / 10) records are held out
 
-
-def _one_line(text: object, limit: int = 200) -> str:
-    return " ".join(str(text).split())[:limit]
-
-
-def resolve_files(spec: str | Path) -> list[Path]:
-    """The files a spec names: one file, or every file a glob matches (sorted, so shard order is fixed)."""
-    text = os.path.expanduser(str(spec))
-    if _GLOB_CHARS & set(text):
-        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise UserError(f"{text}: no file matches")
-        return files
-    path = Path(text)
-    if path.is_dir():
-        raise UserError(f"{path}: is a directory; pass a file or a glob such as '{path}/*.json.gz'")
-    if not path.is_file():
-        raise UserError(f"{path}: no such file")
-    return [path]
-
-
-def _raw_lines(path: Path) -> Iterator[bytes]:
-    """Lines of a plain or gzip file (detected by magic bytes, whatever the suffix says)."""
-    try:
-        with open(path, "rb") as f:
-            gz = f.read(2) == _GZIP_MAGIC
-        if not gz:
-            with open(path, "rb") as f:
-                yield from f
-            return
-        with gzip.open(path, "rb") as f:
-            yield from f
-    except EOFError:
-        raise UserError(f"{path}: truncated gzip (compressed data ends early)") from None
-    except (gzip.BadGzipFile, zlib.error) as e:
-        raise UserError(f"{path}: corrupt gzip: {_one_line(e)}") from None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read: {_one_line(e.strerror or e)}") from None
-
-
-def _iter_file(path: Path) -> Iterator[dict[str, Any]]:
-    count = 0
-    for lineno, raw in enumerate(_raw_lines(path), start=1):
-        if not raw.strip():
-            continue  # blank lines (a trailing newline pair) are not records
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise UserError(f"{path}:{lineno}: record is a JSON {type(record).__name__}, not an object")
-        if not isinstance(record.get("text"), str):
-            got = "missing" if "text" not in record else f"a {type(record['text']).__name__}"
-            raise UserError(f'{path}:{lineno}: record has no string "text" field ({got})')
-        count += 1
-        yield record
-    if count == 0:
-        raise UserError(f"{path}: empty shard")
-
-
-def iter_records(spec: str | Path) -> Iterator[dict[str, Any]]:
-    """C4 records (dicts with a string ``text``) from a file or a glob of shards, in sorted shard order.
-
-    Files are JSON lines, optionally gzip-compressed (``.json``, ``.jsonl``, ``.json.gz``,
-    ``.jsonl.gz``: C4's own shards are JSON lines despite the ``.json.gz`` name). Problems raise
-    ``UserError`` naming the file and line. The files are resolved at once; records stream lazily.
-    """
-    files = resolve_files(spec)
-
-    def gen() -> Iterator[dict[str, Any]]:
-        for path in files:
-            yield from _iter_file(path)
-
-    return gen()
+__all__ = ["DataStream", "Dataset", "PackedDataset", "iter_records", "load_datasets", "load_plan", "resolve_files"]
 
 
 class PackedDataset:
@@ -119,10 +39,12 @@ class PackedDataset:
     dropped. An end-of-text id follows every document (so it also separates documents across shards).
     """
 
-    def __init__(self, texts: Iterable[str], tokenizer: Tokenizer, seq_len: int, *, source: str = "data"):
+    def __init__(self, texts: Iterable[str], tokenizer: Tokenizer, seq_len: int, *, source: str = "data",
+                 eot: int | None = None):
+        """``eot``: the end-of-text id (None: the tokenizer's own, ``resolve_eot``)."""
         if not isinstance(seq_len, int) or seq_len < 1:
             raise UserError(f"seq_len must be a positive integer, got {seq_len!r}")
-        eot = eot_id(tokenizer)
+        eot = resolve_eot(tokenizer)[1] if eot is None else eot
         ids = array.array("i")
         docs = 0
         chunk: list[str] = []
@@ -153,8 +75,9 @@ class PackedDataset:
         return len(texts)
 
     @classmethod
-    def from_spec(cls, spec: str | Path, tokenizer: Tokenizer, seq_len: int) -> PackedDataset:
-        return cls((r["text"] for r in iter_records(spec)), tokenizer, seq_len, source=str(spec))
+    def from_spec(cls, spec: str | Path, tokenizer: Tokenizer, seq_len: int, *, eot: int | None = None
+                  ) -> PackedDataset:
+        return cls((r["text"] for r in iter_records(spec)), tokenizer, seq_len, source=str(spec), eot=eot)
 
     @property
     def num_tokens(self) -> int:
@@ -197,6 +120,9 @@ class PackedDataset:
         return perm
 
 
+Dataset = PackedDataset | PreparedDataset  # what DataStream walks and evaluation reads
+
+
 class DataStream:
     """Training microbatches in a shuffled, per-epoch order; resumable from ``state_dict()``.
 
@@ -206,7 +132,7 @@ class DataStream:
     """
 
     def __init__(
-        self, dataset: PackedDataset, batch_size: int, seed: int, *, dp_rank: int = 0, dp_size: int = 1
+        self, dataset: Dataset, batch_size: int, seed: int, *, dp_rank: int = 0, dp_size: int = 1
     ):
         if batch_size < 1:
             raise UserError(f"batch size must be positive, got {batch_size}")
@@ -279,32 +205,60 @@ class DataStream:
         self.epoch, self.cursor, self._order = epoch, cursor, None
 
 
-def load_datasets(
-    data: str | Path | None, tokenizer: Tokenizer, seq_len: int, heldout: str | Path | None = None
-) -> tuple[PackedDataset, PackedDataset]:
-    """(train, held-out) datasets, both fully read and checked before this returns.
+def _whole(src: Source, plan: DataPlan, seq_len: int) -> Dataset:
+    """All of a source: a prepared folder's every token, or every record of JSON-lines files."""
+    if src.folder is not None:
+        return train_dataset(src.folder, seq_len, whole=True)
+    return PackedDataset.from_spec(src.spec, plan.tokenizer, seq_len, eot=plan.eot_id)
 
-    - ``data`` None (or ""): the bundled Jargon File assets (1,600 train / 400 held-out records).
-    - ``data`` given, ``heldout`` None: the last ``ceil(n / 10)`` records of ``data`` (in sorted shard
-      order) are held out and NOT trained on; the rest is the training set. Needs at least 2 records.
-    - both given: all of ``data`` trains, all of ``heldout`` evaluates.
-    - ``data`` None, ``heldout`` given: bundled train, that held-out set.
+
+def load_plan(plan: DataPlan, seq_len: int) -> tuple[Dataset, Dataset | None]:
+    """(train, held-out) datasets of a checked ``DataPlan``, both read and checked before this returns.
+
+    - ``train`` bundled: the bundled Jargon File assets (1,600 train / 400 held-out records); a held-out
+      source replaces the bundled held-out file.
+    - a held-out source given: all of ``train`` trains, all of the held-out source evaluates.
+    - a prepared folder alone: its own split (``index.json``), read through a memory map.
+    - JSON lines alone: the last ``ceil(n x heldout_fraction)`` records (in sorted shard order) are held out
+      and NOT trained on; the rest trains (0.1: the last ``ceil(n / 10)``). A fraction of 0: no held-out.
     """
-    if heldout:
-        held = PackedDataset.from_spec(heldout, tokenizer, seq_len)
-    if not data:
-        train = PackedDataset.from_spec(bundled_asset(TRAIN_ASSET), tokenizer, seq_len)
-        if not heldout:
-            held = PackedDataset.from_spec(bundled_asset(HELDOUT_ASSET), tokenizer, seq_len)
+    src, held_src = plan.train, plan.heldout
+    held: Dataset | None = _whole(held_src, plan, seq_len) if held_src is not None else None
+    if src.kind == "bundled":
+        train = PackedDataset.from_spec(bundled_asset(TRAIN_ASSET), plan.tokenizer, seq_len, eot=plan.eot_id)
+        if held_src is None:
+            held = PackedDataset.from_spec(bundled_asset(HELDOUT_ASSET), plan.tokenizer, seq_len, eot=plan.eot_id)
         return train, held
-    if heldout:
-        return PackedDataset.from_spec(data, tokenizer, seq_len), held
-    texts = [r["text"] for r in iter_records(data)]
-    if len(texts) < 2:
-        raise UserError(f"{data}: {len(texts)} record; need at least 2 to hold out the last 10%")
-    cut = len(texts) - math.ceil(len(texts) / HELDOUT_FRACTION)
-    train = PackedDataset(texts[:cut], tokenizer, seq_len, source=f"{data} (first {cut} records, training)")
-    held = PackedDataset(
-        texts[cut:], tokenizer, seq_len, source=f"{data} (last {len(texts) - cut} records, held out)"
-    )
+    if held_src is not None:
+        return _whole(src, plan, seq_len), held
+    if src.folder is not None:
+        return train_dataset(src.folder, seq_len), heldout_dataset(src.folder, seq_len)
+    texts = [r["text"] for r in iter_records(src.spec)]
+    fraction = Fraction(repr(plan.heldout_fraction))  # exact: ceil(30 x 0.1) must be 3, not 4
+    if fraction == 0:
+        return PackedDataset(texts, plan.tokenizer, seq_len, source=src.spec, eot=plan.eot_id), None
+    k = math.ceil(len(texts) * fraction)
+    cut = len(texts) - k
+    if cut < 1:
+        need = next(n for n in range(2, 10**6) if n - math.ceil(n * fraction) >= 1)
+        raise UserError(f"{src.spec}: {len(texts)} record(s); need at least {need} to hold out the last "
+                        f"{float(fraction) * 100:g}% (data.heldout_fraction) and train on the rest")
+    train = PackedDataset(texts[:cut], plan.tokenizer, seq_len, source=f"{src.spec} (first {cut} records, training)",
+                          eot=plan.eot_id)
+    held = PackedDataset(texts[cut:], plan.tokenizer, seq_len, source=f"{src.spec} (last {k} records, held out)",
+                         eot=plan.eot_id)
     return train, held
+
+
+def load_datasets(
+    data: str | Path | None, tokenizer: Tokenizer, seq_len: int, heldout: str | Path | None = None,
+    *, heldout_fraction: float = 0.1, eot: str = "",
+) -> tuple[Dataset, Dataset | None]:
+    """(train, held-out) datasets with an already loaded tokenizer (``load_plan``'s rules).
+
+    ``data`` None (or ""): the bundled assets. A prepared folder's tokenizer hash is not checked here:
+    ``plan_data`` with the tokenizer's path does that.
+    """
+    plan = plan_data(str(data) if data else None, tokenizer=tokenizer, eot=eot, heldout_fraction=heldout_fraction,
+                     heldout_path=str(heldout) if heldout else None)
+    return load_plan(plan, seq_len)

@@ -34,6 +34,7 @@ scalar_dtype = _get_scalar_dtype  # dtype of AdamW's `step` state, as torch's ow
 # torch's AdamW state initialization, called unbound (`adamw_init_group(optimizer, group, ...)`)
 adamw_init_group = torch.optim.AdamW._init_group
 foreach_copy_ = torch._foreach_copy_  # one multi-tensor copy (offload's batched slot stores)
+foreach_mul_ = torch._foreach_mul_  # gradients times the clip factor (`runtime.recipe`)
 
 
 def cuda_sleep(cycles: int) -> None:

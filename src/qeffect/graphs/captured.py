@@ -286,6 +286,7 @@ class CapturedStageActions(StageActions):
                 targets: torch.Tensor | None = None) -> ForwardOut:
         key = self.key(m)
         graphs = self.slots[m]
+        self.ledger.check(token, f"F{m}")  # before any other effect: a refused F leaves none
         if m == 0:  # a new step (after an aborted one too): its dIs start again at microbatch 0
             self._di_next = 0
         refresh = self.cache.check_forward(self.clock, first_microbatch=(m == 0))
@@ -344,8 +345,9 @@ class CapturedStageActions(StageActions):
         self.pool.check_consumer(ref, key, Consumer.DW)
         graphs = self.slots[m]
         grads, tok = graphs.dW.outputs
-        if self.direct:  # the destinations captured into the graph must be the arena's views (data_ptr too)
-            self.checked_destinations(m, grads)
+        # before the token moves and the replay writes: the destinations captured into a direct graph must be
+        # the arena's views (data_ptr too); the copy path's views are checked as the eager dW checks them
+        self.checked_destinations(m, grads if self.direct else None)
         token = self.ledger.consume(token, f"dW{m}", value=tok)
 
         group = self.groups.get(m)

@@ -83,12 +83,15 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     def adamw(p_ptr, g_ptr, s_ptr, slot_stride, m_ptr, v_ptr, bc1_ptr, bc2_sqrt_ptr, n, lr, beta1, beta2,
               weight_decay, eps, q_ptr, scale_ptr, scale_inv_ptr, amax_bits_ptr, fmax, COUNT: tl.constexpr,
               INIT: tl.constexpr, DECAY: tl.constexpr, UPDATE: tl.constexpr, CAST: tl.constexpr,
-              BLOCK: tl.constexpr, ITER: tl.constexpr = 1):
+              BLOCK: tl.constexpr, ITER: tl.constexpr = 1, lr_ptr=None, LR_PTR: tl.constexpr = False):
         """The update of `TritonAdamW` over a flat parameter (``COUNT=0``: the gradient is ``g``); with
         ``CAST`` then Transformer Engine's delayed-scaling cast of the new weight (`fp8.weight_cast`):
         its E4M3 bytes in the same (row-major) order, the amax as an integer atomic max over |w|'s bits,
         and 1 / scale. ``UPDATE=False``: the cast alone. ``ITER`` blocks per program (with the cast: one
-        atomic per program, not per block: they serialize on the one amax word)."""
+        atomic per program, not per block: they serialize on the one amax word). ``LR_PTR``: the learning
+        rate is the fp32 at ``lr_ptr`` (a graph replays with each step's), not the argument ``lr``."""
+        if LR_PTR:
+            lr = tl.load(lr_ptr)
         amax = tl.zeros((BLOCK,), dtype=tl.int32)
         for i in tl.static_range(ITER):
             offs = (tl.program_id(0).to(tl.int64) * ITER + i) * BLOCK + tl.arange(0, BLOCK)
@@ -145,6 +148,8 @@ class TritonAdamW(torch.optim.AdamW):
         self._lazy: dict[torch.Tensor, LazyRows] = {}  # row-lazy tables (`lazy_rows`)
         self._casts: dict[torch.Tensor, WeightCastTarget] = {}
         self.graph = graph  # see `use_graph`
+        self.tensor_lr = False  # see `use_tensor_lr`
+        self._lr_buffers: dict[int, torch.Tensor] = {}  # per parameter group: its learning rate on the device
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_key: tuple | None = None
         self._last_key: tuple | None = None
@@ -162,6 +167,36 @@ class TritonAdamW(torch.optim.AdamW):
         self.graph = enabled
         if not enabled:
             self._graph = self._graph_key = self._last_key = None
+
+    def use_tensor_lr(self, enabled: bool = True) -> None:
+        """Let the Triton passes and torch's fused kernel read each group's learning rate from a device
+        fp32 scalar, written from ``group["lr"]`` before every step (eager or replayed), instead of taking
+        it as a launch argument: a schedule's new rate every step then replays the same graph (`use_graph`),
+        with no capture per rate. The same bits: torch's fused kernel rounds a float argument and reads a
+        tensor as fp32 alike, and a Triton float argument is fp32. Off (the default), nothing changes."""
+        self.tensor_lr = enabled
+        if not enabled:
+            self._lr_buffers = {}
+        self._graph = self._graph_key = self._last_key = None  # the launches' arguments change
+
+    def _lr_buffer(self, index: int) -> torch.Tensor:
+        """Group `index`'s device learning rate (created on its first parameter's device)."""
+        buf = self._lr_buffers.get(index)
+        if buf is None:
+            device = self.param_groups[index]["params"][0].device
+            buf = self._lr_buffers[index] = torch.zeros(1, dtype=torch.float32, device=device)
+        return buf
+
+    def _write_lrs(self) -> None:
+        """Each group's learning rate into its device scalar, on the current stream (before the step's
+        kernels or its graph's replay, outside any capture)."""
+        for i, group in enumerate(self.param_groups):
+            self._lr_buffer(i).fill_(float(group["lr"]))
+
+    def drop_folds(self) -> None:
+        """Forget the folds handed over for the next step (a commit that runs no step: the staged
+        gradients belong to the step it drops)."""
+        self._folds = {}
 
     def cast_after_step(self, target: WeightCastTarget) -> None:
         """From now on every :meth:`step` also casts `target.weight` into its FP8 cache (`fp8.weight_cast`):
@@ -269,11 +304,12 @@ class TritonAdamW(torch.optim.AdamW):
         run eagerly (no graph: state not yet initialized, a tensor not covered by the Triton pass, a step
         under another capture)."""
         key: list = []
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
             live = [p for p in group["params"] if p.grad is not None]
             if not live or not self._covered(group, live, [p.grad for p in live]):
                 return None
-            key.append((group["lr"], group["betas"], group["eps"], group["weight_decay"]))
+            lr = ("lr-tensor", self._lr_buffer(i).data_ptr()) if self.tensor_lr else group["lr"]
+            key.append((lr, group["betas"], group["eps"], group["weight_decay"]))
             for p in live:
                 state = self.state.get(p)
                 if not state or not all(torch.is_tensor(state.get(k)) for k in ("step", "exp_avg", "exp_avg_sq")):
@@ -298,6 +334,8 @@ class TritonAdamW(torch.optim.AdamW):
         return out
 
     def _step_once(self, closure: Callable[[], float] | None) -> float | None:
+        if self.tensor_lr:
+            self._write_lrs()
         if self.graph and closure is None:
             key = self._work_key()
             if key is not None and key == self._graph_key:
@@ -365,13 +403,16 @@ class TritonAdamW(torch.optim.AdamW):
             foreach_add_(lists[-1], 1.0)  # every step count, as torch's fused step does first
             beta1, beta2 = group["betas"]
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+            # `use_tensor_lr`: the device scalar `_write_lrs` wrote, read by every kernel below
+            index = next(i for i, g in enumerate(self.param_groups) if g is group)
+            lr_t = self._lr_buffer(index) if self.tensor_lr else None
             large = [i for i, p in enumerate(lists[0]) if p.numel() >= MIN_NUMEL or p in self._lazy]
             small = [i for i in range(len(lists[0])) if i not in large]
             if small:
                 p, g, m, v, s = ([lst[i] for i in small] for lst in lists)
                 _fold_first({t: folds.pop(t) for t in p if t in folds})
-                fused_adamw_(p, g, m, v, [], s, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
-                             weight_decay=wd, eps=eps, maximize=False)
+                fused_adamw_(p, g, m, v, [], s, amsgrad=False, lr=lr if lr_t is None else lr_t, beta1=beta1,
+                             beta2=beta2, weight_decay=wd, eps=eps, maximize=False)
             if large:
                 p, g, m, v, s = ([lst[i] for i in large] for lst in lists)
                 bc1, bc2_sqrt = bias_corrections(s, beta1, beta2)
@@ -385,23 +426,32 @@ class TritonAdamW(torch.optim.AdamW):
                     if lazy is not None:
                         if fold is not None or pi in casts:
                             raise RuntimeError("a row-lazy table takes no staged fold and no FP8 cast")
-                        lazy.update(gi, b1, b2, lr=lr, betas=(beta1, beta2), weight_decay=wd, eps=eps)
+                        lazy.update(gi, b1, b2, lr=lr, betas=(beta1, beta2), weight_decay=wd, eps=eps, lr_ptr=lr_t)
                         continue
                     block, count, init = fold if fold is not None else (gi, 0, False)
                     target = casts.pop(pi, None)
                     if target is not None:
                         _launch_cast(target, (gi, block, block.stride(0), mi, vi, b1, b2, lr, beta1, beta2, wd, eps),
-                                     count=count, init=init)
+                                     count=count, init=init, lr_ptr=lr_t)
                         continue
                     size, warps = (FOLD_BLOCK, FOLD_WARPS) if count else (BLOCK, NUM_WARPS)
                     kernel[(-(-n // size),)](pi, gi, block, block.stride(0), mi, vi, b1, b2, n, lr, beta1, beta2,
                                              wd, eps, pi, pi, pi, pi, 0.0, COUNT=count, INIT=init, DECAY=wd != 0,
-                                             UPDATE=True, CAST=False, BLOCK=size, num_warps=warps)
+                                             UPDATE=True, CAST=False, BLOCK=size, num_warps=warps,
+                                             **_lr_args(lr_t, pi))
         _cast_alone(list(casts.values()), zeroed=True)  # weights the fused pass did not cover (or had no .grad)
         return None  # a fold left in `folds` is a parameter whose .grad was dropped since: nothing to update
 
 
-def _launch_cast(t: WeightCastTarget, update: tuple | None, count: int = 0, init: bool = False) -> None:
+def _lr_args(lr_t: torch.Tensor | None, dummy: torch.Tensor) -> dict:
+    """The kernel's learning-rate arguments: the device scalar, or (None) the ``lr`` argument, as before
+    `use_tensor_lr`, with `dummy` (any tensor of the launch) as the unread pointer: no launch relies on
+    how a Triton version takes a None argument."""
+    return {"lr_ptr": dummy if lr_t is None else lr_t, "LR_PTR": lr_t is not None}
+
+
+def _launch_cast(t: WeightCastTarget, update: tuple | None, count: int = 0, init: bool = False,
+                 lr_ptr: torch.Tensor | None = None) -> None:
     """One pass over `t.weight`: the update (``update``: the AdamW arguments after the weight) and the
     cast, or (``None``) the cast alone; then the cast's transpose as its own byte pass (Triton's in-kernel
     transposes of fp32-born tiles wrote wrong bytes on the H200: `fp8.fused_quantize`'s history, and
@@ -415,7 +465,8 @@ def _launch_cast(t: WeightCastTarget, update: tuple | None, count: int = 0, init
         _kernel()[(-(-n // per),)](p, g, block, stride, m, v, b1, b2, n, lr, beta1, beta2, wd, eps, data, t.scale,
                                    t.scale_inv, t.pending_amax.view(torch.int32), fp8_max(torch.float8_e4m3fn),
                                    COUNT=count, INIT=init, DECAY=wd != 0, UPDATE=update is not None, CAST=True,
-                                   BLOCK=size, ITER=CAST_ITER, num_warps=warps)
+                                   BLOCK=size, ITER=CAST_ITER, num_warps=warps,
+                                   **_lr_args(lr_ptr if update is not None else None, p))
     if t.transpose is not None:
         transpose_bytes(t.data, out=t.transpose, block=CAST_TRANSPOSE_BLOCK)
     t.mark_cast()

@@ -68,12 +68,12 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, 
         accumulate = fixed_order_sum and dw_in_order(schedule, rank)
     p, mc = cfg.pipeline, cfg.model
     if native:
-        return NativeRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim)
+        return NativeRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, total_steps=cfg.train.steps)
     activation = ((mc.microbatch_size, mc.seq_len, mc.hidden), dtype_of(cfg))
     return QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
                        fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
                        activation=activation, offload=offload, accumulate=accumulate,
-                       staging=p.wgrad_staging if accumulate else 0)
+                       staging=p.wgrad_staging if accumulate else 0, total_steps=cfg.train.steps)
 
 
 def check_path(path: str, device: str | torch.device, offload: str = "off") -> None:

@@ -7,6 +7,12 @@ pipeline rank owns. Activations and input gradients move with point-to-point mes
 data-parallel replicas all-reduce their gradients (arena views and non-matrix `.grad`) and merge their
 FP8 scaling state; the reduction is a resource tracked by the commit barrier, so a commit with a
 reduction in flight is rejected.
+
+With clipping (`optim.clip_grad_norm`, `runtime.recipe`), after that reduction every process computes
+its stages' square sums, all processes all-gather one fixed-size vector (one entry per stage) and each
+adds the stages in stage order itself, taking data-parallel replica 0's entries (every replica's are the
+same: the replicas hold identical reduced gradients). Every rank so holds the same global norm and clip
+factor, bit for bit, and the same as one process computes.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from qeffect.runtime.build import (
 )
 from qeffect.runtime.phases import SetupClock, phase_of
 from qeffect.runtime.rank import BaseRank, Batch, Observer, QEffectRank
+from qeffect.runtime.recipe import clip_factor, global_norm
 from qeffect.schedule import ActionKind, Schedule, native_with_placement
 from qeffect.stage.actions import arena_name
 
@@ -200,6 +207,10 @@ class DistributedPipeline:
         chunks = build_chunks_for(cfg, self.device, phase, stages=self.schedule.stages_of(self.topo.pp_rank))
         self.reductions = ReductionTracker(f"rank{self.topo.rank}.reductions")
         self.reductions_run = 0
+        self.track_grad_norm = False  # as `SingleProcessPipeline.track_grad_norm`
+        self.last_grad_norm: torch.Tensor | None = None
+        self.last_lr: float | None = None
+        self._prepared: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (norm, clip factor)
         with phase("ranks"):
             self.rank: BaseRank = build_rank(cfg, self.schedule, self.topo.pp_rank, chunks, native=native,
                                              direct=direct, reductions=self.reductions, manager=self.manager,
@@ -282,11 +293,47 @@ class DistributedPipeline:
                 elif "scale" in name:
                     _all_reduce(t, dist.ReduceOp.MIN, self.dp_group)
 
-    def commit(self, before_step: Callable[[], None] | None = None) -> None:
+    def _wants_norm(self) -> bool:
+        return self.track_grad_norm or self.rank.recipe.clip > 0
+
+    def grad_norm(self) -> torch.Tensor | None:
+        """The global gradient norm of the step over every stage (see the module docstring), once the
+        actions ran and before the commit: the data-parallel reduction, this rank's stages' square sums, an
+        all-gather over every process, the sum in stage order. None when neither clipping nor
+        `track_grad_norm` asks for it. A collective: every process calls it, or none."""
+        if self._prepared is None:
+            if not self._wants_norm():
+                return None
+            self.reduce_gradients()
+            n = self.schedule.num_stages
+            mine = torch.zeros(n, dtype=torch.float64, device=self.device)
+            for s, t in self.rank.gradient_square_sums().items():
+                mine[s] = t
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)
+            # stage s of data-parallel replica 0 lives on global rank stage_to_rank[s] (`Topology`)
+            norm = global_norm([every[self.schedule.stage_to_rank[s]][s] for s in range(n)])
+            clip = self.rank.recipe.clip
+            self._prepared = (norm, clip_factor(norm, clip) if clip > 0 else None)
+        return self._prepared[0]
+
+    def commit(self, before_step: Callable[[], None] | None = None, *, skip: bool = False) -> None:
         """Data-parallel reduction, then the rank's commit (`before_step` runs just before AdamW, and reads
-        the gradients it is about to use through `rank.gradient`: what verification reads)."""
-        self.reduce_gradients()
-        self.rank.commit(before_step=before_step)
+        the gradients it is about to use through `rank.gradient`: what verification reads). With clipping,
+        the global norm first (`grad_norm`), whose factor the rank's commit applies. `skip`: no optimizer
+        step (`BaseRank.commit`); every process must pass the same."""
+        try:
+            if self._prepared is None and not self._wants_norm():
+                self.reduce_gradients()
+                self.rank.commit(before_step=before_step, skip=skip)
+                self.last_grad_norm = None
+            else:
+                norm = self.grad_norm()
+                self.rank.commit(before_step=before_step, factor=self._prepared[1], skip=skip)
+                self.last_grad_norm = norm
+        finally:
+            self._prepared = None
+        self.last_lr = self.rank.last_lr
 
     def step(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
         loss = self.run_actions(batches, observer)

@@ -113,9 +113,12 @@ def _kernels(triton, tl):  # noqa: ANN001, ANN202 - builds Triton JIT functions
     @triton.jit
     def update(rows_ptr, vocab, last_ptr, claim_ptr, done_ptr, p_ptr, g_ptr, m_ptr, v_ptr, zero_ptr, tab_ptr, cap,
                h, bc1_ptr, bc2_sqrt_ptr, lr, beta1, beta2, weight_decay, eps, DECAY: tl.constexpr,
-               BLOCK: tl.constexpr):
+               BLOCK: tl.constexpr, lr_ptr=None, LR_PTR: tl.constexpr = False):
         """This step (done + 1) on every row in ``rows`` (each once; the vocabulary size where none), as
-        the dense pass updates it; program 0 records the step's scalars."""
+        the dense pass updates it; program 0 records the step's scalars. ``LR_PTR``: the learning rate is
+        the fp32 at ``lr_ptr`` (`TritonAdamW.use_tensor_lr`), not ``lr``."""
+        if LR_PTR:
+            lr = tl.load(lr_ptr)
         i = tl.program_id(0)
         t = tl.load(done_ptr) + 1
         if i == 0:
@@ -208,14 +211,16 @@ class LazyRows:
             self.behind = 0
 
     def update(self, grad: Tensor, bc1: Tensor, bc2_sqrt: Tensor, *, lr: float, betas: tuple[float, float],
-               weight_decay: float, eps: float) -> None:
+               weight_decay: float, eps: float, lr_ptr: Tensor | None = None) -> None:
         """This step on the rows in `rows` (their earlier steps first where they are behind), then count
-        the step done. `grad`: the table's gradient (only those rows are read)."""
+        the step done. `grad`: the table's gradient (only those rows are read). `lr_ptr`: the learning
+        rate as a device fp32 scalar instead of `lr` (each step's rate under one graph)."""
+        extra = {"lr_ptr": self.zero if lr_ptr is None else lr_ptr, "LR_PTR": lr_ptr is not None}  # zero: unread
         with on_device(self.param.device):
             _kernels()[1][(self.rows.numel(),)](
                 self.rows, self.vocab, self.last, self.claim, self.done, self.param, grad, self.exp_avg,
                 self.exp_avg_sq, self.zero, self.table, self.capacity, self.hidden, bc1, bc2_sqrt, lr, betas[0],
-                betas[1], weight_decay, eps, DECAY=weight_decay != 0, BLOCK=BLOCK, num_warps=4)
+                betas[1], weight_decay, eps, DECAY=weight_decay != 0, BLOCK=BLOCK, num_warps=4, **extra)
         self.done.add_(1)
 
     def stepped(self) -> None:

@@ -18,6 +18,7 @@ from qeffect.graphs.captured import CapturedStageActions
 from qeffect.graphs.manager import GraphManager
 from qeffect.offload.group import OffloadManager
 from qeffect.runtime.adamw import TritonAdamW
+from qeffect.runtime.recipe import Recipe, scale_gradients, stage_square_sum
 from qeffect.runtime.transport import Transport
 from qeffect.schedule import Action, ActionKind
 from qeffect.stage.accumulate import fold_staged
@@ -48,13 +49,19 @@ class BaseRank:
     triton_optimizer = False  # `make_optimizer(triton=...)`: qeffect's ranks take the Triton AdamW
 
     def __init__(self, rank: int, chunks: dict[int, torch.nn.Module], num_stages: int, microbatches: int,
-                 optim: OptimConfig) -> None:
+                 optim: OptimConfig, *, total_steps: int | None = None) -> None:
         self.rank = rank
         self.chunks = dict(sorted(chunks.items()))
         self.num_stages = num_stages
         self.microbatches = microbatches
         params = [p for c in self.chunks.values() for p in c.parameters()]
         self.optimizer = make_optimizer(params, optim, triton=self.triton_optimizer)
+        if total_steps is None and optim.schedule != "constant" and not optim.decay_steps:
+            raise ValueError(f"optim.schedule = {optim.schedule} decays until the run's last step: give the "
+                             "rank total_steps (train.steps) or set optim.decay_steps")
+        # the learning-rate schedule and clipping (`runtime.recipe`); the commit applies them
+        self.recipe = Recipe(optim, total_steps or 0)
+        self.last_lr: float | None = None  # the learning rate of the last commit
         self.step_index = 0
         self.losses: dict[int, torch.Tensor] = {}
         self.last_output: torch.Tensor | None = None
@@ -112,13 +119,42 @@ class BaseRank:
         if isinstance(self.optimizer, TritonAdamW):
             self.optimizer.reset_lazy()
 
+    def _set_lr(self) -> float:
+        """Put the schedule's learning rate of the step being committed (`step_index + 1`) into every
+        parameter group; the default recipe puts back `optim.lr`, the value the groups were built with."""
+        lr = self.recipe.lr(self.step_index + 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.last_lr = lr
+        return lr
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        return [p.grad for c in self.chunks.values() for p in c.parameters() if p.grad is not None]
+
+    def gradient_square_sums(self) -> dict[int, torch.Tensor]:
+        """Per owned stage, the sum of its gradients' squared norms (`recipe.stage_square_sum`): the
+        gradients as the commit will use them, every one complete (before clipping)."""
+        self.prepare_gradients()
+        return {s: stage_square_sum((n, p.grad) for n, p in c.named_parameters()) for s, c in self.chunks.items()}
+
+    def prepare_gradients(self) -> None:
+        """Make every `.grad` the complete gradient of the step (nothing left for the optimizer to fold)
+        before a global norm reads it; nothing to do for the native reference."""
+
+    def _apply_factor(self, factor: torch.Tensor | None) -> None:
+        if factor is not None:
+            scale_gradients(self._owned_grads(), factor)
+        elif self.recipe.clip > 0:
+            raise RuntimeError("optim.clip_grad_norm: the commit needs the clip factor of the global gradient "
+                               "norm (commit through the pipeline, which reduces it over every stage)")
+
 
 class NativeRank(BaseRank):
     """The native eager reference for one rank (F and full backward B)."""
 
     def __init__(self, rank: int, chunks: dict[int, torch.nn.Module], num_stages: int, microbatches: int,
-                 optim: OptimConfig) -> None:
-        super().__init__(rank, chunks, num_stages, microbatches, optim)
+                 optim: OptimConfig, *, total_steps: int | None = None) -> None:
+        super().__init__(rank, chunks, num_stages, microbatches, optim, total_steps=total_steps)
         self.stages = {s: NativeStage(c) for s, c in self.chunks.items()}
         self.grad_input: torch.Tensor | None = None
 
@@ -135,10 +171,17 @@ class NativeRank(BaseRank):
         else:
             raise ValueError(f"the native reference runs F and B only, got {action}")
 
-    def commit(self, before_step: Callable[[], None] | None = None) -> None:
-        if before_step is not None:  # the gradients AdamW is about to use are in .grad now (`gradient`)
-            before_step()
-        self.optimizer.step()
+    def commit(self, before_step: Callable[[], None] | None = None, *, factor: torch.Tensor | None = None,
+               skip: bool = False) -> None:
+        """The optimizer step at the schedule's learning rate, on gradients multiplied by the clip
+        `factor` (with clipping on: the pipeline's, from the global norm). `skip`: no optimizer step (the
+        parameters and AdamW state stay; the FP8 state keeps what the step's actions did); the step counts."""
+        self._set_lr()
+        if not skip:
+            self._apply_factor(factor)
+            if before_step is not None:  # the gradients AdamW is about to use are in .grad now (`gradient`)
+                before_step()
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.clear()
         self.step_index += 1
@@ -153,8 +196,9 @@ class QEffectRank(BaseRank):
                  optim: OptimConfig, *, direct: bool = True, tape_capacity: int | None = None,
                  reductions: ReductionTracker | None = None, fixed_order_sum: bool = True,
                  manager: GraphManager | None = None, activation: tuple[tuple[int, ...], torch.dtype] | None = None,
-                 offload: OffloadManager | None = None, accumulate: bool = False, staging: int = 0) -> None:
-        super().__init__(rank, chunks, num_stages, microbatches, optim)
+                 offload: OffloadManager | None = None, accumulate: bool = False, staging: int = 0,
+                 total_steps: int | None = None) -> None:
+        super().__init__(rank, chunks, num_stages, microbatches, optim, total_steps=total_steps)
         # captured: the token table's AdamW row-lazy (`runtime.lazy_rows`); off under data parallelism (set
         # before capture: the replicas' reduced table gradient is dense)
         self.lazy_token_rows = True
@@ -196,6 +240,9 @@ class QEffectRank(BaseRank):
         self.manager = manager
         if manager is not None and isinstance(self.optimizer, TritonAdamW):
             self.optimizer.use_graph()  # captured: the optimizer step replays from a graph too
+            if self.recipe.varies:  # the graph reads each step's learning rate from the device
+                self.optimizer.use_tensor_lr()
+        self._grads_ready = False  # `prepare_gradients` loaded this step's gradients (a global norm)
         self.tokens = {s: a.ledger.current for s, a in self.actions.items()}
         self.refs: dict[tuple[int, int], object] = {}
         self.direct = direct
@@ -254,11 +301,12 @@ class QEffectRank(BaseRank):
         return {pname: self.arena.prefix_sum(arena_name(stage, pname), upto)
                 for pname in self.chunks[stage].matrix_params()}
 
-    def _load_grads(self) -> None:
+    def _load_grads(self, defer: bool = True) -> None:
         """`.grad` of every matrix parameter for AdamW. The arena's deferred last staging group goes to the
-        Triton AdamW, which adds it inside its pass: `.grad` then lacks that group (`gradient` has it)."""
+        Triton AdamW, which adds it inside its pass: `.grad` then lacks that group (`gradient` has it).
+        `defer=False`: the arena folds it first, so `.grad` is complete (a global norm reads it)."""
         if self.fixed_order_sum:
-            folding = self.optimizer if isinstance(self.optimizer, TritonAdamW) else None
+            folding = self.optimizer if defer and isinstance(self.optimizer, TritonAdamW) else None
             for act in self.actions.values():
                 act.load_matrix_grads(folding)
             return
@@ -272,17 +320,47 @@ class QEffectRank(BaseRank):
                     acc += self.arena.view(arena_name(s, pname), k)
                 p.grad = acc
 
-    def commit(self, before_step: Callable[[], None] | None = None) -> None:
-        """Optimizer commit through the barrier: quiescence, fixed-order gradient sums, AdamW, epochs."""
+    def prepare_gradients(self) -> None:
+        """The first half of a commit that needs the whole gradient first (clipping's global norm): the
+        barrier's checks, then every `.grad` loaded complete (the arena folds its last staging group
+        itself instead of leaving it to the optimizer's pass). A refused barrier aborts the epoch, as the
+        commit's does; `commit` then runs the rest. Idempotent within a step."""
+        if self._grads_ready:
+            return
+        try:
+            self.barrier.check_quiescent("commit")
+            for arena in self.barrier.arenas:
+                arena.finalize()
+            self._load_grads(defer=False)
+        except BaseException:
+            self.barrier.abort_epoch()
+            raise
+        self._grads_ready = True
+
+    def commit(self, before_step: Callable[[], None] | None = None, *, factor: torch.Tensor | None = None,
+               skip: bool = False) -> None:
+        """Optimizer commit through the barrier: quiescence, fixed-order gradient sums, the clip `factor`
+        (with clipping on), AdamW at the schedule's learning rate, epochs. `skip`: every epoch advances but
+        no optimizer step runs (parameters and AdamW state stay; see `NativeRank.commit`)."""
+        self._set_lr()
 
         def step() -> None:
-            self._load_grads()
-            if before_step is not None:
-                before_step()
-            self.optimizer.step()
+            if not self._grads_ready:  # a clip factor scales `.grad`: complete, no fold left to the pass
+                self._load_grads(defer=factor is None)
+            if skip:
+                if isinstance(self.optimizer, TritonAdamW):
+                    self.optimizer.drop_folds()  # a deferred fold of this step must not reach the next one
+            else:
+                self._apply_factor(factor)
+                if before_step is not None:
+                    before_step()
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
-        self.barrier.commit(step)
+        try:
+            self.barrier.commit(step)
+        finally:
+            self._grads_ready = False
         self.losses.clear()
         self.dw_order = {s: [] for s in self.chunks}
         self.step_index += 1

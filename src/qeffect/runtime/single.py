@@ -9,16 +9,23 @@ waiting on the caller's stream and ends with the caller's stream waiting on ever
 step returns or leaves behind is ordered on the caller's stream as before (whole-stream edges: `wait_stream`
 records an event on the stream it waits for, the same rule with an event nobody needs to name). The
 arithmetic of every action is the same: only which kernels may overlap changes.
+
+The commit applies the training recipe (`runtime.recipe`): each rank sets the schedule's learning rate
+itself; with clipping (or `track_grad_norm`) the pipeline first loads every rank's complete gradients,
+adds the stages' square sums in stage order into the global norm and hands every rank the clip factor.
+That commit runs on the caller's stream after every rank stream (the norm needs every rank's last
+gradient), not beside other ranks' remaining actions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 
 import torch
 
 from qeffect.runtime.rank import BaseRank, Batch, Observer
+from qeffect.runtime.recipe import clip_factor, global_norm
 from qeffect.runtime.transport import LocalTransport
 from qeffect.schedule import Schedule, global_order
 
@@ -37,6 +44,11 @@ class SingleProcessPipeline:
         self.rank_streams: list[torch.cuda.Stream] | None = None  # one per rank: see the module docstring
         self.keep_alive: list[torch.Tensor] = []  # what captured graphs use by address only (workspaces)
         self.checked_completion = False  # check each hand-off between rank streams (host bookkeeping: debugging)
+        # the global gradient norm every commit, also without clipping (`qeffect train` with nonfinite = skip)
+        self.track_grad_norm = False
+        self.last_grad_norm: torch.Tensor | None = None  # float64 0-dim, on the device: the last commit's norm
+        self.last_lr: float | None = None  # the last commit's learning rate
+        self._prepared: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (norm, clip factor)
 
     def on_rank_stream(self, rank: int):
         """The context rank `rank`'s work is launched in: its stream, or the caller's without rank streams."""
@@ -82,14 +94,57 @@ class SingleProcessPipeline:
         with self._fork_join():
             return self._actions(batches, observer)
 
-    def _commit_ranks(self) -> None:
-        for rank, r in enumerate(self.ranks):
-            with self.on_rank_stream(rank):
-                r.commit()
+    def _wants_norm(self) -> bool:
+        return self.track_grad_norm or self.ranks[0].recipe.clip > 0
 
-    def commit(self) -> None:
+    def _after_rank_streams(self) -> None:
+        """The caller's stream after every rank stream (the work that follows reads every rank's results)."""
+        if self.rank_streams is not None:
+            caller = torch.cuda.current_stream(self.rank_streams[0].device)
+            for s in self.rank_streams:
+                caller.wait_stream(s)
+
+    def grad_norm(self) -> torch.Tensor | None:
+        """The global gradient norm of the step (`runtime.recipe`: stages added in stage order), once its
+        actions ran and before its commit; None when neither clipping nor `track_grad_norm` asks for it.
+        Loads every rank's gradients (`BaseRank.gradient_square_sums`); the commit then uses them."""
+        if self._prepared is None:
+            if not self._wants_norm():
+                return None
+            self._after_rank_streams()
+            sums: dict[int, torch.Tensor] = {}
+            for r in self.ranks:
+                sums.update(r.gradient_square_sums())
+            norm = global_norm([sums[s] for s in range(self.schedule.num_stages)])
+            clip = self.ranks[0].recipe.clip
+            self._prepared = (norm, clip_factor(norm, clip) if clip > 0 else None)
+        return self._prepared[0]
+
+    def _commit_ranks(self, before_step: Callable[[BaseRank], None] | None = None, skip: bool = False) -> None:
+        def hook(r: BaseRank) -> Callable[[], None] | None:
+            return None if before_step is None else (lambda: before_step(r))
+
+        if self._prepared is None and not self._wants_norm():  # no norm: each rank on its stream, as it comes
+            for rank, r in enumerate(self.ranks):
+                with self.on_rank_stream(rank):
+                    r.commit(hook(r), skip=skip)
+            self.last_grad_norm = None
+        else:
+            try:
+                norm = self.grad_norm()
+                factor = self._prepared[1]
+                for r in self.ranks:  # on the caller's stream, after every rank stream (`grad_norm`)
+                    r.commit(hook(r), factor=factor, skip=skip)
+            finally:
+                self._prepared = None
+            self.last_grad_norm = norm
+        self.last_lr = self.ranks[0].last_lr
+
+    def commit(self, before_step: Callable[[BaseRank], None] | None = None, *, skip: bool = False) -> None:
+        """Every rank's commit (`before_step(rank)` just before its AdamW step). `skip`: every rank
+        skips its optimizer step (`BaseRank.commit`)."""
         with self._fork_join():
-            self._commit_ranks()
+            self._commit_ranks(before_step, skip)
 
     def step(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
         """One step: the actions, then each rank's commit on its stream (a rank whose last action is done

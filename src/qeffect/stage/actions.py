@@ -156,6 +156,7 @@ class StageActions:
         self, m: int, inp: torch.Tensor, token: EffectToken, targets: torch.Tensor | None = None
     ) -> ForwardOut:
         key = self.key(m)
+        self.ledger.check(token, f"F{m}")  # before the cache refresh: a refused F leaves no effect
         refresh = self.cache.check_forward(self.clock, first_microbatch=(m == 0))
         token = self.ledger.consume(token, f"F{m}")
         ref = self.pool.allocate(key)
@@ -196,8 +197,9 @@ class StageActions:
     def weight_grad(self, m: int, ref: TapeRef, token: EffectToken) -> WeightGradOut:
         key = self.key(m)
         tape = self.pool.check_consumer(ref, key, Consumer.DW)
-        if self.direct:
-            dests = self.checked_destinations(m)
+        # every check before any effect: the arena views this dW's gradients land in (written by its GEMMs
+        # here, or copied in by `place_copies` on the copy path) are refused now, before the token moves
+        dests = self.checked_destinations(m)
         token = self.ledger.consume(token, f"dW{m}")
 
         def run() -> dict[str, torch.Tensor]:
@@ -233,16 +235,15 @@ class StageActions:
         return result
 
     def checked_destinations(self, m: int, dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Direct placement: check every destination of dW(m) against the arena (binding: shape,
-        dtype, device, data_ptr; no duplicate, no alias) before any GEMM writes. `dests` (parameter
-        name -> tensor) defaults to the arena's own views; a captured dW passes the destinations it
-        captured. Returns parameter name -> checked destination."""
+        """Check every destination of dW(m) against the arena before any GEMM writes: no alias of another
+        view, the binding (shape, dtype, device, data_ptr, stride), no duplicate, the accumulating
+        layout's microbatch order (`GradientArena.check_write`, which runs every check of `bind`). `dests`
+        (parameter name -> tensor) defaults to the arena's own views; a captured direct dW passes the
+        destinations it captured. Returns parameter name -> checked destination."""
         if dests is None:
             dests = {p: self.arena.view(arena_name(self.stage, p), m) for p in self._matrix_param.values()}
         for pname, dest in dests.items():
-            aname = arena_name(self.stage, pname)
-            self.arena.bind(aname, m, dest)
-            self.arena.check_write(aname, m, dest)
+            self.arena.check_write(arena_name(self.stage, pname), m, dest)
         return dests
 
     def place_copies(self, m: int, grads: dict[str, torch.Tensor]) -> None:

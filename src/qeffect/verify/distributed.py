@@ -8,7 +8,9 @@ every rank compares, for the chunks it owns: the step loss, every parameter grad
 AdamW (after the data-parallel reduction), every parameter, the AdamW state and the FP8 scaling state.
 With data parallelism (`pipeline.dp` > 1), also every replica's parameters, AdamW and FP8 state
 against data-parallel rank 0 of its stage ("replicas"), and that the commit barrier ran one tracked
-reduction per step ("reductions"). Counts are summed over ranks; the earliest divergence is reported. The per-action comparison of the
+reduction per step ("reductions"). With the training recipe (`runtime.recipe`) also the global gradient
+norm (all-gathered over every stage: "parameter_gradients") and the learning rate ("optimizer_state"); the
+schedule's horizon is the run's `steps`, as in `verify.state`. Counts are summed over ranks; the earliest divergence is reported. The per-action comparison of the
 single-process verify (activations, input gradients, cache epochs after each action) needs every
 stage in one process and is not repeated here.
 """
@@ -111,6 +113,7 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
     if injection == "desync-replica" and cfg.pipeline.dp < 2:
         raise UserError("--inject desync-replica: needs pipeline.dp >= 2")
     t0 = time.perf_counter()
+    cfg = cfg.with_overrides(**{"train.steps": steps})  # the schedule's horizon (`verify.state`)
     native = DistributedPipeline(cfg, native=True)
     qeff = DistributedPipeline(cfg, path=path)
     interleaved, notes = None, []
@@ -166,6 +169,10 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
             check(step, "loss_vs_interleaved", "step loss (native Interleaved placement)", il_loss, loss)
         for name in sorted(set(ref_grads) | set(grads)):
             check(step, "parameter_gradients", name, ref_grads.get(name), grads.get(name))
+        if native.last_grad_norm is not None or qeff.last_grad_norm is not None:
+            check(step, "parameter_gradients", "global_grad_norm", native.last_grad_norm, qeff.last_grad_norm)
+        check(step, "optimizer_state", "lr", torch.tensor(native.last_lr, dtype=torch.float64),
+              torch.tensor(qeff.last_lr, dtype=torch.float64))
         ref_state, state = _state(native), _state(qeff)
         for category in ("parameters", "optimizer_state", "fp8_state"):
             for name in sorted(set(ref_state[category]) | set(state[category])):

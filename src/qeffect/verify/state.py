@@ -9,7 +9,12 @@ Correspondence: reference F(s,m) <-> qeffect F(s,m); reference B(s,m) <-> qeffec
 gradient, non-matrix gradients, backward FP8 state) and qeffect dW(s,m) (matrix gradients: the
 reference's accumulated `.grad` against the arena's fixed-order prefix sum over microbatches 0..m,
 compared as soon as those slots are all written). At each commit: the gradients the optimizer sees,
-parameters, AdamW state, FP8 state, cache epochs and the step loss.
+parameters, AdamW state, FP8 state, cache epochs and the step loss; with the training recipe
+(`runtime.recipe`) also the global gradient norm ("parameter_gradients": global_grad_norm) and the
+learning rate ("optimizer_state": lr). Both pipelines commit through `SingleProcessPipeline.commit`, so
+clipping's global norm is reduced as in training. The schedule's horizon is the run's `steps` (a decay
+with `optim.decay_steps = 0` ends at the last step compared, as it would in a training run of that
+length).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from qeffect.config import RunConfig
 from qeffect.graphs.handshake import run_settings
 from qeffect.runtime.build import build_single_process, schedule_of
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
+from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.schedule import Action, ActionKind, Schedule, validate
 
 CATEGORIES = (
@@ -85,6 +91,8 @@ class VerifyReport(BaseModel):
     # every bit-changing setting and the [runtime] section it ran under (`graphs.handshake.run_settings`)
     settings: dict[str, Any] = {}
     injection: str | None
+    # the oracle check's perturbation (`verify.oracle`): "<category> at step <n> <action>: <tensor>"
+    oracle_fault: str | None = None
     categories: list[CategoryResult]
     first_divergence: Divergence | None
     amax_rollover: Rollover
@@ -122,6 +130,29 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device:  # compare where the tensors live; move only when they live apart
         b = b.to(a.device)
     return torch.equal(bits(a), bits(b))
+
+
+def flip_lowest_bit(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` whose first element differs in its lowest bit alone (the oracle check's perturbation:
+    no tolerance would see it, a bitwise comparison must)."""
+    b = bits(t).clone().reshape(-1)
+    b[0] = b[0] ^ 1
+    return (b.view(t.dtype) if t.dtype.is_floating_point else b).reshape(t.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleFault:
+    """Perturb one tensor of `category` in the qeffect side's fingerprint at the first comparison of that
+    category in `action` ("F", "dI", "dW" or "commit") of `step` (`verify.oracle`): the report's first
+    divergence must then name exactly this category, step and action."""
+
+    category: str
+    step: int
+    action: str
+
+    def __post_init__(self) -> None:
+        if self.category not in CATEGORIES:
+            raise ValueError(f"oracle fault: unknown category {self.category!r}, expected one of {CATEGORIES}")
 
 
 def _clone(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -168,9 +199,22 @@ class _Tally:
     compared: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     mismatches: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     first: Divergence | None = None
+    fault: OracleFault | None = None  # the oracle check's perturbation, applied once (`OracleFault`)
+    fault_tensor: str | None = None  # the tensor it perturbed
+
+    def _inject(self, key: Key, category: str, found: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        f = self.fault
+        if f is None or self.fault_tensor is not None or (key[0], key[1], category) != (f.step, f.action, f.category):
+            return found
+        name = next((n for n in sorted(found) if found[n] is not None and found[n].numel() > 0), None)
+        if name is None:
+            return found
+        self.fault_tensor = name
+        return {**found, name: flip_lowest_bit(found[name])}
 
     def compare(self, key: Key, category: str, expected: dict[str, torch.Tensor],
                 found: dict[str, torch.Tensor]) -> None:
+        found = self._inject(key, category, found)
         names = sorted(set(expected) | set(found))
         for name in names:
             self.compared[category] += 1
@@ -235,6 +279,11 @@ class _ReferenceRecorder:
         self._put(key, "optimizer_state", _optimizer_state(rank))
         self._put(key, "fp8_state", _fp8(rank))
 
+    def after_commit_all(self, pipe: SingleProcessPipeline) -> None:
+        """The recipe's values of the commit (`recipe_record`)."""
+        for cat, tensors in recipe_record(pipe).items():
+            self._put((self.step, "commit", None, None), cat, tensors)
+
 
 class _QEffectChecker:
     """Compares the qeffect run against the reference records as its actions happen."""
@@ -288,7 +337,8 @@ class _QEffectChecker:
                             "arena_writes": torch.tensor(len(rank.arena.written))})
 
     def after_commit_all(self, ranks: list[BaseRank], loss: torch.Tensor, ref_loss: torch.Tensor,
-                         grads: dict[str, torch.Tensor]) -> None:
+                         grads: dict[str, torch.Tensor],
+                         recipe: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
         key = (self.step, "commit", None, None)
         expected = self.ref.records.get(key, {})
         found = {
@@ -297,12 +347,21 @@ class _QEffectChecker:
             "optimizer_state": {k: v for r in ranks for k, v in _optimizer_state(r).items()},
             "fp8_state": {k: v for r in ranks for k, v in _fp8(r).items()},
         }
+        for cat, tensors in (recipe or {}).items():  # `recipe_record`
+            found[cat] = {**found[cat], **tensors}
         for cat, tensors in found.items():
             self.tally.compare(key, cat, expected.get(cat, {}), tensors)
         self.tally.compare(key, "loss", {"step_loss": ref_loss}, {"step_loss": loss})
         self.tally.compare(key, "cache_epochs",
                            {f"rank{r.rank}.e_W": torch.tensor(self.step + 1) for r in ranks},
                            {f"rank{r.rank}.e_W": torch.tensor(r.clock.e_W) for r in ranks})
+
+
+def _fault_text(tally: _Tally) -> str | None:
+    f = tally.fault
+    if f is None:
+        return None
+    return f"{f.category} at step {f.step} {f.action}: {tally.fault_tensor or 'nothing compared there'}"
 
 
 def synthetic_batches(cfg: RunConfig, step: int, device: str | torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -326,6 +385,16 @@ def _swap_dw(schedule: Schedule) -> Schedule:
     return swapped
 
 
+def recipe_record(pipe) -> dict[str, dict[str, torch.Tensor]]:
+    """What the training recipe decided at a pipeline's last commit, by category: the global gradient
+    norm (with clipping) and the learning rate (as a float64 scalar)."""
+    lr = torch.tensor(pipe.last_lr, dtype=torch.float64)
+    out: dict[str, dict[str, torch.Tensor]] = {"optimizer_state": {"lr": lr}}
+    if pipe.last_grad_norm is not None:
+        out["parameter_gradients"] = {"global_grad_norm": pipe.last_grad_norm}
+    return out
+
+
 def grad_capture(rank: BaseRank, into: dict[str, torch.Tensor]) -> Callable[[], None]:
     """A pre-optimizer hook that clones the gradients the optimizer is about to use (`BaseRank.gradient`:
     with a staged fold the Triton AdamW finishes in its pass, `.grad` alone lacks the last group)."""
@@ -339,9 +408,13 @@ def grad_capture(rank: BaseRank, into: dict[str, torch.Tensor]) -> Callable[[], 
 
 def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                      injection: Injection | None = None,
-                     progress: Callable[[int, float], None] | None = None) -> VerifyReport:
-    """Run the native reference and the qeffect mode side by side and compare every fingerprint."""
+                     progress: Callable[[int, float], None] | None = None,
+                     oracle_fault: OracleFault | None = None) -> VerifyReport:
+    """Run the native reference and the qeffect mode side by side and compare every fingerprint.
+
+    `oracle_fault`: perturb one compared tensor (`OracleFault`, `verify.oracle`): the run must fail there."""
     t0 = time.perf_counter()
+    cfg = cfg.with_overrides(**{"train.steps": steps})  # the schedule's horizon (module docstring)
     device = cfg.train.device
     native = build_single_process(cfg, native=True, device=device)
     qeff = build_single_process(cfg, native=False, direct=(path != "captured-copy"), device=device,
@@ -357,7 +430,7 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
         qeff.order = global_order(qeff.schedule)
 
     ref = _ReferenceRecorder()
-    tally = _Tally()
+    tally = _Tally(fault=oracle_fault)
     checker = _QEffectChecker(ref, tally, qeff.schedule)
     losses: list[float] = []
     f_per_stage = 0
@@ -366,10 +439,10 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
         ref.records = {}
         ref.step = step
         ref_loss = native.run_actions(batches, ref).clone()
+        native.commit(before_step=ref.before_step)
         for r in native.ranks:
-            ref.before_step(r)
-            r.commit()
             ref.after_commit(r)
+        ref.after_commit_all(native)
 
         if injection == "perturb-scale" and step == 1:
             lin = next(iter(qeff.ranks[0].chunks.values())).matrix_linears()
@@ -379,9 +452,8 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
         checker.begin_step(step)
         loss = qeff.run_actions(batches, checker)
         grads: dict[str, torch.Tensor] = {}
-        for r in qeff.ranks:
-            r.commit(before_step=grad_capture(r, grads))
-        checker.after_commit_all(qeff.ranks, loss, ref_loss, grads)
+        qeff.commit(before_step=lambda r, into=grads: grad_capture(r, into)())
+        checker.after_commit_all(qeff.ranks, loss, ref_loss, grads, recipe_record(qeff))
         losses.append(float(loss))
         if qeff.manager is not None:
             qeff.manager.mark_step()
@@ -425,6 +497,6 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
     return VerifyReport(
         schedule=cfg.pipeline.schedule, path=path, backend=cfg.fp8.backend, device=str(device), steps=steps,
         pp=sched.pp, chunks_per_rank=cfg.pipeline.chunks_per_rank, microbatches=cfg.pipeline.microbatches,
-        settings=run_settings(cfg), injection=injection, categories=cats, first_divergence=tally.first, amax_rollover=rollover,
+        settings=run_settings(cfg), injection=injection, oracle_fault=_fault_text(tally), categories=cats, first_divergence=tally.first, amax_rollover=rollover,
         losses=losses, non_finite_losses=non_finite, graphs=graphs, seconds=time.perf_counter() - t0, torch_version=torch.__version__, passed=passed,
     )
