@@ -1046,7 +1046,7 @@ def test_every_transition_is_allowed_or_rejected_clearly(mode: str, situation: s
     if op in LEGAL[situation]:
         _do(g, op)
     else:
-        with pytest.raises(OffloadStateError) as exc:
+        with pytest.raises(OffloadStateError, match="'G0'") as exc:
             _do(g, op)
         assert "'G0'" in str(exc.value) and (op in str(exc.value) or op == "discovery_hooks")
 

@@ -205,7 +205,7 @@ def test_a_claim_off_the_plan_raises_instead_of_evicting_a_kept_group() -> None:
     groups[g].before_forward()
     groups[g].after_forward()
     assert groups[g].state is GroupState.RESIDENT_KEPT
-    with pytest.raises(OffloadStateError) as err:
+    with pytest.raises(OffloadStateError, match=f"bank {plan[g]}") as err:
         groups[other].before_forward()  # off the plan: other's forward would overwrite g's bank
     msg = str(err.value)
     assert f"bank {plan[g]}" in msg and groups[g].name in msg and groups[other].name in msg and "skipped" in msg

@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer
 
 from qeffect.data.plan import DataPlan, Source, plan_data
-from qeffect.data.prepared import PreparedDataset, heldout_dataset, train_dataset
+from qeffect.data.prepared import PreparedDataset, SequenceBatches, heldout_dataset, train_dataset
 from qeffect.data.records import iter_records, resolve_files
 from qeffect.data.tokenizer import HELDOUT_ASSET, TRAIN_ASSET, bundled_asset, resolve_eot
 from qeffect.errors import UserError
@@ -31,7 +31,7 @@ _ENCODE_CHUNK = 1024  # documents per encode_batch call: bounds memory on large 
 __all__ = ["DataStream", "Dataset", "PackedDataset", "iter_records", "load_datasets", "load_plan", "resolve_files"]
 
 
-class PackedDataset:
+class PackedDataset(SequenceBatches):
     """Documents tokenized, joined with end-of-text ids, cut into sequences of ``seq_len + 1`` tokens.
 
     Sequence ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``: consecutive sequences share one
@@ -99,15 +99,6 @@ class PackedDataset:
         )
         rows = rows.to(torch.int64)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-
-    def num_batches(self, batch_size: int) -> int:
-        return len(self) // batch_size
-
-    def batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch ``index`` in file order (sequences ``index*batch_size`` onward): for evaluation."""
-        if batch_size < 1 or not 0 <= index < self.num_batches(batch_size):
-            raise IndexError(f"batch {index} of size {batch_size} out of range for {len(self)} sequences")
-        return self.sequences(range(index * batch_size, (index + 1) * batch_size))
 
     def order(self, seed: int, epoch: int) -> list[int]:
         """A permutation of the sequence indices, fixed by (seed, epoch).

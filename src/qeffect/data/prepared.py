@@ -235,7 +235,26 @@ class Permutation(Sequence[int]):
         return (self[i] for i in range(self.n))
 
 
-class PreparedDataset:
+class SequenceBatches:
+    """Evaluation batches over a dataset of packed sequences (`__len__` and `sequences(indices)`)."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def sequences(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def num_batches(self, batch_size: int) -> int:
+        return len(self) // batch_size
+
+    def batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``index`` in file order (sequences ``index*batch_size`` onward): for evaluation."""
+        if batch_size < 1 or not 0 <= index < self.num_batches(batch_size):
+            raise IndexError(f"batch {index} of size {batch_size} out of range for {len(self)} sequences")
+        return self.sequences(range(index * batch_size, (index + 1) * batch_size))
+
+
+class PreparedDataset(SequenceBatches):
     """Sequences of ``seq_len + 1`` tokens over ``tokens[start:stop]`` of a prepared folder, as
     ``PackedDataset`` cuts them (sequence ``i`` starts at token ``i * seq_len``), read from the memory map.
     The same interface as ``PackedDataset``: ``DataStream`` walks either."""
@@ -284,15 +303,6 @@ class PreparedDataset:
             rows[r] = self.folder.read(self.start + i * L, L + 1)
         t = torch.from_numpy(rows)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
-
-    def num_batches(self, batch_size: int) -> int:
-        return len(self) // batch_size
-
-    def batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch ``index`` in file order (sequences ``index*batch_size`` onward): for evaluation."""
-        if batch_size < 1 or not 0 <= index < self.num_batches(batch_size):
-            raise IndexError(f"batch {index} of size {batch_size} out of range for {len(self)} sequences")
-        return self.sequences(range(index * batch_size, (index + 1) * batch_size))
 
     def order(self, seed: int, epoch: int) -> Permutation:
         """A permutation of the sequence indices fixed by (seed, epoch), without a list of them all."""
