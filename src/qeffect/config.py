@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from qeffect.errors import UserError
 
@@ -262,16 +263,16 @@ class RunConfig(_Strict):
         return validate_config(data, source="command line")
 
 
+def changes_bits(field: FieldInfo) -> bool:
+    """Whether a field is marked ``changes_bits`` (declared with `_bits`)."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("changes_bits"))
+
+
 def bit_changing_fields() -> tuple[str, ...]:
     """Every `section.field` marked ``changes_bits``: what a resume must keep and every record carries."""
-    out = []
-    for section, info in RunConfig.model_fields.items():
-        model = info.annotation
-        for name, field in model.model_fields.items():
-            extra = field.json_schema_extra
-            if isinstance(extra, dict) and extra.get("changes_bits"):
-                out.append(f"{section}.{name}")
-    return tuple(out)
+    return tuple(f"{section}.{name}" for section, info in RunConfig.model_fields.items()
+                 for name, field in info.annotation.model_fields.items() if changes_bits(field))
 
 
 def bit_changing_settings(cfg: RunConfig) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from pydantic.fields import FieldInfo
 
 from qeffect.cli.common import SET_HELP, SET_METAVAR, config_from_cli
 from qeffect.cli.root import app
-from qeffect.config import RunConfig
+from qeffect.config import RunConfig, changes_bits
 
 config_app = typer.Typer(
     name="config",
@@ -88,11 +88,6 @@ def _bounds(field: FieldInfo) -> dict[str, Any]:
     return out
 
 
-def _changes_bits(field: FieldInfo) -> bool:
-    extra = field.json_schema_extra
-    return isinstance(extra, dict) and bool(extra.get("changes_bits"))
-
-
 def schema_rows() -> list[dict[str, Any]]:
     """One dict per field of `RunConfig`, in the TOML's section and field order."""
     rows = []
@@ -101,7 +96,7 @@ def schema_rows() -> list[dict[str, Any]]:
             kind, choices = _type(field.annotation)
             default = field.default_factory() if field.default_factory is not None else field.default
             rows.append({"field": f"{section}.{name}", "type": kind, "choices": choices, "bounds": _bounds(field),
-                         "default": default, "changes_bits": _changes_bits(field),
+                         "default": default, "changes_bits": changes_bits(field),
                          "description": field.description or ""})
     return rows
 

@@ -39,8 +39,14 @@ def _faults(json_out: Path | None, console: Console) -> int:
         table.add_row(r.family, r.injection, r.rejected_operation or "-", "yes" if r.first_invalid else "NO",
                       "yes" if r.state_preserved else "NO", "pass" if r.passed else "FAIL")
     console.print(table)
-    console.print(f"{len(report.injections)} injections in {len(report.families)} families; "
-                  f"CUDA initialized: {report.cuda_initialized}; {'PASS' if report.passed else 'FAIL'}")
+    return _conclude(report, f"{len(report.injections)} injections in {len(report.families)} families; "
+                     f"CUDA initialized: {report.cuda_initialized}; {'PASS' if report.passed else 'FAIL'}",
+                     json_out, console)
+
+
+def _conclude(report, verdict: str, json_out: Path | None, console: Console) -> int:
+    """Print the verdict line, write the report to `json_out` if given; the exit code (1: not passed)."""
+    console.print(verdict)
     if json_out:
         write_json(json_out, report)
     return 0 if report.passed else 1
@@ -60,11 +66,9 @@ def _oracle_check(cfg, path: str, json_out: Path | None, console: Console) -> in
         table.add_row(r.category, str(r.step), r.action, r.perturbed or "-", found, "pass" if r.passed else "FAIL",
                       style=None if r.passed else "red")
     console.print(table)
-    console.print(f"{sum(r.passed for r in report.results)}/{len(report.results)} categories caught where "
-                  f"perturbed; {report.seconds:.1f} s; {'PASS' if report.passed else 'FAIL'}")
-    if json_out:
-        write_json(json_out, report)
-    return 0 if report.passed else 1
+    return _conclude(report, f"{sum(r.passed for r in report.results)}/{len(report.results)} categories caught "
+                     f"where perturbed; {report.seconds:.1f} s; {'PASS' if report.passed else 'FAIL'}",
+                     json_out, console)
 
 
 @app.command("verify-state")
@@ -136,10 +140,8 @@ def verify_state(
         console.print(f"[red]first divergence: step {d.step}, action {d.action}, stage {d.stage}, "
                       f"microbatch {d.microbatch}, {d.category}: {d.tensor}[/red]")
     _print_non_finite(report, console)
-    console.print("PASS: bitwise equal" if report.passed else "[red]FAIL[/red]")
-    if json_out:
-        write_json(json_out, report)
-    raise typer.Exit(0 if report.passed else 1)
+    raise typer.Exit(_conclude(report, "PASS: bitwise equal" if report.passed else "[red]FAIL[/red]", json_out,
+                               console))
 
 
 def _category_table(title: str, categories) -> Table:
@@ -177,9 +179,7 @@ def _distributed(cfg, steps: int, path: str, json_out: Path | None, console: Con
         _print_non_finite(report, console)
         for note in report.notes:
             console.print(f"note: {note}", highlight=False)
-        console.print("PASS: bitwise equal" if report.passed else "[red]FAIL[/red]")
-        if json_out:
-            write_json(json_out, report)
+        _conclude(report, "PASS: bitwise equal" if report.passed else "[red]FAIL[/red]", json_out, console)
     dist.destroy_process_group()
     return 0 if report.passed else 1
 

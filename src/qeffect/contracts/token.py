@@ -77,13 +77,17 @@ class EffectLedger:
                 "forged token", key=self.name, expected=f"the ledger's current token (seq {cur.seq})",
                 found=f"another token object with seq {token.seq}", note=f"action {action}")
 
-    def consume(self, token: EffectToken, action: str, value: torch.Tensor | None = None) -> EffectToken:
+    def consume(self, token: EffectToken, action: str, value: torch.Tensor | None = None, *,
+                checked: bool = False) -> EffectToken:
         """Check that ``token`` is current, then produce and return the next token.
 
         ``value``: the next token's device value when a captured graph already computed it from this
         token's value (the graph's token output); otherwise a kernel computes ``token.value + 1`` here.
+        ``checked``: the caller ran :meth:`check` on this token just before (nothing since could move the
+        ledger), so it is not checked again.
         """
-        self.check(token, action)
+        if not checked:
+            self.check(token, action)
         cur = self._current
         # Device-side dependency: the next value is computed from this one by a kernel, not on the host.
         nxt = EffectToken(token.value + 1 if value is None else value, cur.seq + 1, self.name)

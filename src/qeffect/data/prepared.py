@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from qeffect.data.records import one_line
 from qeffect.errors import UserError
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class PreparedFolder:
         except FileNotFoundError:
             raise UserError(f"{self.path}: no {INDEX_FILE}: not a prepared folder (qeffect prepare-data)") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UserError(f"{index_path}: unreadable: {' '.join(str(e).split())[:200]}") from None
+            raise UserError(f"{index_path}: unreadable: {one_line(e)}") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise UserError(f"{index_path}: not a qeffect prepared-data index (format {FORMAT!r} expected)")
         if raw.get("version") != VERSION:

@@ -73,7 +73,7 @@ def _open_raw(path: Path) -> tuple[io.BufferedReader, io.BufferedIOBase]:
     try:
         raw = open(path, "rb")  # noqa: SIM115 -- closed by the caller
     except OSError as e:
-        raise UserError(f"{path}: cannot read: {one_line(e.strerror or e)}") from None
+        raise _read_errors(path, e) from None
     gz = raw.read(2) == _GZIP_MAGIC
     raw.seek(0)
     return raw, (gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw)

@@ -66,11 +66,6 @@ def update_scale(
     scale.copy_(sf)
 
 
-def _fused_update(scale: Tensor) -> bool:
-    """Whether the transition runs as one GPU kernel (`fp8.fused_update`): CUDA, sm90+, Triton."""
-    return fused_update_available(scale)
-
-
 @dataclass
 class ScalingState:
     """One tensor's delayed-scaling state: `amax_history` (fp32 [L]) and `scale` (fp32, 0-dim).
@@ -112,7 +107,7 @@ class ScalingState:
         return fp8_max(self.fp8_dtype)
 
     def update(self) -> None:
-        self._update(_fused_update(self.scale))
+        self._update(fused_update_available(self.scale))
 
     def _update(self, fused: bool, scale_inv_out: Tensor | None = None) -> None:
         """The transition, as one kernel (`fused`, which can also write `scale_inv_out`) or torch's sequence."""
@@ -151,7 +146,7 @@ class ScalingState:
         With a `scratch` on a GPU the pass completes the update itself (`quantize_transition`): one launch
         instead of three (the amax slot's zeroing, the pass, the update), the same bits
         (`benchmarks/results/ref-transition-ab-h4096-interleaved-67760eb-h200.json`)."""
-        fused = _fused_update(self.scale)  # the update kernel also writes 1 / (the scale before it)
+        fused = fused_update_available(self.scale)  # the update kernel also writes 1 / (the scale before it)
         scale_inv = torch.empty_like(self.scale) if fused else self.scale.reciprocal()  # before the update
         if fused and self.scratch is not None and fused_available(x):
             q, q_t, sums = transition_launch(x, self, scale_inv, transpose, colsum)  # (scratch: __post_init__)

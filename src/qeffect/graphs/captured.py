@@ -293,7 +293,7 @@ class CapturedStageActions(StageActions):
         if refresh != (m == 0):  # the slot-0 graph is the one that refreshes the weight cache
             raise RuntimeError(f"stage {self.stage}: cache refresh on microbatch {m} is not captured")
         out, tok = graphs.F.outputs
-        token = self.ledger.consume(token, f"F{m}", value=tok)
+        token = self.ledger.consume(token, f"F{m}", value=tok, checked=True)  # checked above
         ref = self.pool.allocate(key)
         dynamic = {"x": inp}
         if targets is not None:

@@ -138,17 +138,12 @@ class _SplitHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ANN001 - autograd's ctx
         ctx.shape = qkv.shape
-        return _head_views(qkv, heads)
+        b, t, h3 = qkv.shape
+        return qkv.view(b, t, 3, heads, h3 // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
         return torch.stack([g.transpose(1, 2) for g in (dq, dk, dv)], dim=2).view(ctx.shape), None
-
-
-def _head_views(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v as [b, heads, t, d] views of [b, t, 3h] (view, permute, unbind: autograd's route)."""
-    b, t, h3 = qkv.shape
-    return qkv.view(b, t, 3, heads, h3 // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
 
 
 def split_heads(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:

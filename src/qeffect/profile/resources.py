@@ -74,12 +74,6 @@ def arena_bytes_per_rank(schedule: Schedule, specs: dict[int, dict[str, Spec]], 
     return out
 
 
-def wgrad_staging_dtype(cfg: RunConfig) -> torch.dtype:
-    """The dtype of the staging slots a run of `cfg` allocates: both backends' wgrad GEMMs write the
-    activation dtype (`wgrad_dtype`)."""
-    return dtype_of(cfg)
-
-
 def resource_rows(cfg: RunConfig, microbatches: list[int], schedules: list[str], *,
                   capture: bool = False, capture_steps: int = 2) -> list[ResourceRow]:
     """One row per (schedule, M). `capture=True` (CUDA) also captures each and records its host time."""
@@ -89,7 +83,8 @@ def resource_rows(cfg: RunConfig, microbatches: list[int], schedules: list[str],
     for name in schedules:
         for m in microbatches:
             sch = build_schedule(name, p.pp, p.chunks_per_rank, m)
-            per_rank = arena_bytes_per_rank(sch, specs, m, p.wgrad_staging, wgrad_staging_dtype(cfg))
+            # staging slots in the activation dtype: both backends' wgrad GEMMs write it (`wgrad_dtype`)
+            per_rank = arena_bytes_per_rank(sch, specs, m, p.wgrad_staging, dtype_of(cfg))
             live, pending = max_live_tapes(sch), max_pending_dw(sch)
             row = ResourceRow(schedule=name, microbatches=m, graphs_per_rank=3 * m * p.chunks_per_rank,
                               graph_count=3 * m * p.chunks_per_rank * p.pp, arena_bytes=sum(per_rank),

@@ -404,8 +404,8 @@ class TritonAdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
             # `use_tensor_lr`: the device scalar `_write_lrs` wrote, read by every kernel below
-            index = next(i for i, g in enumerate(self.param_groups) if g is group)
-            lr_t = self._lr_buffer(index) if self.tensor_lr else None
+            lr_t = (self._lr_buffer(next(i for i, g in enumerate(self.param_groups) if g is group))
+                    if self.tensor_lr else None)
             large = [i for i, p in enumerate(lists[0]) if p.numel() >= MIN_NUMEL or p in self._lazy]
             small = [i for i in range(len(lists[0])) if i not in large]
             if small:

@@ -66,8 +66,7 @@ class SingleProcessPipeline:
         try:
             yield
         finally:
-            for s in self.rank_streams:
-                caller.wait_stream(s)
+            self._after_rank_streams()
 
     def _actions(self, batches: Sequence[Batch], observer: Observer | None) -> torch.Tensor:
         """Launch every action of one step (each on its rank's stream); the step loss, on the last rank's."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,7 +149,7 @@ def auto_resume(cfg: RunConfig, out: Path | None) -> Path | None:
     else:
         raise UserError("--resume auto needs --out or train.checkpoint_dir to know where the run's "
                         "checkpoints are (without either, each run gets a new time-stamped folder)")
-    return latest_checkpoint(root) if root is not None else None
+    return latest_checkpoint(root)
 
 
 def _kept_metrics(path: Path, upto: int) -> list[str]:
@@ -248,7 +249,7 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
     if isinstance(resume, str) and resume == "auto":
         resume = auto_resume(cfg, out)
         reuse = out is not None
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     p = cfg.pipeline
     if distributed:
         D.check_world(p.pp, p.dp, world)
@@ -261,7 +262,7 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
     rank0 = True
     # the data and the tokenizer before any model: a bad input fails in one line within seconds
     dp_size = p.dp
-    dp_rank = D.Topology(p.pp, p.dp, int(__import__("os").environ.get("RANK", "0"))).dp_rank if distributed else 0
+    dp_rank = D.Topology(p.pp, p.dp, int(os.environ.get("RANK", "0"))).dp_rank if distributed else 0
     data = _prepare_data(cfg, dp_rank, dp_size)
     if distributed:
         D.init_from_env(cfg.train.device)

@@ -158,7 +158,7 @@ class StageActions:
         key = self.key(m)
         self.ledger.check(token, f"F{m}")  # before the cache refresh: a refused F leaves no effect
         refresh = self.cache.check_forward(self.clock, first_microbatch=(m == 0))
-        token = self.ledger.consume(token, f"F{m}")
+        token = self.ledger.consume(token, f"F{m}", checked=True)  # checked above
         ref = self.pool.allocate(key)
 
         def run() -> tuple[torch.Tensor, torch.Tensor]:

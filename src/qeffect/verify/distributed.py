@@ -36,6 +36,7 @@ from qeffect.verify.state import (
     bitwise_equal,
     grad_capture,
     non_finite_count,
+    recipe_record,
     synthetic_batches,
 )
 
@@ -169,10 +170,11 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
             check(step, "loss_vs_interleaved", "step loss (native Interleaved placement)", il_loss, loss)
         for name in sorted(set(ref_grads) | set(grads)):
             check(step, "parameter_gradients", name, ref_grads.get(name), grads.get(name))
-        if native.last_grad_norm is not None or qeff.last_grad_norm is not None:
-            check(step, "parameter_gradients", "global_grad_norm", native.last_grad_norm, qeff.last_grad_norm)
-        check(step, "optimizer_state", "lr", torch.tensor(native.last_lr, dtype=torch.float64),
-              torch.tensor(qeff.last_lr, dtype=torch.float64))
+        ref_recipe, recipe = recipe_record(native), recipe_record(qeff)
+        for category in ("parameter_gradients", "optimizer_state"):  # global_grad_norm (with clipping), lr
+            a, b = ref_recipe.get(category, {}), recipe.get(category, {})
+            for name in sorted(set(a) | set(b)):
+                check(step, category, name, a.get(name), b.get(name))
         ref_state, state = _state(native), _state(qeff)
         for category in ("parameters", "optimizer_state", "fp8_state"):
             for name in sorted(set(ref_state[category]) | set(state[category])):
