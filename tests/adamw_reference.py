@@ -33,7 +33,8 @@ import torch
 
 def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """``a * b + c`` in fp32 with one rounding (broadcasting fp32 tensors; finite values)."""
-    a64, b64, c64 = (t.to(torch.float64) for t in torch.broadcast_tensors(a, b, c))
+    device = next((t.device for t in (a, b, c) if t.device.type != "cpu"), a.device)  # scalars live on the CPU
+    a64, b64, c64 = (t.to(device=device, dtype=torch.float64) for t in torch.broadcast_tensors(a, b, c))
     prod = a64 * b64  # exact
     s = prod + c64
     bb = s - prod  # TwoSum: s + err == prod + c64 exactly
