@@ -212,10 +212,13 @@ def test_reference_step_is_torchs_adamw_algebra() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("wd", [0.0, 0.1])
+@pytest.mark.parametrize("wd", [0.0])
 def test_fp32_reference_is_bitwise_torch_fused_on_cuda(wd):
-    """The reference's bits are torch's fused CUDA AdamW's (so the CPU test above pins the kernel to the
-    same bits as this GPU test pins torch's kernel), over several steps."""
+    """Without weight decay the reference's bits are torch's fused CUDA AdamW's (so the CPU test above pins
+    the kernel to the same bits as this GPU test pins torch's kernel), over several steps. With decay the
+    reference does not model the GPU's rounding of the decay line (on an H100 it differed at wd 0.1: torch
+    takes lr and wd as doubles, and the compiler may fuse the line's multiply and subtract); there the
+    kernel is compared with torch's directly (`test_triton_pass_is_bitwise_torch_fused_on_cuda`)."""
     shapes = [(adamw.MIN_NUMEL + 5,), (33, 7)]
     params, opt = _run(torch.optim.AdamW, shapes, 1, "cuda", wd, fused=True)
     gen = torch.Generator(device="cuda").manual_seed(7)

@@ -15,20 +15,24 @@ from qeffect.profile.distributed import merge_ranks, pipeline_floor
 from qeffect.profile.flops import Floor
 from qeffect.profile.report import SCHEMA_VERSION, ConfigResult, TraceSummary
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 @pytest.mark.slow
 def test_profile_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     proc = _run(torchrun(2, "-m", "qeffect", "profile", "--steps", "2", "--warmup", "1",
-                         "--configs", "native-eager,qeffect-eager,captured-direct,te-graphed,te-graphed-model,te-graphed-mcore", "--json", str(out)),
+                         "--configs", "native-eager,qeffect-eager,captured-direct,te-graphed,te-graphed-model,te-graphed-mcore,"
+                         "megatron-graphs", "--targets", str(ROOT / "examples/targets/h200.toml"), "--json", str(out)),
                 tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["schema_version"] == SCHEMA_VERSION and r["world_size"] == 2
     assert r["init_draw_seconds"] > 0  # every process drew the initial weights once, before any timer
     assert r["command"].startswith("torchrun --nproc-per-node 2")
-    assert [t["name"] for t in r["targets"]][0] == "speedup-vs-native"  # not measured on CPU: no captured run
-    assert r["targets"][0]["met"] is None
+    # the file's targets for a reference report at h64: losses-bitwise alone, not measured on CPU (no capture)
+    assert [t["name"] for t in r["targets"]] == ["losses-bitwise"] and r["targets"][0]["met"] is None
+    assert r["targets_source"].endswith("h200.toml") and r["rounds"] == 1
     by = {c["name"]: c for c in r["configs"]}
     for name in ("native-eager", "qeffect-eager"):
         assert by[name]["status"] == "ok" and len(by[name]["step_seconds"]) == 2
@@ -36,7 +40,7 @@ def test_profile_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     # same model, same data: qeffect eager's losses are native's bit for bit (floats from the same tensor)
     assert by["qeffect-eager"]["losses"] == by["native-eager"]["losses"]
     assert by["captured-direct"]["status"] == "not run" and "CUDA" in by["captured-direct"]["reason"]
-    for name in ("te-graphed", "te-graphed-model", "te-graphed-mcore"):
+    for name in ("te-graphed", "te-graphed-model", "te-graphed-mcore", "megatron-graphs"):
         assert by[name]["status"] == "not run" and "single-process" in by[name]["reason"]
     assert by["qeffect-eager"]["arena_bytes"] > 0
     for name in ("native-eager", "qeffect-eager"):  # the slowest rank's build, by phase
@@ -106,3 +110,9 @@ def test_merge_ranks_keeps_every_rank_trace_and_names_failed_ones() -> None:
 def test_pipeline_floor_splits_over_stages() -> None:
     f = pipeline_floor(Floor(seconds=8.0, seconds_layers_only=6.0, effective_tflops=1.0, peak_tflops=2.0), 4)
     assert (f.seconds, f.seconds_layers_only, f.effective_tflops) == (2.0, 1.5, 1.0)
+    assert f.limit_seconds is None  # an older floor: nothing else to split
+    g = pipeline_floor(Floor(seconds=8.0, seconds_layers_only=6.0, effective_tflops=1.0, peak_tflops=2.0,
+                             peak_rate_seconds=4.0, optimizer_seconds=2.0, limit_seconds=6.0,
+                             limit_seconds_layers_only=3.0, peak_rate_tflops=9.0), 2)
+    assert (g.peak_rate_seconds, g.optimizer_seconds, g.limit_seconds, g.limit_seconds_layers_only) == (2.0, 1.0, 3.0, 1.5)
+    assert g.peak_rate_tflops == 9.0  # a rate, not a time: unchanged

@@ -37,3 +37,118 @@ def test_the_transport_without_events_hands_over_once() -> None:
     assert t.get("act", 0, 1) is x and t.empty()
     with pytest.raises(RuntimeError, match="not available yet"):
         t.get("act", 0, 1)
+
+
+# ------------------------------------------------------------------------- host cost: the stream cut
+def test_rank_runs_group_consecutive_actions_of_one_rank() -> None:
+    from qeffect.runtime.single import rank_runs
+
+    assert rank_runs([]) == []
+    assert rank_runs([(0, "a"), (0, "b"), (1, "c"), (0, "d"), (0, "e"), (1, "f")]) == [
+        (0, ["a", "b"]), (1, ["c"]), (0, ["d", "e"]), (1, ["f"])]
+
+
+def test_a_step_switches_streams_only_where_the_rank_changes(monkeypatch) -> None:
+    """Every action runs inside its own rank's stream context, in the global order; a context is entered once
+    per run of one rank's actions (plus the step loss's), not once per action."""
+    from contextlib import contextmanager
+
+    from qeffect.runtime.single import rank_runs
+    from qeffect.verify.state import synthetic_batches
+
+    cfg = load_config()
+    pipe = build_single_process(cfg, native=False, device="cpu")
+    inside: list[int | None] = [None]
+    entered: list[int] = []
+    ran: list[tuple[int, object]] = []
+
+    @contextmanager
+    def on_rank_stream(rank: int):
+        entered.append(rank)
+        inside[0] = rank
+        try:
+            yield
+        finally:
+            inside[0] = None
+
+    monkeypatch.setattr(pipe, "on_rank_stream", on_rank_stream)
+    for k, r in enumerate(pipe.ranks):
+        def run(action, batches, transport, _run=r.run, k=k):
+            assert inside[0] == k  # on its own rank's stream
+            ran.append((k, action))
+            _run(action, batches, transport)
+        monkeypatch.setattr(r, "run", run)
+    pipe.run_actions(synthetic_batches(cfg, 0, "cpu"))
+    runs = rank_runs(pipe.order)
+    assert ran == list(pipe.order)
+    assert entered == [rank for rank, _ in runs] + [pipe.schedule.stage_to_rank[pipe.schedule.num_stages - 1]]
+    assert len(runs) < len(pipe.order)  # the cut is real on this schedule
+
+
+def test_the_transport_and_its_events_live_across_steps() -> None:
+    """One transport per pipeline (its hand-off events reused per slot); a fresh one after a step that left
+    hand-offs behind (an aborted step) or when the settings change."""
+    pipe = build_single_process(load_config(), native=False, device="cpu")
+    t = pipe._step_transport()
+    assert pipe._step_transport() is t and not t.events
+    t.put("act", 0, 0, torch.ones(1))  # an aborted step's leftover
+    fresh = pipe._step_transport()
+    assert fresh is not t and fresh.empty()
+    pipe.checked_completion = True
+    assert pipe._step_transport() is not fresh
+
+
+def test_hand_off_events_are_made_once_per_slot_and_still_order_every_step() -> None:
+    """Two steps of the same hand-off through one transport: one event for the slot, recorded and waited on in
+    each step, and the consumer sees each step's write in every interleaving (a wait snapshots its record)."""
+    from qeffect.offload.fake import FakeDevice
+
+    for checked in (False, True):
+        for seed in range(30):
+            dev = FakeDevice(seed, progress=1)
+            made: list[str] = []
+            new_event = dev.new_event
+            dev.new_event = lambda name, timing=False, made=made, new=new_event: made.append(name) or new(name, timing)
+            transport = LocalTransport(events=True, ops=dev, checked=checked)
+            prod, cons = dev.new_stream("rank0"), dev.new_stream("rank1")
+            x = torch.zeros(4)
+            for step in (1.0, 2.0):
+                seen = torch.full((4,), -1.0)
+                with dev.use(prod):
+                    for _ in range(3):
+                        dev.launch(prod, lambda: None, "other work")
+                    dev.launch(prod, lambda v=step, x=x: x.fill_(v), "write x")
+                    transport.put("act", 0, 0, x)
+                with dev.use(cons):
+                    got = transport.get("act", 0, 0)
+                    dev.launch(cons, lambda got=got, seen=seen: seen.copy_(got), "read x")
+                dev.synchronize()
+                assert float(seen[0]) == step, (checked, seed, step)
+            assert made == ["transport"], (checked, seed)
+            assert [t[0] for t in dev.trace if t[0] in ("record", "wait")] == ["record", "wait"] * 2
+
+
+def test_the_rank_streams_ab_benchmark_interleaves_both_variants(tmp_path, capsys) -> None:
+    """A CPU dry run of benchmarks/rank_streams_ab.py (no rank streams on a CPU: both variants run eager): the
+    JSON has both variants over every round, the median of per-round ratios and equal losses."""
+    import importlib.util
+    import json
+    import statistics
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("rank_streams_ab", root / "benchmarks" / "rank_streams_ab.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    toml = root / "src" / "qeffect" / "configs" / "tiny.toml"
+    rc = bench.main(["--tomls", str(toml), "--backend", "reference", "--device", "cpu", "--path", "eager",
+                     "--steps", "2", "--warmup", "1", "--rounds", "2", "--trace", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "rank-streams-ab-tiny-reference-cpu.json").read_text())
+    streams, one = report["results"]
+    assert (streams["name"], one["name"]) == ("rank-streams", "one-stream") and report["losses_equal"] is True
+    assert len(streams["round_medians"]) == len(one["round_medians"]) == 2 and len(streams["step_seconds"]) == 4
+    ratios = [b / a for a, b in zip(streams["round_medians"], one["round_medians"], strict=True)]
+    assert report["one_stream_over_rank_streams_by_round"] == ratios
+    assert report["one_stream_over_rank_streams"] == statistics.median(ratios)
+    assert "one-stream / rank-streams" in capsys.readouterr().out

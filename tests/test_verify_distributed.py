@@ -30,6 +30,22 @@ def test_cli_under_torchrun_is_bitwise_equal(tmp_path: Path, schedule: str) -> N
     assert "PASS" in proc.stdout
 
 
+def test_pp4_zbv_under_torchrun_is_bitwise_equal(tmp_path: Path) -> None:
+    """PP=4 with ZB-V (4 processes, 2 chunks each: 8 stages), against native eager with the same placement
+    and, for the loss, native Interleaved on its own placement."""
+    out = tmp_path / "report.json"
+    proc = _run(torchrun(4, "-m", "qeffect", "verify-state", "--pp", "4", "--schedule", "zbv", "--steps", "3",
+                         "--json", str(out)), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["passed"] and (r["pp"], r["world_size"], r["chunks_per_rank"], r["schedule"]) == (4, 4, 2, "zbv")
+    by = {c["category"]: c for c in r["categories"]}
+    assert set(by) == {"loss", "parameter_gradients", "parameters", "optimizer_state", "fp8_state",
+                       "loss_vs_interleaved"}
+    assert all(c["compared"] > 0 and c["mismatches"] == 0 for c in by.values())
+    assert by["loss"]["compared"] == 4 * 3 and "PASS" in proc.stdout
+
+
 def test_injected_scale_is_caught(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = _run(torchrun(2, str(ROOT / "tests/dist/run_verify.py"), "--steps", "3", "--inject", "perturb-scale",

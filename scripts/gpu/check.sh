@@ -11,10 +11,17 @@
 #                    captured-direct; the torchao head; captured resume in a fresh process   (~5-6 min)
 #   offload          qeffect offload-check; offload_bench.py off / release / resident at h2048
 #                    (both schedules) and h4096 Interleaved, bitwise and timed                (~5 min)
-#   profile-h2048    qeffect profile matrices (benchmarks/profile_matrix.py), te and reference (~4 min)
-#   profile-h4096    the same at h4096, then scripts/step_gaps.py on the h4096 te step      (~5 min)
-#   multi            2+ GPUs under torchrun/NCCL: verify-state PP=2 (PP=2 x DP=2 with 4 GPUs),
-#                    fixed-work timing PP=2 (against PP=4 with 4 GPUs)                      (~6 min)
+#   profile-h2048-te, profile-h2048-reference, profile-h4096-te, profile-h4096-reference
+#                    one qeffect profile matrix each (benchmarks/profile_matrix.py): every configuration
+#                    in 3 interleaved rounds, judged by examples/targets/h200.toml                (~6-9 min)
+#   resources-h4096  the --microbatches 2,4,8,16 analysis of h4096 te (graphs, arena against M), then
+#                    scripts/step_gaps.py on the h4096 te step                                  (~5 min)
+#   rank-streams     benchmarks/rank_streams_ab.py: runtime.rank_streams on/off at h2048 and h4096 (~6 min)
+#   llama            pytest -m gpu on the llama tests; bitwise matrix at llama-h2048, both backends (~6 min)
+#   multi            2+ GPUs under torchrun/NCCL: verify-state PP=2 (PP=2 x DP=2 and PP=4 ZB-V with 4 GPUs),
+#                    a PP=2 checkpoint resumed into another layout and verified                 (~7 min)
+#   multi-timing     fixed-work h4096 timing PP=2 (against PP=4 with 4 GPUs), Interleaved and ZB-V, with
+#                    per-rank breakdowns and the one-GPU step of the same config                (~8 min)
 #   megatron         qeffect audit-megatron (PP=1; PP=2 x VPP=2 with 2 GPUs)                (~3-5 min)
 #
 # Logs go to OUTDIR/check-PART.log, reports (JSON) beside it: at most 7 files per part. A failed step
@@ -22,13 +29,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh tests-kernels|tests-pipelines|verify|offload|profile-h2048|profile-h4096|multi|megatron OUTDIR" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines|verify|offload|profile-h2048|profile-h4096|multi|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines verify offload profile-h2048 profile-h4096 multi megatron" >&2
+tests-kernels|tests-pipelines|verify|offload|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -44,6 +51,16 @@ PYTEST=(python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15)
 KERNEL_TESTS=(tests/test_fused_quantize_gpu.py tests/test_fused_update_gpu.py tests/test_fp8_reference.py
               tests/test_layernorm.py tests/test_cross_entropy.py tests/test_embedding_grad.py
               tests/test_adamw.py tests/test_lazy_rows.py tests/test_accumulate_gpu.py)
+
+if [ "$part" = multi ] || [ "$part" = multi-timing ]; then
+    if [ "$NGPU" -lt 2 ]; then
+        echo "$part needs 2 or more GPUs; $NGPU here" >&2
+        exit 2
+    fi
+    # the NCCL pytest cases (tests/test_distributed.py, test_verify_distributed.py) run in tests-pipelines
+    port=29611  # each torchrun on a fresh port (a finished one's may still be in TIME_WAIT)
+    torchrun_cmd() { port=$((port + 1)); RUN=(python3 -m torch.distributed.run --nproc-per-node "$1" --master-port $port); }
+fi
 
 keep() {  # keep SRC DEST: copy one report out of the scratch folder (only a few files come back)
     [ -n "${CHECK_DRY_RUN:-}" ] && return 0
@@ -96,34 +113,35 @@ offload)
     step offload-h4096-interleaved 200 python3 benchmarks/offload_bench.py --config $H4096 --schedule interleaved \
         --steps 30 --interleave 2 --out "$OUT/offload-bench-h4096-interleaved.json"
     ;;
-profile-h2048)
-    # writes profile-h2048-<backend>-<gpu>.json; figures afterwards: qeffect profile --report FILE --plot DIR
-    step profile-h2048-te 240 python3 benchmarks/profile_matrix.py --out "$OUT" --only h2048:te \
-        --steps 20 --warmup 3 --trace 2 --microbatches 2,4,8,16
-    step profile-h2048-reference 200 python3 benchmarks/profile_matrix.py --out "$OUT" --only h2048:reference \
-        --steps 20 --warmup 3 --trace 3 --microbatches 2,4,8,16
+profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference)
+    # writes profile-<shape>-<backend>-<gpu>.json; figures afterwards: qeffect profile --report FILE --plot DIR
+    shape_backend=${part#profile-}
+    step "$part" 570 python3 benchmarks/profile_matrix.py --out "$OUT" --only "${shape_backend/-/:}" \
+        --rounds 3 --steps 10 --warmup 2 --trace 2 --microbatches "" --targets examples/targets/h200.toml
     ;;
-profile-h4096)
-    step profile-h4096-te 220 python3 benchmarks/profile_matrix.py --out "$OUT" --only h4096:te \
-        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
-    step profile-h4096-reference 180 python3 benchmarks/profile_matrix.py --out "$OUT" --only h4096:reference \
-        --steps 12 --warmup 3 --trace 2 --microbatches 2,16
+resources-h4096)
+    step resources-h4096-te 420 python3 benchmarks/profile_matrix.py --out "$tmp" --only h4096:te --rounds 1 \
+        --steps 4 --warmup 2 --trace 0 --configs native-eager,captured-direct --microbatches 2,4,8,16 --targets ""
+    keep "$(ls "$tmp"/profile-h4096-te-*.json 2>/dev/null | head -1)" "$OUT/resources-h4096-te.json"
     step step-gaps-h4096-te 100 python3 scripts/step_gaps.py --config $H4096 --json "$OUT/step-gaps-h4096-te.json"
     ;;
+rank-streams)
+    step rank-streams-ab 570 python3 benchmarks/rank_streams_ab.py --out "$OUT" --rounds 3 --trace 2
+    ;;
+llama)
+    LLAMA=examples/configs/llama-h2048.toml
+    step pytest-llama 200 "${PYTEST[@]}" tests/test_llama.py tests/test_llama_pipeline.py tests/test_llama_te_anchor.py
+    step verify-matrix-llama 330 python3 scripts/gpu_check.py --config $LLAMA --steps 12 --backends reference,te \
+        --schedules interleaved,zbv --paths captured-copy,captured-direct --out "$tmp/llama"
+    keep "$tmp/llama/gpu-check.json" "$OUT/verify-matrix-llama-h2048.json"
+    ;;
 multi)
-    if [ "$NGPU" -lt 2 ]; then
-        echo "multi needs 2 or more GPUs; $NGPU here" >&2
-        exit 2
-    fi
-    # the NCCL pytest cases (tests/test_distributed.py, test_verify_distributed.py) run in tests-pipelines
-    port=29611  # each torchrun on a fresh port (a finished one's may still be in TIME_WAIT)
-    torchrun_cmd() { port=$((port + 1)); RUN=(python3 -m torch.distributed.run --nproc-per-node "$1" --master-port $port); }
     if [ "$NGPU" -ge 4 ]; then
         n=4 cfg=examples/configs/h2048-pp2-dp2.toml name=verify-pp2-dp2-nccl-h2048 what="PP=2 x DP=2"
     else
         n=2 cfg=$H2048 name=verify-pp2-nccl-h2048 what="PP=2"
     fi
-    mkdir -p "$tmp/verify"
+    mkdir -p "$tmp/verify" "$tmp/pp4"
     reports=()
     for backend in reference te; do
         for sched in interleaved zbv; do
@@ -134,20 +152,54 @@ multi)
         done
     done
     merge_json "verify-state under torchrun, $what, NCCL, captured-direct" "$OUT/$name.json" "${reports[@]}"
-    # fixed work: the h4096 model as PP=2 with two chunks per rank, and as PP=4 with one
+    if [ "$NGPU" -ge 4 ]; then  # PP=4 ZB-V: 4 ranks x 2 chunks
+        for backend in reference te; do
+            torchrun_cmd 4
+            step "verify-pp4-zbv-$backend" 120 "${RUN[@]}" -m qeffect verify-state --config $H2048 --pp 4 --schedule zbv \
+                --backend $backend --path captured-direct --steps 20 --json "$tmp/pp4/$backend.json"
+        done
+        merge_json "verify-state under torchrun, PP=4 ZB-V, NCCL, captured-direct" "$OUT/verify-pp4-zbv-nccl-h2048.json" \
+            "$tmp/pp4/reference.json" "$tmp/pp4/te.json"
+    fi
+    # a PP=2 checkpoint resumed into the widest layout this machine has, verified against native eager
+    torchrun_cmd 2
+    step layout-save 120 "${RUN[@]}" -m qeffect train --config $H2048 --path captured-direct --steps 3 \
+        --checkpoint-every 3 --set train.eval_every=0 --out "$tmp/layout"
+    if [ "$NGPU" -ge 4 ]; then wide=(--set pipeline.pp=4 --set pipeline.chunks_per_rank=1); np=4; else wide=(); np=2; fi
+    torchrun_cmd $np
+    step layout-verify 120 "${RUN[@]}" -m qeffect verify-state --config $H2048 --path captured-direct \
+        --resume "$tmp/layout/checkpoints" "${wide[@]}" --steps 5 --json "$OUT/verify-resume-layout-h2048.json"
+    ;;
+multi-timing)
+    # fixed work: the h4096 model as PP=2 with two chunks per rank, and as PP=4 with one (Interleaved); ZB-V
+    # needs two chunks per rank, so its pair is an 8-layer model (PP=2 x 2 chunks of 2 layers, PP=4 x 2 of 1).
+    # --breakdown: where each rank's step goes, in extra synchronised steps; --one-gpu: the same config in one
+    # process on one GPU in the same run (the two-GPU step against it).
     for p in native captured-direct; do
-        if [ $p = native ]; then flags=(--path eager --native); else flags=(--path $p); fi
+        if [ $p = native ]; then flags=(--path eager --native); else flags=(--path $p --breakdown 5); fi
         torchrun_cmd 2
-        step "timing-pp2-$p" 120 "${RUN[@]}" benchmarks/pipeline_timing.py --config $H4096 "${flags[@]}" \
-            --out "$OUT/timing-h4096-pp2-$p.json"
+        step "timing-pp2-$p" 300 "${RUN[@]}" benchmarks/pipeline_timing.py --config $H4096 "${flags[@]}" \
+            $([ $p = captured-direct ] && echo --one-gpu) --out "$OUT/timing-h4096-pp2-$p.json"
         if [ "$NGPU" -ge 4 ]; then
             torchrun_cmd 4
-            step "timing-pp4-$p" 120 "${RUN[@]}" benchmarks/pipeline_timing.py --config examples/configs/h4096-pp4.toml \
+            step "timing-pp4-$p" 150 "${RUN[@]}" benchmarks/pipeline_timing.py --config examples/configs/h4096-pp4.toml \
                 "${flags[@]}" --out "$OUT/timing-h4096-pp4-$p.json"
             step "timing-compare-$p" 30 python3 benchmarks/pipeline_timing.py \
                 --compare "$OUT/timing-h4096-pp2-$p.json" "$OUT/timing-h4096-pp4-$p.json"
         fi
     done
+    torchrun_cmd 2
+    step timing-pp2-zbv 150 "${RUN[@]}" benchmarks/pipeline_timing.py --config $H4096 --path captured-direct \
+        --breakdown 5 --set pipeline.schedule=zbv --set model.layers_per_chunk=2 \
+        --out "$OUT/timing-h4096-pp2-captured-direct-zbv.json"
+    if [ "$NGPU" -ge 4 ]; then
+        torchrun_cmd 4
+        step timing-pp4-zbv 150 "${RUN[@]}" benchmarks/pipeline_timing.py --config examples/configs/h4096-pp4.toml \
+            --path captured-direct --breakdown 5 --set pipeline.schedule=zbv --set pipeline.chunks_per_rank=2 \
+            --out "$OUT/timing-h4096-pp4-captured-direct-zbv.json"
+        step timing-compare-zbv 30 python3 benchmarks/pipeline_timing.py \
+            --compare "$OUT/timing-h4096-pp2-captured-direct-zbv.json" "$OUT/timing-h4096-pp4-captured-direct-zbv.json"
+    fi
     ;;
 megatron)
     # each Megatron-Core CUDA-graph mode in its own subprocess; PP=2 x VPP=2 is skipped with one GPU

@@ -38,12 +38,25 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """The GPT's shape: every field changes the numbers."""
+    """The model's family and shape: every field changes the numbers (docs/models.md)."""
+
+    family: Literal["gpt", "llama"] = _bits(
+        "Model family. 'gpt': pre-LayerNorm, GELU feed-forward, learned positions, full multi-head "
+        "attention, biases. 'llama': RMSNorm, SwiGLU feed-forward, rotary positions, grouped-query "
+        "attention, no biases. Both have an output head untied from the token table.", "gpt")
 
     vocab_size: int = _bits("Vocabulary size (rows of the token table and the output head).", 32768, ge=2)
     hidden: int = _bits("Hidden width of every layer.", 64, ge=1)
-    ffn: int = _bits("Width of the feed-forward layer's inner projection.", 256, ge=1)
+    ffn: int = _bits("Width of the feed-forward layer's inner projection (llama: of the gate and the up "
+                     "projection each).", 256, ge=1)
     heads: int = _bits("Attention heads; must divide `hidden`.", 4, ge=1)
+    kv_heads: int = _bits("Llama: key/value heads of grouped-query attention, dividing `heads` (0: `heads`, "
+                          "plain multi-head attention). GPT: must stay 0.", 0, ge=0)
+    norm_eps: float = _bits("Llama: the RMSNorm epsilon. GPT: ignored (its LayerNorms keep torch's 1e-5).",
+                            1e-5, gt=0)
+    rope_theta: float = _bits("Llama: the base of the rotary position embedding's frequencies "
+                              "(`hidden / heads` must be even). GPT: ignored (learned positions).", 10000.0,
+                              gt=1)
     layers_per_chunk: int = _bits("Transformer layers in each pipeline chunk (stage).", 1, ge=1)
     seq_len: int = _bits("Tokens per sequence.", 32, ge=2)
     microbatch_size: int = _bits("Sequences per microbatch.", 2, ge=1)
@@ -52,7 +65,20 @@ class ModelConfig(_Strict):
     def _heads_divide_hidden(self) -> ModelConfig:
         if self.hidden % self.heads:
             raise ValueError(f"heads ({self.heads}) must divide hidden ({self.hidden})")
+        if self.family == "gpt" and self.kv_heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) is a llama field: the gpt family has full "
+                             "multi-head attention (leave it 0)")
+        if self.heads % self.num_kv_heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        if self.family == "llama" and (self.hidden // self.heads) % 2:
+            raise ValueError(f"rotary positions need an even head dimension; hidden / heads = "
+                             f"{self.hidden // self.heads}")
         return self
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads: `kv_heads`, or `heads` where it is 0."""
+        return self.kv_heads or self.heads
 
 
 class PipelineConfig(_Strict):
@@ -144,6 +170,16 @@ class TrainConfig(_Strict):
     checkpoint_dir: str = Field("", description="Where checkpoints go ('': <run folder>/checkpoints).")
     keep_checkpoints: int = Field(0, ge=0, description="Keep the newest K checkpoints, deleting older ones after "
                                   "each save (0: keep all).")
+    memory_fraction: float = Field(
+        0.0, ge=0, le=1, description="Cap this process's CUDA memory at this fraction of the device's "
+        "(torch.cuda.set_per_process_memory_fraction; 0: no cap). A captured run that does not fit stops with "
+        "one line naming the cap; offload.mode = 'release' lowers the peak. Same bits with or without a cap.")
+
+    @model_validator(mode="after")
+    def _cap_needs_cuda(self) -> TrainConfig:
+        if self.memory_fraction and self.device != "cuda":
+            raise ValueError(f"memory_fraction ({self.memory_fraction}) caps CUDA memory: it needs device = cuda")
+        return self
 
 
 class DataConfig(_Strict):

@@ -26,7 +26,10 @@ from qeffect.verify.state import synthetic_batches
 
 
 def snapshot(pipe: DistributedPipeline) -> dict:
-    return {k: v.detach().clone() for k, v in tensor_state(local_view(pipe)).items()}
+    """Every tensor this process holds (`tensor_state` is empty on replicas other than 0: they save nothing)."""
+    view = local_view(pipe)
+    view.dp_rank = 0
+    return {k: v.detach().clone() for k, v in tensor_state(view).items()}
 
 
 def main() -> None:

@@ -338,6 +338,7 @@ def _run(args: argparse.Namespace, result: dict[str, Any], save: Any) -> None:
         result["losses"].append(float(torch.tensor(loss_sum / tokens, dtype=torch.float32).item()))
         result["steps_completed"] = step + 1
         save()
+    result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()  # `qeffect profile`'s megatron-graphs row
     result["stage"] = "done"
 
 

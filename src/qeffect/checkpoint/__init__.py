@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from qeffect.checkpoint.dcp import (
     latest_checkpoint,
+    layout_change,
     load_checkpoint,
     prune_checkpoints,
     remove_stale_saves,
@@ -30,6 +31,7 @@ __all__ = [
     "diff_checkpoints",
     "inspect_checkpoint",
     "latest_checkpoint",
+    "layout_change",
     "load_checkpoint",
     "load_tensors",
     "open_checkpoint",

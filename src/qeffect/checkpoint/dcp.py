@@ -14,9 +14,12 @@ training loop replaces the checkpoint of the same step of an abandoned earlier a
 folder is renamed aside, the new one renamed in, and the old one deleted.
 
 Resume (before any graph is built, into the already-built pipeline, in place): verify the manifest,
-refuse a different pipeline shape / schedule / recipe / model (naming each difference), load the
-numbers with DCP, restore `e_W` and the step, re-synchronize the arena epoch, invalidate every weight
-cache (the first forward refreshes it), then restore the data position and the RNG.
+refuse a different recipe / model / microbatch count (naming each difference; another pipeline layout of
+the same model is accepted, `layout_change` names it), load the numbers with DCP by global name (each
+process reads the modules it holds now, wherever they were when saved), restore `e_W` and the step,
+re-synchronize the arena epoch, invalidate every weight cache (the first forward refreshes it), then
+restore the data position (mapped onto another data-parallel degree: `_data_position`) and the RNG.
+Native eager ranks (`NativeRank`) load the same way, so the oracle can start from a checkpoint too.
 """
 
 from __future__ import annotations
@@ -50,14 +53,16 @@ from qeffect.checkpoint.state import (
     LocalView,
     ProcessPayload,
     StagePayload,
-    config_differences,
-    fp8_key,
+    checkpoint_key,
+    global_name,
+    has_contracts,
+    layers_of,
     local_view,
-    optim_key,
-    param_key,
     parse_key,
     restore_rng,
+    resume_differences,
     rng_state,
+    saved_layers_per_chunk,
     tensor_state,
 )
 from qeffect.contracts import CommitViolation
@@ -106,10 +111,11 @@ def step_dir(root: str | Path, step: int) -> Path:
 # --------------------------------------------------------------------------------------------- save
 def check_quiescent(view: LocalView) -> None:
     """Every local rank (and, in several processes, every process) must be quiescent for a checkpoint."""
-    local = [f"pipeline rank {r.rank}: {why}" for r in view.ranks for why in r.barrier.reasons("checkpoint")]
+    local = [f"pipeline rank {r.rank}: {why}" for r in view.ranks if has_contracts(r)
+             for why in r.barrier.reasons("checkpoint")]
     everywhere = [why for reasons in _gather(view, local) for why in reasons]
     if everywhere:
-        e_W = view.ranks[0].clock.e_W
+        e_W = next((r.clock.e_W for r in view.ranks if has_contracts(r)), None)
         raise CommitViolation(
             f"premature checkpoint at e_W={e_W}: expected quiescence (no live tapes, no arena writes or "
             f"reductions in flight), found: " + "; ".join(everywhere),
@@ -119,8 +125,10 @@ def check_quiescent(view: LocalView) -> None:
 def _stages(view: LocalView) -> list[dict]:
     if view.dp_rank != 0:
         return []
+    lpc = view.layers_per_chunk
     return [StagePayload(stage=s, pp_rank=r.rank, params=[n for n, _ in c.named_parameters()],
-                         fp8_linears=list(c.matrix_linears())).model_dump()
+                         fp8_linears=list(c.matrix_linears()),
+                         layers=list(range(s * lpc, (s + 1) * lpc))).model_dump()
             for r in view.ranks for s, c in r.chunks.items()]
 
 
@@ -147,7 +155,7 @@ def save_checkpoint(pipe: Any, path: str | Path, cfg: RunConfig, *, stream: Any 
         raise UserError(errors[0])
 
     steps = {r.step_index for r in view.ranks}
-    epochs = {str(r.rank): r.clock.e_W for r in view.ranks}
+    epochs = {str(r.rank): r.clock.e_W if has_contracts(r) else r.step_index for r in view.ranks}
     device = _device(view)
     me = ProcessPayload(global_rank=view.global_rank, dp_rank=view.dp_rank, pp_ranks=[r.rank for r in view.ranks],
                         data=stream.state_dict() if stream is not None else None, rng=rng_state(device))
@@ -354,13 +362,15 @@ def prune_checkpoints(root: str | Path, keep: int, *, protect: Path) -> list[Pat
 def load_checkpoint(pipe: Any, path: str | Path, cfg: RunConfig, *, stream: Any = None) -> CheckpointPayload:
     """Restore `pipe` (freshly built, no step run yet) from the checkpoint at `path`; every process calls it.
 
-    Raises `ReportError` for an unreadable checkpoint and `UserError` when the checkpoint's pipeline
-    shape, schedule, recipe or model differ from `cfg` (the message names each difference).
+    `pipe` may lay the model out otherwise than the run that saved it (`LAYOUT_FIELDS`: pipeline ranks,
+    chunks per rank with the same layer count, data-parallel replicas, schedule); `layout_change` names
+    such a change. Raises `ReportError` for an unreadable checkpoint and `UserError` when the checkpoint's
+    recipe, model or microbatch count differ from `cfg` (the message names each difference).
     """
     view = local_view(pipe)
     ck = open_checkpoint(resolve_checkpoint(path))
     payload, md, folder = ck.payload, ck.metadata, ck.path
-    diffs = config_differences(payload.config, cfg.model_dump())
+    diffs, _ = resume_differences(payload.config, cfg.model_dump())
     if diffs:
         raise UserError(f"{folder}: checkpoint differs from this run: " + "; ".join(diffs))
     check_quiescent(view)
@@ -369,24 +379,30 @@ def load_checkpoint(pipe: Any, path: str | Path, cfg: RunConfig, *, stream: Any 
     new_state: list[tuple[Any, torch.nn.Parameter, dict[str, torch.Tensor]]] = []
     error = None
     saved = md.state_dict_metadata
+    lpc = view.layers_per_chunk
     try:
+        e_W = _saved_epoch(payload)
+        linears: set[str] = set()
         for r in view.ranks:
             for s, chunk in r.chunks.items():
                 for name, p in chunk.named_parameters():
-                    want[param_key(s, name)] = p.detach()
-                    new_state.append((r.optimizer, p, _optimizer_targets(saved, s, name, p, r.optimizer, want)))
+                    g = global_name(s, name, lpc)
+                    want[checkpoint_key("model", g, payload)] = p.detach()
+                    prefix = checkpoint_key("optim", f"{g}.", payload)
+                    targets = _optimizer_targets(saved, prefix, p, r.optimizer, want)
+                    new_state.append((r.optimizer, p, targets))
+                chunk.allocate_fp8_state()  # a native eager TE rank has run no forward yet
                 for name, t in chunk.fp8_state().items():
-                    want[fp8_key(s, name, view.dp_rank, view.dp)] = t
-        error = _check_targets(folder, saved, want, view)
-        for r in view.ranks:
-            if str(r.rank) not in payload.epochs:
-                error = error or f"{folder}: no epoch saved for pipeline rank {r.rank}"
+                    want[checkpoint_key("fp8", global_name(s, name, lpc), payload, dp_rank=view.dp_rank)] = t
+                linears |= {global_name(s, n, lpc) for n in chunk.matrix_linears()}
+        error = _check_targets(folder, saved, want, linears, payload, view)
         proc = _process_entry(payload, view)
         if error is None and stream is not None:
-            if proc.data is None:
+            data = _data_position(payload, view, stream)
+            if data is None:
                 error = f"{folder}: no data-stream position saved for data-parallel rank {view.dp_rank}"
             else:
-                stream.load_state_dict(proc.data)  # checks that the data and batching match, then seeks
+                stream.load_state_dict(data)  # checks that the data and batching match, then seeks
     except UserError as err:
         error = ("user", f"{folder}: {err}")
     except Exception as err:  # noqa: BLE001 - turned into one agreed error below
@@ -414,25 +430,54 @@ def load_checkpoint(pipe: Any, path: str | Path, cfg: RunConfig, *, stream: Any 
         r.state_loaded()
     device = _device(view)
     for r in view.ranks:
-        e_W = payload.epochs[str(r.rank)]
-        r.clock.restore(e_W)
         r.step_index = payload.step
-        r.arena.rebuild(epoch=e_W)
-        for s, chunk in r.chunks.items():
+        for chunk in r.chunks.values():
             chunk.invalidate_caches()
-            r.actions[s].cache.invalidate()
+        if has_contracts(r):  # qeffect's contract objects; native eager refreshes its caches every step
+            r.clock.restore(e_W)
+            r.arena.rebuild(epoch=e_W)
+            for act in r.actions.values():
+                act.cache.invalidate()
     restore_rng(proc.rng, device)
     return payload
 
 
-def _optimizer_targets(saved: dict, stage: int, name: str, p: torch.nn.Parameter, opt: Any,
-                       want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Load targets for one parameter's optimizer state: its existing tensors (in place) or new ones.
+def layout_change(payload: CheckpointPayload, cfg: RunConfig) -> str | None:
+    """One line naming how this run lays out the checkpoint's model otherwise (None: the same layout), e.g.
+    `layout pipeline.pp 2 -> 4, pipeline.chunks_per_rank 2 -> 1 (4 layers)`; with another data-parallel
+    degree also where the data stream goes on (`_data_position`)."""
+    _, layout = resume_differences(payload.config, cfg.model_dump())
+    if not layout:
+        return None
+    line = f"layout {', '.join(layout)} ({layers_of(payload.config)} layers)"
+    if payload.dp != cfg.pipeline.dp:
+        saved = next((p.data for p in payload.processes if p.dp_rank == 0 and p.data), None)
+        if saved is not None:
+            consumed = int(saved["cursor"]) * payload.dp
+            skipped = -consumed % cfg.pipeline.dp
+            line += f"; data epoch {saved['epoch']} goes on after {consumed} microbatches"
+            if skipped:
+                line += f" ({skipped} skipped to start a whole batch of {cfg.pipeline.dp} replicas)"
+    return line
 
-    AdamW keeps `step` on the CPU unless it is capturable or fused, the moments on the parameter's device.
-    """
-    prefix = optim_key(stage, name, "")
+
+def _saved_epoch(payload: CheckpointPayload) -> int:
+    """The optimizer epoch e_W of the checkpoint: every pipeline rank's, equal after a commit."""
+    epochs = set(payload.epochs.values())
+    if len(epochs) != 1:
+        raise ValueError(f"pipeline ranks saved different optimizer epochs {payload.epochs}; a checkpoint is "
+                         "taken after a commit, where all are equal")
+    return epochs.pop()
+
+
+def _optimizer_targets(saved: dict, prefix: str, p: torch.nn.Parameter, opt: Any,
+                       want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Load targets for one parameter's optimizer state (saved keys `prefix` + state name): its existing
+    tensors (in place) or new ones. AdamW keeps `step` on the CPU unless it is capturable or fused (both
+    runtimes' AdamW are fused: there it lives on the parameter's device), the moments on the parameter's
+    device."""
     current = opt.state.get(p, {})
+    on_device = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
     out: dict[str, torch.Tensor] = {}
     for key, meta in saved.items():
         if not key.startswith(prefix) or "." in key[len(prefix):]:
@@ -443,14 +488,16 @@ def _optimizer_targets(saved: dict, stage: int, name: str, p: torch.nn.Parameter
         if isinstance(old, torch.Tensor) and tuple(old.shape) == size and old.dtype == dtype:
             out[k] = old
         else:
-            dev = torch.device("cpu") if k == "step" else p.device
+            dev = torch.device("cpu") if k == "step" and not on_device else p.device
             out[k] = torch.empty(size, dtype=dtype, device=dev)
         want[key] = out[k]
     return out
 
 
-def _check_targets(folder: Path, saved: dict, want: dict[str, torch.Tensor], view: LocalView) -> str | None:
-    """Every tensor this run needs is saved with its shape and dtype, and nothing of ours is left over."""
+def _check_targets(folder: Path, saved: dict, want: dict[str, torch.Tensor], linears: set[str],
+                   payload: CheckpointPayload, view: LocalView) -> str | None:
+    """Every tensor this run needs is saved with its shape and dtype, and no FP8 state of this process's
+    linears (global names `linears`) is left over."""
     missing = [k for k in want if k not in saved]
     if missing:
         return f"{folder}: checkpoint lacks {len(missing)} tensor(s) this run needs, e.g. {missing[:3]}"
@@ -459,25 +506,50 @@ def _check_targets(folder: Path, saved: dict, want: dict[str, torch.Tensor], vie
            if tuple(saved[k].size) != tuple(t.shape) or saved[k].properties.dtype != t.dtype]
     if bad:
         return f"{folder}: tensor shape or dtype differs from this run: {bad[0]}"
-    stages = {s for r in view.ranks for s in r.chunks}
-    replica = view.dp_rank if view.dp > 1 else None
     extra = []
     for k in saved:
         pk = parse_key(k)
-        if pk.stage in stages and k not in want and (pk.section != "fp8" or pk.dp == replica):
+        if pk.section != "fp8" or k in want:
+            continue
+        if pk.stage is not None:  # schema 1: the global linear of its stage key, this replica's keys only
+            lpc = saved_layers_per_chunk(payload)
+            if checkpoint_key("fp8", global_name(pk.stage, f"{pk.name}.{pk.state}", lpc), payload,
+                              dp_rank=view.dp_rank) != k:
+                continue
+            name = global_name(pk.stage, pk.name, lpc)
+        else:
+            name = pk.name
+        if name in linears:
             extra.append(k)
     if extra:  # e.g. FP8 state of a module that exposes none yet (a TE module before its first forward)
-        return (f"{folder}: checkpoint holds {len(extra)} tensor(s) of this process's stages that the run has "
-                f"no place for, e.g. {sorted(extra)[:3]}")
+        return (f"{folder}: checkpoint holds {len(extra)} tensor(s) of this process's modules that the run "
+                f"has no place for, e.g. {sorted(extra)[:3]}")
     return None
 
 
 def _process_entry(payload: CheckpointPayload, view: LocalView) -> ProcessPayload:
-    """The same process if the launch matches, else the first process of the same data-parallel replica."""
+    """The same process if the launch matches, else the first process of the same data-parallel replica
+    (every pipeline rank of a replica reads the same data), else of replica 0 (another degree)."""
+    same = (payload.world_size, payload.pp, payload.dp) == (view.world_size, view.pp, view.dp)
     for p in payload.processes:
-        if payload.world_size == view.world_size and p.global_rank == view.global_rank:
+        if same and p.global_rank == view.global_rank:
             return p
+    replica = view.dp_rank if payload.dp == view.dp else 0
     for p in payload.processes:
-        if p.dp_rank == view.dp_rank:
+        if p.dp_rank == replica:
             return p
-    raise ValueError(f"no process state saved for data-parallel rank {view.dp_rank}")
+    raise ValueError(f"no process state saved for data-parallel rank {replica}")
+
+
+def _data_position(payload: CheckpointPayload, view: LocalView, stream: Any) -> dict[str, Any] | None:
+    """The saved data-stream state for this process's stream. Under the same data-parallel degree, its
+    replica's; under another, replica 0's position carried over: the epoch and the global microbatches
+    served in it (`cursor x dp`), rounded up to a whole batch of the new replicas (so no sequence is read
+    twice; `layout_change` names what is skipped), as this stream's `dp_rank` and `dp_size`."""
+    proc = _process_entry(payload, view)
+    data = proc.data
+    if data is None or payload.dp == view.dp:
+        return data
+    consumed = int(data["cursor"]) * payload.dp
+    cursor = min(-(-consumed // view.dp), stream.batches_per_epoch)
+    return {**data, "cursor": cursor, "dp_rank": view.dp_rank, "dp_size": view.dp}

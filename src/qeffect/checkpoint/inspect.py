@@ -27,7 +27,11 @@ from qeffect.checkpoint.state import (
     SUPPORTED_SCHEMA_VERSIONS,
     CheckpointPayload,
     config_differences,
+    global_name,
+    key_stage,
+    layers_of,
     parse_key,
+    saved_layers_per_chunk,
 )
 from qeffect.errors import ReportError
 
@@ -178,9 +182,9 @@ class FP8TensorState(BaseModel):
 
 
 class FP8ModuleSummary(BaseModel):
-    module: str  # s{stage}.{linear}, with a dp{replica}. prefix for per-replica state
-    stage: int
-    replica: int | None
+    module: str  # the linear's global name (layers.{layer}.{linear}, head), the key's middle part
+    stage: int  # the stage that held it in the layout that wrote the checkpoint
+    replica: int | None  # schema 1 under data parallelism: the replica of per-replica state
     history_len: int
     amax_range: tuple[float, float]  # over the module's tensors (input / weight / grad) of their window max
     scale_range: tuple[float, float]
@@ -197,7 +201,9 @@ class CheckpointReport(BaseModel):
     launch: str
     world_size: int
     schedule: str
-    pipeline: dict[str, int]
+    pipeline: dict[str, int]  # the layout that wrote it (a resume may use another: docs/multinode.md)
+    layers: int = 0  # transformer layers of the model: what any layout that loads it must keep
+    keys: str = "global"  # "global" (layers / parameters: loads into any layout) or "stage" (schema 1)
     recipe: dict[str, Any]
     config: dict[str, Any]
     files: list[FileSize]
@@ -237,9 +243,10 @@ def inspect_checkpoint(path: str | Path) -> CheckpointReport:
         sec.tensors += 1
         sec.logical_bytes += logical
         sec.stored_bytes += stored.get(key, 0)
-        if pk.stage is None:
+        stage = key_stage(key, pl)
+        if stage is None:
             continue
-        st = per_stage.setdefault(pk.stage, {"params": 0, "param_bytes": 0, "optim_bytes": 0, "fp8_tensors": 0,
+        st = per_stage.setdefault(stage, {"params": 0, "param_bytes": 0, "optim_bytes": 0, "fp8_tensors": 0,
                                              "fp8_bytes": 0, "fp8_stored_bytes": 0})
         if pk.section == "model":
             st["params"] += 1
@@ -270,21 +277,25 @@ def inspect_checkpoint(path: str | Path) -> CheckpointReport:
         launch=pl.launch, world_size=pl.world_size, schedule=pl.schedule,
         pipeline={"pp": pl.pp, "dp": pl.dp, "chunks_per_rank": pl.chunks_per_rank,
                   "microbatches": pl.microbatches, "num_stages": pl.num_stages},
+        layers=layers_of(pl.config), keys="global" if pl.schema_version >= 2 else "stage",
         recipe=pl.recipe, config=pl.config, files=files, total_bytes=total, sections=sections,
         payload_bytes=ck.payload_bytes, qeffect_runtime_state_bytes=runtime,
         qeffect_runtime_state_fraction=runtime / total if total else 0.0, stages=stages,
-        fp8_modules=fp8_summaries(fp8), data=[p.data or {} for p in pl.processes],
+        fp8_modules=fp8_summaries(fp8, pl), data=[p.data or {} for p in pl.processes],
         cache_semantics=pl.cache_semantics, not_saved=pl.not_saved,
     )
 
 
-def fp8_summaries(tensors: dict[str, torch.Tensor]) -> list[FP8ModuleSummary]:
-    """Group `fp8.*` tensors by module; `{kind}_amax_history` + `{kind}_scale` form one tensor state."""
+def fp8_summaries(tensors: dict[str, torch.Tensor], payload: CheckpointPayload) -> list[FP8ModuleSummary]:
+    """Group `fp8.*` tensors by module (global name, also for schema 1's stage keys); `{kind}_amax_history`
+    + `{kind}_scale` form one tensor state."""
     modules: dict[tuple[int | None, int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         pk = parse_key(key)
         if pk.section == "fp8":
-            modules.setdefault((pk.dp, pk.stage, pk.name), {})[pk.state] = t
+            name = pk.name if pk.stage is None else global_name(pk.stage, pk.name, saved_layers_per_chunk(payload))
+            stage = key_stage(key, payload)
+            modules.setdefault((pk.dp, stage, name), {})[pk.state] = t
     out = []
     for (dp, stage, name), states in sorted(modules.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1], kv[0][2])):
         kinds = sorted({k[: -len("_amax_history")] for k in states if k.endswith("_amax_history")})
@@ -299,9 +310,8 @@ def fp8_summaries(tensors: dict[str, torch.Tensor]) -> list[FP8ModuleSummary]:
             continue
         amaxes = [p.amax_max for p in per.values()]
         scales = [p.scale for p in per.values()]
-        prefix = f"dp{dp}." if dp is not None else ""
         out.append(FP8ModuleSummary(
-            module=f"{prefix}s{stage}.{name}", stage=stage, replica=dp,
+            module=name, stage=stage, replica=dp,
             history_len=max(p.history_len for p in per.values()),
             amax_range=(min(amaxes), max(amaxes)), scale_range=(min(scales), max(scales)),
             tensors=per))

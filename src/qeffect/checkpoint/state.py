@@ -6,15 +6,20 @@ position and the RNG state. Process-local (never saved, rebuilt or invalidated o
 streams, events, tape generations, arena addresses, effect tokens and weight-cache contents. The split
 is the paper's: a checkpoint restores *numbers and logical epochs*, never addresses.
 
-Tensor keys are stage-qualified so that they do not depend on how stages map to processes (a
-single-process checkpoint and a torchrun PP=2 checkpoint of the same run hold the same keys):
+Tensor keys name the model's global structure, never a rank or a stage index, so a checkpoint loads
+into any pipeline layout of the same model (other `pipeline.pp`, `chunks_per_rank` with the same layer
+count, `dp`, schedule). A module's global name is its name inside its chunk with `blocks.{j}` replaced by
+`layers.{stage * layers_per_chunk + j}` (`global_name`); the embeddings, final norm and head keep theirs:
 
-- ``model.s{stage}.{param}``: a parameter;
-- ``optim.s{stage}.{param}.{state}``: its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``);
-- ``fp8.s{stage}.{linear}.{state}``: FP8 state. With data parallelism the replicas' FP8 states differ
-  (each replica records the amaxes of its own data), so then every replica has its own keys,
-  ``fp8.dp{replica}.s{stage}.{linear}.{state}``. Parameters and optimizer state are identical across
-  replicas and saved once (DCP de-duplicates identical keys).
+- ``model.{name}``: a parameter (``model.layers.3.qkv.weight``, ``model.tok_emb.weight``);
+- ``optim.{name}.{state}``: its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``);
+- ``fp8.{linear}.{state}``: a backend linear's FP8 state (``fp8.layers.3.qkv.input_amax_history``).
+
+Everything is written once, by data-parallel replica 0: replicas hold identical parameters and AdamW
+state, and the commit merges their FP8 state (`runtime.distributed`), so at a checkpoint they agree.
+Schema 1 (before layouts could change) keyed by stage, ``model.s{stage}.{param}``, with per-replica FP8
+keys ``fp8.dp{replica}.s{stage}...`` under data parallelism; it still loads, into any layout too: its
+stage keys are translated through the layers per chunk it was written with (`checkpoint_key`).
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from pydantic import BaseModel, ConfigDict
 
 from qeffect.config import RunConfig, bit_changing_fields
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = (1,)
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 PAYLOAD_FILE = "qeffect.json"
 DCP_METADATA_FILE = ".metadata"
 LATEST_FILE = "latest"
@@ -49,26 +54,66 @@ NOT_SAVED = [
     "weight-cache contents (quantized weights) and versions e_C",
 ]
 
-# Fields a resumed run must share with the checkpoint: every setting that changes the numbers a run computes
+# Fields a checkpoint diff compares as the run's shape: every setting that changes the numbers a run computes
 # (`config.bit_changing_fields`: model shape, recipe and backend, optimizer hyper-parameters, seed, activation
-# dtype, ...) and the layout the checkpoint's keys and data positions depend on (pipeline shape, schedule,
-# microbatches). Everything else (steps, evaluation, paths, device, action path, runtime and offload choices,
-# staged weight-gradient accumulation) may change between a save and a resume: it leaves the bits alone.
-LAYOUT_FIELDS = ("pipeline.pp", "pipeline.dp", "pipeline.chunks_per_rank", "pipeline.microbatches",
-                 "pipeline.schedule")
-RESUME_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(bit_changing_fields() + LAYOUT_FIELDS))
+# dtype, ...) and the pipeline layout. Everything else (steps, evaluation, paths, device, action path, runtime
+# and offload choices, staged weight-gradient accumulation) may change between a save and a resume: it leaves
+# the bits alone.
+RESUME_FIELDS: tuple[str, ...] = tuple(dict.fromkeys(bit_changing_fields() + (
+    "pipeline.pp", "pipeline.dp", "pipeline.chunks_per_rank", "pipeline.microbatches", "pipeline.schedule")))
+# Of those, what a resume may change: how the same model is laid out over processes. The keys do not depend
+# on it, and the run's layer count (layers_per_chunk x pp x chunks_per_rank) must stay, so layers_per_chunk
+# changes only together with the stage count. `pipeline.microbatches` stays: it is the step's batch.
+LAYOUT_FIELDS = ("pipeline.pp", "pipeline.dp", "pipeline.chunks_per_rank", "pipeline.schedule",
+                 "model.layers_per_chunk")
+# Modules outside the transformer layers, by the stage that holds them (first / last).
+FIRST_STAGE_MODULES = ("tok_emb", "pos_emb")
+
+_BLOCK_RE = re.compile(r"^blocks\.(?P<j>\d+)\.(?P<rest>.+)$")
+_LAYER_RE = re.compile(r"^layers\.(?P<g>\d+)\.(?P<rest>.+)$")
 
 
-def param_key(stage: int, name: str) -> str:
-    return f"model.s{stage}.{name}"
+def global_name(stage: int, name: str, layers_per_chunk: int) -> str:
+    """A chunk-local parameter, linear or FP8-state name as the model's global name (module docstring)."""
+    m = _BLOCK_RE.match(name)
+    return f"layers.{stage * layers_per_chunk + int(m['j'])}.{m['rest']}" if m else name
 
 
-def optim_key(stage: int, name: str, state: str) -> str:
-    return f"optim.s{stage}.{name}.{state}"
+def local_name(name: str, layers_per_chunk: int, num_stages: int) -> tuple[int, str]:
+    """(stage, chunk-local name) of a global name in a layout with `layers_per_chunk` and `num_stages`."""
+    m = _LAYER_RE.match(name)
+    if m:
+        g = int(m["g"])
+        return g // layers_per_chunk, f"blocks.{g % layers_per_chunk}.{m['rest']}"
+    return (0 if name.split(".", 1)[0] in FIRST_STAGE_MODULES else num_stages - 1), name
 
 
-def fp8_key(stage: int, name: str, dp_rank: int, dp: int) -> str:
-    return f"fp8.s{stage}.{name}" if dp == 1 else f"fp8.dp{dp_rank}.s{stage}.{name}"
+def layers_of(config: dict[str, Any]) -> int:
+    """Transformer layers of the model a (possibly older, dict-form) config describes."""
+    d = RunConfig().model_dump()
+    model, pipe = {**d["model"], **config.get("model", {})}, {**d["pipeline"], **config.get("pipeline", {})}
+    return int(model["layers_per_chunk"]) * int(pipe["pp"]) * int(pipe["chunks_per_rank"])
+
+
+def param_key(name: str) -> str:
+    """Key of a parameter by its global name."""
+    return f"model.{name}"
+
+
+def optim_key(name: str, state: str) -> str:
+    """Key of one AdamW state tensor of a parameter (global name); `state` "" gives the parameter's prefix."""
+    return f"optim.{name}.{state}"
+
+
+def fp8_key(name: str) -> str:
+    """Key of an FP8 state tensor by its global `{linear}.{state}` name."""
+    return f"fp8.{name}"
+
+
+def v1_key(section: str, stage: int, name: str, *, replica: int | None = None) -> str:
+    """Schema 1's stage-qualified key (`name` chunk-local, with the state for optim and fp8)."""
+    dp = f"dp{replica}." if section == "fp8" and replica is not None else ""
+    return f"{section}.{dp}s{stage}.{name}"
 
 
 _KEY_RE = {
@@ -81,20 +126,56 @@ _KEY_RE = {
 @dataclass(frozen=True)
 class ParsedKey:
     section: str  # model | optim | fp8 | other
-    stage: int | None = None
-    name: str = ""  # parameter or linear name inside the stage
+    stage: int | None = None  # schema 1: the stage in the key
+    name: str = ""  # parameter or linear name: global (schema 2) or inside the stage (schema 1)
     state: str = ""  # optimizer or FP8 state name
-    dp: int | None = None  # replica of a per-replica FP8 key
+    dp: int | None = None  # schema 1: replica of a per-replica FP8 key
+    layer: int | None = None  # schema 2: the global transformer layer, None outside the layers
 
 
 def parse_key(key: str) -> ParsedKey:
+    """Either schema's key (a global name never starts with `s<digits>.`, a stage key always does)."""
     for section, rx in _KEY_RE.items():
         m = rx.match(key)
         if m:
             g = m.groupdict()
             return ParsedKey(section, int(g["stage"]), g["name"], g.get("state") or "",
                              int(g["dp"]) if g.get("dp") else None)
-    return ParsedKey("other")
+    section, _, rest = key.partition(".")
+    if section not in ("model", "optim", "fp8") or not rest:
+        return ParsedKey("other")
+    name, state = (rest, "") if section == "model" else (rest.rsplit(".", 1) + [""])[:2]
+    layer = _LAYER_RE.match(name)
+    return ParsedKey(section, None, name, state, None, int(layer["g"]) if layer else None)
+
+
+def checkpoint_key(section: str, name: str, payload: CheckpointPayload, *, dp_rank: int = 0) -> str:
+    """The key under which `payload`'s checkpoint holds the tensor of global `name` (for optim and fp8 with
+    its state: `{param}.{state}`, `{linear}.{state}`). Schema 1 keyed by the stage of the layout it was
+    written in: translated through that layout's layers per chunk; its per-replica FP8 state (identical
+    after the commit's merge) is read from this replica where it existed, else from replica 0."""
+    if payload.schema_version >= 2:
+        return f"{section}.{name}"
+    stage, local = local_name(name, saved_layers_per_chunk(payload), payload.num_stages)
+    replica = None
+    if section == "fp8" and payload.dp > 1:
+        replica = dp_rank if dp_rank < payload.dp else 0
+    return v1_key(section, stage, local, replica=replica)
+
+
+def key_stage(key: str, payload: CheckpointPayload) -> int | None:
+    """The stage of the writer's layout a key belongs to (per-stage accounting); None for other keys."""
+    pk = parse_key(key)
+    if pk.section == "other":
+        return None
+    if pk.stage is not None:
+        return pk.stage
+    return local_name(pk.name, saved_layers_per_chunk(payload), payload.num_stages)[0]
+
+
+def saved_layers_per_chunk(payload: CheckpointPayload) -> int:
+    """`model.layers_per_chunk` of the run that wrote `payload` (its default where its config lacks it)."""
+    return int({**RunConfig().model_dump()["model"], **payload.config.get("model", {})}["layers_per_chunk"])
 
 
 # ---------------------------------------------------------------------------------------------- payload
@@ -110,6 +191,7 @@ class StagePayload(_Model):
     params: list[str]
     fp8_linears: list[str]
     cache: str = "invalidated on resume"
+    layers: list[int] = []  # the global transformer layers of the stage (schema 1 did not record them)
 
 
 class ProcessPayload(_Model):
@@ -158,7 +240,7 @@ class CheckpointPayload(_Model):
 class LocalView:
     """The pipeline ranks this process holds, and where the process sits in the job."""
 
-    ranks: list  # QEffectRank
+    ranks: list  # QEffectRank, or NativeRank (native eager loads the same checkpoints: verify-state --resume)
     schedule: Any
     pp: int
     dp: int
@@ -166,45 +248,65 @@ class LocalView:
     global_rank: int
     world_size: int
     distributed: bool
+    layers_per_chunk: int
 
 
 def local_view(pipe: Any) -> LocalView:
     """Accept a `SingleProcessPipeline` (all ranks here) or a `DistributedPipeline` (one rank here)."""
-    from qeffect.runtime.rank import QEffectRank
+    from qeffect.runtime.rank import BaseRank
 
+    lpc = _layers_per_chunk(pipe)
     if hasattr(pipe, "topo"):
         import torch.distributed as dist
 
         ranks = [pipe.rank]
         topo = pipe.topo
-        view = LocalView(ranks, pipe.schedule, topo.pp, topo.dp, topo.dp_rank, topo.rank, dist.get_world_size(),
-                         True)
+        view = LocalView(ranks, pipe.schedule, topo.pp, topo.dp, topo.dp_rank, topo.rank,
+                         dist.get_world_size(), True, lpc)
     else:
-        view = LocalView(list(pipe.ranks), pipe.schedule, pipe.schedule.pp, 1, 0, 0, 1, False)
+        view = LocalView(list(pipe.ranks), pipe.schedule, pipe.schedule.pp, 1, 0, 0, 1, False, lpc)
     for r in view.ranks:
-        if not isinstance(r, QEffectRank):
-            raise TypeError(f"checkpoints hold qeffect runtime ranks (QEffectRank), got {type(r).__name__}")
+        if not isinstance(r, BaseRank):
+            raise TypeError(f"checkpoints hold qeffect runtime ranks (BaseRank), got {type(r).__name__}")
     return view
 
 
+def has_contracts(rank: Any) -> bool:
+    """Whether a rank is qeffect's (`QEffectRank`: epoch clock, arena, barrier, weight-cache versions) rather
+    than native eager's, which holds numbers only and refreshes its caches every step."""
+    from qeffect.runtime.rank import QEffectRank
+
+    return isinstance(rank, QEffectRank)
+
+
+def _layers_per_chunk(pipe: Any) -> int:
+    ranks = [pipe.rank] if hasattr(pipe, "topo") else list(pipe.ranks)
+    chunk = next(iter(ranks[0].chunks.values()))
+    return int(chunk.shape.layers_per_chunk)
+
+
 def tensor_state(view: LocalView) -> dict[str, torch.Tensor]:
-    """Live tensors of this process by checkpoint key (no copies: DCP reads them while saving)."""
+    """Live tensors of this process by checkpoint key (no copies: DCP reads them while saving). Empty on
+    data-parallel replicas other than 0: theirs are the same numbers (module docstring)."""
     out: dict[str, torch.Tensor] = {}
+    if view.dp_rank != 0:
+        return out
+    lpc = view.layers_per_chunk
     for r in view.ranks:
         r.settle()  # a row-lazy token table: every row and moment up to date first
-        owner: dict[int, tuple[int, str]] = {}
+        owner: dict[int, str] = {}
         for s, chunk in r.chunks.items():
             for name, p in chunk.named_parameters():
-                out[param_key(s, name)] = p.detach()
-                owner[id(p)] = (s, name)
+                out[param_key(global_name(s, name, lpc))] = p.detach()
+                owner[id(p)] = global_name(s, name, lpc)
             for name, t in chunk.fp8_state().items():
-                out[fp8_key(s, name, view.dp_rank, view.dp)] = t
+                out[fp8_key(global_name(s, name, lpc))] = t
         for p, st in r.optimizer.state.items():
-            s, name = owner[id(p)]
+            name = owner[id(p)]
             for k, v in st.items():
                 if not isinstance(v, torch.Tensor):
                     raise TypeError(f"optimizer state {name}.{k} is a {type(v).__name__}, not a tensor")
-                out[optim_key(s, name, k)] = v
+                out[optim_key(name, k)] = v
     return out
 
 
@@ -275,3 +377,22 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], *, only_r
             sb = "absent" if vb is _ABSENT else repr(vb)
             out.append(f"{k}: {labels[0]} {sa}, {labels[1]} {sb}")
     return out
+
+
+def resume_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(refused, layout) differences of a run from the checkpoint it resumes: refused are the fields of
+    `config_differences` outside `LAYOUT_FIELDS`, and the layer count when it differs (another model);
+    layout are `field a -> b` for each layout field that changed (accepted: the keys do not depend on it)."""
+    refused, layout = [], []
+    a, b = {**_flatten(RunConfig().model_dump()), **_flatten(saved)}, {**_flatten(RunConfig().model_dump()),
+                                                                        **_flatten(current)}
+    for d in config_differences(saved, current):
+        field = d.split(":", 1)[0]
+        if field in LAYOUT_FIELDS:
+            layout.append(f"{field} {a.get(field)!r} -> {b.get(field)!r}")
+        else:
+            refused.append(d)
+    la, lb = layers_of(saved), layers_of(current)
+    if la != lb:
+        refused.append(f"model layers (layers_per_chunk x pp x chunks_per_rank): checkpoint {la}, run {lb}")
+    return refused, layout

@@ -91,7 +91,7 @@ def _capture_config(cfg, path: PathMode, steps: int, json_out: Path | None, cons
     table.add_column("measure")
     table.add_column("value", justify="right")
     rows = [
-        ("graphs per rank (expected 3 x M x chunks)", f"{r.graphs_per_rank} ({r.expected_graphs_per_rank})"),
+        ("graphs per rank (planned)", f"{r.graphs_per_rank} ({r.expected_graphs_per_rank})"),
         ("graphs in all", str(r.graph_count)),
         ("capture host time", f"{r.capture_host_seconds:.3f} s"),
         ("setup (build + capture)", f"{r.setup_seconds:.3f} s"),

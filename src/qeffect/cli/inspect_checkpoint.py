@@ -33,6 +33,9 @@ def _render(report, console: Console, modules: int) -> None:
     p = report.pipeline
     console.print(f"pipeline: schedule {report.schedule}, pp {p['pp']}, dp {p['dp']}, {p['chunks_per_rank']} "
                   f"chunks per rank ({p['num_stages']} stages), {p['microbatches']} microbatches")
+    console.print(f"keys: {report.layers} layers, " + (
+        "by global layer and parameter: resumes into any pipeline layout of this model" if report.keys == "global"
+        else "by stage (schema 1): resumes into any layout, translated through its stages"))
     console.print("recipe: " + ", ".join(f"{k} {v}" for k, v in report.recipe.items()))
     model = report.config.get("model", {})
     console.print("model: " + ", ".join(f"{k} {v}" for k, v in model.items()))
@@ -62,7 +65,8 @@ def _render(report, console: Console, modules: int) -> None:
         fp8.add_column(col, justify="left" if col == "module" else "right", no_wrap=True)
     shown = report.fp8_modules if modules <= 0 else report.fp8_modules[:modules]
     for m in shown:
-        fp8.add_row(m.module, str(m.history_len), f"{_g(m.amax_range[0])} .. {_g(m.amax_range[1])}",
+        who = f"s{m.stage} {m.module}" if m.replica is None else f"dp{m.replica} s{m.stage} {m.module}"
+        fp8.add_row(who, str(m.history_len), f"{_g(m.amax_range[0])} .. {_g(m.amax_range[1])}",
                     f"{_g(m.scale_range[0])} .. {_g(m.scale_range[1])}")
     console.print(fp8)
     if len(shown) < len(report.fp8_modules):

@@ -49,18 +49,22 @@ def render(report, console: Console) -> None:
              f"chunks, M {cfg['pipeline']['microbatches']}, {report.backend} on "
              + (f"{report.world_size} x " if report.world_size > 1 else "") + f"{report.device_name}; "
              f"{report.warmup} warm-up + {report.steps} timed steps"
-             + (f" (+ {report.trace_steps} traced)" if report.trace_steps else ""))
+             + (f" (+ {report.trace_steps} traced)" if report.trace_steps else "")
+             + (f", {report.rounds} rounds interleaved" if report.rounds > 1 else ""))
     t = Table(title=title)
     t.add_column("configuration", no_wrap=True)
-    for col in ("median ms", "q1-q3 ms", "x native", "setup s", "break-even steps", "x floor"):
+    for col in ("median ms", "rounds min-max ms", "q1-q3 ms", "x native", "setup s", "break-even steps", "x floor",
+                "x limit", "host/GPU"):
         t.add_column(col, justify="right")
     for c in report.configs:
         if c.status != "ok":
             continue
         be = "-" if c.name == "native-eager" else ("never" if c.break_even_steps is None else f"{c.break_even_steps:.1f}")
-        t.add_row(c.name, _ms(c.median_step_seconds), f"{_ms(c.spread.q1)}-{_ms(c.spread.q3)}",
+        rm = c.medians_by_round()
+        t.add_row(c.name + (f" ({c.variant})" if c.variant else ""), _ms(c.median_step_seconds),
+                  f"{_ms(min(rm))}-{_ms(max(rm))}" if len(rm) > 1 else "-", f"{_ms(c.spread.q1)}-{_ms(c.spread.q3)}",
                   _num(c.speedup_vs_native, "{:.2f}"), _num(c.setup_seconds, "{:.2f}"), be,
-                  _num(c.floor_ratio, "{:.1f}"))
+                  _num(c.floor_ratio, "{:.1f}"), _num(c.limit_ratio, "{:.2f}"), _num(c.host_gpu_ratio, "{:.2f}"))
     console.print(t)
     if report.te_fallbacks:  # a slower path after a failed private TE lookup: timings may not be TE's best
         console.print("[yellow]warning: Transformer Engine internals not as expected, slower paths ran "
@@ -102,6 +106,7 @@ def render(report, console: Console) -> None:
                   f"layers); FP8 GEMM on these shapes: {f.effective_tflops:.3g} TFLOP/s effective, "
                   f"{f.peak_tflops:.3g} peak; floor {f.seconds * 1e3:.3f} ms "
                   f"({f.seconds_layers_only * 1e3:.3f} ms layers only)", highlight=False)
+    _render_floors(report, console)
     if report.resources:
         m = Table(title="resource analysis over M (graphs provisioned: 3 x M x chunks per rank)")
         m.add_column("schedule", no_wrap=True)
@@ -119,13 +124,30 @@ def render(report, console: Console) -> None:
     _render_targets(report, console)
 
 
+def _render_floors(report, console: Console) -> None:
+    """The floors by method: GEMM (a), peak-rate (b), optimizer (c) and the limit (b) + (c)."""
+    f = report.floor
+    console.print(f"floor (a) GEMM {f.seconds * 1e3:.3f} ms: {f.gemm_method or 'eager back-to-back launches (an older report)'}",
+                  highlight=False, soft_wrap=True)
+    if f.limit_seconds is None:
+        console.print("floor (b) peak-rate, (c) optimizer and the limit: not in this report (older than them)",
+                      highlight=False)
+        return
+    console.print(f"floor (b) peak-rate {f.peak_rate_seconds * 1e3:.3f} ms ({f.peak_rate_tflops:.0f} TFLOP/s): "
+                  f"{f.peak_rate_method}", highlight=False, soft_wrap=True)
+    console.print(f"floor (c) optimizer {f.optimizer_seconds * 1e3:.3f} ms ({f.optimizer_bytes / 1e9:.2f} GB at "
+                  f"{f.copy_bytes_per_second / 1e9:.0f} GB/s): {f.optimizer_method}", highlight=False, soft_wrap=True)
+    console.print(f"limit (b) + (c): {f.limit_seconds * 1e3:.3f} ms ({f.limit_seconds_layers_only * 1e3:.3f} ms for "
+                  "the layers alone in bf16, te-graphed's)", highlight=False)
+
+
 def _render_targets(report, console: Console) -> None:
-    """Issue 8's targets: met or missed, by how much, and (missed) where the time goes."""
+    """The targets file's targets: met or missed, by how much, and (missed) where the time goes."""
     if not report.targets:
         return
-    t = Table(title="targets (from this run's measurements)")
+    t = Table(title=f"targets ({report.targets_source or 'built into the report'}; from this run's measurements)")
     t.add_column("target", no_wrap=True)
-    for col in ("value", "threshold", "result"):
+    for col in ("value", "on GPU busy", "threshold", "result"):
         t.add_column(col, justify="right")
     t.add_column("what would meet it")
     for c in report.targets:
@@ -135,7 +157,8 @@ def _render_targets(report, console: Console) -> None:
             result = "[green]met[/green]"
         else:
             result = "[red]missed[/red]" + (f" by {c.shortfall:.0%}" if c.shortfall is not None else "")
-        t.add_row(c.name, "-" if c.value is None else f"{c.value:,.2f}", f"{c.comparison} {c.threshold:g}", result,
+        t.add_row(c.name, "-" if c.value is None else f"{c.value:,.2f}", _num(c.gpu_busy_value, "{:.2f}"),
+                  f"{c.comparison} {c.threshold:g}", result,
                   c.needed or (c.note if c.value is None else None) or "")
     console.print(t)
     for c in report.targets:
@@ -160,10 +183,12 @@ def _render_traces(report, console: Console) -> None:
 
 def _command(config: Path | None, device: Device | None, backend: Backend | None, steps: int, warmup: int,
              microbatches: str | None, configs: str | None, json_out: Path | None, plot: Path | None,
-             trace: int = 0, sets: list[str] | None = None) -> str:
+             trace: int = 0, sets: list[str] | None = None, rounds: int | None = None,
+             targets: Path | None = None) -> str:
     parts = ["qeffect profile"]
     for flag, value in (("--config", config), ("--device", device and device.value),
                         ("--backend", backend and backend.value), ("--steps", steps), ("--warmup", warmup),
+                        ("--rounds", rounds), ("--targets", targets),
                         ("--trace", trace or None), ("--microbatches", microbatches), ("--configs", configs), ("--json", json_out),
                         ("--plot", plot)):
         if value is not None:
@@ -184,21 +209,34 @@ def profile(
                               "and summarize where a step's time goes: GPU busy/idle, host aten time, top kernels (under torchrun: every rank)."),
     microbatches: str | None = typer.Option(None, "--microbatches", help="Also analyse resources for these M, e.g. 2,4,8,16."),
     configs: str | None = typer.Option(None, "--configs", help="Comma-separated subset (default: all): native-eager, qeffect-eager, captured-copy, "
-                                "captured-direct, captured-zbv-direct, te-graphed (TE's graphed layers alone, as docs/design.md §8 describes them: context), "
-                                "te-graphed-model (the same graphs in the whole model, fp32 masters; the TE targets' anchor is the faster of it and te-graphed-mcore), "
-                                "te-graphed-mcore (te-graphed-model as Megatron-LM sets TE up: fused wgrad accumulation, FP8 weights cached per step)."),
-    json_out: Path | None = typer.Option(None, "--json", help="Write the report as JSON to this file."),
+                                "captured-direct, captured-zbv-direct, te-graphed (TE's graphed layers alone, as docs/design.md §8 describes them: "
+                                "the TE anchor), te-graphed-model (the same graphs in the whole model, fp32 masters: an extra row), "
+                                "te-graphed-mcore (te-graphed-model as Megatron-LM sets TE up: fused wgrad accumulation, FP8 weights cached per step: "
+                                "an extra row), megatron-graphs (Megatron-Core's fastest working CUDA-graph mode, a child process: an anchor)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report as JSON to this file (with --report "
+                                         "and --targets: the saved report judged again)."),
     plot: Path | None = typer.Option(None, "--plot", help="Write PNG figures into this folder (needs matplotlib)."),
-    report_in: Path | None = typer.Option(None, "--report", help="Render a saved JSON report (tables, --plot) instead of running."),
+    report_in: Path | None = typer.Option(None, "--report", help="Render a saved JSON report (tables, --plot) instead of running; "
+                                          "with --targets, judge it again by that file."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds per configuration, interleaved in one process (ABC ABC "
+                               "ABC); medians over rounds, ratio targets on the median of per-round ratios (single-process)."),
+    targets: Path | None = typer.Option(None, "--targets", help="TOML file of acceptance targets to judge the report by "
+                                        "(e.g. examples/targets/h200.toml); default: none."),
 ) -> None:
-    """Time native eager, qeffect eager, captured (copy, direct, ZB-V direct) and the TE references.
+    """Time native eager, qeffect eager, captured (copy, direct, ZB-V direct) and the anchors: TE's graphs and
+    Megatron-Core's.
 
-    One model, one synthetic data sequence, one process. For each configuration: median step time
-    after warm-up and its spread, setup time (build + capture + first step, the build split by phase:
-    modules, values, ranks, capture), break-even steps against
+    One model, one synthetic data sequence, one process, every configuration in --rounds interleaved
+    rounds (ABC ABC ABC). For each configuration: the median of its round medians and their min-max,
+    the spread of its steps, the host's time to queue a step over the GPU's, setup time (build + capture
+    + first step, the build split by phase: modules, values, ranks, capture), break-even steps against
     native eager, peak and persistent memory (CUDA), graphs, replays and handoffs per step, arena bytes,
-    capture host time, and the ratio to the step's matrix-FLOP floor at the FP8 GEMM rate measured in
-    the same run; with --trace N, a profiler summary of N more steps. Configurations this machine cannot run are reported as not run, with the reason.
+    capture host time, and the ratios to the floors measured in the same run, each named by its method:
+    (a) the GEMM floor (each GEMM timed inside a CUDA graph), (b) the peak-rate floor (matrix FLOPs at a
+    large square FP8 GEMM's rate), (c) the optimizer floor (AdamW's bytes at a large copy's bandwidth);
+    the limit is (b) + (c). With --trace N, a profiler summary of N more steps; with --targets FILE, the
+    targets of that file judged on the medians of per-round ratios. Configurations this machine cannot run
+    are reported as not run, with the reason.
 
     Under torchrun (`torchrun --nproc-per-node P*D -m qeffect profile ...`), one pipeline rank per
     process and GPU: every timed step ends with the device synchronized and a barrier of all ranks;
@@ -213,18 +251,24 @@ def profile(
         require_matplotlib()
     from qeffect.runtime.distributed import launched_by_torchrun
 
-    if report_in is not None:
-        report = _load(report_in)
-    elif launched_by_torchrun():
-        report = _distributed(config, device, backend, steps, warmup, microbatches, configs, json_out, plot,
-                              console, trace, sets)
-        if report is None:  # ranks other than 0: rank 0 prints and writes
-            raise typer.Exit(0)
+    specs = _targets(targets)
+    if report_in is not None or launched_by_torchrun():  # a saved report, or torchrun's (one round)
+        if report_in is not None:
+            report = _load(report_in)
+        else:
+            report = _distributed(config, device, backend, steps, warmup, microbatches, configs, json_out, plot,
+                                  console, trace, sets)
+            if report is None:  # ranks other than 0: rank 0 prints and writes
+                raise typer.Exit(0)
+        if specs is not None:
+            from qeffect.profile.targets import with_targets
+
+            with_targets(report, specs, source=str(targets))
     else:
         report = _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace,
-                      sets)
+                      sets, rounds, targets, specs)
     render(report, console)
-    if json_out and report_in is None:
+    if json_out and (report_in is None or specs is not None):  # a saved report: written again once re-judged
         write_json(json_out, report)
         console.print(f"report: {json_out}")
     if plot is not None:
@@ -238,7 +282,18 @@ def profile(
     raise typer.Exit(1 if failed else 0)
 
 
-def _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace=0, sets=None):
+def _targets(path: Path | None):
+    """The targets of `--targets` (None: none given), read and checked before anything runs."""
+    if path is None:
+        return None
+    from qeffect.profile.matrix import CONFIG_NAMES
+    from qeffect.profile.targets import load_targets
+
+    return load_targets(path, CONFIG_NAMES)
+
+
+def _run(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, console, trace=0, sets=None,
+         rounds=3, targets=None, specs=None):
     from qeffect.profile.matrix import run_profile
     from qeffect.profile.resources import parse_microbatches
 
@@ -247,11 +302,13 @@ def _run(config, device, backend, steps, warmup, microbatches, configs, json_out
     except ValueError as err:
         raise UserError(str(err)) from None
     cfg, names = _inputs(config, device, backend, configs, sets)
-    command = _command(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, trace, sets)
+    command = _command(config, device, backend, steps, warmup, microbatches, configs, json_out, plot, trace, sets,
+                       rounds, targets)
     with console.status("profiling") as status:
         return run_profile(cfg, steps=steps, warmup=warmup, configs=names, microbatches=ms, command=command,
                            config_path=str(config) if config else None, trace_steps=trace,
-                           progress=lambda msg: status.update(f"profiling: {msg}"))
+                           progress=lambda msg: status.update(f"profiling: {msg}"), rounds=rounds,
+                           targets=specs, targets_source=str(targets) if targets else None)
 
 
 def _inputs(config, device, backend, configs, sets=None):
@@ -305,5 +362,4 @@ def _load(path: Path):
     if report.schema_version not in READABLE_SCHEMA_VERSIONS:
         raise ReportError(f"{path}: profile report schema {report.schema_version}, this qeffect reads "
                           f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
-    report.check_losses()  # reports older than the loss check: from their recorded losses
-    return report if report.targets else with_targets(report)  # older reports: from their measurements
+    return with_targets(report)  # reports older than the loss check: from their recorded losses

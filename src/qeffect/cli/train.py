@@ -64,8 +64,9 @@ def train(
 
     Checkpoints: `--checkpoint-every N` saves DIR/step-<N>/ (DCP tensors + qeffect.json) after every
     N-th commit and after the last step; `--resume DIR --steps 8` continues a run from its saved step to
-    step 8. A resume with another pipeline shape, schedule, recipe or model is refused, naming each
-    difference. `--resume auto` (for a job that may be restarted) resumes from the newest checkpoint in
+    step 8. The checkpoint is keyed by layer and parameter, so the resumed run may lay the model out
+    otherwise (--pp, --dp, pipeline.chunks_per_rank with the same layer count, --schedule; one line names
+    the change); another recipe, model or microbatch count is refused, naming each difference. `--resume auto` (for a job that may be restarted) resumes from the newest checkpoint in
     train.checkpoint_dir, else in <--out>/checkpoints (reusing that run folder), and starts fresh when
     there is none; it needs --out or train.checkpoint_dir. `train.keep_checkpoints = K` keeps the newest K.
 
@@ -98,7 +99,8 @@ def train(
             if ce is not None:
                 print(f"eval step {step}/{total}  held-out ce {ce:.4f}", flush=True)
 
-        summary = run_train(cfg, out=out, on_step=on_step, resume=where, on_eval=on_eval)
+        summary = run_train(cfg, out=out, on_step=on_step, resume=where, on_eval=on_eval,
+                            on_resume=lambda line: print(line, flush=True))
     else:
         with Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console) as bar:
@@ -113,7 +115,8 @@ def train(
                     info += f"  held-out {m.heldout_ce:.4f}"
                 bar.update(task, completed=m.step, info=info)
 
-            summary = run_train(cfg, out=out, on_step=on_bar, resume=where)
+            summary = run_train(cfg, out=out, on_step=on_bar, resume=where,
+                                on_resume=lambda line: console.print(line, highlight=False))
     if summary.run_dir is None:  # not global rank 0
         return
     console.print(f"run folder: {summary.run_dir}")

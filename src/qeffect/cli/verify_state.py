@@ -92,6 +92,9 @@ def verify_state(
     pp: int | None = typer.Option(None, "--pp", min=1, help="Pipeline-parallel degree (default: the config's)."),
     dp: int | None = typer.Option(None, "--dp", min=1, help="Data-parallel degree (under torchrun; default: the config's)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
+    resume: Path | None = typer.Option(
+        None, "--resume", help="Start both sides from this checkpoint (or a checkpoint folder's `latest`), in "
+        "this run's layout, and compare --steps steps from its step on."),
 ) -> None:
     """Prove a qeffect mode bitwise equal to the native eager reference, action by action.
 
@@ -100,9 +103,13 @@ def verify_state(
     parameters, AdamW state, FP8 scaling state, cache contents and epochs, and resource counts with
     torch.equal after every action and optimizer step. Exit 1 on any mismatch, naming the first.
     The steps compared and the qeffect mode are --steps and --path (not the config's train.steps and
-    train.path).
+    train.path). With --resume CKPT both start from a checkpoint, laid out as this run's config says
+    (--pp, --dp, pipeline.chunks_per_rank, --schedule may differ from the run that saved it).
     """
     console = Console()
+    if resume is not None and (faults or oracle_check):
+        raise UserError("--resume compares a run started from a checkpoint; --faults and --oracle-check "
+                        "build their own: use one of them")
     if faults:
         raise typer.Exit(_faults(json_out, console))
     cfg = config_from_cli(config, sets=sets, **{"pipeline.schedule": schedule.value if schedule else None,
@@ -120,14 +127,15 @@ def verify_state(
     from qeffect.runtime.distributed import launched_by_torchrun
 
     if launched_by_torchrun():
-        raise typer.Exit(_distributed(cfg, steps, path.value, json_out, console))
+        raise typer.Exit(_distributed(cfg, steps, path.value, json_out, console, resume))
     from qeffect.verify.state import run_verify_state
 
     with Progress(TextColumn("verify-state"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("steps", total=steps, info="")
-        report = run_verify_state(cfg, steps=steps, path=path.value,
+        report = run_verify_state(cfg, steps=steps, path=path.value, resume=resume,
                                   progress=lambda s, loss: bar.update(task, advance=1, info=f"loss {loss:.4f}"))
+    _print_resume(report, console)
     head_note = "" if cfg.fp8.head == "backend" else f" + {cfg.fp8.head} head"
     console.print(_category_table(f"verify-state: {report.schedule} / {report.path} / {report.backend}{head_note} "
                                   f"on {report.device}, {report.steps} steps", report.categories))
@@ -154,7 +162,16 @@ def _category_table(title: str, categories) -> Table:
     return table
 
 
-def _distributed(cfg, steps: int, path: str, json_out: Path | None, console: Console) -> int:
+def _print_resume(report, console: Console) -> None:
+    """The checkpoint both sides started from, and the layout change, in one line each."""
+    if report.resumed_from is not None:
+        console.print(f"started from {report.resumed_from} at step {report.start_step}", highlight=False)
+    if report.resumed_layout is not None:
+        console.print(report.resumed_layout, highlight=False)
+
+
+def _distributed(cfg, steps: int, path: str, json_out: Path | None, console: Console,
+                 resume: Path | None = None) -> int:
     """Under torchrun: native eager and the qeffect mode with the same rank mapping, compared after every
     step on every rank (see qeffect.verify.distributed). Rank 0 prints and writes the report."""
     import torch.distributed as dist
@@ -164,10 +181,11 @@ def _distributed(cfg, steps: int, path: str, json_out: Path | None, console: Con
 
     init_from_env(cfg.train.device)
     try:
-        report = run_verify_distributed(cfg, steps=steps, path=path)
+        report = run_verify_distributed(cfg, steps=steps, path=path, resume=resume)
     finally:
         dist.barrier()
     if dist.get_rank() == 0:
+        _print_resume(report, console)
         console.print(_category_table(
             f"verify-state under torchrun: {report.schedule} / {report.path} / {report.backend} on "
             f"{report.world_size} x {report.device} (PP={report.pp}), {report.steps} steps", report.categories))

@@ -205,6 +205,10 @@ class GradientArena:
         """Reserved bytes (including alignment padding)."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat buffers every view, region and staging slot lives in (memory accounting)."""
+        return list(self._buffers.values())
+
     def keys(self) -> Iterator[tuple[str, int]]:
         """All ``(name, m)`` in layout order."""
         return iter(self._views)
@@ -223,6 +227,20 @@ class GradientArena:
         ``defer_last_fold`` the last group is left to the commit)."""
         last = m == self.microbatches - 1
         return self.staging > 0 and (m % self.staging == self.staging - 1 or last) and not (last and self.defer_last_fold)
+
+    def write_signature(self, m: int) -> tuple:
+        """Everything about ``dW(m)``'s arena writes that depends on ``m``: two microbatches with equal
+        signatures write the same memory with the same operations (destination, write or add, and the
+        fold they close), so one captured ``dW`` graph serves both. One view per microbatch: ``m``
+        itself; accumulating: whether it overwrites; staged: its slot, whether it folds, from the start."""
+        if not 0 <= m < self.microbatches:
+            raise ValueError(f"arena '{self.name}': microbatch {m} outside 0..{self.microbatches - 1}")
+        if not self.accumulate:
+            return ("view", m)
+        if not self.staging:
+            return ("region", self.overwrites(m))
+        folds = self.flushes(m)
+        return ("staging", m % self.staging, folds, folds and m < self.staging)
 
     def region(self, name: str) -> torch.Tensor:
         """The accumulating region of ``name`` (the running sum of its microbatch gradients)."""

@@ -44,8 +44,12 @@ class EventOps(Protocol):
 class CompletionLedger:
     """Production mode: the rule's event calls and nothing else (see the module docstring).
 
-    ``record`` creates a fresh event per record unless ``event`` is given (a long-lived one, such as a
-    graph's tail event, which the ledger then only remembers)."""
+    ``record`` takes the key's own event unless ``event`` is given (a long-lived one, such as a graph's
+    tail event, which the ledger then only remembers). A key's own event is made at its first record and
+    kept for the ledger's life (a hand-off slot, ``("act", stage, m)``, is recorded again every step): a
+    re-record is what a fresh event would be, because a wait snapshots the record it saw
+    (``cudaStreamWaitEvent``), so earlier waits keep ordering after the earlier record; it saves the host
+    an event creation per hand-off."""
 
     checked = False
 
@@ -53,11 +57,14 @@ class CompletionLedger:
         self.ops = ops
         self.name = name
         self._events: dict[Hashable, Any] = {}
+        self._own: dict[Hashable, Any] = {}  # each key's reused event (bounded by the keys, e.g. slots)
 
     def record(self, key: Hashable, stream: Any, event: Any = None) -> Any:
         """Producer side: ``key`` is complete once ``stream`` reaches this point. Returns the event."""
         if event is None:
-            event = self.ops.new_event(self.name)
+            event = self._own.get(key)
+            if event is None:
+                event = self._own[key] = self.ops.new_event(self.name)
         self.ops.record(event, stream)
         self._events[key] = event
         return event

@@ -131,20 +131,26 @@ class TapePool:
         return (self.name, self._capacity, tuple(self._generations), slots, self._peak)
 
     # ------------------------------------------------------------- allocation
-    def allocate(self, key: InvocationKey, payload: dict[str, Any] | None = None) -> TapeRef:
-        """Place a new tape for ``key`` in the lowest free slot and bump that slot's generation."""
+    def allocate(self, key: InvocationKey, payload: dict[str, Any] | None = None, *,
+                 slot: int | None = None) -> TapeRef:
+        """Place a new tape for ``key`` and bump that slot's generation: in the lowest free slot, or in
+        ``slot`` exactly (a slot that captured graphs are bound to), which must be free (`check_slot_free`)."""
         if not isinstance(key, InvocationKey):
             raise TypeError(f"allocate needs an InvocationKey, got {type(key).__name__}")
         if key in self._live:
-            slot = self._live[key]
+            held = self._live[key]
             raise TapeViolation.build(
                 "duplicate live key",
                 key=key,
                 expected="no live tape",
-                found=f"live tape in slot {slot} generation {self._generations[slot]}",
+                found=f"live tape in slot {held} generation {self._generations[held]}",
                 note=f"pool '{self.name}'",
             )
-        free = next((p for p, t in enumerate(self._slots) if t is None), None)
+        if slot is not None:
+            self.check_slot_free(slot, key)
+            free: int | None = slot
+        else:
+            free = next((p for p, t in enumerate(self._slots) if t is None), None)
         if free is None:
             live = ", ".join(str(k) for k in self.live_keys())
             raise PoolCapacityError(
@@ -163,6 +169,22 @@ class TapePool:
         return tape.ref
 
     # ---------------------------------------------------------------- checking
+    def check_slot_free(self, slot: int, key: InvocationKey) -> None:
+        """Refuse to bind ``key`` to ``slot`` while the slot's previous generation is not fully consumed.
+
+        Why: graphs bound to a slot keep their tape's state at fixed addresses, so a new tape there
+        overwrites whatever the previous one's dI or dW still has to read. Mutates nothing."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self._capacity:
+            raise TapeViolation.build("slot out of range", key=key, expected=f"slot in [0, {self._capacity})",
+                                      found=slot, note=f"pool '{self.name}'")
+        held = self._slots[slot]
+        if held is not None:
+            raise TapeViolation.build(
+                "premature slot reuse", key=key, expected=f"slot {slot} fully consumed",
+                found=f"{held.key} generation {held.generation} still live (completed consumers "
+                      f"{held.consumers.label})",
+                note=f"pool '{self.name}'")
+
     def resolve(self, ref: TapeRef, expected_key: InvocationKey) -> Tape:
         """Return the live tape named by ``ref`` if and only if it is exactly the one expected."""
         if not isinstance(ref, TapeRef):

@@ -309,15 +309,22 @@ def te_linear_class() -> type[nn.Module]:
                 out[f"{tag}_amax_history"] = self.fp8_meta[key].amax_history.detach().clone()
             return out
 
+        def allocate_fp8_state(self) -> None:
+            """Allocate the scaling state before a first forward, so that a checkpoint can load into it. The
+            first forward then keeps it: TE re-creates a delayed-scaling state only when none of that kind
+            exists yet."""
+            if self.fp8_initialized_state:
+                return
+            self.fp8_meta["num_gemms"] = 1
+            self.fp8_meta["recipe"] = self._te_recipe
+            with te.autocast(enabled=True, recipe=self._te_recipe):
+                self.init_fp8_meta_tensors(self._te_recipe)
+
         def load_extra_state(self, state: dict[str, Tensor]) -> None:
             """Copy `extra_state()` output into the live state (allocating it before a first forward)."""
             if not state:
                 return
-            if not self.fp8_initialized_state:
-                self.fp8_meta["num_gemms"] = 1
-                self.fp8_meta["recipe"] = self._te_recipe
-                with te.autocast(enabled=True, recipe=self._te_recipe):
-                    self.init_fp8_meta_tensors(self._te_recipe)
+            self.allocate_fp8_state()
             if self._weight_cast is not None:  # cast with another scale
                 self._weight_cast.mark_consumed()
             with torch.no_grad():

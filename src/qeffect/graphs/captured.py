@@ -1,12 +1,20 @@
-"""Captured stage actions: every F / dI / dW of a chunk is one CUDA graph per microbatch slot.
+"""Captured stage actions: every F / dI / dW of a chunk is a CUDA graph bound to a tape slot (chain).
 
 `CapturedStageActions` keeps the checked protocol of `StageActions` (tape pool, effect token, cache
 epoch, arena) and replaces only the physical action by a graph replay through the `GraphManager`
-(stream-ordered: launched on the caller's stream, see `graphs/manager.py`). Graph count is 3 x M per chunk.
+(stream-ordered: launched on the caller's stream, see `graphs/manager.py`). With `graph_slots` = K from
+the schedule's liveness, microbatch m runs in a chain of `graphs.binding.graph_plan` (its class m % K,
+split where a body still differs per microbatch): one F, dI and dW graph per chain, a number that stops
+growing with M; without it, one chain per microbatch (3 x M graphs). A chain is tape pool slot
+`slot_base + chain`: F refuses to bind a microbatch while the slot's previous generation is not fully
+consumed, and every consumer presents its generation, so a premature reuse is rejected before it
+touches the chain's buffers. Results a caller keeps past the chain's next replay (the loss, the input
+gradient handed to the previous stage) are copied out when the chain serves several microbatches.
 
-Capture, per chunk: all F graphs first, then all dI graphs, then all dW graphs. dI is captured with
-`torch.autograd.grad(..., retain_graph=True)` over the autograd graph that F's capture recorded (the
-make_graphed_callables technique), so every saved activation, the retained dW work (the FP8 operands
+Capture, per chunk: all F graphs first, then all dI graphs, then all dW graphs (chains in order of their
+first microbatch: Transformer Engine's FIFO of retained wgrad GEMMs drains in the order it filled). dI is
+captured with `torch.autograd.grad(..., retain_graph=True)` over the autograd graph that F's capture
+recorded (the make_graphed_callables technique), so every saved activation, the retained dW work (the FP8 operands
 each linear stores in dI) and every output stay at fixed addresses for the life of the graphs. Each
 graph gets its own memory pool: with one shared pool a block freed inside one capture could be handed
 to another graph's live output, and replaying the first in a different order than it was captured
@@ -34,9 +42,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qeffect.contracts import Consumer, EffectToken, TapeRef
+from qeffect.contracts import Consumer, EffectToken, TapeRef, TapeViolation
 from qeffect.fp8.te import batched_scaling_updates
 from qeffect.fp8.weight_cast import WeightCastTarget
+from qeffect.graphs.binding import GraphPlan, graph_plan
 from qeffect.graphs.manager import CapturedAction, GraphManager
 from qeffect.offload.group import OffloadGroup, OffloadManager
 from qeffect.stage.accumulate import accumulate_into
@@ -77,6 +86,7 @@ class CapturedStageActions(StageActions):
     groups: dict[int, OffloadGroup] = field(default_factory=dict)
     # fixed non-matrix gradient buffers the dI graphs accumulate into, and the next dI they expect
     _ngrad: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _chain_f: dict[int, CapturedAction] = field(default_factory=dict, repr=False)
     _di_next: int = 0
     # the first stage's token table: its gradient over the touched rows only (stage/embedding_grad.py)
     _token_grad: TokenEmbeddingGrad | None = None
@@ -89,10 +99,21 @@ class CapturedStageActions(StageActions):
     # the optimizer casts the FP8 weight caches (`fp8.weight_cast`): slot 0's F graph takes them as they are
     weight_cast: bool = False
     weight_casts: list[WeightCastTarget] = field(default_factory=list)
+    # K (`schedule.liveness.slots_for`): chains bounded by liveness; None: one chain per microbatch
+    graph_slots: int | None = None
+    slot_base: int = 0  # this chunk's chains are tape pool slots slot_base, slot_base + 1, ...
+    plan: GraphPlan | None = None  # set by `prepare`; None (tests that fake the graphs): chain = microbatch
+    # the first stage's token rows: microbatch m's index on the device (one dI graph records any m > 0)
+    _mb: torch.Tensor | None = field(default=None, repr=False)
+    _mb_views: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     # ------------------------------------------------------------------------------------ capture
+    def chain(self, m: int) -> int:
+        """The chain (graphs and tape slot, relative to `slot_base`) microbatch `m` runs in."""
+        return m if self.plan is None else self.plan.per_microbatch[m].chain
+
     def capture(self, microbatches: int, microbatch_size: int, seq_len: int) -> None:
-        """Capture 3 x `microbatches` graphs for this chunk (see the module docstring for the order).
+        """Capture this chunk's graphs (see the module docstring for which ones and their order).
 
         With offload, the pipeline calls `prepare` on every chunk, allocates the offload manager
         (which needs every group discovered) and then `capture_graphs` (see `capture_ranks`)."""
@@ -112,7 +133,7 @@ class CapturedStageActions(StageActions):
         # every graph of this chunk increments it in place: stream order is the chain's order on the device
         self._tok_buf = torch.zeros((), dtype=torch.int64, device=dev)
         self._out: dict[int, torch.Tensor] = {}
-        self._work: dict[int, dict[str, object]] = {}
+        self._work: dict[int, dict[str, object]] = {}  # chain -> retained work its dI capture queued
         self._token_out: dict[int, torch.Tensor] = {}
         if first and TOKEN_TABLE in self._nonmatrix:  # before warm-up: every F it runs or captures uses it
             chunk.sparse_token_grad = True
@@ -124,25 +145,44 @@ class CapturedStageActions(StageActions):
             # local token names: then only the dI graphs write the gradient, and a step clears the rows the
             # last one recorded, not the whole table
             self._token_grad.zero_rows_only = self._lazy is not None
-        for m in range(microbatches):
+        self.plan = self.plan_for(microbatches)
+        if self.offload is not None and len(self.plan.chains) < microbatches:
+            raise RuntimeError(f"stage {self.stage}: offload groups are planned per microbatch; graph slots bounded "
+                               "by liveness need offload.mode = off")
+        if self._token_grad is not None and not self._token_grad.signed_zeros:
+            self._mb = torch.zeros(1, dtype=torch.int64, device=dev)
+            values = torch.arange(microbatches, dtype=torch.int64, device=dev)
+            self._mb_views = [values[m: m + 1] for m in range(microbatches)]
+        for c in self.plan.chains:  # static buffers per chain, not per microbatch
             if first:
-                self._x[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
+                self._x[c] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
             else:
-                self._x[m] = torch.zeros(self.input_shape, dtype=self.input_dtype, device=dev, requires_grad=True)
+                self._x[c] = torch.zeros(self.input_shape, dtype=self.input_dtype, device=dev, requires_grad=True)
             if last:
-                self._tgt[m] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
-            if self.offload is not None:
-                self.groups[m] = self.offload.group(f"s{self.stage}.m{m}")
+                self._tgt[c] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
+            if self.offload is not None:  # one chain per microbatch here: c == m
+                self.groups[c] = self.offload.group(f"s{self.stage}.m{c}")
         self._warm_up(dev)
 
-    def _f_body(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan_for(self, microbatches: int) -> GraphPlan:
+        """The chunk's chains for M microbatches: classes from `graph_slots`, split by what each body
+        does differently per microbatch (the arena writes of a direct dW; the first stage's token rows
+        when their +0.0 pass reads the rows of the microbatches before)."""
+        token = self._token_grad
+        signed = token is not None and token.signed_zeros
+        return graph_plan(microbatches, self.graph_slots or microbatches,
+                          di_variant=(lambda m: m) if signed else None,
+                          dw_variant=self.arena.write_signature if self.direct else None)
+
+    def _f_body(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain `c`'s forward (its first microbatch is `c`; only chain 0 refreshes the weight cache)."""
         if self._lazy is not None:  # the rows the lookup reads, up to the optimizer's last step
-            self._lazy.catch_up(self._x[m])
+            self._lazy.catch_up(self._x[c])
         with batched_scaling_updates():  # te: one scaling-update kernel per F graph, not one per linear
-            out = self.chunk(self._x[m], is_first_microbatch=(m == 0), targets=self._tgt.get(m))
-        self._out[m] = out
+            out = self.chunk(self._x[c], is_first_microbatch=(c == 0), targets=self._tgt.get(c))
+        self._out[c] = out
         if self._token_grad is not None:
-            self._token_out[m] = self.chunk.token_out
+            self._token_out[c] = self.chunk.token_out
         return out, self._next_token()
 
     def _next_token(self) -> torch.Tensor:
@@ -158,61 +198,70 @@ class CapturedStageActions(StageActions):
                                  if hasattr(lin, "weight_cast_target")]
             for t in self.weight_casts:
                 t.captured = True
-        for m in range(self._microbatches):
-            inputs = {"x": self._x[m]}
-            if m in self._tgt:
-                inputs["targets"] = self._tgt[m]
-            hooks = self.groups[m].capture_hooks() if m in self.groups else contextlib.nullcontext()
+        plan = self.plan
+        for c in plan.chains:
+            inputs = {"x": self._x[c]}
+            if c in self._tgt:
+                inputs["targets"] = self._tgt[c]
+            hooks = self.groups[c].capture_hooks() if c in self.groups else contextlib.nullcontext()
             with hooks:  # offload: the tensors F saves for backward are copied into the group's fixed slot
-                f = self.manager.capture(f"{tag}.F{m}", lambda m=m: self._f_body(m), static_inputs=inputs,
+                f = self.manager.capture(f"{tag}.F{c}", lambda c=c: self._f_body(c), static_inputs=inputs,
                                          warmup=0, private_pool=True)
-            self.slots[m] = SlotGraphs(F=f)
+            self._chain_f[c] = f
         # The non-matrix gradients accumulate into fixed buffers inside the dI graphs (no eager kernel
         # launches per dI); `.grad` is bound to them after each replay. Valid because a stage runs dI in
         # microbatch order (checked at every dI).
         self._ngrad = {n: (self._token_grad.grad if n == TOKEN_TABLE and self._token_grad is not None
                            else torch.zeros_like(p)) for n, p in self._nonmatrix.items()}
-        for m in range(self._microbatches):
-            out = self._out[m]
-            if m not in self._gout:
-                self._gout[m] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
+        for c in plan.chains:
+            out = self._out[c]
+            if c not in self._gout:
+                self._gout[c] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
+        graphs_di: dict[int, CapturedAction] = {}
+        for c, m in plan.chains.items():  # m: the chain's first microbatch, whose bodies it captures
 
-            def di_body(m: int = m) -> tuple:
+            def di_body(c: int = c, m: int = m) -> tuple:
                 with batched_scaling_updates():  # te: one scaling-update kernel per dI graph
-                    grad_in, grads = input_grad_body(chunk, self._x[m], self._out[m], self._gout[m],
-                                                     retain_graph=True, extra=self._token_out.get(m))
-                self._work[m] = take_wgrad_work(self._matrix)
+                    grad_in, grads = input_grad_body(chunk, self._x[c], self._out[c], self._gout[c],
+                                                     retain_graph=True, extra=self._token_out.get(c))
+                self._work[c] = take_wgrad_work(self._matrix)
                 with torch.no_grad():  # AccumulateGrad's bits, inside the graph: dI(0) copies, later dIs add
                     token_grad = grads.pop(EXTRA, None)  # (several tensors per launch: stage/accumulate.py)
                     accumulate_into([self._ngrad[n] for n in grads], list(grads.values()), init=m == 0)
                     if token_grad is not None:  # the same bits from the rows this microbatch touched
-                        grads[TOKEN_TABLE] = self._token_grad.accumulate(m, self._x[m], token_grad)
+                        index = self._mb if m > 0 else None  # the rows of whichever microbatch replays it
+                        grads[TOKEN_TABLE] = self._token_grad.accumulate(m, self._x[c], token_grad, index=index)
                 return grad_in, grads, self._next_token()
 
-            self.slots[m].dI = self.manager.capture(
-                f"{tag}.dI{m}", di_body, static_inputs={"grad": self._gout[m]},
-                warmup=0, private_pool=True)
-        written = [sorted(self.slots[m].dI.outputs[1]) for m in range(self._microbatches)]
+            inputs = {"grad": self._gout[c]}
+            if self._mb is not None and m > 0:
+                inputs["mb"] = self._mb
+            graphs_di[c] = self.manager.capture(f"{tag}.dI{c}", di_body, static_inputs=inputs,
+                                                warmup=0, private_pool=True)
+        written = [sorted(g.outputs[1]) for g in graphs_di.values()]
         if any(w != written[0] for w in written):  # dI(0) copies what later dIs add to: the same set each
             raise RuntimeError(f"stage {self.stage}: the captured dI graphs write different non-matrix gradients "
                                f"per microbatch ({written}); in-graph accumulation needs the same set")
-        for m in range(self._microbatches):
+        graphs_dw: dict[int, CapturedAction] = {}
+        for c, m in plan.chains.items():  # the order the dI captures queued the retained work (a FIFO in te)
 
-            def dw_body(m: int = m) -> tuple:
+            def dw_body(c: int = c, m: int = m) -> tuple:
                 grads = {}
                 for name, lin in self._matrix.items():
                     pname = self._matrix_param[name]
                     if self.direct:
-                        grads[pname] = lin.compute_wgrad(self._work[m][name], out=self._view(name, m),
+                        grads[pname] = lin.compute_wgrad(self._work[c][name], out=self._view(name, m),
                                                          accumulate=not self.arena.overwrites(m))
                         if self.arena.flushes(m):  # the group's fold is part of this dW's graph
                             self.arena.flush(arena_name(self.stage, pname), m)
                     else:
-                        grads[pname] = lin.compute_wgrad(self._work[m][name])
+                        grads[pname] = lin.compute_wgrad(self._work[c][name])
                 return grads, self._next_token()
 
-            self.slots[m].dW = self.manager.capture(f"{tag}.dW{m}", dw_body, static_inputs={},
-                                                    warmup=0, private_pool=True)
+            graphs_dw[c] = self.manager.capture(f"{tag}.dW{c}", dw_body, static_inputs={},
+                                                warmup=0, private_pool=True)
+        for m, g in enumerate(plan.per_microbatch):  # what each microbatch replays (shared within a chain)
+            self.slots[m] = SlotGraphs(F=self._chain_f[g.chain], dI=graphs_di[g.chain], dW=graphs_dw[g.chain])
         saved = self._saved
         with torch.no_grad():
             for k, v in chunk.fp8_state().items():
@@ -227,7 +276,7 @@ class CapturedStageActions(StageActions):
         del self._saved
         if self._tok_buf is not None:  # warm-up's F moved it: the device chain starts at the ledger's seq 0
             self._tok_buf.zero_()
-        torch.cuda.synchronize(dev)
+        self.manager.backend.synchronize()
 
     def _warm_up(self, dev: torch.device) -> None:
         """One eager F and dI of slot 0 on the graph stream before any capture: libraries initialize
@@ -241,8 +290,9 @@ class CapturedStageActions(StageActions):
         other tensors when captured (SDPA's RNG seed and offset live on the device then); per slot,
         because slot 0 refreshes the weight cache and the others read it."""
         stream = self.manager.stream
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
+        be = self.manager.backend  # the device's streams (a fake backend runs this on a CPU)
+        stream.wait_stream(be.current_stream())
+        with be.use_stream(stream):
             out, _ = self._f_body(0)
             self._gout[0] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
             _, grads = input_grad_body(self.chunk, self._x[0], out, self._gout[0], retain_graph=False,
@@ -256,7 +306,9 @@ class CapturedStageActions(StageActions):
             if self._token_grad is not None:  # its kernels too (the first dI of every step rewrites it)
                 with torch.no_grad():
                     self._token_grad.accumulate(0, self._x[0], grads[EXTRA])
-                    self._token_grad.accumulate(1 % self._microbatches, self._x[0], grads[EXTRA])
+                    later = 1 % self._microbatches
+                    self._token_grad.accumulate(later, self._x[0], grads[EXTRA],
+                                                index=self._mb if later else None)
             take_wgrad_work(self._matrix)
             for lin in self._matrix.values():
                 if hasattr(lin, "discard_wgrad_work"):
@@ -270,11 +322,11 @@ class CapturedStageActions(StageActions):
                         self.arena.flush(arena_name(self.stage, pname), m)
             del out
             self._out.clear()
-            for m in range(self._microbatches) if self.groups else ():
-                with self._discovery(m):  # under a throwaway capture: the real capture must see the same
-                    self.manager.dry_capture(lambda m=m: self._f_body(m))
+            for c in self.groups:  # chains (one per microbatch with offload)
+                with self._discovery(c):  # under a throwaway capture: the real capture must see the same
+                    self.manager.dry_capture(lambda c=c: self._f_body(c))
                 self._out.clear()  # drop the autograd graph and what it saved
-        torch.cuda.current_stream(dev).wait_stream(stream)
+        be.current_stream().wait_stream(stream)
         self._out.clear()
         self._token_out.clear()
 
@@ -286,7 +338,10 @@ class CapturedStageActions(StageActions):
                 targets: torch.Tensor | None = None) -> ForwardOut:
         key = self.key(m)
         graphs = self.slots[m]
+        chain = self.chain(m)
         self.ledger.check(token, f"F{m}")  # before any other effect: a refused F leaves none
+        # the chain's buffers hold its previous tape until that tape's dW ran: refuse before any effect
+        self.pool.check_slot_free(self.slot_base + chain, key)
         if m == 0:  # a new step (after an aborted one too): its dIs start again at microbatch 0
             self._di_next = 0
         refresh = self.cache.check_forward(self.clock, first_microbatch=(m == 0))
@@ -294,11 +349,11 @@ class CapturedStageActions(StageActions):
             raise RuntimeError(f"stage {self.stage}: cache refresh on microbatch {m} is not captured")
         out, tok = graphs.F.outputs
         token = self.ledger.consume(token, f"F{m}", value=tok, checked=True)  # checked above
-        ref = self.pool.allocate(key)
+        ref = self.pool.allocate(key, slot=self.slot_base + chain)
         dynamic = {"x": inp}
         if targets is not None:
             dynamic["targets"] = targets
-        group = self.groups.get(m)
+        group = self.groups.get(chain)
         if group is not None and (group.live or group.phase is not None):
             group.abandon()  # the pool gave this slot a new tape: the old one was aborted with its step
 
@@ -310,25 +365,43 @@ class CapturedStageActions(StageActions):
                 group.after_forward()  # D2H on the copy stream; release mode: unmap
 
         self.on_tape(ref, run)
-        self.pool.resolve(ref, key).payload.update(slot=m)
+        self.pool.resolve(ref, key).payload.update(slot=m, chain=chain)
+        if self.chunk.stage == self.chunk.num_stages - 1 and self._shared(m):
+            # the loss is kept to the end of the step, and a later microbatch of the chain rewrites it
+            out = out.clone()
         return ForwardOut(out.detach(), ref, token)
+
+    def _shared(self, m: int) -> bool:
+        """Whether microbatch m's graphs also serve another microbatch of the step (bounded chains)."""
+        return self.plan is not None and self.plan.shared(m)
+
+    def _check_chain(self, m: int, ref: TapeRef) -> None:
+        """The graphs of microbatch m read tape slot `slot_base + chain(m)`: a reference to another slot
+        cannot be the tape those buffers hold."""
+        slot = self.slot_base + self.chain(m)
+        if ref.slot != slot:
+            raise TapeViolation.build("tape outside its chain", key=ref.key, expected=f"slot {slot}",
+                                      found=f"slot {ref.slot}", note=f"stage {self.stage}")
 
     def input_grad(self, m: int, ref: TapeRef, grad_output: torch.Tensor, token: EffectToken) -> InputGradOut:
         key = self.key(m)
         self.pool.check_consumer(ref, key, Consumer.DI)
+        self._check_chain(m, ref)
         if m != self._di_next:  # the dI graphs copy at m = 0 and add after: only microbatch order is right
             raise RuntimeError(f"stage {self.stage}: captured dI accumulates non-matrix gradients in microbatch "
                                f"order: expected dI({self._di_next}), got dI({m})")
         graphs = self.slots[m]
         grad_in, grads, tok = graphs.dI.outputs
         token = self.ledger.consume(token, f"dI{m}", value=tok)
-
-        group = self.groups.get(m)
+        group = self.groups.get(self.chain(m))
+        dynamic = {"grad": grad_output}
+        if self._mb is not None and m > 0:  # the token rows' microbatch index (`graph_plan`)
+            dynamic["mb"] = self._mb_views[m]
 
         def run() -> None:
             if group is not None:
                 group.before_backward()  # restore (remap + H2D) unless look-ahead did; then look ahead
-            self.manager.replay(graphs.dI, {"grad": grad_output})
+            self.manager.replay(graphs.dI, dynamic)
             if group is not None:
                 group.backward_launched()  # launch-first: reaps and look-ahead restores now, beside the replay
             for n in grads:  # the parameters this dI's graph wrote (allow_unused may leave some out)
@@ -338,11 +411,15 @@ class CapturedStageActions(StageActions):
 
         self.on_tape(ref, run, Consumer.DI)
         self._di_next = (m + 1) % len(self.slots)
+        if grad_in is not None and self._shared(m):
+            # the previous stage's dI(m) may run after this chain's next replay rewrote the buffer
+            grad_in = grad_in.clone()
         return InputGradOut(grad_in, self.nonmatrix_grads(), token)
 
     def weight_grad(self, m: int, ref: TapeRef, token: EffectToken) -> WeightGradOut:
         key = self.key(m)
         self.pool.check_consumer(ref, key, Consumer.DW)
+        self._check_chain(m, ref)
         graphs = self.slots[m]
         grads, tok = graphs.dW.outputs
         # before the token moves and the replay writes: the destinations captured into a direct graph must be
@@ -350,7 +427,7 @@ class CapturedStageActions(StageActions):
         self.checked_destinations(m, grads if self.direct else None)
         token = self.ledger.consume(token, f"dW{m}", value=tok)
 
-        group = self.groups.get(m)
+        group = self.groups.get(self.chain(m))
 
         def run() -> None:
             self.manager.replay(graphs.dW, {})

@@ -61,6 +61,7 @@ class GraphBackend(Protocol):
     def record_stream(self, tensor: Tensor, stream: Any) -> None: ...
     def memory_allocated(self) -> int: ...
     def memory_reserved(self) -> int: ...
+    def synchronize(self) -> None: ...
 
 
 @contextmanager
@@ -128,6 +129,9 @@ class TorchCudaBackend:
 
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
 
     def memory_reserved(self) -> int:
         return torch.cuda.memory_reserved(self.device)

@@ -1,7 +1,8 @@
 """Matrix FLOPs of one optimizer step of the GPT pipeline: the count both `qeffect profile` and the
 training loop's MFU use (pure arithmetic on the config; nothing runs).
 
-Counting: every backend linear (qkv, proj, fc1, fc2 per layer; the head once) costs 2 * N * in * out FLOPs
+Counting: every backend linear (qkv, proj, fc1, fc2 per GPT layer; qkv, proj, gate, up, down per Llama layer,
+whose qkv is narrower with grouped-query attention; the head once) costs 2 * N * in * out FLOPs
 forward and twice that backward (dI's dgrad plus dW's wgrad), for N = microbatch_size * seq_len tokens per
 microbatch, over all microbatches of one pipeline replica. Attention score products, norms and the
 optimizer are not matrix FLOPs of this count.
@@ -37,10 +38,15 @@ class MatrixFlops(BaseModel):
 
 
 def linear_shapes(cfg: RunConfig) -> list[tuple[str, int, int, int]]:
-    """(name, in, out, instances) of every backend linear kind of the model (GPT chunks, all stages)."""
+    """(name, in, out, instances) of every backend linear kind of the model (all stages), as the chunks of
+    `model/gpt.py` (GPT) or `model/llama.py` (Llama) build them."""
     mc = cfg.model
     h, f = mc.hidden, mc.ffn
     layers = mc.layers_per_chunk * cfg.pipeline.num_stages
+    if mc.family == "llama":
+        qkv = (mc.heads + 2 * mc.num_kv_heads) * (h // mc.heads)
+        return [("qkv", h, qkv, layers), ("proj", h, h, layers), ("gate", h, f, layers), ("up", h, f, layers),
+                ("down", f, h, layers), (HEAD, h, mc.vocab_size, 1)]
     return [("qkv", h, 3 * h, layers), ("proj", h, h, layers), ("fc1", h, f, layers), ("fc2", f, h, layers),
             (HEAD, h, mc.vocab_size, 1)]
 

@@ -6,6 +6,8 @@ matrix product (qkv, proj, fc1, fc2, head) is a backend linear, so its weight gr
 all other parameters (norms, biases, embeddings) get their gradients in `dI`. With `head="torchao"`
 the head is instead a stateless dynamic-scaling torchao `Float8Linear` (fp8/torchao_head.py): not a
 backend linear, so its weight is a non-matrix parameter whose gradient also comes in `dI`.
+With `family="llama"` the chunks hold `model/llama.py`'s layers instead (RMSNorm, rotary positions,
+grouped-query attention, SwiGLU with gate/up/down linears, no biases); everything else here is shared.
 
 Parameters are fp32 masters; activations run in the chunk's `dtype`; the loss and the norms' statistics
 are fp32 (the torch form upcasts; on CUDA `model/layernorm.py` reads and writes 16-bit activations and
@@ -30,12 +32,15 @@ from qeffect.fp8.base import FP8Backend, is_backend_linear
 from qeffect.model import cross_entropy as fused_ce
 from qeffect.model.layernorm import available as fused_layer_norm_available
 from qeffect.model.layernorm import triton_add_layer_norm, triton_fork_layer_norm, triton_layer_norm
+from qeffect.model.llama import ROPE_BUFFERS, LlamaBlock, rms_norm, rope_tables
 
 if TYPE_CHECKING:
     from qeffect.config import RunConfig
 
 INIT_STD = 0.02
 HEADS: tuple[str, ...] = ("backend", "torchao")  # the output head's kinds (config: fp8.head)
+FAMILIES: tuple[str, ...] = ("gpt", "llama")  # config: model.family (docs/models.md)
+RESIDUAL_LINEARS: tuple[str, ...] = ("proj", "fc2", "down")  # linears writing into the residual stream
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,10 @@ class GPTShape:
     seq_len: int
     microbatch_size: int
     num_stages: int
+    family: str = "gpt"
+    kv_heads: int = 0  # llama: key/value heads (0: heads)
+    norm_eps: float = 1e-5  # llama: RMSNorm epsilon (the GPT's LayerNorms keep torch's default)
+    rope_theta: float = 10000.0  # llama: rotary base
 
     def __post_init__(self) -> None:
         for field in (
@@ -64,6 +73,18 @@ class GPTShape:
                 raise ValueError(f"GPTShape.{field} must be >= 1, got {getattr(self, field)}")
         if self.hidden % self.heads:
             raise ValueError(f"heads ({self.heads}) must divide hidden ({self.hidden})")
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; choose one of: {', '.join(FAMILIES)}")
+        if self.kv_heads < 0 or self.heads % self.num_kv_heads or (self.family == "gpt" and self.kv_heads):
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads}), and be 0 for gpt")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> GPTShape:
@@ -77,6 +98,10 @@ class GPTShape:
             seq_len=m.seq_len,
             microbatch_size=m.microbatch_size,
             num_stages=cfg.pipeline.num_stages,
+            family=m.family,
+            kv_heads=m.kv_heads,
+            norm_eps=m.norm_eps,
+            rope_theta=m.rope_theta,
         )
 
     @property
@@ -179,7 +204,11 @@ class Block(nn.Module):
 
 
 class StageChunk(nn.Module):
-    """Stage `stage` of `num_stages`: [embeddings] + `layers_per_chunk` Blocks + [ln_f, head, loss]."""
+    """Stage `stage` of `num_stages`: [embeddings] + `layers_per_chunk` Blocks + [ln_f, head, loss].
+
+    `shape.family` picks the layers: "gpt" (`Block`, LayerNorms, token and position embeddings) or
+    "llama" (`model.llama.LlamaBlock`, RMSNorms, the token embedding only: positions are rotary, from
+    the chunk's non-persistent `rope_cos` / `rope_sin` tables)."""
 
     def __init__(
         self,
@@ -204,14 +233,26 @@ class StageChunk(nn.Module):
         # of autograd and keeps the lookup's output in `token_out`, whose gradient dI takes instead.
         self.sparse_token_grad = False
         self.token_out: Tensor | None = None
+        llama = shape.family == "llama"
         if self.is_first:
             self.tok_emb = nn.Embedding(shape.vocab_size, shape.hidden, device=device)
-            self.pos_emb = nn.Embedding(shape.seq_len, shape.hidden, device=device)
-        self.blocks = nn.ModuleList(
-            Block(shape, backend, device=device) for _ in range(shape.layers_per_chunk)
-        )
+            if not llama:
+                self.pos_emb = nn.Embedding(shape.seq_len, shape.hidden, device=device)
+        if llama:
+            for name, table in zip(ROPE_BUFFERS, rope_tables(shape.seq_len, shape.head_dim, shape.rope_theta,
+                                                              device), strict=True):
+                self.register_buffer(name, table, persistent=False)  # constants: rebuilt, never checkpointed
+            self.blocks = nn.ModuleList(
+                LlamaBlock(shape.hidden, shape.ffn, shape.heads, shape.num_kv_heads, shape.norm_eps, backend,
+                           device=device)
+                for _ in range(shape.layers_per_chunk))
+        else:
+            self.blocks = nn.ModuleList(
+                Block(shape, backend, device=device) for _ in range(shape.layers_per_chunk)
+            )
         if self.is_last:
-            self.ln_f = nn.LayerNorm(shape.hidden, device=device)
+            self.ln_f = (nn.RMSNorm(shape.hidden, eps=shape.norm_eps, device=device) if llama
+                         else nn.LayerNorm(shape.hidden, device=device))
             if head == "torchao":  # lazy: torchao is imported only for this head
                 from qeffect.fp8.torchao_head import torchao_head
 
@@ -234,22 +275,26 @@ class StageChunk(nn.Module):
         if self.is_first:
             if x.dtype != torch.int64 or x.dim() != 2:
                 raise ValueError(f"stage 0 takes int64 token ids [B, T], got {x.dtype} {tuple(x.shape)}")
-            pos = torch.arange(x.shape[1], device=x.device)
             if self.sparse_token_grad:  # the table's gradient is TokenEmbeddingGrad's: autograd stops here
                 tok = F.embedding(x, self.tok_emb.weight.detach()).requires_grad_(True)
                 self.token_out = tok
             else:
                 tok = self.tok_emb(x)
-            x = (tok + self.pos_emb(pos)).to(self.dtype)
+            if self.shape.family == "llama":  # rotary positions: nothing added here
+                x = tok.to(self.dtype)
+            else:
+                x = (tok + self.pos_emb(torch.arange(x.shape[1], device=x.device))).to(self.dtype)
         elif x.dim() != 3 or x.shape[-1] != self.shape.hidden:
             raise ValueError(
                 f"stage {self.stage} takes hidden [B, T, {self.shape.hidden}], got {tuple(x.shape)}"
             )
+        extra = {} if self.shape.family != "llama" else {"rope": (self.rope_cos, self.rope_sin)}
         for block in self.blocks:
-            x = block(x, is_first_microbatch)
+            x = block(x, is_first_microbatch, **extra)
         if not self.is_last:
             return x
-        logits = self.head(layer_norm(self.ln_f, x), is_first_microbatch)
+        norm = rms_norm(self.ln_f, x) if isinstance(self.ln_f, nn.RMSNorm) else layer_norm(self.ln_f, x)
+        logits = self.head(norm, is_first_microbatch)
         if targets is None:
             return logits
         return cross_entropy(logits, targets)
@@ -292,6 +337,14 @@ class StageChunk(nn.Module):
             for key, t in m.fp8_state().items()
         }
 
+    def allocate_fp8_state(self) -> None:
+        """Allocate every backend linear's FP8 state where the backend creates it lazily (Transformer Engine, at
+        the first forward), so that a checkpoint loads into it before any forward."""
+        for m in self.matrix_linears().values():
+            allocate = getattr(m, "allocate_fp8_state", None)
+            if allocate is not None:
+                allocate()
+
     def set_delay_wgrad(self, flag: bool) -> None:
         for m in self.matrix_linears().values():
             m.delay_wgrad = flag
@@ -317,7 +370,7 @@ def _init_value(name: str, shape: torch.Size, residual_std: float, gen: torch.Ge
         return torch.ones(shape) if kind == "weight" else torch.zeros(shape)
     if kind == "bias":
         return torch.zeros(shape)
-    std = residual_std if owner in ("proj", "fc2") else INIT_STD
+    std = residual_std if owner in RESIDUAL_LINEARS else INIT_STD
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
@@ -363,7 +416,7 @@ def build_chunks(
 
     One CPU `torch.Generator(seed)` is consumed in stage order and parameter-registration order over
     *all* stages (skipped stages still draw their numbers), so a stage's parameters do not depend on
-    the device or on which stages a rank builds. Residual projections (proj, fc2) use
+    the device or on which stages a rank builds. Residual projections (proj, fc2; llama: proj, down) use
     std 0.02 / sqrt(2 * n_layers) (GPT-2). The global RNG is left untouched.
 
     `head`: "backend" (the backend's linear) or "torchao" (a dynamic-scaling torchao `Float8Linear`;

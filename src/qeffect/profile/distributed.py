@@ -8,6 +8,9 @@ barriered as the timed ones): the report keeps rank 0's summary as the configura
 rank's in `trace_by_rank`, since the ranks of a pipeline spend the same step differently (one rank's
 idle time is another's bubble). The TE anchor (`te-graphed`) is a single-process construction and is
 reported as not run; `--microbatches` is a single-process analysis and is refused.
+`breakdown_by_rank` (benchmarks/pipeline_timing.py `--breakdown`) says where each rank's step goes:
+compute, receive waits, sends, the loss and data-parallel reductions, the optimizer and the step-end
+barrier (`runtime.step_timing`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ import torch.distributed as dist
 
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
-from qeffect.profile.flops import Floor, MatrixFlops, count_matrix_flops, floor_of, measure_gemm_rates
+from qeffect.profile.flops import (
+    Floor,
+    MatrixFlops,
+    count_matrix_flops,
+    floor_of,
+    measure_device_rates,
+    measure_gemm_rates,
+    optimizer_params,
+)
 from qeffect.profile.matrix import (
     ConfigSpec,
     GraphCounters,
@@ -39,10 +50,13 @@ from qeffect.profile.trace import sync_device
 from qeffect.runtime.build import dtype_of
 from qeffect.runtime.distributed import DistributedPipeline, check_world
 from qeffect.runtime.phases import SetupClock
+from qeffect.runtime.step_timing import StepLaps, breakdown_step, stream_sync, summarize
 from qeffect.verify.state import synthetic_batches
 
 ANCHOR_NOT_RUN = ("single-process anchor (make_graphed_callables over every layer on one GPU); "
                   "run `qeffect profile` without torchrun for it")
+MEGATRON_NOT_RUN = ("single-process anchor (Megatron-Core in a child process on one GPU); run `qeffect profile` "
+                    "without torchrun for it")
 
 
 def sync_all(device: torch.device) -> None:
@@ -71,6 +85,27 @@ class DistributedRunner(GraphCounters):
 
     def step(self, data: Any) -> torch.Tensor:
         return self.pipe.step(data)
+
+    def breakdown(self, steps: int, first_step: int) -> dict[str, Any]:
+        """This rank's time breakdown over `steps` more steps (`runtime.step_timing`: synchronised laps, so
+        slower than the unperturbed steps; take them after those). Data for step i as `data(i)`, from
+        `first_step` on, made before each step's timer as in the unperturbed timing."""
+        laps = StepLaps(stream_sync(self.device))
+        done = [breakdown_step(self.pipe, self.data(i), laps, lambda: sync_all(self.device))
+                for i in range(first_step, first_step + steps)]
+        t = self.pipe.topo
+        return {"rank": t.rank, "pp_rank": t.pp_rank, "dp_rank": t.dp_rank, "median": summarize(done),
+                "steps": done}
+
+
+def breakdown_by_rank(runner: DistributedRunner, steps: int, first_step: int) -> list[dict[str, Any]] | None:
+    """Every rank's `DistributedRunner.breakdown`, gathered on rank 0 in global rank order (None elsewhere).
+    A collective: every rank calls it with the same arguments."""
+    mine = runner.breakdown(steps, first_step)
+    rank0 = dist.get_rank() == 0
+    gathered: list[Any] = [None] * dist.get_world_size() if rank0 else []
+    dist.gather_object(mine, gathered if rank0 else None, dst=0)
+    return gathered if rank0 else None
 
 
 
@@ -108,8 +143,9 @@ def merge_ranks(results: list[dict]) -> ConfigResult:
 def pipeline_floor(floor: Floor, pp: int) -> Floor:
     """The step's floor when its matrix work is split evenly over the `pp` stages of a replica (data-
     parallel replicas each do a replica's work on their own GPUs)."""
-    return floor.model_copy(update={"seconds": floor.seconds / pp,
-                                    "seconds_layers_only": floor.seconds_layers_only / pp})
+    split = ("seconds", "seconds_layers_only", "peak_rate_seconds", "peak_rate_seconds_layers_only",
+             "optimizer_seconds", "optimizer_seconds_layers_only", "limit_seconds", "limit_seconds_layers_only")
+    return floor.model_copy(update={k: getattr(floor, k) / pp for k in split if getattr(floor, k) is not None})
 
 
 def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
@@ -136,14 +172,14 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
     flops = count_matrix_flops(cfg)
     say("measuring the FP8 GEMM rate on the model's shapes")
     gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
-    floor = pipeline_floor(floor_of(gemm, flops), p.pp)
+    floor = pipeline_floor(floor_of(gemm, flops, measure_device_rates(device), optimizer_params(cfg)), p.pp)
     release_memory(device)
     with initial_weights_drawn_once(cfg, device, say) as init_draw_seconds:  # in every process
         results = _run_specs(cfg, specs, device, te_ok, flops, steps=steps, warmup=warmup,
                              trace_steps=trace_steps, say=say, rank0=rank0)
     if not rank0:
         return None
-    derive_ratios(results, floor.seconds, floor.seconds_layers_only)
+    derive_ratios(results, floor)
     return make_report(cfg, device, command=command, config_path=config_path, steps=steps, warmup=warmup,
                        flops=flops, gemm=gemm, floor=floor, results=results, world_size=dist.get_world_size(),
                        trace_steps=trace_steps, init_draw_seconds=init_draw_seconds)
@@ -157,7 +193,10 @@ def _run_specs(cfg: RunConfig, specs: Sequence[ConfigSpec], device: torch.device
     for spec in specs:
         r = ConfigResult(name=spec.name, description=spec.description, status="ok", schedule=spec.schedule,
                          path=spec.path)
-        reason = ANCHOR_NOT_RUN if spec.te_anchor else not_run_reason(spec, cfg, device, te_ok)
+        if spec.path == "megatron":
+            reason = MEGATRON_NOT_RUN
+        else:
+            reason = ANCHOR_NOT_RUN if spec.te_anchor else not_run_reason(spec, cfg, device, te_ok)
         if reason is not None:
             r.status, r.reason = "not run", reason
             results.append(r)
@@ -183,5 +222,5 @@ def refuse_single_process_options(microbatches: str | None) -> None:
         raise UserError("--microbatches: the resource analysis over M is single-process; run it without torchrun")
 
 
-__all__ = ["DistributedRunner", "merge_ranks", "pipeline_floor", "run_profile_distributed",
+__all__ = ["DistributedRunner", "breakdown_by_rank", "merge_ranks", "pipeline_floor", "run_profile_distributed",
            "refuse_single_process_options", "sync_all"]

@@ -12,8 +12,17 @@ work for every configuration, and its run-to-run noise (seconds at hidden 4,096)
 decide the break-even steps. Setup (build + first step) covers everything else: module construction,
 the copy to the device, arenas, capture.
 
+Rounds: every configuration is timed in `rounds` rounds interleaved in one process (ABC ABC ABC); a
+round builds the configuration again, warms it up and times its steps, then frees it, so every round
+starts from the same initial weights and data (the losses of every round must match native eager's
+too) and each configuration's memory statistics stay its own. A configuration's median is the median
+of its round medians; a ratio target is judged on the median of per-round ratios (`profile.targets`),
+so a host that slows down for a while moves one round of every configuration, not one configuration.
+Setup and memory come from the first round, traces from the last.
+
 A configuration this machine cannot run is recorded as `not run` with the reason, never timed some
-other way; one that raises is recorded as `failed` with its error and the matrix goes on.
+other way; one that raises is recorded as `failed` with its error and the matrix goes on (one that
+fails in any round is failed).
 
 With `trace_steps` > 0, each configuration then runs that many more steps under `torch.profiler`
 (not part of the timings) and its result carries a `TraceSummary`: GPU busy and idle time, host time
@@ -26,6 +35,7 @@ import contextlib
 import datetime as _dt
 import gc
 import platform
+import statistics
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -44,11 +54,14 @@ from qeffect.profile.flops import (
     MatrixFlops,
     count_matrix_flops,
     floor_of,
+    measure_device_rates,
     measure_gemm_rates,
+    optimizer_params,
 )
+from qeffect.profile.memory import add_native_ratios, measure_split
 from qeffect.profile.report import TE_PATHS, ConfigResult, ProfileReport, Spread, break_even_steps
 from qeffect.profile.resources import resource_rows
-from qeffect.profile.targets import with_targets
+from qeffect.profile.targets import TargetSpec, with_targets
 from qeffect.profile.trace import sync_device
 from qeffect.runtime.build import build_chunks_for, build_single_process, dtype_of
 from qeffect.runtime.phases import SetupClock
@@ -57,6 +70,9 @@ from qeffect.verify.state import synthetic_batches
 
 NATIVE = "native-eager"
 TE_ANCHOR = "te-graphed"
+MEGATRON = "megatron-graphs"
+MIN_ROUNDS = 1  # the CLI's default is 3 (`DEFAULT_ROUNDS`); 1 only for quick looks and tests
+DEFAULT_ROUNDS = 3
 CPU_MEMORY_NOTE = "not measured: peak and persistent memory come from torch.cuda statistics (CUDA only)"
 
 
@@ -65,7 +81,7 @@ class ConfigSpec:
     name: str
     description: str
     native: bool = False
-    path: str = "eager"  # eager | captured-copy | captured-direct | te | te-model | te-mcore
+    path: str = "eager"  # eager | captured-copy | captured-direct | te | te-model | te-mcore | megatron
     schedule: str | None = "interleaved"
 
     @property
@@ -86,12 +102,14 @@ CONFIGS: tuple[ConfigSpec, ...] = (
                path="captured-direct"),
     ConfigSpec("captured-zbv-direct", "captured actions, direct placement, ZB-V zero bubble",
                path="captured-direct", schedule="zbv"),
-    ConfigSpec(TE_ANCHOR, "Transformer Engine make_graphed_callables per TransformerLayer, the layers alone (docs/design.md)",
-               path="te", schedule=None),
-    ConfigSpec("te-graphed-model", "anchor: the same per-layer TE graphs in the whole model (fp32 masters, "
+    ConfigSpec(TE_ANCHOR, "anchor: Transformer Engine make_graphed_callables per TransformerLayer, the layers "
+               "alone (docs/design.md)", path="te", schedule=None),
+    ConfigSpec("te-graphed-model", "extra row: the same per-layer TE graphs in the whole model (fp32 masters, "
                "embeddings, head, loss, fused AdamW)", path="te-model", schedule=None),
-    ConfigSpec("te-graphed-mcore", "anchor: te-graphed-model as Megatron-LM sets TE up (wgrad GEMMs accumulate "
+    ConfigSpec("te-graphed-mcore", "extra row: te-graphed-model as Megatron-LM sets TE up (wgrad GEMMs accumulate "
                "into fp32 main_grad, FP8 weights cached per step)", path="te-mcore", schedule=None),
+    ConfigSpec(MEGATRON, "anchor: Megatron-Core's fastest working CUDA-graph mode on the same model, one GPU, "
+               "in a child process (profile.megatron)", path="megatron", schedule=None),
 )
 CONFIG_NAMES: tuple[str, ...] = tuple(c.name for c in CONFIGS)
 
@@ -164,6 +182,12 @@ def git_revision() -> str | None:
 
 def not_run_reason(spec: ConfigSpec, cfg: RunConfig, device: torch.device, te_ok: bool) -> str | None:
     """Why this machine or config cannot run `spec` (None: it can)."""
+    if spec.path == "megatron":
+        from qeffect.profile.megatron import not_available_reason
+
+        if not te_ok:
+            return "Transformer Engine not importable (Megatron-Core's FP8 runs on it)"
+        return not_available_reason(device.type)
     if spec.te_anchor:
         if not te_ok:
             return "Transformer Engine not importable"
@@ -215,18 +239,21 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
         sync(device)
         t = time.perf_counter()
         loss = runner.step(data)
+        queued = time.perf_counter()  # the host has queued the step (nothing on the hot path synchronizes)
         sync(device)
         dt = time.perf_counter() - t
         if loss is not None:
             result.losses.append(float(loss))
-        return dt
+        return dt, queued - t
 
     for i in range(warmup):
-        result.warmup_seconds.append(one(i))
+        result.warmup_seconds.append(one(i)[0])
     replays0, handoffs0 = runner.counters()
     growth = GraphStats()
     for i in range(warmup, warmup + steps):
-        result.step_seconds.append(one(i))
+        dt, host = one(i)
+        result.step_seconds.append(dt)
+        result.host_seconds.append(host)
         if cuda:
             growth.mark_step(torch.cuda.memory_allocated(device))
     replays1, handoffs1 = runner.counters()
@@ -236,10 +263,17 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
         result.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
         result.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
         result.persistent_growth_bytes_per_step = growth.persistent_growth_per_step()
+        pipe = getattr(runner, "pipe", None)  # one-process pipelines: the peak by category
+        if pipe is not None:
+            result.memory_split = measure_split(
+                pipe, peak=result.peak_allocated_bytes, baseline=result.baseline_allocated_bytes,
+                steady=torch.cuda.memory_allocated(device) - result.baseline_allocated_bytes,
+                peak_reserved=result.peak_reserved_bytes, native=result.name == NATIVE)
     result.first_step_seconds = result.warmup_seconds[0]
     result.setup_seconds = result.build_seconds + result.first_step_seconds
     result.spread = Spread.of(result.step_seconds)
     result.median_step_seconds = result.spread.median
+    result.host_median_seconds = statistics.median(result.host_seconds)
     if trace_steps > 0:
         from qeffect.profile.trace import trace_runner
 
@@ -279,8 +313,10 @@ def resource_schedules(specs: Sequence[ConfigSpec], cfg: RunConfig) -> list[str]
 
 
 def check_inputs(cfg: RunConfig, specs: Sequence[ConfigSpec], microbatches: Sequence[int] | None,
-                 steps: int, warmup: int, trace_steps: int = 0) -> torch.device:
+                 steps: int, warmup: int, trace_steps: int = 0, rounds: int = 1) -> torch.device:
     """Bad input raises `UserError` before anything runs (the CLI prints one line, exit 2)."""
+    if rounds < MIN_ROUNDS:
+        raise UserError(f"--rounds must be >= {MIN_ROUNDS}, got {rounds}")
     if steps < 1 or warmup < 1:
         raise UserError(f"--steps and --warmup must be >= 1 (the first warm-up step is part of setup), "
                         f"got {steps} and {warmup}")
@@ -305,25 +341,27 @@ def check_inputs(cfg: RunConfig, specs: Sequence[ConfigSpec], microbatches: Sequ
 
 def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Sequence[str] | None = None,
                 microbatches: Sequence[int] | None = None, command: str = "", config_path: str | None = None,
-                progress: Callable[[str], None] | None = None, trace_steps: int = 0) -> ProfileReport:
-    """Run the configuration matrix (and the resource analysis over `microbatches`) and report it.
+                progress: Callable[[str], None] | None = None, trace_steps: int = 0, rounds: int = DEFAULT_ROUNDS,
+                targets: Sequence[TargetSpec] | None = None, targets_source: str | None = None) -> ProfileReport:
+    """Run the configuration matrix in `rounds` interleaved rounds (and the resource analysis over
+    `microbatches`) and report it, judged by `targets` (from the file `targets_source`; None: no targets).
 
-    `trace_steps` > 0: after each configuration's timed steps, profile that many more and attach a
-    trace summary (where the step's time goes) to its result.
+    `trace_steps` > 0: after each configuration's timed steps of the last round, profile that many more
+    and attach a trace summary (where the step's time goes) to its result.
     """
     specs = resolve_configs(configs)
-    device = check_inputs(cfg, specs, microbatches, steps, warmup, trace_steps)
+    device = check_inputs(cfg, specs, microbatches, steps, warmup, trace_steps, rounds)
     say = progress or (lambda _msg: None)
     te_ok = te_importable()
     flops = count_matrix_flops(cfg)
-    say("measuring the FP8 GEMM rate on the model's shapes")
+    say("measuring the FP8 GEMM rates on the model's shapes, a large square GEMM and a large copy")
     gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
-    floor = floor_of(gemm, flops)
+    floor = floor_of(gemm, flops, measure_device_rates(device), optimizer_params(cfg))
     release_memory(device)
     with initial_weights_drawn_once(cfg, device, say) as init_draw_seconds:
         results = _run_specs(cfg, specs, device, te_ok, flops, steps=steps, warmup=warmup,
-                             trace_steps=trace_steps, say=say)
-        derive_ratios(results, floor.seconds, floor.seconds_layers_only)
+                             trace_steps=trace_steps, say=say, rounds=rounds)
+        derive_ratios(results, floor)
         resources = None
         if microbatches:
             say(f"resource analysis for M = {', '.join(map(str, microbatches))}")
@@ -331,7 +369,8 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
                                       capture=device.type == "cuda")
     return make_report(cfg, device, command=command, config_path=config_path, steps=steps, warmup=warmup,
                        flops=flops, gemm=gemm, floor=floor, results=results, trace_steps=trace_steps,
-                       resources=resources, init_draw_seconds=init_draw_seconds)
+                       resources=resources, init_draw_seconds=init_draw_seconds, rounds=rounds,
+                       target_specs=targets, targets_source=targets_source)
 
 
 @contextlib.contextmanager
@@ -350,38 +389,101 @@ def initial_weights_drawn_once(cfg: RunConfig, device: torch.device,
 
 def _run_specs(cfg: RunConfig, specs: Sequence[ConfigSpec], device: torch.device, te_ok: bool,
                flops: MatrixFlops, *, steps: int, warmup: int, trace_steps: int,
-               say: Callable[[str], None]) -> list[ConfigResult]:
-    """Time every configuration of the matrix; one that fails is reported, the others still run."""
-    results = []
+               say: Callable[[str], None], rounds: int = 1) -> list[ConfigResult]:
+    """Time every configuration of the matrix in `rounds` interleaved rounds (ABC ABC ABC); one that fails
+    in a round is reported failed and left out of later rounds, the others still run."""
+    done: dict[str, ConfigResult] = {}  # not run or failed: final
+    by_round: dict[str, list[ConfigResult]] = {s.name: [] for s in specs}
+    megatron = None
     for spec in specs:
-        r = ConfigResult(name=spec.name, description=spec.description, status="ok", schedule=spec.schedule,
-                         path=spec.path)
         reason = not_run_reason(spec, cfg, device, te_ok)
         if reason is not None:
-            r.status, r.reason = "not run", reason
-            results.append(r)
-            continue
-        say(f"{spec.name}: build, {warmup} warm-up and {steps} timed steps"
-            + (f", {trace_steps} traced" if trace_steps else ""))
-        try:
-            time_runner(r, _make_runner(spec, cfg, device), device, steps=steps, warmup=warmup,
-                        trace_steps=trace_steps)
-        except Exception as err:  # report and go on: one failing configuration must not hide the others
-            r = ConfigResult(name=spec.name, description=spec.description, status="failed",
-                             schedule=spec.schedule, path=spec.path, reason=f"{type(err).__name__}: {str(err)[:500]}",
-                             error=traceback.format_exc()[-4000:])
-        finally:
-            release_memory(device)
+            done[spec.name] = ConfigResult(name=spec.name, description=spec.description, status="not run",
+                                           reason=reason, schedule=spec.schedule, path=spec.path)
+    for k in range(rounds):
+        last = k == rounds - 1
+        for spec in specs:
+            if spec.name in done:
+                continue
+            r = ConfigResult(name=spec.name, description=spec.description, status="ok", schedule=spec.schedule,
+                             path=spec.path)
+            say(f"round {k + 1}/{rounds}: {spec.name}: build, {warmup} warm-up and {steps} timed steps"
+                + (f", {trace_steps} traced" if trace_steps and last else ""))
+            try:
+                if spec.path == "megatron":
+                    if megatron is None:
+                        from qeffect.profile.megatron import MegatronGraphs
+
+                        megatron = MegatronGraphs(cfg, steps=steps, warmup=warmup)
+                    megatron_round(r, megatron)
+                else:
+                    time_runner(r, _make_runner(spec, cfg, device), device, steps=steps, warmup=warmup,
+                                trace_steps=trace_steps if last else 0)
+                by_round[spec.name].append(r)
+            except Exception as err:  # report and go on: one failing configuration must not hide the others
+                done[spec.name] = ConfigResult(
+                    name=spec.name, description=spec.description, status="failed", schedule=spec.schedule,
+                    path=spec.path, reason=f"round {k + 1}: {type(err).__name__}: {str(err)[:500]}",
+                    error=traceback.format_exc()[-4000:])
+            finally:
+                release_memory(device)
+    results = []
+    for spec in specs:
+        r = done.get(spec.name) or merge_rounds(by_round[spec.name])
         r.matrix_flops = flops.layers_only if spec.path == "te" else flops.total
         results.append(r)
     return results
 
 
+def megatron_round(result: ConfigResult, megatron: Any) -> None:
+    """One round of `megatron-graphs` (`profile.megatron.MegatronGraphs`) into `result`: its timed steps,
+    peak memory and the mode chosen (no losses: another implementation; no host queue time: a child)."""
+    run = megatron.round()
+    result.variant = megatron.mode
+    result.description = f"{result.description}; {megatron.choice_note()}"
+    result.step_seconds = list(run.step_seconds)
+    result.spread = Spread.of(result.step_seconds)
+    result.median_step_seconds = result.spread.median
+    result.peak_allocated_bytes = run.peak_allocated_bytes
+    result.setup_seconds = run.setup_seconds
+    result.memory_note = "peak: the child process's torch.cuda.max_memory_allocated"
+
+
+def merge_rounds(rounds: Sequence[ConfigResult]) -> ConfigResult:
+    """One configuration's rounds as one result: every round's timed steps, host times and losses in order;
+    the median of the round medians; setup, warm-up and graph counters of the first round; memory peaks
+    and growth the worst round's; the trace of the last."""
+    first, last = rounds[0], rounds[-1]
+    r = first.model_copy(deep=True)
+    if len(rounds) == 1 and not r.round_medians:
+        r.round_medians = [first.median_step_seconds]
+        return r
+    r.step_seconds = [x for c in rounds for x in c.step_seconds]
+    r.host_seconds = [x for c in rounds for x in c.host_seconds]
+    r.losses = [x for c in rounds for x in c.losses]
+    r.round_medians = [c.median_step_seconds for c in rounds]
+    r.median_step_seconds = statistics.median(r.round_medians)
+    r.spread = Spread.of(r.step_seconds)
+    r.host_median_seconds = statistics.median(r.host_seconds) if r.host_seconds else None
+
+    def worst(values: list[Any]) -> Any:
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+
+    r.peak_allocated_bytes = worst([c.peak_allocated_bytes for c in rounds])
+    r.peak_reserved_bytes = worst([c.peak_reserved_bytes for c in rounds])
+    r.persistent_growth_bytes_per_step = worst([c.persistent_growth_bytes_per_step for c in rounds])
+    r.memory_split = max(rounds, key=lambda c: c.peak_allocated_bytes or 0).memory_split  # the worst round's
+    r.trace, r.trace_by_rank, r.trace_error = last.trace, last.trace_by_rank, last.trace_error
+    return r
+
+
 def make_report(cfg: RunConfig, device: torch.device, *, command: str, config_path: str | None, steps: int,
                 warmup: int, flops: MatrixFlops, gemm: list[GemmRate], floor: Floor, results: list[ConfigResult],
-                **extra: Any) -> ProfileReport:
+                target_specs: Sequence[TargetSpec] | None = None, **extra: Any) -> ProfileReport:
     """The report of a finished matrix: provenance (command, revision, device, versions), the config, the
-    results, and the targets evaluated from them. `extra`: trace_steps, resources, world_size."""
+    results, and the targets (`target_specs`) judged on them. `extra`: trace_steps, resources, world_size,
+    rounds, targets_source."""
     from qeffect.fp8.te_compat import fallbacks
     from qeffect.graphs.handshake import run_settings
 
@@ -392,18 +494,24 @@ def make_report(cfg: RunConfig, device: torch.device, *, command: str, config_pa
         te_version=te_version(), te_fallbacks=fallbacks(),
         config_path=config_path, config=cfg.model_dump(), backend=cfg.fp8.backend,
         steps=steps, warmup=warmup, matrix_flops=flops, gemm=gemm, floor=floor, configs=results,
-        **extra))
+        **extra), target_specs)
 
 
-def derive_ratios(results: list[ConfigResult], floor: float, floor_layers: float) -> None:
-    """Ratios against native eager and the floor (only between configurations that ran)."""
+def derive_ratios(results: list[ConfigResult], floor: Floor) -> None:
+    """Ratios against native eager, the GEMM floor and the limit (only between configurations that ran),
+    and each configuration's host queue time over its GPU step time."""
     native = next((r for r in results if r.name == NATIVE and r.status == "ok"), None)
+    add_native_ratios(results, NATIVE)
     for r in results:
         if r.status != "ok":
             continue
-        f = floor_layers if r.path == "te" else floor
+        layers_only = r.path == "te"
+        f = floor.seconds_layers_only if layers_only else floor.seconds
         r.floor_seconds = f
         r.floor_ratio = r.median_step_seconds / f if f > 0 else None
+        r.limit_seconds = floor.limit_for(layers_only)
+        r.limit_ratio = r.median_step_seconds / r.limit_seconds if r.limit_seconds else None
+        host_gpu(r)
         if r.name == NATIVE:
             r.speedup_vs_native = 1.0
             r.break_even_note = "reference"
@@ -412,10 +520,25 @@ def derive_ratios(results: list[ConfigResult], floor: float, floor_layers: float
             r.break_even_note = "native-eager did not run"
             continue
         r.speedup_vs_native = native.median_step_seconds / r.median_step_seconds
+        if r.setup_seconds is None or native.setup_seconds is None:
+            r.break_even_note = "setup not measured"
+            continue
         r.break_even_steps = break_even_steps(r.setup_seconds, r.median_step_seconds, native.setup_seconds,
                                               native.median_step_seconds)
         if r.break_even_steps is None:
             r.break_even_note = "never: not faster per step than native eager"
+
+
+def host_gpu(r: ConfigResult) -> None:
+    """`host_gpu_ratio`: the median host queue time of a step over its GPU time (the traced GPU busy time per
+    step where there is a trace, else the median wall step, which is at least the GPU's)."""
+    if r.host_median_seconds is None:
+        return
+    busy = r.trace.gpu_busy_seconds_per_step if r.trace is not None else None
+    if busy:
+        r.host_gpu_ratio, r.host_gpu_basis = r.host_median_seconds / busy, "traced GPU busy time per step"
+    elif r.median_step_seconds:
+        r.host_gpu_ratio, r.host_gpu_basis = r.host_median_seconds / r.median_step_seconds, "median wall step"
 
 
 def te_importable() -> bool:

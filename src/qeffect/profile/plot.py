@@ -69,14 +69,18 @@ def _step_times(plt, report: ProfileReport, path: Path) -> Path:
             continue
         s = c.spread
         ms = 1e3
-        ax.barh(i, s.median * ms, color="tab:orange" if c.path in TE_PATHS else "tab:blue", alpha=0.8)
+        ax.barh(i, c.median_step_seconds * ms, color="tab:orange" if c.path in TE_PATHS else "tab:blue", alpha=0.8)
         ax.errorbar(s.median * ms, i, xerr=[[(s.median - s.q1) * ms], [(s.q3 - s.median) * ms]], fmt="none",
                     ecolor="black", capsize=4)
         ax.plot([s.min * ms, s.max * ms], [i, i], color="black", linewidth=0.6)
         if c.floor_ratio is not None:
-            ax.text(s.max * ms, i, f"  {s.median * ms:.2f} ms, {c.floor_ratio:.1f}x floor", va="center", fontsize=8)
+            ax.text(s.max * ms, i, f"  {c.median_step_seconds * ms:.2f} ms, {c.floor_ratio:.1f}x floor", va="center",
+                    fontsize=8)
     ax.axvline(report.floor.seconds * 1e3, color="tab:red", linestyle="--",
-               label=f"matrix-FLOP floor {report.floor.seconds * 1e3:.3f} ms")
+               label=f"GEMM floor {report.floor.seconds * 1e3:.3f} ms")
+    if report.floor.limit_seconds is not None:
+        ax.axvline(report.floor.limit_seconds * 1e3, color="tab:green", linestyle="--",
+                   label=f"limit (peak-rate + optimizer floor) {report.floor.limit_seconds * 1e3:.3f} ms")
     if any(c.path == "te" for c in ran):
         ax.axvline(report.floor.seconds_layers_only * 1e3, color="tab:red", linestyle=":",
                    label=f"layers-only floor {report.floor.seconds_layers_only * 1e3:.3f} ms (te-graphed, layers alone)")

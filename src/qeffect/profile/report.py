@@ -14,12 +14,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from qeffect.profile.flops import Floor, GemmRate, MatrixFlops
+from qeffect.profile.memory import MemorySplit
 
 # 2: optional per-configuration `trace`; 3: `world_size` and per-rank memory (torchrun); 4: `targets`;
-# 5: `trace_by_rank` (traces under torchrun); 6: per-configuration `setup_phases`
-SCHEMA_VERSION = 6
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)  # older reports are newer ones of one process without traces or
-# targets (a reader evaluates the targets from the measurements: `qeffect.profile.targets`)
+# 5: `trace_by_rank` (traces under torchrun); 6: per-configuration `setup_phases`; 7: rounds, host enqueue
+# times, lower-bound floors and the limit, targets from a user's file (`targets_source`)
+SCHEMA_VERSION = 7
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # older reports are newer ones of one process, one round,
+# without traces, host times or the newer floors; a targets file judges any of them (`qeffect.profile.targets`)
 Status = Literal["ok", "not run", "failed"]
 
 
@@ -95,6 +97,8 @@ class TraceSummary(BaseModel):
 
 # the paths of Transformer Engine's own graphs (`profile.te_anchor`): their arithmetic is not native eager's
 TE_PATHS = ("te", "te-model", "te-mcore")
+# another implementation's run (Megatron-Core's CUDA graphs, `profile.megatron`): its losses are not compared
+OTHER_PATHS = (*TE_PATHS, "megatron")
 
 
 def _same_floats(a: list[float | None], b: list[float | None]) -> bool:
@@ -141,6 +145,7 @@ class ConfigResult(BaseModel):
     peak_reserved_bytes: int | None = None
     persistent_growth_bytes_per_step: float | None = None
     memory_note: str | None = None
+    memory_split: MemorySplit | None = None  # the peak by category (`profile.memory`; one process, CUDA)
     # under torchrun (world_size > 1): the fields above are the maximum over ranks, these are by rank
     peak_allocated_bytes_by_rank: list[int] | None = None
     persistent_growth_bytes_per_step_by_rank: list[float] | None = None
@@ -160,6 +165,27 @@ class ConfigResult(BaseModel):
     trace_by_rank: list[TraceSummary | None] | None = None  # under torchrun: every rank's (rank order)
     trace_error: str | None = None
     error: str | None = None  # traceback tail of a failed configuration
+    # rounds (schema 7): each round builds, warms up and times the configuration again, interleaved with the
+    # others (ABC ABC ABC); `median_step_seconds` is then the median of the round medians, `step_seconds`
+    # every round's timed steps in order. Empty: one round (older reports)
+    round_medians: list[float] = Field(default_factory=list)
+    # host seconds from a timed step's start until its step call returned, before the closing
+    # synchronization: the time the host takes to queue the step (schema 7; every round's, in order)
+    host_seconds: list[float] = Field(default_factory=list)
+    host_median_seconds: float | None = None
+    # host queue time over the GPU's step time: the traced GPU busy time per step when traced, else the
+    # median wall step (`host_gpu_basis` says which)
+    host_gpu_ratio: float | None = None
+    host_gpu_basis: str | None = None
+    limit_seconds: float | None = None  # the report's limit for this configuration (`Floor.limit_for`)
+    limit_ratio: float | None = None  # median step / limit
+    variant: str | None = None  # the variant that ran (megatron-graphs: Megatron-Core's capture mode)
+
+    def medians_by_round(self) -> list[float]:
+        """The round medians; one round (the median) for reports without rounds."""
+        if self.round_medians:
+            return list(self.round_medians)
+        return [self.median_step_seconds] if self.median_step_seconds is not None else []
 
     def setup_line(self) -> str | None:
         """The setup as its parts, e.g. "9.96 s = modules 0.30 + values 0.55 + ... + first step 0.58"
@@ -187,8 +213,10 @@ class ResourceRow(BaseModel):
 
     schedule: str
     microbatches: int
-    graphs_per_rank: int  # provisioned: 3 x M x chunks per rank
+    graphs_per_rank: int  # planned for captured-direct (`graphs.binding`): the most over ranks
     graph_count: int
+    graphs_per_rank_by_rank: list[int] | None = None  # the plan, by rank
+    graph_slots: dict[int, int] | None = None  # K per stage (`schedule.liveness.slots_for`)
     arena_bytes: int
     arena_bytes_per_rank: list[int]
     max_live_tapes: list[int]
@@ -212,6 +240,8 @@ class TargetCheck(BaseModel):
     needed: str | None = None  # missed: what would meet it, in the report's own units
     where: str | None = None  # missed: the trace summary of the configuration the target is about
     note: str | None = None
+    round_values: list[float] | None = None  # the value of each round (the value is their median)
+    gpu_busy_value: float | None = None  # a speedup on the traced GPU busy time per step alone (both traced)
 
 
 class ProfileReport(BaseModel):
@@ -245,8 +275,11 @@ class ProfileReport(BaseModel):
     floor: Floor
     configs: list[ConfigResult]
     resources: list[ResourceRow] | None = None
-    # the acceptance targets evaluated from the measurements above (met, by how much, where the time goes)
+    rounds: int = 1  # rounds per configuration, interleaved (schema 7)
+    # the acceptance targets evaluated from the measurements above (met, by how much, where the time goes),
+    # from the targets file `targets_source` (schema 7; older reports: the targets that used to be built in)
     targets: list[TargetCheck] = Field(default_factory=list)
+    targets_source: str | None = None
 
     def check_losses(self) -> None:
         """Fill each configuration's `non_finite_losses` and `losses_equal_native` from the losses."""
@@ -256,7 +289,7 @@ class ProfileReport(BaseModel):
         for c in self.configs:
             c.non_finite_losses = non_finite_count(c.losses)
             comparable = (native is not None and native.losses and c.losses and c is not native
-                          and c.path not in TE_PATHS)  # te-graphed has no losses: also without a path
+                          and c.path not in OTHER_PATHS)  # te-graphed has no losses: also without a path
             c.losses_equal_native = (_same_floats(c.losses, native.losses) if comparable else None)
 
     def result(self, name: str) -> ConfigResult | None:

@@ -1,8 +1,8 @@
 """Resource analysis over the microbatch count M: graphs, arena bytes, live tapes, pending dW, capture time.
 
 Everything but capture time comes from the static schedule and the arena specs, so it runs on a CPU:
-graphs are provisioned as 3 x M x chunks per rank (one F, dI and dW graph per microbatch slot); the
-arena is laid out by `GradientArena` itself over the ranks' matrix-parameter specs, on the meta device
+graphs are what captured-direct captures (`graphs.binding.graph_plan` per chunk: chains bounded by the
+schedule's liveness, one route per distinct arena write); the arena is laid out by `GradientArena` itself over the ranks' matrix-parameter specs, on the meta device
 (no memory is taken, the layout and its padding are the real ones); peak live tapes and pending dW are
 the schedule helpers'. On CUDA each row also captures the pipeline (`run_capture`) and records the
 capture host time and the graphs actually captured.
@@ -17,12 +17,15 @@ import torch
 from qeffect.config import RunConfig
 from qeffect.contracts import GradientArena
 from qeffect.fp8 import get_backend
+from qeffect.graphs.binding import graph_plan
 from qeffect.model import GPTShape
 from qeffect.model.gpt import StageChunk
 from qeffect.profile.report import ResourceRow
 from qeffect.runtime.build import dtype_of, recipe_of
 from qeffect.schedule import Schedule, build_schedule, dw_in_order, max_live_tapes, max_pending_dw
+from qeffect.schedule.liveness import slots_for
 from qeffect.stage.actions import arena_name
+from qeffect.stage.embedding_grad import ZERO_FILLED_TOKENS
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
@@ -62,6 +65,28 @@ def arena_bytes_per_rank(schedule: Schedule, specs: dict[int, dict[str, Spec]], 
                          staging: int = 0, staging_dtype: torch.dtype | None = None) -> list[int]:
     """Bytes of each rank's `GradientArena` (laid out on the meta device: real sizes and padding),
     staging slots included (`staging_dtype`: the wgrad GEMM's output dtype, None: the parameter's)."""
+    return [a.nbytes for a in rank_arenas(schedule, specs, microbatches, staging, staging_dtype)]
+
+
+def planned_graphs_per_rank(schedule: Schedule, arenas: list[GradientArena], tokens_per_microbatch: int) -> list[int]:
+    """Graphs each rank's captured-direct chunks capture (what `CapturedStageActions.plan_for` plans):
+    K per stage from the schedule's liveness, dW routes from the rank's arena writes, and on the first
+    stage one dI per microbatch where the token rows need the signed-zero pass."""
+    k = slots_for(schedule)
+    out = []
+    for rank in range(schedule.pp):
+        total = 0
+        for s in schedule.stages_of(rank):
+            per_m = s == 0 and tokens_per_microbatch > ZERO_FILLED_TOKENS
+            total += graph_plan(schedule.microbatches, k[s], di_variant=(lambda m: m) if per_m else None,
+                                dw_variant=arenas[rank].write_signature).graph_count
+        out.append(total)
+    return out
+
+
+def rank_arenas(schedule: Schedule, specs: dict[int, dict[str, Spec]], microbatches: int, staging: int = 0,
+                staging_dtype: torch.dtype | None = None) -> list[GradientArena]:
+    """Each rank's `GradientArena` as `QEffectRank` lays it out, on the meta device."""
     out = []
     for rank in range(schedule.pp):
         rank_specs: dict[str, Spec] = {}
@@ -70,7 +95,8 @@ def arena_bytes_per_rank(schedule: Schedule, specs: dict[int, dict[str, Spec]], 
         accumulate = dw_in_order(schedule, rank)
         dtypes = {n: staging_dtype for n in rank_specs} if staging_dtype is not None else None
         out.append(GradientArena(rank_specs, microbatches, device="meta", accumulate=accumulate,
-                                 staging=staging if accumulate else 0, staging_dtypes=dtypes).nbytes)
+                                 staging=staging if accumulate else 0, staging_dtypes=dtypes,
+                                 defer_last_fold=True))
     return out
 
 
@@ -84,10 +110,12 @@ def resource_rows(cfg: RunConfig, microbatches: list[int], schedules: list[str],
         for m in microbatches:
             sch = build_schedule(name, p.pp, p.chunks_per_rank, m)
             # staging slots in the activation dtype: both backends' wgrad GEMMs write it (`wgrad_dtype`)
-            per_rank = arena_bytes_per_rank(sch, specs, m, p.wgrad_staging, dtype_of(cfg))
+            arenas = rank_arenas(sch, specs, m, p.wgrad_staging, dtype_of(cfg))
+            per_rank = [a.nbytes for a in arenas]
+            graphs = planned_graphs_per_rank(sch, arenas, cfg.model.microbatch_size * cfg.model.seq_len)
             live, pending = max_live_tapes(sch), max_pending_dw(sch)
-            row = ResourceRow(schedule=name, microbatches=m, graphs_per_rank=3 * m * p.chunks_per_rank,
-                              graph_count=3 * m * p.chunks_per_rank * p.pp, arena_bytes=sum(per_rank),
+            row = ResourceRow(schedule=name, microbatches=m, graphs_per_rank=max(graphs), graph_count=sum(graphs),
+                              graphs_per_rank_by_rank=graphs, graph_slots=slots_for(sch), arena_bytes=sum(per_rank),
                               arena_bytes_per_rank=per_rank, max_live_tapes=[live[r] for r in range(p.pp)],
                               max_pending_dw=[pending[r] for r in range(p.pp)])
             if capture:
@@ -107,8 +135,12 @@ def _capture_row(cfg: RunConfig, row: ResourceRow, steps: int) -> None:
         r = run_capture(c, path="captured-direct", steps=steps)
         row.capture_host_seconds = r.capture_host_seconds
         row.graphs_captured_per_rank = r.graphs_per_rank
+        notes = []
         if r.arena_bytes != row.arena_bytes:
-            row.capture_note = f"captured pipeline's arena is {r.arena_bytes} bytes, the analysis says {row.arena_bytes}"
+            notes.append(f"captured pipeline's arena is {r.arena_bytes} bytes, the analysis says {row.arena_bytes}")
+        if r.graph_count != row.graph_count:
+            notes.append(f"captured {r.graph_count} graphs, the plan says {row.graph_count}")
+        row.capture_note = "; ".join(notes) or None
     except Exception as err:  # one M that does not fit must not hide the others
         row.capture_note = f"failed: {type(err).__name__}: {str(err)[:300]}"
     finally:

@@ -1,33 +1,124 @@
-"""Issue 8's acceptance targets, evaluated on a profile report: met or not, by how much, and where the
-time of a missed one goes.
+"""Acceptance targets from a user's TOML file, judged on a profile report: met or not, by how much, and
+where the time of a missed one goes.
 
-Every value is derived from the report's own measurements (one run, one process), so a saved report
-can be evaluated again (`qeffect profile --report`). A target whose configuration or analysis did not
-run is "not measured" (`met` is None) with the reason, never passed.
+A targets file (`qeffect profile --targets FILE`; the H200 ones are `examples/targets/h200.toml`) is a list
+of `[[target]]` tables:
 
-The two Transformer Engine targets compare with TE's per-layer `make_graphed_callables` "on the same
-model": `te-graphed-model` (TE's defaults) or `te-graphed-mcore` (as Megatron-LM sets TE up), whichever was
-faster in the run. `te-graphed`, the layers alone as docs/design.md measures them, is not the same model (no
-embeddings, head or loss; bf16 params and optimizer): its ratio is given in the notes, with the step that
-the target's factor against it would need.
+    [[target]]
+    name = "fastest-vs-te-graphed"
+    metric = "speedup"            # speedup | limit-ratio | host-gpu-ratio | losses-bitwise
+    of = "fastest-captured"       # a configuration name, or fastest-captured
+    against = "te-graphed"        # speedup only: the anchor, never chosen by the code
+    min = 2.0                     # or max = ...: exactly one (losses-bitwise: neither)
+    backend = ["te"]              # optional: only reports of these backends ...
+    hidden = [2048, 4096]         # ... and these model widths
+
+Metrics: `speedup` is the anchor's step over the configuration's, the median of the per-round ratios
+(rounds of one run, interleaved: a slow stretch of the host moves one round of both); `limit-ratio` is the
+configuration's step over the report's limit (peak-rate floor + optimizer floor, `profile.flops`);
+`host-gpu-ratio` is the host's time to queue a step over the GPU's time for it; `losses-bitwise` counts the
+captured configurations whose losses are not native eager's bit for bit (and fails on one that failed).
+A target whose configuration or measurement is missing is "not measured" (`met` is None) with the
+reason, never passed. Every value is derived from the report's own measurements, so a saved report can be
+judged again with another file (`qeffect profile --report R --targets FILE`).
 """
 
 from __future__ import annotations
 
+import statistics
+import tomllib
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from qeffect.errors import UserError
 from qeffect.profile.report import ConfigResult, ProfileReport, TargetCheck
 from qeffect.profile.trace import trace_line
 
-SPEEDUP_VS_NATIVE = 6.0
-VS_TE_ANCHOR = 1.5
-FASTEST_VS_TE_ANCHOR = 2.0
-FLOOR_RATIO = 4.0
-FLOOR_RATIO_HIDDEN = 4096  # the issue sets the floor target for the hidden-4,096 shape
-BREAK_EVEN_STEPS = 10.0
-CAPTURE_MICROBATCHES = 16
-CAPTURE_SECONDS = 1.0
-OUR_CONFIGS = ("qeffect-eager", "captured-copy", "captured-direct", "captured-zbv-direct")
+FASTEST_CAPTURED = "fastest-captured"
+Metric = Literal["speedup", "limit-ratio", "host-gpu-ratio", "losses-bitwise"]
+
+
+class TargetSpec(BaseModel):
+    """One `[[target]]` of a targets file (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="Short unique name, shown in the targets table.")
+    description: str | None = Field(None, description="What the target asks, in words (default: from the fields).")
+    metric: Metric = Field(description="speedup, limit-ratio, host-gpu-ratio or losses-bitwise.")
+    of: str | None = Field(None, description="The configuration judged: a name, or fastest-captured.")
+    against: str | None = Field(None, description="speedup: the anchor configuration.")
+    min: float | None = Field(None, description="Met when the value is at least this.")
+    max: float | None = Field(None, description="Met when the value is at most this.")
+    backend: list[str] | None = Field(None, description="Applies only to reports of these FP8 backends.")
+    hidden: list[int] | None = Field(None, description="Applies only to reports of these model widths.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TargetSpec:
+        if self.metric == "losses-bitwise":
+            if self.min is not None or self.max is not None or self.of or self.against:
+                raise ValueError("losses-bitwise takes no of, against, min or max (every captured configuration, "
+                                 "zero differences)")
+            return self
+        if (self.min is None) == (self.max is None):
+            raise ValueError(f"{self.metric} needs exactly one of min or max")
+        if not self.of:
+            raise ValueError(f"{self.metric} needs of = <configuration> or {FASTEST_CAPTURED!r}")
+        if (self.metric == "speedup") != bool(self.against):
+            raise ValueError("against = <configuration> is for speedup only, and speedup needs it")
+        return self
+
+    def applies(self, report: ProfileReport) -> bool:
+        hidden = report.config.get("model", {}).get("hidden")
+        return ((self.backend is None or report.backend in self.backend)
+                and (self.hidden is None or hidden in self.hidden))
+
+
+class _TargetsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    target: list[dict] = Field(default_factory=list)
+
+
+def load_targets(path: Path | str, known_configs: Sequence[str] = ()) -> list[TargetSpec]:
+    """The targets of a TOML file; bad input raises `UserError` naming the file, the entry and the field.
+    `known_configs`: the configuration names `of` and `against` may use (empty: not checked)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: targets file not found")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: not valid TOML: {err}") from None
+    try:
+        entries = _TargetsFile.model_validate(raw).target
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise UserError(f"{path}: {'.'.join(map(str, e['loc'])) or 'top level'}: {e['msg']} (expected only "
+                        "[[target]] tables)") from None
+    if not entries:
+        raise UserError(f"{path}: no [[target]] tables")
+    out: list[TargetSpec] = []
+    for i, entry in enumerate(entries, 1):
+        label = f"target {i}" + (f" ({entry['name']})" if isinstance(entry.get("name"), str) else "")
+        try:
+            spec = TargetSpec.model_validate(entry)
+        except ValidationError as err:
+            e = err.errors()[0]
+            field = ".".join(map(str, e["loc"]))
+            raise UserError(f"{path}: {label}: {field + ': ' if field else ''}{e['msg'].removeprefix('Value error, ')}"
+                            ) from None
+        names = [n for n in (spec.of, spec.against) if n and n != FASTEST_CAPTURED]
+        unknown = [n for n in names if known_configs and n not in known_configs]
+        if unknown:
+            raise UserError(f"{path}: {label}: unknown configuration {unknown[0]!r}; expected "
+                            f"{FASTEST_CAPTURED} or one of {', '.join(known_configs)}")
+        if spec.name in {s.name for s in out}:
+            raise UserError(f"{path}: {label}: name {spec.name!r} used twice")
+        out.append(spec)
+    return out
 
 
 def _check(name: str, description: str, value: float | None, threshold: float, comparison: str, *,
@@ -59,17 +150,6 @@ def _missed(name: str, description: str, threshold: float, comparison: str, *, n
                        met=False, needed=needed, note=note)
 
 
-def _against_fastest(baseline: ConfigResult, ours: ConfigResult) -> str | None:
-    """How much a ratio to a host-bound baseline owes to the baseline's slow steps: the spread of its timed
-    steps and the ratio against its fastest one (the median-based value is the target's)."""
-    steps, med = baseline.step_seconds, ours.median_step_seconds
-    if not steps or not med or baseline.median_step_seconds is None:
-        return None
-    lo, hi = min(steps), max(steps)
-    return (f"{baseline.name}'s {len(steps)} timed steps spanned {lo * 1e3:.2f}-{hi * 1e3:.2f} ms (median "
-            f"{baseline.median_step_seconds * 1e3:.2f}); against its fastest step {ours.name} is {lo / med:.2f}x")
-
-
 def _device_work(baseline: ConfigResult, ours: ConfigResult) -> str | None:
     """The ratio on device work alone, from both traces (CUDA, --trace): how much of a ratio to a
     host-bound baseline is the baseline's host, which a faster host takes away."""
@@ -87,156 +167,153 @@ def _notes(*notes: str | None) -> str | None:
     return "; ".join(n for n in notes if n) or None
 
 
-def _baseline_notes(baseline: ConfigResult, ours: ConfigResult) -> str | None:
-    return _notes(_against_fastest(baseline, ours), _device_work(baseline, ours))
-
-
-# Transformer Engine's per-layer `make_graphed_callables` on the run's model: the anchor targets are judged
-# against the faster of these that ran (the issue's "on the same model")
-SAME_MODEL_ANCHORS = (
-    ("te-graphed-model", "TE's per-layer graphs in the whole model, fp32 masters"),
-    ("te-graphed-mcore", "the same with Megatron-LM's fused wgrad accumulation and per-step FP8 weight caching"),
-)
-LAYERS_ONLY = ("te-graphed", "TE's graphed layers alone: no embeddings, head or loss, bf16 params and optimizer")
-
-
-def _same_model_anchor(report: ProfileReport) -> ConfigResult | None:
-    """The faster of the same-model TE references that ran (the stricter comparison), or None."""
-    ran = [c for c in (_ok(report, name) for name, _ in SAME_MODEL_ANCHORS) if c is not None]
-    return min(ran, key=lambda c: c.median_step_seconds) if ran else None
-
-
-def _beside(report: ProfileReport, anchor: ConfigResult | None, ours: ConfigResult, factor: float) -> str | None:
-    """The ratios against the TE references that ran other than the target's anchor: the other same-model
-    setup, and the layers alone (docs/design.md's measurement, not the same model: context, with the step
-    that `factor` against it would need)."""
-    if not ours.median_step_seconds:
-        return None
-    notes = []
-    for name, what in (*SAME_MODEL_ANCHORS, LAYERS_ONLY):
-        ref = _ok(report, name)
-        if ref is None or ref is anchor:
-            continue
-        ratio = ref.median_step_seconds / ours.median_step_seconds
-        note = f"against {name} ({what}; {ref.median_step_seconds * 1e3:.2f} ms) {ours.name} is {ratio:.2f}x"
-        if name == LAYERS_ONLY[0] and ratio < factor:
-            note += f" ({factor:g}x there needs <= {ref.median_step_seconds / factor * 1e3:.2f} ms)"
-        notes.append(note)
-    return _notes(*notes)
-
-
 def _ok(report: ProfileReport, name: str) -> ConfigResult | None:
     c = report.result(name)
     return c if c is not None and c.status == "ok" else None
 
 
-def with_targets(report: ProfileReport) -> ProfileReport:
-    """Check the losses, then evaluate the targets into `report.targets` (all derived from the report's
-    measurements, so an older report gets them too); returns the report."""
+def with_targets(report: ProfileReport, specs: Sequence[TargetSpec] | None = None,
+                 source: str | None = None) -> ProfileReport:
+    """Check the losses, then judge `specs` (None: keep the report's saved targets) into `report.targets`;
+    returns the report."""
     report.check_losses()
-    report.targets = evaluate_targets(report)
+    if specs is not None:
+        report.targets = evaluate_targets(report, specs)
+        report.targets_source = source if source is not None else report.targets_source
     return report
 
 
-def evaluate_targets(report: ProfileReport) -> list[TargetCheck]:
-    """The targets that apply to this report's shape and backend, in the issue's order."""
-    out: list[TargetCheck] = []
-    native, direct = _ok(report, "native-eager"), _ok(report, "captured-direct")
+def evaluate_targets(report: ProfileReport, specs: Sequence[TargetSpec]) -> list[TargetCheck]:
+    """The targets of `specs` that apply to this report's backend and shape, in the file's order."""
+    judge = {"speedup": _speedup, "limit-ratio": _limit_ratio, "host-gpu-ratio": _host_gpu,
+             "losses-bitwise": _losses_bitwise}
+    return [judge[s.metric](report, s) for s in specs if s.applies(report)]
+
+
+def _threshold(spec: TargetSpec) -> tuple[float, str]:
+    return (spec.min, ">=") if spec.min is not None else (spec.max, "<=")
+
+
+def _ours(report: ProfileReport, name: str) -> tuple[ConfigResult | None, str]:
+    """The configuration a target judges, or None and why."""
+    if name == FASTEST_CAPTURED:
+        ran = [c for c in report.configs if c.status == "ok" and (c.path or "").startswith("captured")]
+        if not ran:
+            return None, "no captured configuration ran"
+        return min(ran, key=lambda c: c.median_step_seconds), ""
+    c = report.result(name)
+    if c is None:
+        return None, f"{name} is not in this report"
+    if c.status != "ok":
+        return None, f"{name} {c.status}: {c.reason}"
+    return c, ""
+
+
+def _where(c: ConfigResult) -> str:
+    """Where a step's time goes: the trace by kernel category (per rank under torchrun), and the host phase."""
+    parts = [f"{label}: {trace_line(t)}" for label, t in c.labelled_traces() if t is not None]
+    if not parts:
+        parts.append(f"{c.name}: no trace (run with --trace N for where the time goes)")
+    if c.host_median_seconds is not None and c.median_step_seconds:
+        parts.append(f"{c.name} host: queues a step in {c.host_median_seconds * 1e3:.2f} ms of "
+                     f"{c.median_step_seconds * 1e3:.2f} ms wall")
+    return "; ".join(parts)
+
+
+def _rounds_note(c: ConfigResult) -> str | None:
+    r = c.medians_by_round()
+    if len(r) < 2:
+        return f"{c.name}: one round"
+    return (f"{c.name} over {len(r)} rounds: median {statistics.median(r) * 1e3:.2f} ms, "
+            f"{min(r) * 1e3:.2f}-{max(r) * 1e3:.2f}")
+
+
+def _speedup(report: ProfileReport, spec: TargetSpec) -> TargetCheck:
+    threshold, comparison = _threshold(spec)
+    ours, why = _ours(report, spec.of)
+    base, why_base = _ours(report, spec.against)
+    description = spec.description or f"{spec.of} at least {threshold:g}x faster than {spec.against}"
+    if ours is None or base is None:
+        return _check(spec.name, description, None, threshold, comparison,
+                      note="not measured: " + "; ".join(w for w in (why, why_base) if w))
+    if ours.name not in description:
+        description += f" ({ours.name})"
+    b, o = base.medians_by_round(), ours.medians_by_round()
+    if len(b) == len(o):
+        ratios = [x / y for x, y in zip(b, o, strict=True)]
+        how = f"median of {len(ratios)} per-round ratios"
+    else:  # a row with other rounds (an older report): the medians
+        ratios = [base.median_step_seconds / ours.median_step_seconds]
+        how = f"medians ({len(b)} and {len(o)} rounds)"
+    value = statistics.median(ratios)
     ms = 1e3
-    if native is not None and direct is not None:
-        out.append(_check(
-            "speedup-vs-native", f"captured-direct at least {SPEEDUP_VS_NATIVE:g}x faster than native eager "
-            f"({report.backend} backend)", direct.speedup_vs_native, SPEEDUP_VS_NATIVE, ">=",
-            needed=f"captured-direct step <= {native.median_step_seconds / SPEEDUP_VS_NATIVE * ms:.2f} ms "
-                   f"(now {direct.median_step_seconds * ms:.2f} ms)", about=direct,
-            note=_baseline_notes(native, direct)))
-    else:
-        out.append(_check("speedup-vs-native", "captured-direct vs native eager", None, SPEEDUP_VS_NATIVE,
-                          ">=", note="needs native-eager and captured-direct"))
-    if report.backend == "te":
-        anchor = _same_model_anchor(report)
-        if anchor is None or direct is None:
-            note = _notes("needs te-graphed-model or te-graphed-mcore (Transformer Engine's per-layer graphs on "
-                          "the run's model) and captured-direct",
-                          _beside(report, None, direct, VS_TE_ANCHOR) if direct is not None else None)
-            out.append(_check("vs-te-anchor", "captured-direct vs TE per-layer graphs on the same model", None,
-                              VS_TE_ANCHOR, ">=", note=note))
-            out.append(_check("fastest-vs-te-anchor", "fastest qeffect vs TE per-layer graphs on the same model",
-                              None, FASTEST_VS_TE_ANCHOR, ">=", note=note))
-        else:
-            a = anchor.median_step_seconds
-            out.append(_check(
-                "vs-te-anchor", f"captured-direct at least {VS_TE_ANCHOR:g}x faster than Transformer Engine's "
-                f"make_graphed_callables per layer on the same model ({anchor.name}, the faster TE setup that ran)",
-                a / direct.median_step_seconds, VS_TE_ANCHOR, ">=",
-                needed=f"captured-direct step <= {a / VS_TE_ANCHOR * ms:.2f} ms "
-                       f"(now {direct.median_step_seconds * ms:.2f} ms)", about=direct,
-                note=_notes(_baseline_notes(anchor, direct), _beside(report, anchor, direct, VS_TE_ANCHOR))))
-            ours = [c for c in (_ok(report, n) for n in OUR_CONFIGS) if c is not None]
-            fastest = min(ours, key=lambda c: c.median_step_seconds)
-            out.append(_check(
-                "fastest-vs-te-anchor", f"fastest qeffect configuration ({fastest.name}) at least "
-                f"{FASTEST_VS_TE_ANCHOR:g}x faster than Transformer Engine's per-layer graphs on the same model "
-                f"({anchor.name})", a / fastest.median_step_seconds, FASTEST_VS_TE_ANCHOR, ">=",
-                needed=f"{fastest.name} step <= {a / FASTEST_VS_TE_ANCHOR * ms:.2f} ms "
-                       f"(now {fastest.median_step_seconds * ms:.2f} ms)", about=fastest,
-                note=_notes(_baseline_notes(anchor, fastest),
-                            _beside(report, anchor, fastest, FASTEST_VS_TE_ANCHOR))))
-    if report.config.get("model", {}).get("hidden") == FLOOR_RATIO_HIDDEN:
-        value = direct.floor_ratio if direct is not None else None
-        needed = None
-        if direct is not None and direct.floor_seconds:
-            needed = (f"captured-direct step <= {direct.floor_seconds * FLOOR_RATIO * ms:.2f} ms "
-                      f"(now {direct.median_step_seconds * ms:.2f} ms)")
-        out.append(_check("floor-ratio", f"captured-direct step at most {FLOOR_RATIO:g}x its FP8 matrix-FLOP "
-                          "floor", value, FLOOR_RATIO, "<=", needed=needed, about=direct,
-                          note=None if direct is not None else "needs captured-direct"))
-    captured = [c for c in report.configs if c.status == "ok" and (c.path or "").startswith("captured")]
-    failed = [c.name for c in report.configs if c.status == "failed" and (c.path or "").startswith("captured")]
-    failed_note = "failed: " + ", ".join(failed)
-    if failed:  # "every captured configuration": one that failed cannot be shown to meet anything
-        out.append(_missed("break-even", "every captured configuration breaks even against native eager",
-                           BREAK_EVEN_STEPS, "<=", needed="a run of every captured configuration", note=failed_note))
-    elif captured and native is not None:
-        never = [c.name for c in captured if c.break_even_steps is None]
-        description = (f"every captured configuration breaks even against native eager within "
-                       f"{BREAK_EVEN_STEPS:g} steps")
-        if never:  # not faster per step: no finite value, and missed
-            out.append(_missed("break-even", description, BREAK_EVEN_STEPS, "<=",
-                               needed="faster per step than native eager: " + ", ".join(never),
-                               note="never breaks even: " + ", ".join(never)))
-        else:
-            worst = max(captured, key=lambda c: c.break_even_steps)
-            saving = native.median_step_seconds - worst.median_step_seconds
-            out.append(_check("break-even", f"{description} (worst: {worst.name})", worst.break_even_steps,
-                              BREAK_EVEN_STEPS, "<=", about=worst, setup_of=(worst, native),
-                              needed=f"{worst.name}: setup <= {native.setup_seconds + BREAK_EVEN_STEPS * saving:.2f} s "
-                                     f"(now {worst.setup_seconds:.2f} s) or a faster step"))
-    else:
-        out.append(_check("break-even", "captured configurations vs native eager", None, BREAK_EVEN_STEPS, "<=",
-                          note="needs native-eager and a captured configuration"))
-    rows = [r for r in report.resources or [] if r.microbatches == CAPTURE_MICROBATCHES]
-    times = [r.capture_host_seconds for r in rows if r.capture_host_seconds is not None]
-    broken = [r.schedule for r in rows if (r.capture_note or "").startswith("failed")]
-    if broken:
-        out.append(_missed("capture-host-time", f"capture host time at {CAPTURE_MICROBATCHES} microbatches",
-                           CAPTURE_SECONDS, "<", needed="a capture that succeeds",
-                           note="capture failed: " + ", ".join(broken)))
-    else:
-        out.append(_check(
-            "capture-host-time", f"capture host time at {CAPTURE_MICROBATCHES} microbatches under "
-            f"{CAPTURE_SECONDS:g} s (worst schedule)", max(times) if times else None, CAPTURE_SECONDS, "<",
-            needed="capture fewer or cheaper graphs",
-            note=None if times else (f"needs a single-process run with --microbatches including "
-                                     f"{CAPTURE_MICROBATCHES} on a CUDA device")))
+    goal = base.median_step_seconds / threshold
+    check = _check(spec.name, description, value, threshold, comparison,
+                   needed=f"{ours.name} step <= {goal * ms:.2f} ms (now {ours.median_step_seconds * ms:.2f} ms)",
+                   about=ours, note=_notes(f"wall clock, {how}: " + ", ".join(f"{r:.2f}" for r in ratios),
+                                           _device_work(base, ours), _rounds_note(base), _rounds_note(ours)))
+    check.round_values = ratios
+    tb, to = base.trace, ours.trace
+    if tb is not None and to is not None and tb.gpu_busy_seconds_per_step and to.gpu_busy_seconds_per_step:
+        check.gpu_busy_value = tb.gpu_busy_seconds_per_step / to.gpu_busy_seconds_per_step
+    if check.met is False:
+        check.where = _where(ours)
+    return check
+
+
+def _limit_ratio(report: ProfileReport, spec: TargetSpec) -> TargetCheck:
+    threshold, comparison = _threshold(spec)
+    ours, why = _ours(report, spec.of)
+    description = spec.description or f"{spec.of} step at most {threshold:g}x the limit (peak-rate + optimizer floor)"
+    limit = None if ours is None else report.floor.limit_for(ours.path == "te")
+    if ours is None or not limit:
+        return _check(spec.name, description, None, threshold, comparison,
+                      note="not measured: " + (why or "the report has no limit (a report before the lower-bound floors)"))
+    ratios = [m / limit for m in ours.medians_by_round()]
+    f = report.floor
+    check = _check(spec.name, description, statistics.median(ratios), threshold, comparison,
+                   needed=f"{ours.name} step <= {limit * threshold * 1e3:.2f} ms (now {ours.median_step_seconds * 1e3:.2f} ms)",
+                   about=ours, note=_notes(
+                       f"limit {limit * 1e3:.2f} ms = peak-rate floor "
+                       f"{f.peak_rate_seconds_layers_only if ours.path == 'te' else f.peak_rate_seconds:.6f} s + "
+                       f"optimizer floor {f.optimizer_seconds_layers_only if ours.path == 'te' else f.optimizer_seconds:.6f} s",
+                       _rounds_note(ours)))
+    check.round_values = ratios
+    if check.met is False:
+        check.where = _where(ours)
+    return check
+
+
+def _host_gpu(report: ProfileReport, spec: TargetSpec) -> TargetCheck:
+    threshold, comparison = _threshold(spec)
+    ours, why = _ours(report, spec.of)
+    description = spec.description or f"{spec.of}: host queue time at most {threshold:g}x the GPU step time"
+    if ours is None or ours.host_gpu_ratio is None:
+        return _check(spec.name, description, None, threshold, comparison,
+                      note="not measured: " + (why or f"{ours.name} has no host queue times (a report before them)"))
+    gpu = ours.host_median_seconds / ours.host_gpu_ratio
+    check = _check(spec.name, description, ours.host_gpu_ratio, threshold, comparison,
+                   needed=f"{ours.name} queued in <= {gpu * threshold * 1e3:.2f} ms "
+                          f"(now {ours.host_median_seconds * 1e3:.2f} ms)", about=ours,
+                   note=f"host {ours.host_median_seconds * 1e3:.2f} ms over GPU {gpu * 1e3:.2f} ms "
+                        f"({ours.host_gpu_basis})")
+    if check.met is False:
+        check.where = _where(ours)
+    return check
+
+
+def _losses_bitwise(report: ProfileReport, spec: TargetSpec) -> TargetCheck:
+    description = spec.description or "every captured configuration's losses bitwise equal to native eager's"
+    captured = [c for c in report.configs if (c.path or "").startswith("captured") and c.status != "not run"]
+    failed = [c.name for c in captured if c.status == "failed"]
     if failed:
-        out.append(_missed("zero-growth", "no persistent memory growth in any captured configuration", 0.0, "<=",
-                           needed="a run of every captured configuration", note=failed_note))
-    else:
-        growth = [c.persistent_growth_bytes_per_step for c in captured
-                  if c.persistent_growth_bytes_per_step is not None]
-        out.append(_check(
-            "zero-growth", "no persistent memory growth per step in any captured configuration (bytes/step, worst)",
-            max(growth) if growth else None, 0.0, "<=", needed="find what each step leaves allocated",
-            note=None if growth else "needs a captured configuration on a CUDA device"))
-    return out
+        return _missed(spec.name, description, 0.0, "<=", needed="a run of every captured configuration",
+                       note="failed: " + ", ".join(failed))
+    if not captured or _ok(report, "native-eager") is None:
+        return _check(spec.name, description, None, 0.0, "<=",
+                      note="not measured: needs native-eager and a captured configuration")
+    differ = [c.name for c in captured if c.losses_equal_native is not True]
+    return _check(spec.name, description, float(len(differ)), 0.0, "<=",
+                  needed="losses equal native eager's in " + ", ".join(differ),
+                  note=f"compared: {', '.join(c.name for c in captured)}"
+                       + (f"; differ: {', '.join(differ)}" if differ else ""))

@@ -4,8 +4,10 @@
 (22.1 ms / 43.7 ms per step for h2048 / h4096): the model's layers as TE `TransformerLayer`s (same hidden,
 FFN, heads, sequence and microbatch size, as many layers as the pipeline has), each graphed separately
 with FP8 delayed scaling from the run's recipe, params in the activation dtype (TE's usual setup), dropout
-off. One step: for each microbatch, forward through all layers inside `te.pytorch.autocast` and backward
-with a fixed random output gradient (TE's own CUDA-graph test drives its graphed layers the same way);
+off. A llama run's layers are `TransformerLayer`s with its settings (`te_layer_family`: RMSNorm, SwiGLU,
+`num_gqa_groups`, no biases, TE's rotary frequencies as `rotary_pos_emb`). One step: for each
+microbatch, forward through all layers inside `te.pytorch.autocast` and backward with a fixed random
+output gradient (TE's own CUDA-graph test drives its graphed layers the same way);
 then AdamW over the bf16 params. No embedding, head or loss, and no pipeline: its floor is the
 layers-only floor.
 
@@ -22,8 +24,8 @@ no per-microbatch gradient copies, casts or adds) and FP8 weights cached per ste
 with ``cache_quantized_params``, Megatron-Core's ``fp8_weight_caching``: a weight is cast on a step's first
 microbatch only). The same model, fp32 masters and optimizer; its wgrad sums in fp32 inside the GEMM.
 
-The issue's TE targets ("make_graphed_callables per layer on the same model") are judged against the faster
-of `te-graphed-model` and `te-graphed-mcore` (`profile.targets`); `te-graphed` is context.
+`te-graphed` is the fixed anchor of the Transformer Engine targets (a targets file names it:
+`examples/targets/h200.toml`); `te-graphed-model` and `te-graphed-mcore` are extra rows beside it.
 
 Per-layer graphs keep one static input/output set, so microbatch m's backward must run before
 microbatch m+1's forward (no 1F1B overlap, which one process cannot use anyway). Transformer Engine
@@ -45,6 +47,17 @@ from qeffect.runtime.build import dtype_of, recipe_of
 from qeffect.runtime.phases import SetupClock
 from qeffect.runtime.rank import make_optimizer
 from qeffect.verify.state import synthetic_batches
+
+
+def te_layer_family(cfg: RunConfig) -> dict[str, object]:
+    """The `TransformerLayer` settings of the run's model family beyond the shape: for llama, RMSNorm with
+    its epsilon, SwiGLU, grouped-query attention (`num_gqa_groups`) and no biases (the rotary frequencies
+    are a forward argument, `TEGraphedLayers._rotary`); the GPT keeps TE's defaults (LayerNorm, GELU, biases)."""
+    mc = cfg.model
+    if mc.family != "llama":
+        return {}
+    return {"normalization": "RMSNorm", "layernorm_epsilon": mc.norm_eps, "activation": "swiglu",
+            "num_gqa_groups": mc.num_kv_heads, "bias": False}
 
 
 class TEGraphedLayers:
@@ -73,8 +86,9 @@ class TEGraphedLayers:
                                           self_attn_mask_type="causal", fuse_qkv_params=True,
                                           params_dtype=params_dtype, seq_length=mc.seq_len,
                                           micro_batch_size=mc.microbatch_size, device=device,
-                                          fuse_wgrad_accumulation=self.fused_wgrad)
+                                          fuse_wgrad_accumulation=self.fused_wgrad, **te_layer_family(cfg))
                       for _ in range(self.layers_count)]
+            self.layer_kwargs = self._rotary()  # llama: the rotary frequencies every layer call takes
             self.ends = self._ends()
         modules = {**{f"layer{i}": layer for i, layer in enumerate(layers)}, **self.ends}
         named = [(f"{m}.{n}", p) for m, module in modules.items() for n, p in module.named_parameters()]
@@ -88,6 +102,7 @@ class TEGraphedLayers:
             # fused wgrad: the weights' gradients are `main_grad`'s, not autograd's (hence unused inputs)
             self.graphed = [te.make_graphed_callables(
                 layer, (torch.ones(self.shape, device=device, dtype=self.dtype, requires_grad=True),),
+                sample_kwargs=self.layer_kwargs or None,
                 num_warmup_iters=num_warmup_iters, enabled=True, recipe=self.recipe,
                 cache_quantized_params=self.cached_weights, allow_unused_input=self.fused_wgrad) for layer in layers]
             if self.main_grad is not None:
@@ -105,6 +120,18 @@ class TEGraphedLayers:
     def _ends(self) -> dict[str, nn.Module]:
         """The modules around the layers (none here)."""
         return {}
+
+    def _rotary(self) -> dict[str, torch.Tensor]:
+        """Llama: TE's own rotary frequencies `[s, 1, 1, head_dim]` (`RotaryPositionEmbedding`, the
+        rotate-half layout qeffect's llama uses), passed to every layer as `rotary_pos_emb`; GPT: nothing."""
+        mc = self.cfg.model
+        if mc.family != "llama":
+            return {}
+        from transformer_engine.pytorch.attention.rope import RotaryPositionEmbedding
+
+        with torch.cuda.device(self.device):
+            rope = RotaryPositionEmbedding(mc.hidden // mc.heads, rotary_base=mc.rope_theta)
+            return {"rotary_pos_emb": rope(mc.seq_len)}
 
     def _main_grads(self, modules: list[nn.Module]) -> tuple[torch.Tensor, list[nn.Parameter]]:
         """One fp32 buffer holding every TE weight's ``main_grad`` (Megatron's grad buffer), and those weights:
@@ -171,7 +198,7 @@ class TEGraphedLayers:
                 y = x.requires_grad_()
                 with te.autocast(enabled=True, recipe=self.recipe):
                     for layer in self.graphed:
-                        y = layer(y, **self._first(m))
+                        y = layer(y, **self.layer_kwargs, **self._first(m))
                 y.backward(grad_out)
                 self._replays += 2 * self.layers_count
         self.update()
@@ -189,13 +216,17 @@ class TEGraphedModel(TEGraphedLayers):
 
     def _ends(self) -> dict[str, nn.Module]:
         mc, te = self.cfg.model, self.te
+        llama = mc.family == "llama"  # rotary positions (no table), an RMSNorm before the head
+        norm = {"normalization": "RMSNorm", "eps": mc.norm_eps} if llama else {}
         ends = {"tok_emb": nn.Embedding(mc.vocab_size, mc.hidden, device=self.device),
-                "pos_emb": nn.Embedding(mc.seq_len, mc.hidden, device=self.device),
+                **({} if llama else {"pos_emb": nn.Embedding(mc.seq_len, mc.hidden, device=self.device)}),
                 "head": te.LayerNormLinear(mc.hidden, mc.vocab_size, bias=False, params_dtype=torch.float32,
-                                           device=self.device, fuse_wgrad_accumulation=self.fused_wgrad)}
+                                           device=self.device, fuse_wgrad_accumulation=self.fused_wgrad,
+                                           **norm)}
         with torch.no_grad():  # the model's init scale (nn.Embedding's own is N(0, 1))
             for name in ("tok_emb", "pos_emb"):
-                ends[name].weight.normal_(0.0, INIT_STD)
+                if name in ends:
+                    ends[name].weight.normal_(0.0, INIT_STD)
         return ends
 
     def _activations(self) -> contextlib.AbstractContextManager:
@@ -219,9 +250,12 @@ class TEGraphedModel(TEGraphedLayers):
         with self._weight_cache_flag():  # the step's: entered once, not per microbatch
             for m, (tokens, targets) in enumerate(data):
                 with self._activations(), te.autocast(enabled=True, recipe=self.recipe):
-                    x = (ends["tok_emb"](tokens) + ends["pos_emb"](pos)).to(self.dtype).transpose(0, 1).contiguous()  # sbhd
+                    x = ends["tok_emb"](tokens)
+                    if "pos_emb" in ends:
+                        x = x + ends["pos_emb"](pos)
+                    x = x.to(self.dtype).transpose(0, 1).contiguous()  # sbhd
                     for layer in self.graphed:
-                        x = layer(x, **self._first(m))
+                        x = layer(x, **self.layer_kwargs, **self._first(m))
                     logits = ends["head"](x, **self._first(m)).transpose(0, 1)  # [b, s, vocab]
                 loss = cross_entropy(logits, targets) / len(data)
                 loss.backward()

@@ -20,6 +20,7 @@ from qeffect.runtime.phases import Phase, SetupClock, no_phase, phase_of
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.schedule import Action, Schedule, build_native_schedule, build_schedule, dw_in_order
+from qeffect.schedule.liveness import slots_for
 
 ActionPath = Literal["eager", "captured-copy", "captured-direct"]
 
@@ -58,11 +59,12 @@ def build_chunks_for(cfg: RunConfig, device: str | torch.device, phase: Phase = 
 def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, torch.nn.Module], *,
                native: bool, direct: bool = True, fixed_order_sum: bool = True, reductions=None,
                manager: GraphManager | None = None, offload: OffloadManager | None = None,
-               accumulate: bool | None = None) -> BaseRank:
+               accumulate: bool | None = None, bounded_slots: bool = True) -> BaseRank:
     """One rank of the pipeline over its stages of `chunks`, not yet captured (`capture_ranks` captures
     once every rank is built). `accumulate`: the gradient arena's layout (None: accumulating when
     `dw_in_order`, and never with the deliberately wrong `fixed_order_sum=False`, which needs one view per
-    microbatch)."""
+    microbatch). Captured without offload, each chunk's graphs and tape slots are bounded by the schedule's
+    liveness (`graph_slots`); `bounded_slots=False` keeps one set per microbatch (an A/B)."""
     owned = {s: chunks[s] for s in schedule.stages_of(rank)}
     if accumulate is None:
         accumulate = fixed_order_sum and dw_in_order(schedule, rank)
@@ -70,10 +72,19 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, 
     if native:
         return NativeRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, total_steps=cfg.train.steps)
     activation = ((mc.microbatch_size, mc.seq_len, mc.hidden), dtype_of(cfg))
+    bounded = bounded_slots and manager is not None and offload is None
     return QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
                        fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
                        activation=activation, offload=offload, accumulate=accumulate,
-                       staging=p.wgrad_staging if accumulate else 0, total_steps=cfg.train.steps)
+                       staging=p.wgrad_staging if accumulate else 0, total_steps=cfg.train.steps,
+                       graph_slots=graph_slots(schedule) if bounded else None)
+
+
+def graph_slots(schedule: Schedule) -> dict[int, int]:
+    """K per stage for the captured chains (`graphs.binding`): the smallest slot count for which
+    microbatch m's slot m % K is never still held by a live tape (`schedule.liveness.slots_for`).
+    Offload plans its fixed-address groups per microbatch, so it keeps one chain per microbatch."""
+    return slots_for(schedule)
 
 
 def check_path(path: str, device: str | torch.device, offload: str = "off") -> None:
@@ -88,14 +99,15 @@ def check_path(path: str, device: str | torch.device, offload: str = "off") -> N
 def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
                          fixed_order_sum: bool = True, device: str | torch.device | None = None,
                          path: ActionPath = "eager", capture: bool = True,
-                         accumulate: bool | None = None, clock: SetupClock | None = None) -> SingleProcessPipeline:
+                         accumulate: bool | None = None, clock: SetupClock | None = None,
+                         bounded_slots: bool = True) -> SingleProcessPipeline:
     """All ranks of the configured pipeline in this process, parameters from `cfg.train.seed`.
 
     `path`: "eager" runs the checked actions eagerly; "captured-copy" / "captured-direct" capture every
     action as a CUDA graph (copied gradients / direct placement into the arena), once every rank is built.
     `capture=False` defers the capture to `capture_graphs(cfg, pipe)`, so a resume can restore numerical
     state before any graph is built. `clock`: times the build's phases ("modules", "values", "ranks",
-    "capture") for `qeffect profile`'s setup breakdown.
+    "capture") for `qeffect profile`'s setup breakdown. `bounded_slots`: see `build_rank`.
     """
     device = device or cfg.train.device
     phase = phase_of(clock)
@@ -105,7 +117,7 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
     with phase("ranks"):
         ranks = [build_rank(cfg, schedule, r, chunks, native=native, direct=direct,
                             fixed_order_sum=fixed_order_sum, manager=manager, offload=offload,
-                            accumulate=accumulate)
+                            accumulate=accumulate, bounded_slots=bounded_slots)
                  for r in range(schedule.pp)]
     pipe = SingleProcessPipeline(ranks, schedule)
     pipe.manager = manager

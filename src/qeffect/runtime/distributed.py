@@ -39,6 +39,7 @@ from qeffect.runtime.build import (
 from qeffect.runtime.phases import SetupClock, phase_of
 from qeffect.runtime.rank import BaseRank, Batch, Observer, QEffectRank
 from qeffect.runtime.recipe import clip_factor, global_norm
+from qeffect.runtime.step_timing import StepLaps
 from qeffect.schedule import ActionKind, Schedule, native_with_placement
 from qeffect.stage.actions import arena_name
 
@@ -211,6 +212,8 @@ class DistributedPipeline:
         self.last_grad_norm: torch.Tensor | None = None
         self.last_lr: float | None = None
         self._prepared: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (norm, clip factor)
+        # set only while `runtime.step_timing.breakdown_step` cuts a step into laps; None costs nothing
+        self.step_laps: StepLaps | None = None
         with phase("ranks"):
             self.rank: BaseRank = build_rank(cfg, self.schedule, self.topo.pp_rank, chunks, native=native,
                                              direct=direct, reductions=self.reductions, manager=self.manager,
@@ -262,6 +265,8 @@ class DistributedPipeline:
         """Data-parallel average of every gradient, tracked by the commit barrier."""
         if self.topo.dp == 1:
             return
+        if self.step_laps is not None:
+            self.step_laps.lap("optimizer")
         handle = self.reductions.start("data-parallel gradients")
         grads: list[torch.Tensor] = []
         if isinstance(self.rank, QEffectRank):
@@ -277,6 +282,8 @@ class DistributedPipeline:
         self._merge_fp8_state()
         self.reductions.finish(handle)
         self.reductions_run += 1
+        if self.step_laps is not None:
+            self.step_laps.lap("reduction")
 
     def _merge_fp8_state(self) -> None:
         """Make replicas' delayed-scaling state identical at the step boundary.

@@ -197,7 +197,7 @@ class QEffectRank(BaseRank):
                  reductions: ReductionTracker | None = None, fixed_order_sum: bool = True,
                  manager: GraphManager | None = None, activation: tuple[tuple[int, ...], torch.dtype] | None = None,
                  offload: OffloadManager | None = None, accumulate: bool = False, staging: int = 0,
-                 total_steps: int | None = None) -> None:
+                 total_steps: int | None = None, graph_slots: dict[int, int] | None = None) -> None:
         super().__init__(rank, chunks, num_stages, microbatches, optim, total_steps=total_steps)
         # captured: the token table's AdamW row-lazy (`runtime.lazy_rows`); off under data parallelism (set
         # before capture: the replicas' reduced table gradient is dense)
@@ -207,6 +207,8 @@ class QEffectRank(BaseRank):
             if hasattr(chunk, "use_activation_biases"):
                 chunk.use_activation_biases()
         self.clock = EpochClock()
+        # captured: chunk i's chains are pool slots i * M + chain (`graphs.binding`: at most M chains, fewer
+        # with `graph_slots`, K per stage from the schedule's liveness); the pool's slots are bookkeeping only
         self.pool = TapePool(tape_capacity or len(self.chunks) * microbatches, name=f"rank{rank}.tapes")
         specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         staging_dtypes: dict[str, torch.dtype] = {}
@@ -234,8 +236,9 @@ class QEffectRank(BaseRank):
             self.actions = {
                 s: CapturedStageActions(c, self.pool, self.clock, self.arena, direct=direct, manager=manager,
                                         input_shape=shape, input_dtype=dtype, offload=offload, weight_cast=cast,
-                                        lazy_rows=self._lazy_rows)
-                for s, c in self.chunks.items()
+                                        lazy_rows=self._lazy_rows, slot_base=i * microbatches,
+                                        graph_slots=(graph_slots or {}).get(s))
+                for i, (s, c) in enumerate(self.chunks.items())
             }
         self.manager = manager
         if manager is not None and isinstance(self.optimizer, TritonAdamW):
@@ -293,6 +296,10 @@ class QEffectRank(BaseRank):
         pipeline prepares every chunk, allocates the groups, then captures; see `capture_ranks`)."""
         for act in self.actions.values():
             act.capture(self.microbatches, microbatch_size, seq_len)
+
+    def planned_graphs(self) -> int:
+        """Graphs this rank's captured actions capture (`graphs.binding`); 0 on the eager path."""
+        return sum(a.plan.graph_count for a in self.actions.values() if getattr(a, "plan", None) is not None)
 
     def matrix_grad_prefix(self, stage: int, upto: int) -> dict[str, torch.Tensor]:
         """Microbatch gradients 0..upto of a stage summed in fixed order (what `.grad` holds in the reference).

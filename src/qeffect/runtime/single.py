@@ -30,6 +30,17 @@ from qeffect.runtime.transport import LocalTransport
 from qeffect.schedule import Schedule, global_order
 
 
+def rank_runs(order: Sequence[tuple[int, object]]) -> list[tuple[int, list]]:
+    """The global order as runs of consecutive actions of one rank: `[(rank, [action, ...]), ...]`, in order."""
+    runs: list[tuple[int, list]] = []
+    for rank, action in order:
+        if runs and runs[-1][0] == rank:
+            runs[-1][1].append(action)
+        else:
+            runs.append((rank, [action]))
+    return runs
+
+
 class SingleProcessPipeline:
     """Runs all ranks of a schedule in one process (the CPU path and one-GPU verification)."""
 
@@ -49,6 +60,8 @@ class SingleProcessPipeline:
         self.last_grad_norm: torch.Tensor | None = None  # float64 0-dim, on the device: the last commit's norm
         self.last_lr: float | None = None  # the last commit's learning rate
         self._prepared: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (norm, clip factor)
+        self._transport: LocalTransport | None = None  # kept between steps: its hand-off events are reused
+        self._runs: tuple[list, list[tuple[int, list]]] | None = None  # (order, `rank_runs(order)`)
 
     def on_rank_stream(self, rank: int):
         """The context rank `rank`'s work is launched in: its stream, or the caller's without rank streams."""
@@ -68,16 +81,36 @@ class SingleProcessPipeline:
         finally:
             self._after_rank_streams()
 
+    def _step_transport(self) -> LocalTransport:
+        """The transport of a step: the last step's (its events are reused per hand-off slot) unless that
+        one was left non-empty by an aborted step or the settings changed."""
+        events = self.rank_streams is not None
+        t = self._transport
+        if t is None or not t.empty() or t.events != events or t.checked != self.checked_completion:
+            t = self._transport = LocalTransport(events=events, checked=self.checked_completion)
+        return t
+
+    def _rank_runs(self) -> list[tuple[int, list]]:
+        if self._runs is None or self._runs[0] is not self.order:  # `order` may be replaced (verification)
+            self._runs = (self.order, rank_runs(self.order))
+        return self._runs[1]
+
     def _actions(self, batches: Sequence[Batch], observer: Observer | None) -> torch.Tensor:
-        """Launch every action of one step (each on its rank's stream); the step loss, on the last rank's."""
-        transport = LocalTransport(events=self.rank_streams is not None, checked=self.checked_completion)
+        """Launch every action of one step (each on its rank's stream); the step loss, on the last rank's.
+
+        The stream is switched only where the rank changes (a run of one rank's consecutive actions shares
+        one stream context): every action is still queued on its rank's stream, in the same host order, so
+        the device work and its bits are the same; the host saves a context switch per action."""
+        transport = self._step_transport()
         if self.offload is not None:
             self.offload.begin_step()  # groups left live by an aborted step are dropped first
-        for rank, action in self.order:
+        for rank, actions in self._rank_runs():
+            r = self.ranks[rank]
             with self.on_rank_stream(rank):
-                self.ranks[rank].run(action, batches, transport)
-                if observer is not None:  # stream-ordered after the action (and before the rank's next)
-                    observer(action, self.ranks[rank])
+                for action in actions:
+                    r.run(action, batches, transport)
+                    if observer is not None:  # stream-ordered after the action (and before the rank's next)
+                        observer(action, r)
         if not transport.empty():
             raise RuntimeError("a step ended with activations or gradients nobody consumed")
         last_rank = self.schedule.stage_to_rank[self.schedule.num_stages - 1]

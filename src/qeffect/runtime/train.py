@@ -39,6 +39,7 @@ from qeffect.data.plan import plan_from_config
 from qeffect.errors import ReportError, UserError
 from qeffect.graphs.handshake import run_settings
 from qeffect.runtime.build import build_single_process, capture_graphs
+from qeffect.runtime.memory_cap import apply_memory_fraction, refuse_out_of_memory
 
 SCHEMA_VERSION = 1
 
@@ -85,6 +86,8 @@ class TrainSummary(BaseModel):
     torch_version: str
     start_step: int = 0
     resumed_from: str | None = None
+    # how the run lays out the checkpoint's model otherwise (`checkpoint.layout_change`), None: the same
+    resumed_layout: str | None = None
     skipped_steps: int = 0  # steps whose commit train.nonfinite = "skip" dropped (`StepMetrics.skipped`)
     checkpoints: list[str] = []  # every checkpoint this run wrote
     checkpoints_removed: list[str] = []  # those of them (and older ones) train.keep_checkpoints deleted
@@ -205,11 +208,14 @@ def _checkpoint_root(cfg: RunConfig) -> Path | None:
 def train(cfg: RunConfig, *, out: Path | None = None,
           on_step: Callable[[StepMetrics], None] | None = None,
           resume: str | Path | None = None,
-          on_eval: Callable[[int, float | None], None] | None = None) -> TrainSummary:
+          on_eval: Callable[[int, float | None], None] | None = None,
+          on_resume: Callable[[str], None] | None = None) -> TrainSummary:
     """Train up to step `cfg.train.steps`; writes metrics.jsonl and summary.json on global rank 0.
 
     `resume`: a checkpoint folder (or a checkpoint root with a `latest` file) to continue from; the run
-    must have the checkpoint's pipeline shape, schedule, recipe and model (`UserError` otherwise).
+    must have the checkpoint's recipe, model and microbatch count (`UserError` otherwise) and may lay the
+    model out otherwise (pipeline ranks, chunks per rank with the same layer count, data-parallel
+    replicas, schedule): `on_resume(line)` then names the change, on global rank 0, once it is loaded.
     `resume="auto"`: the newest checkpoint of the run's checkpoint folder if it holds one, else a fresh
     start (`auto_resume`); the run folder `out` of the earlier attempt is reused (its metrics.jsonl keeps
     the records up to the checkpoint's step).
@@ -224,7 +230,8 @@ def train(cfg: RunConfig, *, out: Path | None = None,
     owns_group = D.launched_by_torchrun() and not torch.distributed.is_initialized()
     ended = False
     try:
-        summary = _train(cfg, out=out, on_step=on_step, resume=resume, on_eval=on_eval)
+        with refuse_out_of_memory(cfg):  # `train.memory_fraction`: a run over its cap stops in one line
+            summary = _train(cfg, out=out, on_step=on_step, resume=resume, on_eval=on_eval, on_resume=on_resume)
         ended = True
         return summary
     finally:
@@ -235,7 +242,8 @@ def train(cfg: RunConfig, *, out: Path | None = None,
 
 
 def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics], None] | None,
-           resume: str | Path | None, on_eval: Callable[[int, float | None], None] | None) -> TrainSummary:
+           resume: str | Path | None, on_eval: Callable[[int, float | None], None] | None,
+           on_resume: Callable[[str], None] | None = None) -> TrainSummary:
     from qeffect.runtime import distributed as D
     from qeffect.runtime import metrics as M
 
@@ -266,18 +274,20 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
     data = _prepare_data(cfg, dp_rank, dp_size)
     if distributed:
         D.init_from_env(cfg.train.device)
+        apply_memory_fraction(cfg)  # on the device the process group bound, before any model memory
         rank0 = torch.distributed.get_rank() == 0
         pipe = D.DistributedPipeline(cfg, path=cfg.train.path, capture=resume is None)
         if pipe.topo.dp_rank != dp_rank:
             raise RuntimeError(f"data-parallel rank {pipe.topo.dp_rank} of the process group, {dp_rank} from RANK")
     else:
+        apply_memory_fraction(cfg)
         # Captured: state is loaded (resume) before any graph exists, then every action is captured.
         pipe = build_single_process(cfg, native=False, path=cfg.train.path, capture=resume is None)
     checkpointing = bool(cfg.train.checkpoint_every or cfg.train.checkpoint_dir)
     ck_root = _checkpoint_root(cfg)
-    start, resumed_from = 0, None
+    start, resumed_from, resumed_layout = 0, None, None
     if resume is not None:
-        from qeffect.checkpoint import load_checkpoint, resolve_checkpoint
+        from qeffect.checkpoint import layout_change, load_checkpoint, resolve_checkpoint
 
         try:
             folder = resolve_checkpoint(resume)
@@ -285,6 +295,9 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
         except (UserError, ReportError) as err:
             raise type(err)(f"--resume {err}") from None
         start, resumed_from = payload.step, str(folder)
+        resumed_layout = layout_change(payload, cfg)
+        if resumed_layout is not None and rank0 and on_resume is not None:
+            on_resume(f"--resume {folder}: {resumed_layout}")
         if distributed:
             pipe.capture()  # no-op on the eager path
         else:
@@ -440,7 +453,8 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
         heldout_ce=heldout, heldout_first=heldout[0][1] if heldout else None,
         heldout_last=heldout[-1][1] if heldout else None, median_step_time_s=med,
         tokens_per_s=tokens_per_step / med, seconds=time.perf_counter() - t_start, torch_version=torch.__version__,
-        start_step=start, resumed_from=resumed_from, skipped_steps=skipped_steps, checkpoints=checkpoints,
+        start_step=start, resumed_from=resumed_from, resumed_layout=resumed_layout, skipped_steps=skipped_steps,
+        checkpoints=checkpoints,
         checkpoints_removed=removed,
         mfu=mfu.mfu(med), mfu_flops_per_step=mfu.flops_per_step, mfu_peak_flops=mfu.peak_flops,
         mfu_peak_name=mfu.peak_name, mfu_peak_source=mfu.peak_source, mfu_note=mfu.note,

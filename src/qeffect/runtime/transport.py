@@ -28,8 +28,8 @@ class TransportEvents(EventOps, Protocol):
 
 
 class TorchCudaEvents:
-    """torch.cuda's calls: a fresh `torch.cuda.Event()` per hand-off, recorded on the producer's current
-    stream, waited on by the consumer's (`Stream.wait_event`)."""
+    """torch.cuda's calls: a `torch.cuda.Event()` per hand-off slot (made once, recorded again each step: the
+    ledger's rule), recorded on the producer's current stream, waited on by the consumer's (`Stream.wait_event`)."""
 
     __slots__ = ()
 
@@ -59,6 +59,7 @@ class LocalTransport:
     def __init__(self, *, events: bool = False, ops: TransportEvents | None = None, checked: bool = False) -> None:
         self._slots: dict[tuple[str, int, int], torch.Tensor] = {}
         self.events = events
+        self.checked = checked
         self._ops: TransportEvents = ops if ops is not None else TorchCudaEvents()
         self.completions: CompletionLedger | None = (
             completion_ledger(self._ops, checked=checked, name="transport") if events else None)

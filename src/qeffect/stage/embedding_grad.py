@@ -84,26 +84,41 @@ class TokenEmbeddingGrad:
         rows[cid_sorted] = values  # every duplicate writes the same value
         return cid, rows
 
-    def accumulate(self, m: int, tokens: Tensor, grad_out: Tensor) -> Tensor:
+    @property
+    def signed_zeros(self) -> bool:
+        """Whether `accumulate` runs the +0.0 pass over the rows of microbatches 0..m-1 (a slice that
+        depends on m, so a captured dI graph then serves one microbatch only)."""
+        return self.n > ZERO_FILLED_TOKENS
+
+    def accumulate(self, m: int, tokens: Tensor, grad_out: Tensor, index: Tensor | None = None) -> Tensor:
         """Add microbatch `m`'s gradient (`grad_out`: the embedding output's gradient, [..., H]) into
-        the accumulator; returns `.grad`'s tensor. Inside a capture this is all device work."""
+        the accumulator; returns `.grad`'s tensor. Inside a capture this is all device work. `index`: see
+        `add_rows`."""
         cid, rows = self.compact(tokens)
         rows_out = self.n if self.n <= PAIRWISE_TOKENS else min(self.n, self.vocab)  # see the module docstring
         g = torch.ops.aten.embedding_dense_backward(grad_out.reshape(self.n, self.hidden), cid, rows_out, -1, False)
-        return self.add_rows(m, rows[:rows_out], g, signed_zeros=self.n > ZERO_FILLED_TOKENS)
+        return self.add_rows(m, rows[:rows_out], g, signed_zeros=self.signed_zeros, index=index)
 
-    def add_rows(self, m: int, rows: Tensor, g: Tensor, *, signed_zeros: bool = True) -> Tensor:
+    def add_rows(self, m: int, rows: Tensor, g: Tensor, *, signed_zeros: bool = True,
+                 index: Tensor | None = None) -> Tensor:
         """Microbatch `m`'s dense add, on its rows (`g[k]` belongs to row `rows[k]`; unique rows, V
         where unused) and the rows earlier microbatches touched; returns `.grad`'s tensor.
         `signed_zeros=False` promises that no row of `g` is -0.0 (torch's zero-filled backward): the
-        +0.0 pass over the earlier rows is then skipped."""
+        +0.0 pass over the earlier rows is then skipped. `index` (m > 0, no +0.0 pass, a full row of
+        `n` rows): a 1-element int64 tensor on the device holding m, read when the work runs, so one
+        captured graph records the rows of any microbatch > 0 (the same write)."""
         buf = self.buffer
         if m == 0:  # clear the last step's rows (before they are overwritten below) or the whole table
             if self.zero_rows_only:
                 buf.index_fill_(0, self.rows_all.view(-1), 0.0)
             else:
                 buf.zero_()
-        self.rows_all[m, : rows.numel()].copy_(rows)  # any slots after: the scratch row, as initialized
+        if index is not None and m > 0:
+            if signed_zeros or rows.numel() != self.n:
+                raise ValueError("a device microbatch index needs a full row of rows and no +0.0 pass")
+            self.rows_all.index_copy_(0, index, rows.view(1, -1))
+        else:
+            self.rows_all[m, : rows.numel()].copy_(rows)  # any slots after: the scratch row, as initialized
         if m == 0:
             buf.index_copy_(0, rows, g)  # only the scratch row repeats: its value does not matter
             return self.grad

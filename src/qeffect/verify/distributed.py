@@ -12,13 +12,15 @@ reduction per step ("reductions"). With the training recipe (`runtime.recipe`) a
 norm (all-gathered over every stage: "parameter_gradients") and the learning rate ("optimizer_state"); the
 schedule's horizon is the run's `steps`, as in `verify.state`. Counts are summed over ranks; the earliest divergence is reported. The per-action comparison of the
 single-process verify (activations, input gradients, cache epochs after each action) needs every
-stage in one process and is not repeated here.
+stage in one process and is not repeated here. `resume`: every pipeline (native, qeffect and native
+Interleaved) starts from a checkpoint in this run's layout, from its step on (`verify.state`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -37,6 +39,7 @@ from qeffect.verify.state import (
     grad_capture,
     non_finite_count,
     recipe_record,
+    resume_start,
     synthetic_batches,
 )
 
@@ -59,6 +62,9 @@ class RankDivergence(BaseModel):
 class DistVerifyReport(BaseModel):
     schema_version: int = 1
     kind: Literal["verify-state-distributed"] = "verify-state-distributed"
+    resumed_from: str | None = None  # the checkpoint every pipeline started from (`resume`)
+    start_step: int = 0  # its step: the first step compared
+    resumed_layout: str | None = None  # how this run lays out the checkpoint's model otherwise, if it does
     schedule: str
     path: str
     backend: str
@@ -105,7 +111,8 @@ def _first_replica_bits(pipe: DistributedPipeline, t: torch.Tensor) -> torch.Ten
 
 def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                            injection: Injection | None = None,
-                           progress: Callable[[int, float], None] | None = None) -> DistVerifyReport:
+                           progress: Callable[[int, float], None] | None = None,
+                           resume: str | Path | None = None) -> DistVerifyReport:
     """Both pipelines in this process group; every rank returns the same report."""
     if not dist.is_initialized():
         raise RuntimeError("run_verify_distributed needs an initialized process group (init_from_env)")
@@ -114,9 +121,10 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
     if injection == "desync-replica" and cfg.pipeline.dp < 2:
         raise UserError("--inject desync-replica: needs pipeline.dp >= 2")
     t0 = time.perf_counter()
-    cfg = cfg.with_overrides(**{"train.steps": steps})  # the schedule's horizon (`verify.state`)
+    start, folder, layout = resume_start(cfg, resume)
+    cfg = cfg.with_overrides(**{"train.steps": start + steps})  # the schedule's horizon (`verify.state`)
     native = DistributedPipeline(cfg, native=True)
-    qeff = DistributedPipeline(cfg, path=path)
+    qeff = DistributedPipeline(cfg, path=path, capture=folder is None)
     interleaved, notes = None, []
     if cfg.pipeline.schedule != "interleaved":
         il_cfg = cfg.with_overrides(**{"pipeline.schedule": "interleaved"})
@@ -126,6 +134,13 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
             notes.append(f"loss_vs_interleaved not checked: native Interleaved cannot run this shape ({err})")
         else:
             interleaved = DistributedPipeline(il_cfg, native=True)
+    if folder is not None:  # numbers first, then graphs (they hold the loaded tensors by address)
+        from qeffect.checkpoint import load_checkpoint
+
+        for pipe in (native, qeff, interleaved):
+            if pipe is not None:
+                load_checkpoint(pipe, folder, cfg)
+        qeff.capture()  # no-op on the eager path
     if cfg.pipeline.dp > 1 and not qeff.rank.arena.accumulate:
         raise UserError(f"pipeline.dp = {cfg.pipeline.dp} needs the accumulating gradient arena (a schedule that "
                         "runs dW in microbatch order): data-parallel averaging of per-microbatch views and of "
@@ -146,7 +161,7 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
             if first is None:
                 first = RankDivergence(step=step, rank=me, category=category, tensor=name)
 
-    for step in range(steps):
+    for step in range(start, start + steps):
         batches = synthetic_batches(cfg, step + 1000 * qeff.topo.dp_rank, qeff.device)
         ref_grads: dict[str, torch.Tensor] = {}
         ref_loss = native.run_actions(batches)
@@ -183,11 +198,11 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
             for category in ("parameters", "optimizer_state", "fp8_state"):
                 for name, t in sorted(state[category].items()):
                     check(step, "replicas", f"{category}:{name}", _first_replica_bits(qeff, t), bits(t))
-            done = torch.tensor(float(qeff.reductions_run == step + 1 and not qeff.reductions.pending()))
+            done = torch.tensor(float(qeff.reductions_run == step - start + 1 and not qeff.reductions.pending()))
             check(step, "reductions", f"one reduction finished before commit {step}", torch.tensor(1.0), done)
         losses.append(float(loss))
         if progress is not None:
-            progress(step, float(loss))
+            progress(step - start, float(loss))
 
     counts = torch.tensor([[compared[c], mismatched[c]] for c in categories], dtype=torch.int64,
                           device=qeff.device)
@@ -196,19 +211,19 @@ def run_verify_distributed(cfg: RunConfig, *, steps: int = 20, path: str = "eage
     dist.all_gather_object(firsts, first)
     found = [f for f in firsts if f is not None]
     earliest = min(found, key=lambda f: (f.step, f.rank)) if found else None
-    graphs = None
+    graphs = planned = None
     if qeff.manager is not None:
-        box: list[int] = [0] * dist.get_world_size()
-        dist.all_gather_object(box, qeff.manager.stats.graph_count)
-        graphs = box
+        box: list[tuple[int, int]] = [(0, 0)] * dist.get_world_size()
+        dist.all_gather_object(box, (qeff.manager.stats.graph_count, qeff.rank.planned_graphs()))
+        graphs, planned = [g for g, _ in box], [p for _, p in box]
     cats = [CategoryResult(category=c, compared=int(counts[i, 0]), mismatches=int(counts[i, 1]))
             for i, c in enumerate(categories)]
-    expected = 3 * cfg.pipeline.microbatches * cfg.pipeline.chunks_per_rank
     non_finite = non_finite_count(losses)
     passed = (all(c.mismatches == 0 and c.compared > 0 for c in cats)
-              and (graphs is None or all(g == expected for g in graphs)) and non_finite == 0)
+              and (graphs is None or graphs == planned) and non_finite == 0)
     p = cfg.pipeline
     return DistVerifyReport(
+        resumed_from=None if folder is None else str(folder), start_step=start, resumed_layout=layout,
         schedule=p.schedule, path=path, backend=cfg.fp8.backend, device=str(qeff.device.type),
         world_size=dist.get_world_size(), pp=p.pp, dp=p.dp, chunks_per_rank=p.chunks_per_rank,
         microbatches=p.microbatches, steps=steps, settings=run_settings(cfg), injection=injection, categories=cats,

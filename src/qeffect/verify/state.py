@@ -15,6 +15,11 @@ learning rate ("optimizer_state": lr). Both pipelines commit through `SingleProc
 clipping's global norm is reduced as in training. The schedule's horizon is the run's `steps` (a decay
 with `optim.decay_steps = 0` ends at the last step compared, as it would in a training run of that
 length).
+
+`resume`: both pipelines start from a checkpoint (`qeffect.checkpoint`), loaded into the current config's
+layout (which may differ from the one that wrote it), and the steps compared are the checkpoint's step
+S to S + steps - 1 (synthetic batches and epochs numbered on from S): any state, at any step, in any
+layout, checked against native eager started from the same numbers.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -80,6 +86,9 @@ class Rollover(BaseModel):
 class VerifyReport(BaseModel):
     schema_version: int = 1
     kind: Literal["verify-state"] = "verify-state"
+    resumed_from: str | None = None  # the checkpoint both sides started from (`resume`)
+    start_step: int = 0  # its step: the first step compared
+    resumed_layout: str | None = None  # how this run lays out the checkpoint's model otherwise, if it does
     schedule: str
     path: str
     backend: str
@@ -385,6 +394,23 @@ def _swap_dw(schedule: Schedule) -> Schedule:
     return swapped
 
 
+def resume_start(cfg: RunConfig, resume: str | Path | None) -> tuple[int, Path | None, str | None]:
+    """(first step, checkpoint folder, layout change line) of a verification that starts from `resume`
+    ((0, None, None) without one). The checkpoint is validated here and refused (`UserError`) for another
+    model or recipe before any pipeline is built."""
+    if resume is None:
+        return 0, None, None
+    from qeffect.checkpoint import layout_change, open_checkpoint, resolve_checkpoint
+    from qeffect.checkpoint.state import resume_differences
+    from qeffect.errors import UserError
+
+    ck = open_checkpoint(resolve_checkpoint(resume))
+    refused, _ = resume_differences(ck.payload.config, cfg.model_dump())
+    if refused:
+        raise UserError(f"--resume {ck.path}: checkpoint differs from this run: " + "; ".join(refused))
+    return ck.payload.step, ck.path, layout_change(ck.payload, cfg)
+
+
 def recipe_record(pipe) -> dict[str, dict[str, torch.Tensor]]:
     """What the training recipe decided at a pipeline's last commit, by category: the global gradient
     norm (with clipping) and the learning rate (as a float64 scalar)."""
@@ -409,18 +435,30 @@ def grad_capture(rank: BaseRank, into: dict[str, torch.Tensor]) -> Callable[[], 
 def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                      injection: Injection | None = None,
                      progress: Callable[[int, float], None] | None = None,
-                     oracle_fault: OracleFault | None = None) -> VerifyReport:
+                     oracle_fault: OracleFault | None = None,
+                     resume: str | Path | None = None) -> VerifyReport:
     """Run the native reference and the qeffect mode side by side and compare every fingerprint.
 
-    `oracle_fault`: perturb one compared tensor (`OracleFault`, `verify.oracle`): the run must fail there."""
+    `oracle_fault`: perturb one compared tensor (`OracleFault`, `verify.oracle`): the run must fail there.
+    `resume`: both start from this checkpoint (module docstring)."""
     t0 = time.perf_counter()
-    cfg = cfg.with_overrides(**{"train.steps": steps})  # the schedule's horizon (module docstring)
+    start, folder, layout = resume_start(cfg, resume)
+    cfg = cfg.with_overrides(**{"train.steps": start + steps})  # the schedule's horizon (module docstring)
     device = cfg.train.device
     native = build_single_process(cfg, native=True, device=device)
     qeff = build_single_process(cfg, native=False, direct=(path != "captured-copy"), device=device,
-                                fixed_order_sum=(injection != "swap-dw"), path=path,
+                                fixed_order_sum=(injection != "swap-dw"), path=path, capture=folder is None,
                                 # the swapped dW order needs one arena view per microbatch
-                                accumulate=False if injection in ("swap-dw", "swap-dw-fixed") else None)
+                                accumulate=False if injection in ("swap-dw", "swap-dw-fixed") else None,
+                                # chains bounded by the built schedule's liveness would not fit the swapped one
+                                bounded_slots=injection not in ("swap-dw", "swap-dw-fixed"))
+    if folder is not None:  # numbers first, then graphs (they hold the loaded tensors by address)
+        from qeffect.checkpoint import load_checkpoint
+        from qeffect.runtime.build import capture_graphs
+
+        load_checkpoint(native, folder, cfg)
+        load_checkpoint(qeff, folder, cfg)
+        capture_graphs(cfg, qeff)
     if injection in ("swap-dw", "swap-dw-fixed"):
         if cfg.pipeline.microbatches < 3:
             raise ValueError("the swap-dw injection needs at least 3 microbatches")
@@ -434,7 +472,7 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
     checker = _QEffectChecker(ref, tally, qeff.schedule)
     losses: list[float] = []
     f_per_stage = 0
-    for step in range(steps):
+    for step in range(start, start + steps):
         batches = synthetic_batches(cfg, step, device)
         ref.records = {}
         ref.step = step
@@ -459,7 +497,7 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
             qeff.manager.mark_step()
         f_per_stage += cfg.pipeline.microbatches
         if progress is not None:
-            progress(step, float(loss))
+            progress(step - start, float(loss))
 
     L = cfg.fp8.amax_history_len
     rollover = Rollover(amax_history_len=L, forward_updates_per_module=f_per_stage,
@@ -473,7 +511,7 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
     if qeff.manager is not None:
         st = qeff.manager.stats
         graphs = {"graph_count": st.graph_count, "graphs_per_rank": st.graph_count // sched.pp,
-                  "expected_per_rank": 3 * cfg.pipeline.microbatches * cfg.pipeline.chunks_per_rank,
+                  "expected_per_rank": sum(r.planned_graphs() for r in qeff.ranks) // sched.pp,
                   "replays": st.replay_count, "handoffs": st.handoffs,
                   "capture_host_seconds": st.capture_host_seconds,
                   "persistent_growth_bytes_per_step": qeff.manager.persistent_growth_per_step()}
@@ -495,6 +533,7 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
     non_finite = non_finite_count(losses)
     passed = passed and non_finite == 0
     return VerifyReport(
+        resumed_from=None if folder is None else str(folder), start_step=start, resumed_layout=layout,
         schedule=cfg.pipeline.schedule, path=path, backend=cfg.fp8.backend, device=str(device), steps=steps,
         pp=sched.pp, chunks_per_rank=cfg.pipeline.chunks_per_rank, microbatches=cfg.pipeline.microbatches,
         settings=run_settings(cfg), injection=injection, oracle_fault=_fault_text(tally), categories=cats, first_divergence=tally.first, amax_rollover=rollover,

@@ -1,0 +1,123 @@
+"""A/B of `runtime.rank_streams` (each rank on its own CUDA stream vs one stream) at h2048 and h4096, in one process.
+
+The two variants of captured-direct are timed in interleaved rounds (A B A B A B), each round building,
+warming up and timing both again (`qeffect.profile.matrix.time_runner`, the profile's own timer: device
+synchronized around every step, the host's queue time measured before the closing synchronization). The
+result per variant is the median of its round medians; the A/B ratio is the median of the per-round ratios
+(one-stream / rank-streams: above 1, rank streams are faster). Losses must be equal bit for bit between
+the variants (same arithmetic, only the streams differ).
+
+On the H200 (from the repository root):
+
+    source .gpu-kit/setup.sh
+    python3 benchmarks/rank_streams_ab.py --out $OUT --rounds 3 --trace 2
+
+A dry run on a CPU (no rank streams there: both variants run the same eager path):
+`--tomls src/qeffect/configs/tiny.toml --device cpu --path eager --steps 2 --warmup 1 --rounds 2 --trace 0`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qeffect.config import RunConfig, load_config
+from qeffect.profile.flops import count_matrix_flops, floor_of
+from qeffect.profile.matrix import (
+    ConfigSpec,
+    PipelineRunner,
+    derive_ratios,
+    device_name_of,
+    git_revision,
+    initial_weights_drawn_once,
+    merge_rounds,
+    release_memory,
+    time_runner,
+)
+from qeffect.profile.report import ConfigResult
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TOMLS = f"{ROOT / 'examples/configs/h2048.toml'},{ROOT / 'examples/configs/h4096.toml'}"
+VARIANTS = (("rank-streams", True), ("one-stream", False))
+
+
+def ab(cfg: RunConfig, *, path: str = "captured-direct", steps: int = 20, warmup: int = 5, rounds: int = 3,
+       trace_steps: int = 0, say=print) -> dict[str, Any]:
+    """Both variants in `rounds` interleaved rounds; the report as a JSON-ready dict."""
+    device = torch.device(cfg.train.device)
+    spec = ConfigSpec(path, f"{path}, Interleaved 1F1B", path=path)
+    by: dict[str, list[ConfigResult]] = {name: [] for name, _ in VARIANTS}
+    with initial_weights_drawn_once(cfg, device, say):
+        for k in range(rounds):
+            for name, on in VARIANTS:
+                c = cfg.with_overrides(**{"runtime.rank_streams": on})
+                r = ConfigResult(name=name, description=f"{path}, runtime.rank_streams = {str(on).lower()}",
+                                 status="ok", schedule="interleaved", path=path)
+                say(f"round {k + 1}/{rounds}: {name}")
+                time_runner(r, lambda c=c: PipelineRunner(c, device, spec), device, steps=steps, warmup=warmup,
+                            trace_steps=trace_steps if k == rounds - 1 else 0)
+                by[name].append(r)
+                release_memory(device)
+    results = [merge_rounds(rs) for rs in by.values()]
+    derive_ratios(results, floor_of([], count_matrix_flops(cfg)))  # host/GPU ratios (no floor measured here)
+    streams, one = results
+    ratios = [b / a for a, b in zip(streams.round_medians, one.round_medians, strict=True)]
+    return {
+        "kind": "rank-streams-ab", "git_revision": git_revision(), "device": device.type,
+        "device_name": device_name_of(device), "torch_version": torch.__version__,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "config": cfg.model_dump(),
+        "path": path, "steps": steps, "warmup": warmup, "rounds": rounds, "trace_steps": trace_steps,
+        "one_stream_over_rank_streams_by_round": ratios,
+        "one_stream_over_rank_streams": statistics.median(ratios),
+        "losses_equal": streams.losses == one.losses,
+        "results": [r.model_dump(mode="json") for r in results],
+    }
+
+
+def _line(r: dict[str, Any]) -> str:
+    host = r["host_median_seconds"]
+    return (f"{r['name']}: median {r['median_step_seconds'] * 1e3:.2f} ms over rounds "
+            f"{', '.join(f'{x * 1e3:.2f}' for x in r['round_medians'])}; host queues a step in "
+            f"{host * 1e3:.2f} ms (host/GPU {r['host_gpu_ratio']:.2f}, {r['host_gpu_basis']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tomls", default=DEFAULT_TOMLS, help="comma-separated config files")
+    ap.add_argument("--backend", default="te")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--path", default="captured-direct", help="captured-direct, captured-copy (eager: a CPU dry run)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--trace", type=int, default=2, help="profiled steps per variant in the last round (0: none)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
+    a = ap.parse_args(argv)
+    from qeffect.cli.common import write_json
+
+    ok = True
+    for toml in a.tomls.split(","):
+        stem = Path(toml).stem
+        cfg = load_config(toml).with_overrides(**{"fp8.backend": a.backend, "train.device": a.device})
+        report = ab(cfg, path=a.path, steps=a.steps, warmup=a.warmup, rounds=a.rounds, trace_steps=a.trace,
+                    say=lambda msg, s=stem: print(f"[{s}] {msg}", flush=True))
+        tag = "cpu" if a.device == "cpu" else "h200" if "H200" in report["device_name"] else "cuda"
+        out = Path(a.out) / f"rank-streams-ab-{stem}-{a.backend}-{tag}.json"
+        write_json(out, report)
+        print(f"{stem}: one-stream / rank-streams = {report['one_stream_over_rank_streams']:.3f} (by round "
+              f"{', '.join(f'{x:.3f}' for x in report['one_stream_over_rank_streams_by_round'])}); losses equal: "
+              f"{report['losses_equal']} -> {out}", flush=True)
+        for r in report["results"]:
+            print("  " + _line(r), flush=True)
+        ok &= report["losses_equal"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

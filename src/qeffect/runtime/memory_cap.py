@@ -1,0 +1,73 @@
+"""`train.memory_fraction`: cap this process's CUDA memory, and say in one line when a run does not fit.
+
+Why a cap: pipeline users run out of memory before anything else, and offload exists to lower the peak.
+A cap makes "fits or not" a property of a configuration on a bigger GPU, so a run that needs offload can
+be shown to need it. torch's caching allocator enforces the cap (`set_per_process_memory_fraction`):
+an allocation over it raises `torch.OutOfMemoryError`. Inside a CUDA graph capture the failed allocation
+also invalidates the capture, and the capture's own exit may raise a second error over it, so the out of
+memory error is looked for along the exception's chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from qeffect.config import RunConfig
+from qeffect.errors import UserError
+
+GIB = 1024**3
+
+
+def apply_memory_fraction(cfg: RunConfig, device: torch.device | None = None) -> float | None:
+    """Set the cap on `device` (default: the current CUDA device); returns the fraction, None without one."""
+    fraction = cfg.train.memory_fraction
+    if not fraction:
+        return None
+    if cfg.train.device != "cuda" or not torch.cuda.is_available():
+        raise UserError(f"train.memory_fraction = {fraction} caps CUDA memory: it needs train.device = cuda "
+                        "and a CUDA device")
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether `err`, or an exception it was raised from or during, is a device out-of-memory error."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def refusal(cfg: RunConfig, total_bytes: int | None) -> str:
+    """The one line a capped run that does not fit stops with."""
+    fraction = cfg.train.memory_fraction
+    cap = f"{fraction * total_bytes / GIB:.1f} GiB of {total_bytes / GIB:.1f} GiB" if total_bytes else "its cap"
+    mode = cfg.offload.mode
+    hint = ("set offload.mode = release to lower the peak" if mode == "off"
+            else f"offload.mode = {mode} does not lower the peak enough: raise the cap")
+    return (f"train.memory_fraction = {fraction}: the {cfg.train.path} run does not fit in {cap} "
+            f"(out of device memory); {hint}")
+
+
+@contextmanager
+def refuse_out_of_memory(cfg: RunConfig) -> Iterator[None]:
+    """With a cap: an out-of-memory error inside becomes one `UserError` line (`refusal`); anything else,
+    and any error without a cap, passes unchanged."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as err:
+        if not cfg.train.memory_fraction or not is_out_of_memory(err):
+            raise
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
+            if torch.cuda.is_available() else None
+        raise UserError(refusal(cfg, total)) from None

@@ -1,0 +1,179 @@
+"""Captured actions bound to chains (graphs/binding.py) against native eager, bitwise, on a CPU.
+
+A CUDA graph replays the work its capture recorded on the same addresses. `ExecManager` fakes exactly
+that on a CPU: a capture runs the body once and keeps it with its static inputs and outputs; a replay
+copies the dynamic inputs into the static buffers, runs the body again and copies its results into the
+captured outputs in place. Whatever one chain's graphs share between microbatches (static inputs, the
+saved forward, the retained dW work, the outputs) is therefore shared here too, so a chain reused too
+early, a chain that captured another microbatch's writes or a result read after its buffer was rewritten
+changes the numbers, and `verify-state`'s oracle (every action, every step) sees it. The contracts, the
+plan and the runtime around the replays are the real code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from qeffect.config import load_config
+from qeffect.graphs.stats import GraphStats
+from qeffect.runtime import build as build_mod
+from qeffect.runtime.adamw import TritonAdamW
+from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, schedule_of
+from qeffect.runtime.single import SingleProcessPipeline
+from qeffect.verify import state as state_mod
+from qeffect.verify.state import run_verify_state
+
+
+class _Stream:
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
+class _Backend:
+    def current_stream(self) -> _Stream:
+        return _Stream()
+
+    def use_stream(self, stream: Any):
+        return nullcontext()
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass
+class _Action:
+    name: str
+    fn: Callable[[], Any]
+    static_inputs: dict[str, torch.Tensor]
+    outputs: Any
+    replays: int = 0
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    """A replay rewrites the captured outputs in place (same objects, same addresses)."""
+    if isinstance(dst, torch.Tensor):
+        with torch.no_grad():
+            dst.copy_(src)
+    elif isinstance(dst, dict):
+        if set(dst) != set(src):
+            raise AssertionError(f"a replay produced other outputs: {sorted(src)} vs {sorted(dst)}")
+        for k in dst:
+            _copy_into(dst[k], src[k])
+    elif isinstance(dst, tuple | list):
+        for d, s in zip(dst, src, strict=True):
+            _copy_into(d, s)
+    elif dst is not None or src is not None:
+        raise AssertionError(f"unexpected output {type(dst).__name__}")
+
+
+@dataclass
+class ExecManager:
+    """The `GraphManager` surface captured actions use, replaying by re-running the captured body."""
+
+    stream: _Stream = field(default_factory=_Stream)
+    backend: _Backend = field(default_factory=_Backend)
+    actions: dict[str, _Action] = field(default_factory=dict)
+    stats: GraphStats = field(default_factory=lambda: GraphStats(protocol="stream-ordered"))
+
+    def capture(self, name: str, fn, *, static_inputs, warmup: int = 0, private_pool: bool = False) -> _Action:
+        assert name not in self.actions, name
+        action = _Action(name, fn, dict(static_inputs), fn())
+        self.actions[name] = action
+        self.stats.record_capture(name, 0.0, 0, 0, 0, 0)
+        return action
+
+    def dry_capture(self, fn):
+        return fn()
+
+    def replay(self, action: _Action, dynamic: dict[str, torch.Tensor] | None = None) -> Any:
+        with torch.no_grad():
+            for k, v in (dynamic or {}).items():
+                action.static_inputs[k].copy_(v)
+        _copy_into(action.outputs, action.fn())
+        action.replays += 1
+        self.stats.record_replay(0)
+        return action.outputs
+
+    @contextmanager
+    def capturing_on(self, stream: Any):
+        yield
+
+    def mark_step(self) -> int:
+        self.stats.mark_step(0)
+        return 0
+
+    def persistent_growth_per_step(self) -> float:
+        return 0.0
+
+
+def _fake_captured_build(real):
+    def build(cfg, *, native, direct=True, fixed_order_sum=True, device=None, path="eager", capture=True,
+              accumulate=None, clock=None, bounded_slots=True):
+        if native or path == "eager":
+            return real(cfg, native=native, direct=direct, fixed_order_sum=fixed_order_sum, device=device,
+                        path=path, capture=capture, accumulate=accumulate, clock=clock, bounded_slots=bounded_slots)
+        mgr = ExecManager()
+        schedule = schedule_of(cfg)
+        chunks = build_chunks_for(cfg, "cpu")
+        ranks = [build_rank(cfg, schedule, r, chunks, native=False, direct=direct, fixed_order_sum=fixed_order_sum,
+                            manager=mgr, accumulate=accumulate, bounded_slots=bounded_slots)
+                 for r in range(schedule.pp)]
+        for r in ranks:  # the optimizer's FP8 weight cast is a CUDA pass: slot 0's F refreshes the cache itself
+            for act in r.actions.values():
+                act.weight_cast = False
+        pipe = SingleProcessPipeline(ranks, schedule)
+        pipe.manager = mgr
+        capture_ranks(ranks, pipe.order, None, cfg.model.microbatch_size, cfg.model.seq_len)
+        return pipe
+    return build
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captured paths on a CPU through `ExecManager`; the optimizer step stays eager (its own graph is
+    CUDA's, and it is not what this file checks)."""
+    monkeypatch.setattr(state_mod, "build_single_process", _fake_captured_build(build_mod.build_single_process))
+    monkeypatch.setattr(TritonAdamW, "use_graph", lambda self, enabled=True: None)
+
+
+BASE = {"model.vocab_size": 64, "model.hidden": 16, "model.ffn": 32, "model.heads": 2, "model.seq_len": 8,
+        "model.microbatch_size": 1, "pipeline.pp": 2, "pipeline.chunks_per_rank": 2, "fp8.amax_history_len": 2}
+
+
+@pytest.mark.parametrize(("schedule", "microbatches", "path", "staging"), [
+    ("interleaved", 8, "captured-direct", 3),
+    ("interleaved", 8, "captured-direct", 0),
+    ("interleaved", 6, "captured-copy", 8),
+    ("zbv", 8, "captured-direct", 0),
+    ("zbv", 8, "captured-direct", 3),
+    ("zbv", 6, "captured-copy", 0),
+])
+def test_bounded_chains_keep_native_eager_bits(fake_graphs, schedule: str, microbatches: int, path: str,
+                                              staging: int) -> None:
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.schedule": schedule,
+                                          "pipeline.microbatches": microbatches,
+                                          "pipeline.wgrad_staging": staging})
+    report = run_verify_state(cfg, steps=3, path=path)
+    bad = [c for c in report.categories if c.mismatches or (c.compared == 0 and c.category != "cache_contents")]
+    assert report.passed, (report.first_divergence, bad)
+    graphs = report.graphs
+    assert graphs is not None and graphs["graph_count"] < 3 * microbatches * 4  # shared, not one per action
+    assert graphs["replays"] == 3 * 3 * microbatches * 4  # every action replayed, every step
+
+
+def test_one_chain_too_few_is_caught(fake_graphs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K one below the liveness bound on every stage (copied gradients: one chain per class): the pool
+    refuses the first premature reuse (the generation check), before any replay could overwrite a live
+    chain."""
+    from qeffect.contracts import TapeViolation
+
+    real = build_mod.slots_for
+    monkeypatch.setattr(build_mod, "slots_for", lambda sch: {s: max(1, k - 1) for s, k in real(sch).items()})
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 8})
+    with pytest.raises(TapeViolation, match="premature slot reuse"):
+        run_verify_state(cfg, steps=1, path="captured-copy")  # no arena variants: chains = classes

@@ -1,0 +1,167 @@
+"""Memory accounting (profile/memory.py) with fake counters and a CPU pipeline, and the memory cap
+(`train.memory_fraction`, runtime/memory_cap.py): its validation and its one-line refusal."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qeffect.config import load_config
+from qeffect.errors import UserError
+from qeffect.profile.memory import (
+    CATEGORIES,
+    MemorySplit,
+    StorageCounter,
+    add_native_ratios,
+    count_steady,
+    graph_pool_bytes,
+    split_peak,
+    transient_grad_bytes,
+)
+from qeffect.runtime.build import build_single_process
+from qeffect.runtime.memory_cap import apply_memory_fraction, is_out_of_memory, refusal, refuse_out_of_memory
+
+MB = 1 << 20
+
+
+# ------------------------------------------------------------------------------------------ arithmetic
+def test_captured_split_sums_to_the_peak_and_transient_is_other() -> None:
+    counted = {"parameters": 100 * MB, "optimizer_state": 200 * MB, "gradients": 150 * MB, "fp8": 10 * MB,
+               "activations": 300 * MB, "graph_pools": 40 * MB}
+    steady = sum(counted.values()) + 5 * MB  # 5 MB nobody owns
+    s = split_peak(peak=1000 * MB + steady + 20 * MB, baseline=1000 * MB, steady=steady, counted=counted,
+                   captured=True)
+    assert list(s.categories) == list(CATEGORIES)
+    assert s.transient_bytes == 20 * MB and s.categories["other"] == 20 * MB
+    assert s.unattributed_bytes == 5 * MB and s.within_tolerance
+    assert sum(s.categories.values()) + s.unattributed_bytes == s.own_peak_bytes  # exact, not approximate
+    assert s.categories["activations"] == 300 * MB  # the F graphs' pools, not the transient
+
+
+def test_eager_split_moves_per_step_gradients_out_of_the_transient() -> None:
+    counted = {"parameters": 100 * MB, "optimizer_state": 200 * MB}
+    s = split_peak(peak=700 * MB, baseline=0, steady=300 * MB, counted=counted, captured=False,
+                   transient_grads=100 * MB)
+    assert s.categories["gradients"] == 100 * MB and s.categories["activations"] == 300 * MB
+    assert s.categories["other"] == 0 and s.unattributed_bytes == 0
+    # gradients are capped by the transient bytes (never a negative activation)
+    s = split_peak(peak=350 * MB, baseline=0, steady=300 * MB, counted=counted, captured=False,
+                   transient_grads=100 * MB)
+    assert s.categories["gradients"] == 50 * MB and s.categories["activations"] == 0
+
+
+@pytest.mark.parametrize(("missing", "ok"), [(0.049, True), (0.051, False), (-0.051, False)])
+def test_the_split_must_explain_the_peak_within_five_percent(missing: float, ok: bool) -> None:
+    own = 1000 * MB
+    unattributed = int(missing * own)
+    counted = {"parameters": own - 100 * MB - unattributed}
+    s = split_peak(peak=own, baseline=0, steady=own - 100 * MB, counted=counted, captured=True)
+    assert s.unattributed_bytes == unattributed and s.within_tolerance is ok
+    assert ("over 5%" in s.line()) is not ok
+
+
+def test_split_refuses_inconsistent_counters_and_unknown_categories() -> None:
+    with pytest.raises(ValueError, match="inconsistent counters"):
+        split_peak(peak=10, baseline=20, steady=0, counted={}, captured=True)
+    with pytest.raises(ValueError, match="inconsistent counters"):
+        split_peak(peak=100, baseline=0, steady=200, counted={}, captured=True)
+    with pytest.raises(ValueError, match="unknown memory categories \\['tapes'\\]"):
+        split_peak(peak=100, baseline=0, steady=50, counted={"tapes": 1}, captured=True)
+
+
+def test_storages_are_counted_once_first_category_wins() -> None:
+    a = torch.zeros(1000)
+    c = StorageCounter()
+    c.add("parameters", [a, a[10:], a.view(10, 100)])
+    c.add("gradients", [a, torch.zeros(10, dtype=torch.float64)])
+    assert c.bytes == {"parameters": 4000, "gradients": 80}
+
+
+def test_graph_pools_split_forward_from_backward_graphs() -> None:
+    def act(name: str, a: int, r: int = 0):
+        return SimpleNamespace(name=name, memory_allocated_before=0, memory_allocated_after=a,
+                               memory_reserved_before=0, memory_reserved_after=r)
+
+    assert graph_pool_bytes([act("s0.F0", 10, 20), act("s0.F4", 5), act("s1.dI0", 7, 8),
+                             act("s1.dW3", 3)]) == (15, 10, 28)
+
+
+def test_native_ratio_uses_native_eager_of_the_same_report() -> None:
+    def result(name: str, peak: int):
+        s = split_peak(peak=peak, baseline=0, steady=peak, counted={"parameters": peak}, captured=True)
+        return SimpleNamespace(name=name, memory_split=s)
+
+    rs = [result("native-eager", 100), result("captured-direct", 173), SimpleNamespace(name="te", memory_split=None)]
+    add_native_ratios(rs)
+    assert rs[0].memory_split.ratio_to_native == 1.0 and rs[1].memory_split.ratio_to_native == pytest.approx(1.73)
+    assert MemorySplit.model_validate_json(rs[1].memory_split.model_dump_json()) == rs[1].memory_split
+
+
+# ------------------------------------------------------------------------------- object walking (CPU)
+def test_a_cpu_pipeline_is_counted_by_category() -> None:
+    cfg = load_config().with_overrides(**{"model.vocab_size": 256})
+    pipe = build_single_process(cfg, native=False, device="cpu")
+    counted, reserved = count_steady(pipe.ranks, pipe.manager)
+    params = sum(p.numel() * p.element_size() for r in pipe.ranks for c in r.chunks.values() for p in c.parameters())
+    assert counted["parameters"] == params and reserved == 0
+    assert counted["gradients"] == sum(r.arena.nbytes for r in pipe.ranks)  # the arena's buffers, once
+    native = build_single_process(cfg, native=True, device="cpu")
+    assert transient_grad_bytes(native.ranks, native=True) == params
+    assert transient_grad_bytes(pipe.ranks, native=False) == 0
+
+
+# ------------------------------------------------------------------------------------------ memory cap
+CAP_CFG = load_config().with_overrides(**{"train.device": "cuda", "train.memory_fraction": 0.3,
+                                          "train.path": "captured-direct"})
+
+
+def test_memory_fraction_is_validated() -> None:
+    assert load_config().train.memory_fraction == 0.0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(UserError, match="memory_fraction"):
+            load_config().with_overrides(**{"train.device": "cuda", "train.memory_fraction": bad})
+    with pytest.raises(UserError, match="memory_fraction \\(0.5\\) caps CUDA memory: it needs device = cuda"):
+        load_config().with_overrides(**{"train.memory_fraction": 0.5})
+    h = load_config("examples/configs/h4096-long.toml")
+    assert 0 < h.train.memory_fraction < 1 and h.offload.mode == "off"
+    assert h.model.seq_len * h.model.microbatch_size > 8 * 256  # activations, not parameters, dominate
+
+
+def test_without_cuda_a_cap_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="caps CUDA memory: it needs train.device = cuda and a CUDA device"):
+        apply_memory_fraction(CAP_CFG)
+    assert apply_memory_fraction(load_config()) is None  # no cap: nothing to set
+
+
+def test_out_of_memory_is_found_along_the_chain() -> None:
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    try:
+        try:
+            raise oom
+        except torch.OutOfMemoryError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")  # noqa: B904
+    except RuntimeError as err:
+        outer = err
+    assert is_out_of_memory(outer) and is_out_of_memory(oom)
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_a_capped_run_that_does_not_fit_stops_in_one_line() -> None:
+    line = refusal(CAP_CFG, 100 * 1024**3)
+    assert "\n" not in line
+    assert line == ("train.memory_fraction = 0.3: the captured-direct run does not fit in 30.0 GiB of 100.0 GiB "
+                    "(out of device memory); set offload.mode = release to lower the peak")
+    released = CAP_CFG.with_overrides(**{"offload.mode": "release"})
+    assert refusal(released, None).endswith("offload.mode = release does not lower the peak enough: raise the cap")
+    with pytest.raises(UserError, match="^train.memory_fraction = 0.3: the captured-direct run does not fit"):
+        with refuse_out_of_memory(CAP_CFG):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(torch.OutOfMemoryError):  # no cap: the error passes unchanged
+        with refuse_out_of_memory(load_config()):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(ValueError, match="other"):  # not memory: unchanged
+        with refuse_out_of_memory(CAP_CFG):
+            raise ValueError("other")
