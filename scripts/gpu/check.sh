@@ -6,7 +6,8 @@
 #
 # Parts (about how long on one H200; multi and megatron's PP=2 need more GPUs):
 #   tests-kernels    pytest -m gpu, the kernel and optimizer test files                     (~2-4 min)
-#   tests-pipelines  pytest -m gpu, every other test file (captured pipelines, offload, TE)  (~2-4 min)
+#   tests-pipelines-1, tests-pipelines-2
+#                    pytest -m gpu, every other test file: names up to test_l*, then the rest     (~4-5 min each)
 #   verify           bitwise matrix at h2048: reference, te x Interleaved, ZB-V x captured-copy,
 #                    captured-direct; the torchao head; captured resume in a fresh process   (~5-6 min)
 #   offload          qeffect offload-check; offload_bench.py off / release / resident at h2048
@@ -29,13 +30,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama multi multi-timing megatron)" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines|verify|offload|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|multi|multi-timing|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama multi multi-timing megatron" >&2
+tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -47,7 +48,7 @@ trap 'rm -rf "$tmp"' EXIT
 H2048=examples/configs/h2048.toml
 H4096=examples/configs/h4096.toml
 PYTEST=(python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15)
-# the kernel and optimizer tests; tests-pipelines runs every other file (a new test file lands there)
+# the kernel and optimizer tests; tests-pipelines-1 and -2 run every other file (a new test file lands there)
 KERNEL_TESTS=(tests/test_fused_quantize_gpu.py tests/test_fused_update_gpu.py tests/test_fp8_reference.py
               tests/test_layernorm.py tests/test_cross_entropy.py tests/test_embedding_grad.py
               tests/test_adamw.py tests/test_lazy_rows.py tests/test_accumulate_gpu.py)
@@ -57,7 +58,7 @@ if [ "$part" = multi ] || [ "$part" = multi-timing ]; then
         echo "$part needs 2 or more GPUs; $NGPU here" >&2
         exit 2
     fi
-    # the NCCL pytest cases (tests/test_distributed.py, test_verify_distributed.py) run in tests-pipelines
+    # the NCCL pytest cases (tests/test_distributed.py, test_verify_distributed.py) run in tests-pipelines-2
     port=29611  # each torchrun on a fresh port (a finished one's may still be in TIME_WAIT)
     torchrun_cmd() { port=$((port + 1)); RUN=(python3 -m torch.distributed.run --nproc-per-node "$1" --master-port $port); }
 fi
@@ -71,10 +72,15 @@ case $part in
 tests-kernels)
     step pytest-kernels 480 "${PYTEST[@]}" "${KERNEL_TESTS[@]}"
     ;;
-tests-pipelines)
-    ignore=()
-    for f in "${KERNEL_TESTS[@]}"; do ignore+=("--ignore=$f"); done
-    step pytest-pipelines 480 "${PYTEST[@]}" "${ignore[@]}" tests
+tests-pipelines-1|tests-pipelines-2)
+    # every test file that is not a kernel file, split by name so that each half fits one call
+    files=()
+    for f in tests/test_*.py; do
+        [[ " ${KERNEL_TESTS[*]} " == *" $f "* ]] && continue
+        first=$(basename "$f"); first=${first#test_}
+        if [ "$part" = tests-pipelines-1 ]; then [[ $first < m ]] && files+=("$f"); else [[ $first < m ]] || files+=("$f"); fi
+    done
+    step "pytest-${part#tests-}" 540 "${PYTEST[@]}" "${files[@]}"
     ;;
 verify)
     step verify-matrix 240 python3 scripts/gpu_check.py --config $H2048 --steps 20 --backends reference,te \

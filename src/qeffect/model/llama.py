@@ -123,7 +123,7 @@ class LlamaBlock(nn.Module):
                  *, device: torch.device | str | None = None) -> None:
         super().__init__()
         if hidden % heads or heads % kv_heads:
-            raise ValueError(f"heads ({heads}) must divide hidden ({hidden}) and kv_heads ({kv_heads}) heads")
+            raise ValueError(f"heads ({heads}) must divide hidden ({hidden}), and kv_heads ({kv_heads}) must divide heads")
         self.heads, self.kv_heads = heads, kv_heads
         head_dim = hidden // heads
         self.ln1 = nn.RMSNorm(hidden, eps=norm_eps, device=device)

@@ -461,6 +461,9 @@ class FakeDevice:
         self.trace.append(("record", stream.name, event.name))
         self._enqueue(stream, ("record", tok, f"record {event.name}"))
 
+    def record_stream(self, tensor: Any, stream: FakeStream) -> None:
+        """No caching allocator here (the tensors are CPU tensors): nothing to hold back."""
+
     def wait(self, stream: FakeStream, event: FakeEvent) -> None:
         if event.last is None:  # never recorded: a no-op, as in CUDA
             self.trace.append(("wait-unrecorded", stream.name, event.name))

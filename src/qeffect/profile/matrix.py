@@ -18,7 +18,7 @@ starts from the same initial weights and data (the losses of every round must ma
 too) and each configuration's memory statistics stay its own. A configuration's median is the median
 of its round medians; a ratio target is judged on the median of per-round ratios (`profile.targets`),
 so a host that slows down for a while moves one round of every configuration, not one configuration.
-Setup and memory come from the first round, traces from the last.
+Setup comes from the first round, memory from the worst round, traces from the last.
 
 A configuration this machine cannot run is recorded as `not run` with the reason, never timed some
 other way; one that raises is recorded as `failed` with its error and the matrix goes on (one that
@@ -265,10 +265,13 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
         result.persistent_growth_bytes_per_step = growth.persistent_growth_per_step()
         pipe = getattr(runner, "pipe", None)  # one-process pipelines: the peak by category
         if pipe is not None:
-            result.memory_split = measure_split(
-                pipe, peak=result.peak_allocated_bytes, baseline=result.baseline_allocated_bytes,
-                steady=torch.cuda.memory_allocated(device) - result.baseline_allocated_bytes,
-                peak_reserved=result.peak_reserved_bytes, native=result.name == NATIVE)
+            try:
+                result.memory_split = measure_split(
+                    pipe, peak=result.peak_allocated_bytes, baseline=result.baseline_allocated_bytes,
+                    steady=torch.cuda.memory_allocated(device) - result.baseline_allocated_bytes,
+                    peak_reserved=result.peak_reserved_bytes, native=result.name == NATIVE)
+            except ValueError as err:  # the accounting cannot split this peak: say so, keep the timing
+                result.memory_note = f"no memory split: {err}"
     result.first_step_seconds = result.warmup_seconds[0]
     result.setup_seconds = result.build_seconds + result.first_step_seconds
     result.spread = Spread.of(result.step_seconds)

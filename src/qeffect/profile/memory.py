@@ -174,7 +174,7 @@ def count_steady(ranks: Sequence[Any], manager: Any | None) -> tuple[dict[str, i
         fp8.extend(chunk.fp8_state().values())
         for lin in chunk.matrix_linears().values():
             cache = getattr(lin, "weight_cache", None)
-            fp8.extend(_tensors_of(cache() if callable(cache) else None))
+            fp8.extend(_tensors_of(cache() if callable(cache) else cache))  # a property on both backends
     c.add("fp8", fp8)
     counted = dict(c.bytes)
     reserved = 0

@@ -26,6 +26,9 @@ class TransportEvents(EventOps, Protocol):
 
     def current_stream(self, device: torch.device) -> Any: ...
 
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the memory allocator that `stream` uses `tensor` (its block is not reused before that)."""
+
 
 class TorchCudaEvents:
     """torch.cuda's calls: a `torch.cuda.Event()` per hand-off slot (made once, recorded again each step: the
@@ -44,6 +47,9 @@ class TorchCudaEvents:
 
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
+
+    def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        tensor.record_stream(stream)
 
 
 class LocalTransport:
@@ -79,7 +85,13 @@ class LocalTransport:
         except KeyError:
             raise RuntimeError(f"{kind} of stage {stage} microbatch {m} is not available yet") from None
         if self.completions is not None:
-            self.completions.take(key, self._ops.current_stream(tensor.device))  # the consumer's stream
+            consumer = self._ops.current_stream(tensor.device)
+            self.completions.take(key, consumer)
+            # The consumer reads on its own stream; a tensor allocated on the producer's stream (a hand-off
+            # copied out of a graph that serves several microbatches) is freed after this hand-off, and the
+            # caching allocator would give its block to the producer's stream again without waiting for
+            # that read. Recording the use keeps the block until the consumer's stream has passed it.
+            self._ops.record_stream(tensor, consumer)
         return tensor
 
     def empty(self) -> bool:
