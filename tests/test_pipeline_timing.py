@@ -167,9 +167,9 @@ def test_summarize_takes_medians_and_idle_and_tolerance_is_stated() -> None:
     with pytest.raises(ValueError, match="no breakdown steps"):
         summarize([])
     s = step(1.0, 0.0, 0.0)
-    assert within_tolerance({**s, "unattributed_seconds": 0.0119}) and not within_tolerance(
-        {**s, "unattributed_seconds": 0.0121})
-    assert not within_tolerance({**s, "unattributed_seconds": -0.013})
+    assert within_tolerance({**s, "unattributed_seconds": 0.0549}) and not within_tolerance(
+        {**s, "unattributed_seconds": 0.0551})
+    assert not within_tolerance({**s, "unattributed_seconds": -0.056})
 
 
 def _script() -> Any:
@@ -212,7 +212,7 @@ def test_breakdown_by_rank_and_one_process_under_torchrun(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     b = r["breakdown"]
-    assert b["steps"] == 2 and b["categories"] == list(CATEGORIES) and "2 ms + 1%" in b["tolerance"]
+    assert b["steps"] == 2 and b["categories"] == list(CATEGORIES) and "5 ms + 5%" in b["tolerance"]
     assert [x["rank"] for x in b["by_rank"]] == [0, 1] and [x["pp_rank"] for x in b["by_rank"]] == [0, 1]
     for x in b["by_rank"]:
         assert len(x["steps"]) == 2

@@ -36,9 +36,11 @@ import torch
 
 CATEGORIES: tuple[str, ...] = ("compute", "recv_wait", "send", "loss_reduce", "reduction", "optimizer", "barrier")
 IDLE: tuple[str, ...] = ("recv_wait", "loss_reduce", "barrier")  # the rank had nothing to run
-# The laps cover the step; what the sum may miss is the clock reads at its two ends.
-SUM_TOLERANCE_SECONDS = 0.002
-SUM_TOLERANCE_FRACTION = 0.01
+# The laps cover the step; what the sum may miss is the few statements after the last lap, where a loaded
+# host may also preempt the process for a few milliseconds. A phase left out of the laps (a commit, a
+# reduction) is far above this.
+SUM_TOLERANCE_SECONDS = 0.005
+SUM_TOLERANCE_FRACTION = 0.05
 
 
 def stream_sync(device: torch.device) -> Callable[[], None]:
@@ -58,10 +60,10 @@ class StepLaps:
         self._start = 0.0
         self.seconds: dict[str, float] = {}
 
-    def start(self) -> None:
-        """Begin a step: every category back to zero."""
+    def start(self, at: float | None = None) -> None:
+        """Begin a step at clock reading `at` (None: now): every category back to zero."""
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
-        self._start = self._last = self._clock()
+        self._start = self._last = self._clock() if at is None else at
 
     def lap(self, category: str) -> None:
         """Charge the time since the last lap to `category`, once this rank's queued work has finished."""
@@ -132,7 +134,7 @@ def breakdown_step(pipe: TimedPipeline, batches: Sequence[Any], laps: StepLaps,
     inner = pipe.transport
     sync_all()
     t0 = clock()
-    laps.start()
+    laps.start(at=t0)  # the first lap starts where the wall time does
     pipe.transport, pipe.step_laps = TimedTransport(inner, laps), laps
     try:
         loss = pipe.run_actions(batches, laps.observer)
@@ -152,7 +154,7 @@ def breakdown_step(pipe: TimedPipeline, batches: Sequence[Any], laps: StepLaps,
 
 
 def within_tolerance(step: dict[str, float]) -> bool:
-    """Whether a step's categories add up to its wall time within the stated tolerance (2 ms + 1%)."""
+    """Whether a step's categories add up to its wall time within the stated tolerance (5 ms + 5%)."""
     return abs(step["unattributed_seconds"]) <= SUM_TOLERANCE_SECONDS + SUM_TOLERANCE_FRACTION * step["wall_seconds"]
 
 
