@@ -49,14 +49,14 @@ from qeffect.triton_lazy import on_device, triton_kernel
 
 BLOCK_M, BLOCK_N, WARPS = 64, 64, 2  # the plain pass: rows x columns per tile, warps (no bits depend on them;
 # 2 warps: 0.80 ms per h4096 step against 0.91-0.92 with 4, both with relaxed amax atomics, in
-# `benchmarks/results/quantize-ab-h4096-4621d44-h200.json`)
+# `docs/results/2026-12-01-h200-kernels.md`)
 COLSUM_BLOCK_M, COLSUM_BLOCK_N, COLSUM_WARPS = 256, 32, 8  # the pass that also sums the columns: one program per
 # column strip (h4096's narrowest output gradient, 4,096 columns: 128 programs), over tiles of 256 rows (a
 # 256-token microbatch in one tile, not four 64-row tiles one after another: four dependent loads per program)
 COLSUM_WIDE_FROM, COLSUM_WIDE_BLOCK_N, COLSUM_WIDE_WARPS = 8192, 16, 1  # from this many columns on: strips of 16
-# columns, one warp each (no cross-warp reduction). `benchmarks/results/quantize-ab-h4096-6ffe517-h200.json`
-# (relaxed atomics, per call): 9.9 against 13.9 us at 12,288 columns and 10.2 against 12.9 at 11,008 (64 passes
-# per h4096 step), but 8.2 against 5.1 at 4,096 (too few warps in flight). The column sums' bits follow the strip
+# columns, one warp each (no cross-warp reduction). With relaxed atomics, per call: 9.9 against 13.9 us at
+# 12,288 columns and 10.2 against 12.9 at 11,008 (64 passes per h4096 step), but 8.2 against 5.1 at 4,096
+# (too few warps in flight). The column sums' bits follow the strip
 # (`tl.sum`'s tree), the same for every caller of one shape: native and split paths alike.
 TRANSPOSE_BLOCK = (64, 64, 4)  # `transpose_bytes`: rows x columns per tile, warps (`weight_cast_ab.py` sweeps it)
 AMAX_SEM = "relaxed"  # each program's atomic max into the amax word: nothing needs it ordered but the ticket,

@@ -144,8 +144,7 @@ class ScalingState:
         """`quantize_amax` (one fused pass on a GPU, the torch sequence elsewhere and for non-2-D `x`),
         with `scale_inv` taken before and the scale update after; with `colsum`, the column sums too.
         With a `scratch` on a GPU the pass completes the update itself (`quantize_transition`): one launch
-        instead of three (the amax slot's zeroing, the pass, the update), the same bits
-        (`benchmarks/results/ref-transition-ab-h4096-interleaved-67760eb-h200.json`)."""
+        instead of three (the amax slot's zeroing, the pass, the update), the same bits."""
         fused = fused_update_available(self.scale)  # the update kernel also writes 1 / (the scale before it)
         scale_inv = torch.empty_like(self.scale) if fused else self.scale.reciprocal()  # before the update
         if fused and self.scratch is not None and fused_available(x):

@@ -2,7 +2,7 @@
 
 Why: with Transformer Engine's delayed scaling the first forward of every step casts each fp32 weight
 to E4M3 and its transpose (`cast_transpose_optimized_kernel`): one more read of every weight, 1.23 ms
-of a 29.6 ms captured h4096 step on the H200 (`step-gaps-h4096-te-zbv-0542164-h200.json`). The
+of a 29.6 ms captured h4096 step on the H200. The
 optimizer wrote those weights just before; `runtime.adamw.TritonAdamW` casts them in the same pass
 (`cast_after_step`), so the cast's reads come free.
 

@@ -114,3 +114,12 @@ def graph_plan(microbatches: int, slots: int, *, di_variant: Variant | None = No
                dw_variant(m) if dw_variant is not None else None)
         out.append(MicrobatchGraphs(chain=ids.setdefault(key, len(ids)), key=key))
     return GraphPlan(slots=k, per_microbatch=tuple(out))
+
+
+def chunk_plan(microbatches: int, slots: int, *, signed_zeros: bool,
+               write_signature: Variant | None) -> GraphPlan:
+    """A captured chunk's chains: its dI bodies differ by microbatch where the token rows' +0.0 pass runs
+    (`signed_zeros`, the first stage only), its dW bodies by the arena write (`write_signature`, the
+    direct path; None: the copy path's dW is the same for every microbatch)."""
+    return graph_plan(microbatches, slots, di_variant=(lambda m: m) if signed_zeros else None,
+                      dw_variant=write_signature)

@@ -45,7 +45,7 @@ import torch
 from qeffect.contracts import Consumer, EffectToken, TapeRef, TapeViolation
 from qeffect.fp8.te import batched_scaling_updates
 from qeffect.fp8.weight_cast import WeightCastTarget
-from qeffect.graphs.binding import GraphPlan, graph_plan
+from qeffect.graphs.binding import GraphPlan, chunk_plan
 from qeffect.graphs.manager import CapturedAction, GraphManager
 from qeffect.offload.group import OffloadGroup, OffloadManager
 from qeffect.stage.accumulate import accumulate_into
@@ -169,10 +169,9 @@ class CapturedStageActions(StageActions):
         does differently per microbatch (the arena writes of a direct dW; the first stage's token rows
         when their +0.0 pass reads the rows of the microbatches before)."""
         token = self._token_grad
-        signed = token is not None and token.signed_zeros
-        return graph_plan(microbatches, self.graph_slots or microbatches,
-                          di_variant=(lambda m: m) if signed else None,
-                          dw_variant=self.arena.write_signature if self.direct else None)
+        return chunk_plan(microbatches, self.graph_slots or microbatches,
+                          signed_zeros=token is not None and token.signed_zeros,
+                          write_signature=self.arena.write_signature if self.direct else None)
 
     def _f_body(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chain `c`'s forward (its first microbatch is `c`; only chain 0 refreshes the weight cache)."""

@@ -31,7 +31,7 @@ from qeffect.triton_lazy import triton_kernel
 
 ROWS_PER_PROGRAM = 2  # backward: rows per partial weight/bias gradient (fixed: the bits depend on it). Best of
 # `benchmarks/layernorm_backward.py` (1/2/4/8 on the H200, backward + sum per call in a graph;
-# `benchmarks/results/layernorm-backward-1693471-h200.json`): 7.03 us at
+# `docs/results/2026-12-01-h200-kernels.md`): 7.03 us at
 # h4096 and 5.55 at h2048 with 2, against 7.92 and 6.38 with 4 (and 9.26 and 7.76 with 4 and torch's sum)
 MAX_HIDDEN = 16384
 SUM_TILE = 4096  # elements per program of the partial sums' reduction

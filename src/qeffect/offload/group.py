@@ -136,18 +136,15 @@ ALIGNMENT = 256  # what cudaMalloc guarantees; vectorized kernels may rely on it
 MIB = 1 << 20
 # The defaults of the sizes the manager takes from its config live in qeffect.config, next to their fields:
 # resident copies in chunks of DEFAULT_COPY_CHUNK_MIB (2 MiB: h2048's 18 MiB groups as 9 copies) ran faster
-# than one copy per group and than 4 MiB chunks
-# (benchmarks/results/offload-bench-h2048-interleaved-driver-ops-1e40573-h200.json); a shared release slot
+# than one copy per group and than 4 MiB chunks; a shared release slot
 # needs DEFAULT_SHARE_GAP (4) actions between its last forward and its first backward, else its last D2H is
-# rarely seen done before that backward and the slot is not released that step
-# (benchmarks/results/offload-bench-h2048-*-share-gap-70bc05f-h200.json).
+# rarely seen done before that backward and the slot is not released that step.
 #
 # A captured forward copies its saved tensors smaller than `store_batch_bytes` (DEFAULT_STORE_BATCH_MIB) into
 # the slot together, one multi-tensor kernel per batch instead of one copy node each (h2048: about 22 tensors
 # per group, many of a few KiB, each a copy node of about 1 us); larger ones are copied at once, since a
 # multi-tensor kernel gives one block to each 64 Ki elements, too few for MiB-sized tensors (batching every
-# tensor was slower, benchmarks/results/offload-bench-h2048-*-store-all-batched-517d03b-h200.json; the small
-# ones alone faster, benchmarks/results/offload-bench-h2048-*-store-small-batched-d3f8669-h200.json). A batch
+# tensor was slower; the small ones alone faster). A batch
 # is copied at the group's last saved tensor, or once it holds STORE_BATCH_FLUSH times the threshold: the
 # originals stay alive until then, so each forward graph's private pool may hold that much more.
 STORE_BATCH_FLUSH = 8
@@ -693,14 +690,13 @@ class OffloadManager:
         self.release_consumed = config.reap
         # The host work a replay does not wait for (reaps of finished D2Hs, the look-ahead restores) runs after
         # the replay is launched (`OffloadGroup.backward_launched`, and `after_forward`'s reap), not before it:
-        # else the device stands idle before each backward launch while the host makes that work's driver calls
-        # (benchmarks/results/step-gaps-h2048-release-launch-first-b03a3f0-h200.json,
-        # offload-bench-h2048-*-launch-first-b03a3f0-h200.json). False: before the replay.
+        # else the device stands idle before each backward launch while the host makes that work's driver
+        # calls. False: before the replay.
         self.launch_first = config.launch_first
         # release, with allocate(events=): groups whose backwards follow one another share one slot, up to
         # `slot_members` of them (`offload.plan.shared_slots`; "nested": only groups that nest), so one unmap
-        # and one map (five driver calls in all) serve them all, for the same peak driver memory
-        # (benchmarks/results/offload-bench-h2048-*-share-runs-97d2aa3-h200.json). "off": a slot per group.
+        # and one map (five driver calls in all) serve them all, for the same peak driver memory.
+        # "off": a slot per group.
         self.share_slots: Literal["any", "nested", "off"] = config.share_slots
         self.slot_members = config.slot_members
         # release: a shared slot's run needs this many actions between its last forward and its first backward
@@ -723,11 +719,10 @@ class OffloadManager:
         # last virtual stage's) is not offloaded (0: every group). Release: its D2H could not finish, no memory
         # would come back. Resident: the plan keeps it in its bank anyway; left out, it needs no bank and
         # skips its slot copies inside the forward graph
-        # (benchmarks/results/offload-bench-h2048-*-min-window-b21ab02-h200.json)
         self.min_window = config.min_window
         self._eligible_fn = eligible or default_eligible
         # resident, with allocate(events=): start no look-ahead restore a forward evicts before its backward,
-        # a wasted copy that forward would wait for (benchmarks/results/offload-bench-h2048-*-futile-d6fd534-h200.json)
+        # a wasted copy that forward would wait for
         self.skip_futile_restores = config.skip_futile_restores
         self.groups: list[OffloadGroup] = []
         self.banks: list[Bank] = []
@@ -757,8 +752,8 @@ class OffloadManager:
             if self.device.type == "cuda" and self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             if self.streams is None:
-                # the driver's stream operations cost the host less per copy and event record than torch's
-                # (benchmarks/results/offload-host-ops-8fff3e4-h200.json); false: torch's (the A/B)
+                # the driver's stream operations cost the host less per copy and event record than torch's;
+                # false: torch's (the A/B)
                 self.streams = (DriverCudaStreams if config.driver_streams else TorchCudaStreams)(self.device)
             if self.driver is None:
                 self.driver = VmmDriver(self.device.index or 0)

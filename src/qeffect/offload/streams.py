@@ -84,8 +84,7 @@ class TorchCudaStreams:
 
 class RawStream(NamedTuple):
     """A stream as its handle alone: what `DriverCudaStreams` needs of the current stream (torch builds a
-    `torch.cuda.Stream` for each `current_stream` call, several times the raw handle's host cost:
-    benchmarks/results/offload-host-ops-8fff3e4-h200.json)."""
+    `torch.cuda.Stream` for each `current_stream` call, several times the raw handle's host cost)."""
 
     cuda_stream: int
 
@@ -96,9 +95,9 @@ class DriverCudaStreams(TorchCudaStreams):
 
     Why: chunked resident copies issue several copies and events per group, and the host then queues a
     step almost as slowly as the device runs it; a driver call skips torch's dispatcher and stream
-    guard (benchmarks/results/offload-host-ops-8fff3e4-h200.json measured both). Events are torch's (their
-    `query`, `synchronize` and `elapsed_time` stay torch's: torch's `Event.query` costs the host less than
-    `cuEventQuery` through `cuda.bindings`, same file), created at once by a first record: torch creates
+    guard (both measured). Events are torch's (their `query`, `synchronize` and `elapsed_time` stay torch's:
+    torch's `Event.query` costs the host less than `cuEventQuery` through `cuda.bindings`, measured in the
+    same A/B), created at once by a first record: torch creates
     the CUDA event lazily at its first record, and a raw handle must exist before a driver call uses it.
     The default of `OffloadManager` on a GPU; `offload.driver_streams = false` selects torch's (the A/B).
     Copies need contiguous tensors of equal size: offload copies whole byte views of slots and pinned host buffers."""

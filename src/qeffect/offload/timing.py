@@ -41,7 +41,7 @@ GRANULARITY = 2 * MIB  # the H200's VMM granularity: a bank maps its largest gro
 DEFAULT_GBPS = 52.0  # pinned host copies per direction on the H200 (scripts/copy_bandwidth.py: 50-55 GB/s)
 # The search's default tries (`offload.search_tries`, config.DEFAULT_SEARCH_TRIES: 400) take about a second
 # of the host's time at h2048 (16 groups) and a few at h4096 (32); more found no faster plan in the
-# simulation nor on the GPU (benchmarks/results/offload-bench-*-bank-tries-f253344-h200.json).
+# simulation nor on the GPU (`docs/results/2026-12-01-h200-offload.md`).
 RESIDENT = OffloadConfig(mode="resident")
 
 

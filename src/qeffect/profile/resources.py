@@ -17,7 +17,7 @@ import torch
 from qeffect.config import RunConfig
 from qeffect.contracts import GradientArena
 from qeffect.fp8 import get_backend
-from qeffect.graphs.binding import graph_plan
+from qeffect.graphs.binding import chunk_plan
 from qeffect.model import GPTShape
 from qeffect.model.gpt import StageChunk
 from qeffect.profile.report import ResourceRow
@@ -25,7 +25,7 @@ from qeffect.runtime.build import dtype_of, recipe_of
 from qeffect.schedule import Schedule, build_schedule, dw_in_order, max_live_tapes, max_pending_dw
 from qeffect.schedule.liveness import slots_for
 from qeffect.stage.actions import arena_name
-from qeffect.stage.embedding_grad import ZERO_FILLED_TOKENS
+from qeffect.stage.embedding_grad import needs_signed_zeros
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
@@ -77,9 +77,9 @@ def planned_graphs_per_rank(schedule: Schedule, arenas: list[GradientArena], tok
     for rank in range(schedule.pp):
         total = 0
         for s in schedule.stages_of(rank):
-            per_m = s == 0 and tokens_per_microbatch > ZERO_FILLED_TOKENS
-            total += graph_plan(schedule.microbatches, k[s], di_variant=(lambda m: m) if per_m else None,
-                                dw_variant=arenas[rank].write_signature).graph_count
+            total += chunk_plan(schedule.microbatches, k[s],
+                                signed_zeros=s == 0 and needs_signed_zeros(tokens_per_microbatch),
+                                write_signature=arenas[rank].write_signature).graph_count
         out.append(total)
     return out
 

@@ -122,10 +122,8 @@ def load_targets(path: Path | str, known_configs: Sequence[str] = ()) -> list[Ta
 
 
 def _check(name: str, description: str, value: float | None, threshold: float, comparison: str, *,
-           note: str | None = None, needed: str | None = None, about: ConfigResult | None = None,
-           setup_of: Sequence[ConfigResult] = ()) -> TargetCheck:
-    """`about`: the configuration whose trace says where a missed target's time goes; `setup_of`: the
-    configurations whose setups it also spells out (break-even compares setups, not only steps)."""
+           note: str | None = None, needed: str | None = None, about: ConfigResult | None = None) -> TargetCheck:
+    """`about`: the configuration whose trace and host phase say where a missed target's time goes."""
     base = {"name": name, "description": description, "threshold": threshold, "comparison": comparison}
     if value is None:
         return TargetCheck(**base, value=None, met=None, note=note or "not measured")
@@ -133,12 +131,7 @@ def _check(name: str, description: str, value: float | None, threshold: float, c
     shortfall = None
     if not met and threshold != 0:
         shortfall = 1.0 - value / threshold if comparison == ">=" else value / threshold - 1.0
-    where = None
-    if not met and about is not None:
-        lines = [f"{c.name} setup {c.setup_line()}" for c in setup_of if c.setup_line() is not None]
-        traces = [f"{label}: {trace_line(t)}" for label, t in about.labelled_traces() if t is not None]
-        lines += traces or [f"{about.name}: no trace (run with --trace N for where the time goes)"]
-        where = "; ".join(lines)
+    where = _where(about) if not met and about is not None else None
     return TargetCheck(**base, value=value, met=met, shortfall=shortfall, needed=None if met else needed,
                        where=where, note=note)
 
@@ -256,8 +249,6 @@ def _speedup(report: ProfileReport, spec: TargetSpec) -> TargetCheck:
     tb, to = base.trace, ours.trace
     if tb is not None and to is not None and tb.gpu_busy_seconds_per_step and to.gpu_busy_seconds_per_step:
         check.gpu_busy_value = tb.gpu_busy_seconds_per_step / to.gpu_busy_seconds_per_step
-    if check.met is False:
-        check.where = _where(ours)
     return check
 
 
@@ -279,8 +270,6 @@ def _limit_ratio(report: ProfileReport, spec: TargetSpec) -> TargetCheck:
                        f"optimizer floor {f.optimizer_seconds_layers_only if ours.path == 'te' else f.optimizer_seconds:.6f} s",
                        _rounds_note(ours)))
     check.round_values = ratios
-    if check.met is False:
-        check.where = _where(ours)
     return check
 
 
@@ -297,8 +286,6 @@ def _host_gpu(report: ProfileReport, spec: TargetSpec) -> TargetCheck:
                           f"(now {ours.host_median_seconds * 1e3:.2f} ms)", about=ours,
                    note=f"host {ours.host_median_seconds * 1e3:.2f} ms over GPU {gpu * 1e3:.2f} ms "
                         f"({ours.host_gpu_basis})")
-    if check.met is False:
-        check.where = _where(ours)
     return check
 
 

@@ -3,7 +3,7 @@
 Why: at hidden 4,096 the optimizer is a fifth of a captured step, and it is a memory pass: per fp32
 parameter it reads the parameter, gradient and both moments and writes three of them back. Over h4096's
 parameters on the H200 torch's fused multi-tensor kernel moved those bytes at 3.25 TB/s, this at 3.56
-(7.75 against 7.07 ms: `benchmarks/results/adamw-ab-h4096-b8191fc-h200.json`).
+(7.75 against 7.07 ms: `docs/results/2026-12-01-h200-kernels.md`).
 
 Bits: the arithmetic is torch's fused kernel's (``ATen/native/cuda/fused_adam_utils.cuh``): fp32 math,
 decoupled weight decay first, ``exp_avg = fma(b1, m, fma(-b1, g, g))``, ``exp_avg_sq = fma(b2, v,
@@ -29,7 +29,7 @@ registered Transformer Engine weight the pass also writes the updated weight's E
 1 / scale (Transformer Engine's delayed-scaling cast, bit for bit), and a byte pass its transpose: the
 next step's first forward then does not read every fp32 weight again (h4096 on the H200,
 8.44 ms against 7.46 + 1.45 for the pass and TE's cast:
-`benchmarks/results/weight-cast-kernels-h4096-d75d374-h200.json`).
+`docs/results/2026-12-01-h200-kernels.md`).
 
 State: the optimizer is a `torch.optim.AdamW(fused=True)` and initializes its state through it, so
 checkpoints, `state_dict` and resumes see torch's layout (`step` a device fp32 scalar). Anything the

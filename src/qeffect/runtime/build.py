@@ -64,7 +64,8 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, 
     once every rank is built). `accumulate`: the gradient arena's layout (None: accumulating when
     `dw_in_order`, and never with the deliberately wrong `fixed_order_sum=False`, which needs one view per
     microbatch). Captured without offload, each chunk's graphs and tape slots are bounded by the schedule's
-    liveness (`graph_slots`); `bounded_slots=False` keeps one set per microbatch (an A/B)."""
+    liveness (`schedule.liveness.slots_for`; offload keeps one chain per microbatch, since it plans
+    its fixed-address groups per microbatch); `bounded_slots=False` keeps one set per microbatch (an A/B)."""
     owned = {s: chunks[s] for s in schedule.stages_of(rank)}
     if accumulate is None:
         accumulate = fixed_order_sum and dw_in_order(schedule, rank)
@@ -77,14 +78,7 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, 
                        fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
                        activation=activation, offload=offload, accumulate=accumulate,
                        staging=p.wgrad_staging if accumulate else 0, total_steps=cfg.train.steps,
-                       graph_slots=graph_slots(schedule) if bounded else None)
-
-
-def graph_slots(schedule: Schedule) -> dict[int, int]:
-    """K per stage for the captured chains (`graphs.binding`): the smallest slot count for which
-    microbatch m's slot m % K is never still held by a live tape (`schedule.liveness.slots_for`).
-    Offload plans its fixed-address groups per microbatch, so it keeps one chain per microbatch."""
-    return slots_for(schedule)
+                       graph_slots=slots_for(schedule) if bounded else None)
 
 
 def check_path(path: str, device: str | torch.device, offload: str = "off") -> None:

@@ -45,6 +45,11 @@ import torch
 from torch import Tensor
 
 ZERO_FILLED_TOKENS = 3072  # up to this many indices torch's embedding backward adds into a zero-filled table
+
+
+def needs_signed_zeros(tokens_per_microbatch: int) -> bool:
+    """Whether a microbatch of this many tokens needs the +0.0 pass (`TokenEmbeddingGrad.signed_zeros`)."""
+    return tokens_per_microbatch > ZERO_FILLED_TOKENS
 PAIRWISE_TOKENS = ZERO_FILLED_TOKENS  # up to this many tokens (torch's one-kernel backward) `compact` compares
 # all pairs
 
@@ -88,7 +93,7 @@ class TokenEmbeddingGrad:
     def signed_zeros(self) -> bool:
         """Whether `accumulate` runs the +0.0 pass over the rows of microbatches 0..m-1 (a slice that
         depends on m, so a captured dI graph then serves one microbatch only)."""
-        return self.n > ZERO_FILLED_TOKENS
+        return needs_signed_zeros(self.n)
 
     def accumulate(self, m: int, tokens: Tensor, grad_out: Tensor, index: Tensor | None = None) -> Tensor:
         """Add microbatch `m`'s gradient (`grad_out`: the embedding output's gradient, [..., H]) into
