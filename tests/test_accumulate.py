@@ -108,3 +108,28 @@ def test_pairs_go_to_one_launch_per_source_dtype_and_eight_pairs(monkeypatch):
     monkeypatch.setattr(acc, "_multi_kernel", lambda: None)  # no Triton: each pair by torch
     acc.accumulate_into(dst32, src32, init=True)
     assert launches == [] and all(torch.equal(d, s) for d, s in zip(dst32, src32, strict=True))
+
+
+@pytest.mark.parametrize("region_dtype", [torch.float32, torch.bfloat16])
+def test_gated_sequence_is_the_sequence_its_mode_names(region_dtype: torch.dtype) -> None:
+    """`gated_sequential_reduce` (no host read of the mode) gives the bits of `sequential_reduce` with the
+    mode's init, signed zeros included; SKIP leaves the region as it was."""
+    from qeffect.contracts.arena import FoldMode, gated_sequential_reduce, sequential_reduce
+
+    g = torch.Generator().manual_seed(3)
+    n = 64
+    region0 = (torch.randn(n, generator=g) * 1e3).to(region_dtype)
+    region0[:3] = torch.tensor([0.0, -0.0, -0.0])
+    block = torch.randn(5, n + 6, generator=g) * 10.0 ** torch.randint(-6, 7, (5, n + 6), generator=g)
+    block = block.to(torch.bfloat16)
+    block[:, :3] = -0.0
+    mode = torch.zeros((), dtype=torch.int32)
+    for count in (1, 2, 5):
+        for value, init in ((FoldMode.INIT, True), (FoldMode.ADD, False), (FoldMode.SKIP, None)):
+            mode.fill_(value)
+            gated, seq = region0.clone(), region0.clone()
+            gated_sequential_reduce(gated, block, count, mode)
+            if init is not None:
+                sequential_reduce(seq, block, count, init)
+            assert torch.equal(gated.view(torch.int16 if region_dtype == torch.bfloat16 else torch.int32),
+                               seq.view(torch.int16 if region_dtype == torch.bfloat16 else torch.int32))

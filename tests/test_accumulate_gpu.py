@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qeffect.contracts.arena import sequential_reduce
-from qeffect.stage.accumulate import BLOCK, fold_staged, fused_available
+from qeffect.contracts.arena import FoldMode, sequential_reduce
+from qeffect.stage.accumulate import BLOCK, _gated_kernel, fold_staged, fold_staged_gated, fused_available
 
 pytestmark = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -37,6 +37,43 @@ def test_fused_fold_is_bitwise_the_sequence(dtype: torch.dtype, init: bool) -> N
             for j in reversed(range(count)):
                 rev.add_(block[j, : rev.numel()])
             assert not torch.equal(rev, seq)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_fold_is_the_fold_its_mode_names(dtype: torch.dtype) -> None:
+    """The gated kernel (its mode read on the device) against the sequence with that mode's init; SKIP
+    leaves the region's bits; special values compared as bit patterns; one captured graph, three modes."""
+    assert _gated_kernel() is not None, "the gated fold needs Triton on the GPU machine"
+    tiny = torch.finfo(torch.float32).tiny
+    specials = torch.tensor([0.0, -0.0, tiny / 4, float("inf"), float("nan"), -1e-39, 3.0], device="cuda")
+    region0 = torch.randn(3 * BLOCK + 17, device="cuda") * 1e3
+    region0[: specials.numel()] = specials
+    mode = torch.zeros((), dtype=torch.int32, device="cuda")
+    for count in (1, 3, 8):
+        block = _block(8, region0.numel(), dtype, seed=count)
+        block[:, : specials.numel()] = specials.to(dtype)
+        for value, init in ((FoldMode.INIT, True), (FoldMode.ADD, False), (FoldMode.SKIP, None)):
+            mode.fill_(value)
+            gated, seq = region0.clone(), region0.clone()
+            fold_staged_gated(gated, block, count, mode)
+            if init is not None:
+                sequential_reduce(seq, block, count, init)
+            assert torch.equal(gated.view(torch.int32), seq.view(torch.int32)), (dtype, count, value)
+    region, block = region0.clone(), _block(4, region0.numel(), dtype, seed=11)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fold_staged_gated(region, block, 4, mode)
+    for value, init in ((FoldMode.INIT, True), (FoldMode.ADD, False), (FoldMode.SKIP, None)):
+        start = region.clone()
+        mode.fill_(value)
+        graph.replay()
+        expect = start.clone()
+        if init is not None:
+            sequential_reduce(expect, block, 4, init)
+        torch.cuda.synchronize()
+        assert torch.equal(region.view(torch.int32), expect.view(torch.int32)), value
+
 
 @requires_cuda
 def test_fused_fold_captures_into_a_graph() -> None:

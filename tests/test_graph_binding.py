@@ -11,6 +11,7 @@ import torch
 
 from qeffect.config import load_config
 from qeffect.contracts import GradientArena, TapePool, TapeViolation
+from qeffect.contracts.arena import FoldMode
 from qeffect.contracts.epochs import EpochClock
 from qeffect.graphs.binding import chain_count, chain_of, graph_plan
 from qeffect.graphs.captured import CapturedStageActions, SlotGraphs
@@ -269,15 +270,31 @@ def test_write_signature_names_what_dw_does_differently() -> None:
     assert [acc.write_signature(m) for m in range(6)] == [("region", True)] + [("region", False)] * 5
     staged = GradientArena(specs, 7, accumulate=True, staging=3, defer_last_fold=True)
     sig = [staged.write_signature(m) for m in range(7)]
-    assert sig == [("staging", 0, False, False), ("staging", 1, False, False), ("staging", 2, True, True),
-                   ("staging", 0, False, False), ("staging", 1, False, False), ("staging", 2, True, False),
-                   ("staging", 0, False, False)]  # m = 6 closes the deferred last group: the commit folds it
-    # equal signatures: the same destination and the same fold
+    # per depth: (G, slot, slots the captured fold reads); whether that fold overwrites, adds or is skipped is
+    # the mode, read at replay
+    assert sig == [("staging", (3, 0, 0)), ("staging", (3, 1, 0)), ("staging", (3, 2, 3)),
+                   ("staging", (3, 0, 0)), ("staging", (3, 1, 0)), ("staging", (3, 2, 3)),
+                   ("staging", (3, 0, 0))]  # m = 6 opens the deferred last group: the commit folds it
+    assert [staged.fold_mode(m, "w") for m in range(7)] == [FoldMode.SKIP, FoldMode.SKIP, FoldMode.INIT,
+                                                            FoldMode.SKIP, FoldMode.SKIP, FoldMode.ADD,
+                                                            FoldMode.SKIP]
+    # equal signatures: the same destination and the same captured fold
     for a in range(7):
         for b in range(7):
             if sig[a] == sig[b]:
                 assert staged.view("w", a).data_ptr() == staged.view("w", b).data_ptr()
-                assert staged.flushes(a) == staged.flushes(b)
+                assert staged.fold_count(a, "w") == staged.fold_count(b, "w")
+    # not deferred: the last, partial group is folded by dW(6) itself, one slot
+    eager = GradientArena(specs, 7, accumulate=True, staging=3)
+    assert eager.write_signature(6) == ("staging", (3, 0, 1)) and eager.fold_mode(6, "w") == FoldMode.ADD
+    # a depth per parameter: the signature over some names speaks of their depths only
+    two = GradientArena({"a": ((3, 5), torch.float32), "b": ((2, 2), torch.float32)}, 8, accumulate=True,
+                        staging={"a": 4, "b": 2}, defer_last_fold=True)
+    assert two.write_signature(3, ["a"]) == ("staging", (4, 3, 4))
+    assert two.write_signature(3, ["b"]) == ("staging", (2, 1, 2))
+    assert two.write_signature(3) == ("staging", (2, 1, 2), (4, 3, 4))
+    with pytest.raises(ValueError, match="needs a parameter name"):
+        two.flushes(3)
     with pytest.raises(ValueError, match="outside"):
         staged.write_signature(7)
 

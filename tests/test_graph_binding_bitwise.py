@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from qeffect.config import load_config
+from qeffect.contracts import GradientArena
+from qeffect.contracts.arena import FoldMode
 from qeffect.graphs.stats import GraphStats
 from qeffect.runtime import build as build_mod
 from qeffect.runtime.adamw import TritonAdamW
@@ -152,6 +154,8 @@ BASE = {"model.vocab_size": 64, "model.hidden": 16, "model.ffn": 32, "model.head
     ("zbv", 8, "captured-direct", 0),
     ("zbv", 8, "captured-direct", 3),
     ("zbv", 6, "captured-copy", 0),
+    ("interleaved", 8, "captured-direct", 8),
+    ("zbv", 8, "captured-direct", 8),
 ])
 def test_bounded_chains_keep_native_eager_bits(fake_graphs, schedule: str, microbatches: int, path: str,
                                               staging: int) -> None:
@@ -177,3 +181,27 @@ def test_one_chain_too_few_is_caught(fake_graphs, monkeypatch: pytest.MonkeyPatc
     cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 8})
     with pytest.raises(TapeViolation, match="premature slot reuse"):
         run_verify_state(cfg, steps=1, path="captured-copy")  # no arena variants: chains = classes
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_staged_direct_chains_are_the_liveness_classes(fake_graphs, schedule: str) -> None:
+    """With the default staging depth a direct dW's slot and fold follow its chain (`staging_depth`) and
+    the fold's overwrite/add/skip is a device word: the chunk captures as many graphs as without staging."""
+    counts = {}
+    for staging in (0, 8):
+        cfg = load_config().with_overrides(**{**BASE, "pipeline.schedule": schedule, "pipeline.microbatches": 8,
+                                              "pipeline.wgrad_staging": staging})
+        report = run_verify_state(cfg, steps=2, path="captured-direct")
+        assert report.passed, report.first_divergence
+        counts[staging] = report.graphs["graph_count"]
+    assert counts[8] == counts[0]
+
+
+@pytest.mark.parametrize("mode", [FoldMode.ADD, FoldMode.SKIP])
+def test_a_fold_with_the_wrong_mode_is_caught(fake_graphs, monkeypatch: pytest.MonkeyPatch, mode: int) -> None:
+    """The mode a dW replay copies in decides the bits: every fold adding (the first group onto the last
+    step's sum) or every fold skipped (groups never reach the region) fails the oracle."""
+    monkeypatch.setattr(GradientArena, "fold_mode", lambda self, m, name: mode)
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 8, "pipeline.wgrad_staging": 8})
+    report = run_verify_state(cfg, steps=2, path="captured-direct")
+    assert not report.passed

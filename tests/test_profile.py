@@ -36,6 +36,7 @@ from qeffect.profile.trace import (
 from qeffect.runtime.build import build_single_process
 from qeffect.schedule import build_schedule, max_live_tapes, max_pending_dw
 from qeffect.schedule.liveness import slots_for
+from qeffect.stage.actions import arena_name
 
 # The embedded tiny config with a small vocabulary (the head GEMM dominates a CPU step otherwise).
 SMALL = "[model]\nvocab_size = 512\n"
@@ -219,6 +220,9 @@ def test_flop_count_matches_the_gemms_a_step_runs(monkeypatch) -> None:
 
 # ---------------------------------------------------------------------------------------- resources
 def test_resource_analysis_against_schedule_helpers(profiled) -> None:
+    def names(rank, stage: int) -> list[str]:  # the arena names of one chunk's matrix parameters
+        return [arena_name(stage, f"{n}.weight") for n in rank.chunks[stage].matrix_linears()]
+
     cfg = load_config(None).with_overrides(**{"model.vocab_size": 512})
     p = cfg.pipeline
     rows = resource_rows(cfg, [2, 4], ["interleaved", "zbv"])
@@ -241,8 +245,8 @@ def test_resource_analysis_against_schedule_helpers(profiled) -> None:
         assert r.arena_bytes_per_rank == [rank.arena.nbytes for rank in pipe.ranks]
         k = slots_for(pipe.schedule)  # the meta arenas' writes are the built ones'
         assert r.graphs_per_rank_by_rank == [
-            sum(graph_plan(r.microbatches, k[s], dw_variant=rank.arena.write_signature).graph_count
-                for s in rank.chunks) for rank in pipe.ranks]
+            sum(graph_plan(r.microbatches, k[s], dw_variant=lambda m, a=rank.arena, n=names(rank, s):
+                           a.write_signature(m, n)).graph_count for s in rank.chunks) for rank in pipe.ranks]
         assert r.arena_bytes == sum(r.arena_bytes_per_rank)
     # and the profile run recorded the same rows and the measured arena of its qeffect pipeline
     _, report = profiled

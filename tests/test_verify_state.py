@@ -49,16 +49,21 @@ def test_swapped_dw_with_fixed_order_sum_is_equal() -> None:
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_staged_accumulation_with_a_partial_group_is_bitwise_equal(schedule: str, monkeypatch) -> None:
-    """M = 6 in groups of 4 (one full group, one of 2): verify compares every dW's prefix (staged slots
-    not yet folded included) and every commit against native, and the staged folds really ran: the
-    first group's by dW(3), the last group's (2 slots, deferred) by the commit's AdamW."""
+    """M = 6 in groups of at most 4 (each stage at the divisor of its K: `staging_depth`): verify compares
+    every dW's prefix (staged slots not yet folded included) and every commit against native, and the
+    staged folds really ran: every whole group's by the dW that closes it, the last group's (deferred, a
+    partial one where the depth does not divide 6) by the commit's AdamW."""
     from qeffect.contracts.arena import GradientArena
+    from qeffect.graphs.binding import staging_depth
     from qeffect.runtime.adamw import TritonAdamW
+    from qeffect.runtime.build import schedule_of
+    from qeffect.schedule.liveness import slots_for
 
-    folds: list[int] = []
+    folds: list[tuple[int, int]] = []
     deferred: list[tuple[int, bool]] = []
     flush, fold_into = GradientArena.flush, TritonAdamW.fold_into_step
-    monkeypatch.setattr(GradientArena, "flush", lambda self, name, m: (folds.append(m), flush(self, name, m)))
+    monkeypatch.setattr(GradientArena, "flush",
+                        lambda self, name, m: (folds.append((self.depth(name), m)), flush(self, name, m)))
     monkeypatch.setattr(TritonAdamW, "fold_into_step",
                         lambda self, p, block, count, init: (deferred.append((count, init)),
                                                              fold_into(self, p, block, count, init)))
@@ -67,8 +72,13 @@ def test_staged_accumulation_with_a_partial_group_is_bitwise_equal(schedule: str
     report = run_verify_state(cfg, steps=3)
     assert report.passed, report.first_divergence
     assert all(c.mismatches == 0 and c.compared > 0 for c in report.categories)
-    assert set(folds) == {3}
-    assert deferred and set(deferred) == {(2, False)}
+    depths = {staging_depth(4, k, 6) for k in slots_for(schedule_of(cfg)).values()}
+    assert 4 in depths and len(depths) > 1  # a partial group (4 into 6) and several depths
+    assert {g for g, _ in folds} == depths
+    for g, m in folds:  # a dW folds exactly where it closes a whole group of its depth, never the last
+        assert m % g == g - 1 and m < 5
+    assert {c for c, _ in deferred} == {5 % g + 1 for g in depths}
+    assert not any(init for _, init in deferred)  # every last group adds to the groups before it
 
 
 def test_a_run_that_diverged_on_both_sides_fails() -> None:

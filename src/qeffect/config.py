@@ -93,9 +93,10 @@ class PipelineConfig(_Strict):
         "V, split backward with deferred weight gradients). Same bits either way.")
     wgrad_staging: int = Field(
         8, ge=0, description="Staged weight-gradient accumulation: microbatch weight gradients kept in the "
-        "GEMM's dtype and folded into the fp32 gradient once per group of this many (0: add each as it "
-        "comes). Used when every stage runs dW in microbatch order; same bits either way, fewer memory "
-        "passes, more memory.")
+        "GEMM's dtype and folded into the fp32 gradient once per group of at most this many (0: add each as "
+        "it comes). With direct placement a stage uses the largest divisor of its live tape bound K up to "
+        "this, so that its captured graphs stay bounded by liveness. Used when every stage runs dW in "
+        "microbatch order; same bits either way, fewer memory passes, more memory.")
 
     @property
     def num_stages(self) -> int:

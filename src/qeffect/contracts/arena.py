@@ -35,6 +35,17 @@ group, ``r += s0; r += s1; ...`` for later ones, element by element in fp32 in m
 same additions, so the same bits, as adding each microbatch as it comes. ``reduce`` is that pass; the
 default runs it as ``copy_``/``add_``, and the runtime passes a fused kernel on the GPU.
 
+Staging depth per parameter (``staging={name: G}``): a captured ``dW`` graph bakes in its destination, so
+one graph serves several microbatches only where they write the same slot. A chunk whose graphs are
+bounded by liveness (``K`` chains, `graphs.binding`) therefore stages with ``G <= K`` of its own, so that
+``m % G`` follows the chain; the depth of one parameter is free of the others', and bits do not depend on it.
+
+Gated fold (:meth:`GradientArena.flush_gated`): whether the fold that closes a group overwrites the region
+(the first group), adds to it (later groups) or is skipped (the deferred last group) is the only thing
+that still differs between microbatches of one slot. The fold therefore reads it at run time from a device
+word (`FoldMode`) that the caller sets before the replay (:meth:`GradientArena.fold_mode`), so one graph
+holds the fold of every group of its slot.
+
 Deferred last fold (``defer_last_fold=True``, staged layout): the group that ``dW(M-1)`` closes is not
 folded by a ``dW`` at all. The optimizer reads the slots anyway, so its update can fold them on the way
 (:meth:`GradientArena.take_pending_fold`: 8 bytes per element less, the fp32 gradient is never written
@@ -55,10 +66,23 @@ from .errors import ArenaViolation
 
 ALIGN_BYTES = 256
 
+
+class FoldMode:
+    """What a gated fold does, read from a device word at run time: nothing, overwrite, or add."""
+
+    SKIP = 0
+    INIT = 1
+    ADD = 2
+
 Spec = tuple[tuple[int, ...], torch.dtype]
 Reduce = Callable[[torch.Tensor, torch.Tensor, int, bool], None]
 """``reduce(region, block, count, init)``: fold slots ``block[0:count, :region.numel()]`` into ``region``
 in slot order (``init``: the first slot is copied, not added)."""
+
+
+GatedReduce = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]
+"""``reduce_gated(region, block, count, mode)``: `Reduce` with ``init`` read from the device word ``mode``
+(`FoldMode`; SKIP leaves the region as it is). No host synchronization: it runs inside captured graphs."""
 
 
 def sequential_reduce(region: torch.Tensor, block: torch.Tensor, count: int, init: bool) -> None:
@@ -70,6 +94,17 @@ def sequential_reduce(region: torch.Tensor, block: torch.Tensor, count: int, ini
             region.copy_(slot)
         else:
             region.add_(slot)
+
+
+def gated_sequential_reduce(region: torch.Tensor, block: torch.Tensor, count: int, mode: torch.Tensor) -> None:
+    """The gated fold as plain tensor ops (no host read of `mode`): the additions of `sequential_reduce`, each
+    rounded to the region's dtype as ``add_`` rounds, then selected by the mode."""
+    n = region.numel()
+    first = block[0, :n].view(region.shape).to(region.dtype)
+    acc = torch.where(mode == FoldMode.INIT, first, (region + first).to(region.dtype))
+    for j in range(1, count):
+        acc = (acc + block[j, :n].view(region.shape)).to(region.dtype)
+    region.copy_(torch.where(mode == FoldMode.SKIP, region, acc))
 
 
 def _vk(name: str, m: int) -> str:
@@ -86,26 +121,38 @@ class GradientArena:
         device: str | torch.device = "cpu",
         name: str = "arena",
         accumulate: bool = False,
-        staging: int = 0,
+        staging: int | dict[str, int] = 0,
         staging_dtypes: dict[str, torch.dtype] | None = None,
         reduce: Reduce | None = None,
         defer_last_fold: bool = False,
+        reduce_gated: GatedReduce | None = None,
     ) -> None:
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
         if not specs:
             raise ValueError("GradientArena needs at least one parameter spec")
-        if not isinstance(staging, int) or isinstance(staging, bool) or staging < 0:
-            raise ValueError(f"staging must be an int >= 0, got {staging!r}")
-        if staging and not accumulate:
-            raise ValueError("staging needs the accumulating layout (accumulate=True)")
+        depths = staging if isinstance(staging, dict) else {n: staging for n in specs}
+        if isinstance(staging, dict):
+            if set(staging) != set(specs):
+                raise ValueError(f"staging names {sorted(set(staging) ^ set(specs))} not matching the specs: one "
+                                 "depth per parameter")
+            if any(g == 0 for g in staging.values()) and any(g != 0 for g in staging.values()):
+                raise ValueError("staging depths must be all 0 or all >= 1 (one accumulating layout per arena)")
+        for g in depths.values():
+            if not isinstance(g, int) or isinstance(g, bool) or g < 0:
+                raise ValueError(f"staging must be an int >= 0, got {g!r}")
         self.name = name
         self.accumulate = accumulate
-        self.staging = min(staging, microbatches)
+        # per parameter: its group size G (at most M); 0 for every parameter when not staged
+        self._depth: dict[str, int] = {n: min(g, microbatches) for n, g in depths.items()}
+        self.staging = max(self._depth.values(), default=0)  # the deepest group (0: not staged)
+        if self.staging and not accumulate:
+            raise ValueError("staging needs the accumulating layout (accumulate=True)")
         self.defer_last_fold = bool(defer_last_fold and self.staging)
         self._last_folded: set[str] = set()  # names whose deferred last group is folded into the region
         self._taken: set[str] = set()  # names whose deferred last group a consumer took (the region lacks it)
         self._reduce: Reduce = reduce or sequential_reduce
+        self._reduce_gated: GatedReduce = reduce_gated or gated_sequential_reduce
         self.device = torch.device(device)
         self.microbatches = microbatches
         self.specs: dict[str, Spec] = {}
@@ -145,7 +192,7 @@ class GradientArena:
             stride = -(-math.prod(shape) // align) * align
             off = stage_sizes.get(sdt, 0)
             stage_plan[pname] = (sdt, off, stride)
-            stage_sizes[sdt] = off + stride * self.staging
+            stage_sizes[sdt] = off + stride * self._depth[pname]
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {
             ("region" if accumulate else "views", dt): torch.zeros(n, dtype=dt, device=self.device)
             for dt, n in sizes.items()
@@ -169,14 +216,15 @@ class GradientArena:
         for pname, (sdt, off, stride) in stage_plan.items():
             shape = self.specs[pname][0]
             numel = math.prod(shape)
-            block = self._buffers[("staging", sdt)][off : off + stride * self.staging].view(self.staging, stride)
+            g = self._depth[pname]
+            block = self._buffers[("staging", sdt)][off : off + stride * g].view(g, stride)
             self._blocks[pname] = block
-            for j in range(self.staging):
+            for j in range(g):
                 slot = block[j, :numel].view(shape)
                 start = slot.data_ptr()
                 self._ranges.append((start, start + numel * slot.element_size(), (pname, j)))
             for m in range(microbatches):  # dW(m) writes slot m % G
-                self._views[(pname, m)] = block[m % self.staging, :numel].view(shape)
+                self._views[(pname, m)] = block[m % g, :numel].view(shape)
 
         self._written: set[tuple[str, int]] = set()
         self._epoch = 0
@@ -222,25 +270,53 @@ class GradientArena:
         staging, m > 0). A staged ``dW`` always overwrites its staging slot."""
         return not self.accumulate or self.staging > 0 or m == 0
 
-    def flushes(self, m: int) -> bool:
-        """Whether ``dW(m)`` closes a staging group and must :meth:`flush` it (staged layout only; with
-        ``defer_last_fold`` the last group is left to the commit)."""
-        last = m == self.microbatches - 1
-        return self.staging > 0 and (m % self.staging == self.staging - 1 or last) and not (last and self.defer_last_fold)
+    def depth(self, name: str) -> int:
+        """The staging group size G of parameter ``name`` (0: not staged)."""
+        if name not in self._depth:
+            self._lookup(name, 0, "depth")  # raises the unknown-view error
+        return self._depth[name]
 
-    def write_signature(self, m: int) -> tuple:
-        """Everything about ``dW(m)``'s arena writes that depends on ``m``: two microbatches with equal
-        signatures write the same memory with the same operations (destination, write or add, and the
-        fold they close), so one captured ``dW`` graph serves both. One view per microbatch: ``m``
-        itself; accumulating: whether it overwrites; staged: its slot, whether it folds, from the start."""
+    def flushes(self, m: int, name: str | None = None) -> bool:
+        """Whether ``dW(m)`` closes a staging group of ``name`` and must :meth:`flush` it (staged layout
+        only; with ``defer_last_fold`` the last group is left to the commit). ``name`` may be left out
+        when every parameter has the same depth."""
+        g = self._uniform_depth("flushes") if name is None else self.depth(name)
+        last = m == self.microbatches - 1
+        return g > 0 and (m % g == g - 1 or last) and not (last and self.defer_last_fold)
+
+    def fold_count(self, m: int, name: str) -> int:
+        """How many slots the fold captured into ``dW(m)``'s graph reads (0: its graph has no fold): a
+        whole group where ``m`` ends one, whatever the mode at run time; the last, partial group where it
+        is not deferred."""
+        g = self.depth(name)
+        if not g:
+            return 0
+        if m % g == g - 1:
+            return g
+        return m % g + 1 if m == self.microbatches - 1 and not self.defer_last_fold else 0
+
+    def fold_mode(self, m: int, name: str) -> int:
+        """The `FoldMode` the gated fold of ``dW(m)`` must run with: INIT for the group that starts at
+        microbatch 0, ADD for later ones, SKIP where ``dW(m)`` closes no group (the deferred last one)."""
+        if not self.flushes(m, name):
+            return FoldMode.SKIP
+        return FoldMode.INIT if m < self.depth(name) else FoldMode.ADD
+
+    def write_signature(self, m: int, names: list[str] | None = None) -> tuple:
+        """Everything about ``dW(m)``'s arena writes of ``names`` (None: every parameter) that a captured
+        graph bakes in: two microbatches with equal signatures write the same memory with the same
+        operations, so one captured ``dW`` graph (with the gated fold) serves both. One view per
+        microbatch: ``m`` itself; accumulating: whether it overwrites; staged: per depth, the slot and the
+        slots its fold reads (the mode, overwrite, add or skip, is read at run time)."""
         if not 0 <= m < self.microbatches:
             raise ValueError(f"arena '{self.name}': microbatch {m} outside 0..{self.microbatches - 1}")
         if not self.accumulate:
             return ("view", m)
         if not self.staging:
             return ("region", self.overwrites(m))
-        folds = self.flushes(m)
-        return ("staging", m % self.staging, folds, folds and m < self.staging)
+        names = list(self._depth) if names is None else names
+        firsts = {self.depth(n): n for n in names}  # one parameter per depth stands for its depth
+        return ("staging", *sorted((g, m % g, self.fold_count(m, n)) for g, n in firsts.items()))
 
     def region(self, name: str) -> torch.Tensor:
         """The accumulating region of ``name`` (the running sum of its microbatch gradients)."""
@@ -257,10 +333,21 @@ class GradientArena:
         A device computation with no bookkeeping: it is captured into the ``dW(m)`` graph, so it runs at
         replay; :meth:`record_write` after the replay checks the write order."""
         self._require_usable("flush", name, m)
-        if not self.flushes(m):
-            raise ValueError(f"arena '{self.name}': dW({m}) closes no staging group (staging {self.staging}, "
-                             f"{self.microbatches} microbatches)")
+        if not self.flushes(m, name):
+            raise ValueError(f"arena '{self.name}': dW({m}) closes no staging group of {name} (staging "
+                             f"{self.depth(name)}, {self.microbatches} microbatches)")
         self._reduce(self.region(name), *self._group_upto(name, m))
+
+    def flush_gated(self, name: str, m: int, mode: torch.Tensor) -> None:
+        """The fold captured into ``dW(m)``'s graph (:meth:`fold_count` slots of ``m``'s group), its mode
+        read from the device word ``mode`` when it runs: the caller sets it to :meth:`fold_mode` of the
+        microbatch it replays the graph for. A device computation with no bookkeeping, like :meth:`flush`."""
+        self._require_usable("flush", name, m)
+        count = self.fold_count(m, name)
+        if not count:
+            raise ValueError(f"arena '{self.name}': dW({m}) holds no fold of {name} (staging {self.depth(name)}, "
+                             f"{self.microbatches} microbatches)")
+        self._reduce_gated(self.region(name), self._blocks[name], count, mode)
 
     def prefix_sum(self, name: str, upto: int) -> torch.Tensor:
         """The gradients of microbatches ``0..upto`` of ``name`` summed in that order (a new tensor): what
@@ -276,7 +363,7 @@ class GradientArena:
         last = upto == self.microbatches - 1
         if last:
             self._refuse_taken(name)
-        if not self.staging or self.flushes(upto) or (last and name in self._last_folded):
+        if not self.staging or self.flushes(upto, name) or (last and name in self._last_folded):
             return region.clone()
         acc = region.clone()
         self._reduce(acc, *self._group_upto(name, upto))
@@ -402,7 +489,7 @@ class GradientArena:
     def _group_upto(self, name: str, m: int) -> tuple[torch.Tensor, int, bool]:
         """``(block, count, init)`` of ``m``'s staging group up to slot ``m``: the `Reduce` arguments after
         the region (``init``: the first group, which overwrites the region)."""
-        first = m - m % self.staging
+        first = m - m % self.depth(name)
         return self._blocks[name], m - first + 1, first == 0
 
     def _refuse_taken(self, name: str) -> None:
@@ -468,6 +555,12 @@ class GradientArena:
             self._epoch = epoch
 
     # ----------------------------------------------------------------- helpers
+    def _uniform_depth(self, op: str) -> int:
+        depths = set(self._depth.values())
+        if len(depths) > 1:
+            raise ValueError(f"arena '{self.name}': {op} needs a parameter name (staging depths {sorted(depths)})")
+        return depths.pop()
+
     def _ordered_sum(self, name: str, upto: int, op: str) -> torch.Tensor:
         """``view(0).clone(); += view(1); ...; += view(upto)``: the reference's order (per-microbatch views)."""
         acc = self._lookup(name, 0, op).clone()

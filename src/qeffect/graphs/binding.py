@@ -12,8 +12,10 @@ stage from the schedule's liveness (`schedule.liveness.slots_for`), microbatch `
 - ``K`` for the later multiples of ``K``,
 
 and a class is split further where the bodies still differ per microbatch (a *variant*): dW's arena
-writes (`GradientArena.write_signature`: the destination, write or add, the staging fold it closes) and,
-where a caller says so, dI's. Each (class, dI variant, dW variant) is one chain. Every chain's
+writes (`GradientArena.write_signature`: the destination, write or add, the slots of the staging fold it
+holds) and, where a caller says so, dI's. A staged direct chunk stages at a depth that divides K
+(`staging_depth`), so its slot and fold follow the class, and whether the fold overwrites, adds or is
+skipped is a device word set before each replay: staging splits no class. Each (class, dI variant, dW variant) is one chain. Every chain's
 microbatches are a subset of one ``m % K`` class, which the liveness analysis proved never to overlap in
 time, so a chain is free again before its next F. The runtime does not trust that proof alone: the tape
 pool slot of a chain refuses a new tape while its previous generation is not fully consumed
@@ -34,7 +36,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["GraphPlan", "MicrobatchGraphs", "chain_count", "chain_of", "graph_plan"]
+__all__ = ["GraphPlan", "MicrobatchGraphs", "chain_count", "chain_of", "graph_plan", "staging_depth"]
 
 Variant = Callable[[int], Hashable]
 
@@ -45,6 +47,17 @@ def chain_of(m: int, slots: int) -> int:
         return 0
     r = m % slots
     return r if r else slots
+
+
+def staging_depth(staging: int, slots: int | None, microbatches: int) -> int:
+    """The staging group size G of a direct chunk with K = `slots` chains (None: one per microbatch), at
+    most `staging` (the configured depth; 0: not staged). A staged dW writes slot ``m % G`` and folds where
+    ``m % G = G - 1``; both follow the class ``m % K`` only when G divides K, so G is the largest divisor
+    of K up to `staging` (a depth that does not divide K would split every class into dW variants). With a
+    chain per microbatch nothing is shared and the configured depth stands (at most M)."""
+    if not staging or slots is None or slots >= microbatches:
+        return min(staging, microbatches)
+    return max(d for d in range(1, min(staging, slots) + 1) if slots % d == 0)
 
 
 def chain_count(microbatches: int, slots: int) -> int:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from qeffect.contracts import Consumer, EffectToken, TapeRef, TapeViolation
+from qeffect.contracts.arena import FoldMode
 from qeffect.fp8.te import batched_scaling_updates
 from qeffect.fp8.weight_cast import WeightCastTarget
 from qeffect.graphs.binding import GraphPlan, chunk_plan
@@ -146,6 +147,12 @@ class CapturedStageActions(StageActions):
             # last one recorded, not the whole table
             self._token_grad.zero_rows_only = self._lazy is not None
         self.plan = self.plan_for(microbatches)
+        # the gated folds' mode words (`contracts.arena.FoldMode`), one per staging depth, and the values a
+        # dW replay copies in: which mode is the only fold detail that differs between a chain's microbatches
+        depths = {self.arena.depth(n) for n in self._arena_names()} if self.direct and self.arena.staging else set()
+        self._fold_mode = {g: torch.zeros((), dtype=torch.int32, device=dev) for g in sorted(depths)}
+        modes = torch.tensor([FoldMode.SKIP, FoldMode.INIT, FoldMode.ADD], dtype=torch.int32, device=dev)
+        self._mode_values = {int(v): modes[i] for i, v in enumerate((FoldMode.SKIP, FoldMode.INIT, FoldMode.ADD))}
         if self.offload is not None and len(self.plan.chains) < microbatches:
             raise RuntimeError(f"stage {self.stage}: offload groups are planned per microbatch; graph slots bounded "
                                "by liveness need offload.mode = off")
@@ -169,9 +176,23 @@ class CapturedStageActions(StageActions):
         does differently per microbatch (the arena writes of a direct dW; the first stage's token rows
         when their +0.0 pass reads the rows of the microbatches before)."""
         token = self._token_grad
+        names = self._arena_names()
         return chunk_plan(microbatches, self.graph_slots or microbatches,
                           signed_zeros=token is not None and token.signed_zeros,
-                          write_signature=self.arena.write_signature if self.direct else None)
+                          write_signature=(lambda m: self.arena.write_signature(m, names)) if self.direct else None)
+
+    def _arena_names(self) -> list[str]:
+        """The arena names of this chunk's matrix parameters."""
+        return [arena_name(self.stage, p) for p in self._matrix_param.values()]
+
+    def _gated_folds(self, m: int) -> dict[int, str]:
+        """Staging depth -> one parameter of that depth, for each gated fold that dW(m)'s graph holds (a
+        direct dW that ends a staging group: `GradientArena.fold_count`)."""
+        out: dict[int, str] = {}
+        for name in self._arena_names() if self.direct else ():
+            if self.arena.fold_count(m, name):
+                out.setdefault(self.arena.depth(name), name)
+        return out
 
     def _f_body(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chain `c`'s forward (its first microbatch is `c`; only chain 0 refreshes the weight cache)."""
@@ -249,15 +270,17 @@ class CapturedStageActions(StageActions):
                 for name, lin in self._matrix.items():
                     pname = self._matrix_param[name]
                     if self.direct:
+                        aname = arena_name(self.stage, pname)
                         grads[pname] = lin.compute_wgrad(self._work[c][name], out=self._view(name, m),
                                                          accumulate=not self.arena.overwrites(m))
-                        if self.arena.flushes(m):  # the group's fold is part of this dW's graph
-                            self.arena.flush(arena_name(self.stage, pname), m)
+                        if self.arena.fold_count(m, aname):  # the group's fold, its mode read at replay
+                            self.arena.flush_gated(aname, m, self._fold_mode[self.arena.depth(aname)])
                     else:
                         grads[pname] = lin.compute_wgrad(self._work[c][name])
                 return grads, self._next_token()
 
-            graphs_dw[c] = self.manager.capture(f"{tag}.dW{c}", dw_body, static_inputs={},
+            folds = {f"fold{g}": self._fold_mode[g] for g in self._gated_folds(m)}
+            graphs_dw[c] = self.manager.capture(f"{tag}.dW{c}", dw_body, static_inputs=folds,
                                                 warmup=0, private_pool=True)
         for m, g in enumerate(plan.per_microbatch):  # what each microbatch replays (shared within a chain)
             self.slots[m] = SlotGraphs(F=self._chain_f[g.chain], dI=graphs_di[g.chain], dW=graphs_dw[g.chain])
@@ -312,13 +335,15 @@ class CapturedStageActions(StageActions):
             for lin in self._matrix.values():
                 if hasattr(lin, "discard_wgrad_work"):
                     lin.discard_wgrad_work()
-            # every staged fold the dW graphs will capture, once: a JIT kernel (Triton) compiles and loads
-            # its module on first launch, which must not happen inside a capture. The regions get garbage,
-            # which the first group's fold of every step overwrites.
-            for m in range(self._microbatches) if self.direct else ():
-                if self.arena.flushes(m):
-                    for pname in self._matrix_param.values():
-                        self.arena.flush(arena_name(self.stage, pname), m)
+            # every gated fold the dW graphs will capture, once: a JIT kernel (Triton) compiles and loads
+            # its module on first launch, which must not happen inside a capture. SKIP: nothing is written.
+            skip = self._mode_values[FoldMode.SKIP]
+            for m in range(self._microbatches):
+                for g in self._gated_folds(m):
+                    self._fold_mode[g].copy_(skip)
+                    for aname in self._arena_names():
+                        if self.arena.depth(aname) == g:
+                            self.arena.flush_gated(aname, m, self._fold_mode[g])
             del out
             self._out.clear()
             for c in self.groups:  # chains (one per microbatch with offload)
@@ -428,8 +453,12 @@ class CapturedStageActions(StageActions):
 
         group = self.groups.get(self.chain(m))
 
+        # the gated folds' modes for this microbatch (the graph holds the folds of every group of its slot)
+        dynamic = {f"fold{g}": self._mode_values[self.arena.fold_mode(m, name)]
+                   for g, name in self._gated_folds(m).items()}
+
         def run() -> None:
-            self.manager.replay(graphs.dW, {})
+            self.manager.replay(graphs.dW, dynamic)
             if group is not None:  # dW is the last reader: the retained dW work references saved tensors
                 group.after_backward()
             if self.direct:

@@ -17,7 +17,7 @@ import torch
 from qeffect.config import RunConfig
 from qeffect.contracts import GradientArena
 from qeffect.fp8 import get_backend
-from qeffect.graphs.binding import chunk_plan
+from qeffect.graphs.binding import chunk_plan, staging_depth
 from qeffect.model import GPTShape
 from qeffect.model.gpt import StageChunk
 from qeffect.profile.report import ResourceRow
@@ -68,7 +68,8 @@ def arena_bytes_per_rank(schedule: Schedule, specs: dict[int, dict[str, Spec]], 
     return [a.nbytes for a in rank_arenas(schedule, specs, microbatches, staging, staging_dtype)]
 
 
-def planned_graphs_per_rank(schedule: Schedule, arenas: list[GradientArena], tokens_per_microbatch: int) -> list[int]:
+def planned_graphs_per_rank(schedule: Schedule, arenas: list[GradientArena], specs: dict[int, dict[str, Spec]],
+                            tokens_per_microbatch: int) -> list[int]:
     """Graphs each rank's captured-direct chunks capture (what `CapturedStageActions.plan_for` plans):
     K per stage from the schedule's liveness, dW routes from the rank's arena writes, and on the first
     stage one dI per microbatch where the token rows need the signed-zero pass."""
@@ -77,25 +78,30 @@ def planned_graphs_per_rank(schedule: Schedule, arenas: list[GradientArena], tok
     for rank in range(schedule.pp):
         total = 0
         for s in schedule.stages_of(rank):
+            names = list(specs[s])
             total += chunk_plan(schedule.microbatches, k[s],
                                 signed_zeros=s == 0 and needs_signed_zeros(tokens_per_microbatch),
-                                write_signature=arenas[rank].write_signature).graph_count
+                                write_signature=lambda m, a=arenas[rank], n=names: a.write_signature(m, n)).graph_count
         out.append(total)
     return out
 
 
 def rank_arenas(schedule: Schedule, specs: dict[int, dict[str, Spec]], microbatches: int, staging: int = 0,
                 staging_dtype: torch.dtype | None = None) -> list[GradientArena]:
-    """Each rank's `GradientArena` as `QEffectRank` lays it out, on the meta device."""
+    """Each rank's `GradientArena` as a captured-direct `QEffectRank` lays it out, on the meta device (each
+    stage staged with `staging_depth` of its K)."""
+    slots = slots_for(schedule)
     out = []
     for rank in range(schedule.pp):
         rank_specs: dict[str, Spec] = {}
+        depths: dict[str, int] = {}
         for s in schedule.stages_of(rank):
             rank_specs.update(specs[s])
+            depths.update({n: staging_depth(staging, slots[s], microbatches) for n in specs[s]})
         accumulate = dw_in_order(schedule, rank)
         dtypes = {n: staging_dtype for n in rank_specs} if staging_dtype is not None else None
         out.append(GradientArena(rank_specs, microbatches, device="meta", accumulate=accumulate,
-                                 staging=staging if accumulate else 0, staging_dtypes=dtypes,
+                                 staging=depths if accumulate and staging else 0, staging_dtypes=dtypes,
                                  defer_last_fold=True))
     return out
 
@@ -112,7 +118,7 @@ def resource_rows(cfg: RunConfig, microbatches: list[int], schedules: list[str],
             # staging slots in the activation dtype: both backends' wgrad GEMMs write it (`wgrad_dtype`)
             arenas = rank_arenas(sch, specs, m, p.wgrad_staging, dtype_of(cfg))
             per_rank = [a.nbytes for a in arenas]
-            graphs = planned_graphs_per_rank(sch, arenas, cfg.model.microbatch_size * cfg.model.seq_len)
+            graphs = planned_graphs_per_rank(sch, arenas, specs, cfg.model.microbatch_size * cfg.model.seq_len)
             live, pending = max_live_tapes(sch), max_pending_dw(sch)
             row = ResourceRow(schedule=name, microbatches=m, graphs_per_rank=max(graphs), graph_count=sum(graphs),
                               graphs_per_rank_by_rank=graphs, graph_slots=slots_for(sch), arena_bytes=sum(per_rank),

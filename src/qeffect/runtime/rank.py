@@ -21,7 +21,7 @@ from qeffect.runtime.adamw import TritonAdamW
 from qeffect.runtime.recipe import Recipe, scale_gradients, stage_square_sum
 from qeffect.runtime.transport import Transport
 from qeffect.schedule import Action, ActionKind
-from qeffect.stage.accumulate import fold_staged
+from qeffect.stage.accumulate import fold_staged, fold_staged_gated
 from qeffect.stage.actions import StageActions, arena_name
 from qeffect.stage.native import NativeStage
 
@@ -196,7 +196,7 @@ class QEffectRank(BaseRank):
                  optim: OptimConfig, *, direct: bool = True, tape_capacity: int | None = None,
                  reductions: ReductionTracker | None = None, fixed_order_sum: bool = True,
                  manager: GraphManager | None = None, activation: tuple[tuple[int, ...], torch.dtype] | None = None,
-                 offload: OffloadManager | None = None, accumulate: bool = False, staging: int = 0,
+                 offload: OffloadManager | None = None, accumulate: bool = False, staging: int | dict[int, int] = 0,
                  total_steps: int | None = None, graph_slots: dict[int, int] | None = None) -> None:
         super().__init__(rank, chunks, num_stages, microbatches, optim, total_steps=total_steps)
         # captured: the token table's AdamW row-lazy (`runtime.lazy_rows`); off under data parallelism (set
@@ -212,17 +212,19 @@ class QEffectRank(BaseRank):
         self.pool = TapePool(tape_capacity or len(self.chunks) * microbatches, name=f"rank{rank}.tapes")
         specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         staging_dtypes: dict[str, torch.dtype] = {}
+        depths: dict[str, int] = {}
         for s, chunk in self.chunks.items():
             for lname, lin in chunk.matrix_linears().items():
                 p, name = lin.weight, arena_name(s, f"{lname}.weight")
                 specs[name] = (tuple(p.shape), p.dtype)
+                depths[name] = staging[s] if isinstance(staging, dict) else staging
                 # direct placement: the slot is the wgrad GEMM's own output buffer, in its dtype; copied
                 # gradients arrive in the parameter's dtype and are staged in it (an exact copy always)
                 act = activation[1] if activation is not None else p.dtype
                 staging_dtypes[name] = lin.wgrad_dtype(act) if direct else p.dtype
         self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena",
-                                   accumulate=accumulate, staging=staging if accumulate else 0,
-                                   staging_dtypes=staging_dtypes, reduce=fold_staged,
+                                   accumulate=accumulate, staging=depths if accumulate and any(depths.values()) else 0,
+                                   staging_dtypes=staging_dtypes, reduce=fold_staged, reduce_gated=fold_staged_gated,
                                    defer_last_fold=True)  # the commit's AdamW folds the last group
         self.reductions = reductions or ReductionTracker()
         self.barrier = CommitBarrier(self.clock, [self.pool], [self.arena], self.reductions)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from qeffect.contracts.arena import sequential_reduce
+from qeffect.contracts.arena import gated_sequential_reduce, sequential_reduce
 from qeffect.triton_lazy import triton_kernel
 
 BLOCK = 2048
@@ -42,6 +42,25 @@ def _kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
     return fold
 
 
+@triton_kernel
+def _gated_kernel(triton, tl):  # noqa: ANN001, ANN202 - builds a Triton JIT function
+    @triton.jit
+    def fold_gated(region_ptr, block_ptr, mode_ptr, slot_stride, n, count, BLOCK: tl.constexpr):
+        # the mode word (`FoldMode`: 0 skip, 1 overwrite, 2 add) is read on the device: one captured graph
+        # folds every group of its slot; a skipped fold loads and stores nothing
+        mode = tl.load(mode_ptr)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = (offs < n) & (mode != 0)
+        first = tl.load(block_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        prev = tl.load(region_ptr + offs, mask=mask & (mode == 2), other=0.0)
+        acc = tl.where(mode == 1, first, prev + first)
+        for j in range(1, count):
+            acc = acc + tl.load(block_ptr + j * slot_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(region_ptr + offs, acc, mask=mask)
+
+    return fold_gated
+
+
 def fused_available(t: torch.Tensor) -> bool:
     """Whether the fold of `t` runs as the fused kernel (CUDA fp32 region, Triton present)."""
     return t.is_cuda and t.dtype == torch.float32 and _kernel() is not None
@@ -58,6 +77,18 @@ def fold_staged(region: torch.Tensor, block: torch.Tensor, count: int, init: boo
     if not 1 <= count <= block.shape[0] or block.shape[1] < n:
         raise ValueError(f"fold of {count} slots of {tuple(block.shape)} into {n} elements")
     _kernel()[(-(-n // BLOCK),)](region, block, block.stride(0), n, count, INIT=init, BLOCK=BLOCK)
+
+
+def fold_staged_gated(region: torch.Tensor, block: torch.Tensor, count: int, mode: torch.Tensor) -> None:
+    """`contracts.arena.GatedReduce`: `fold_staged` with its mode read from the device word `mode`."""
+    if (not fused_available(region) or not region.is_contiguous() or block.stride(1) != 1
+            or block.numel() >= 2**31 or _gated_kernel() is None):
+        gated_sequential_reduce(region, block, count, mode)
+        return
+    n = region.numel()
+    if not 1 <= count <= block.shape[0] or block.shape[1] < n:
+        raise ValueError(f"fold of {count} slots of {tuple(block.shape)} into {n} elements")
+    _gated_kernel()[(-(-n // BLOCK),)](region, block, mode, block.stride(0), n, count, BLOCK=BLOCK)
 
 
 # --------------------------------------------------------------------------- non-matrix gradients

@@ -213,7 +213,7 @@ class StageActions:
                     aname = arena_name(self.stage, pname)
                     grads[pname] = lin.compute_wgrad(work[name], out=dests[pname],
                                                      accumulate=not self.arena.overwrites(m))
-                    if self.arena.flushes(m):
+                    if self.arena.flushes(m, aname):
                         self.arena.flush(aname, m)
                     self.arena.record_write(aname, m, dests[pname])
                 else:
@@ -256,7 +256,7 @@ class StageActions:
                 view.copy_(g)  # a staging slot is in the GEMM's own dtype: g came from it, the copy is exact
             else:
                 view.add_(g)
-            if self.arena.flushes(m):
+            if self.arena.flushes(m, name):
                 self.arena.flush(name, m)
             self.arena.record_write(name, m, view)
 
