@@ -1,83 +1,120 @@
-"""Staged weight-gradient accumulation, A/B in one process: captured direct placement with
-`pipeline.wgrad_staging` = 0 (add each microbatch's dW into the fp32 region as it comes) against
-staged groups (one fused fold per group), on the same model and data.
+"""Staged weight-gradient accumulation, A/B in one process: captured direct placement with each stage's
+staging depth bounded by its live tape bound K (`pipeline.wgrad_staging_by_liveness`, the default), with
+every stage at `pipeline.wgrad_staging` (a graph per staging slot and fold), and unstaged (each dW added
+into the fp32 gradient as it comes).
+
+Variants run in interleaved rounds (A B C A B C ...), each round building, warming up and timing every
+variant again with the profile's own timer (`qeffect.profile.matrix.time_runner`). Per variant: the median
+of its round medians with min-max, peak allocated memory, arena bytes, graphs per rank and capture host
+time; ratios are the median of per-round ratios against the first variant. Losses must be identical across
+variants (the depth changes no bits).
+
+On the GPU machine (from the repository root):
 
     source .gpu-kit/setup.sh
     QEFFECT_GIT_REVISION=<rev> python3 benchmarks/staging_ab.py --config examples/configs/h4096.toml \
-        --staging 0,4,8 --out $OUT/staging-ab-h4096-te-h200.json
+        --out $OUT/staging-ab-h4096-te.json
 
-Per setting: median step time (warm-up excluded), spread, peak allocated memory, arena bytes, and the
-losses (which must be identical across settings: the fold has the same bits). Ratios are against the
-first setting. A CPU dry run: `--device cpu --config src/qeffect/configs/tiny.toml --path eager`.
+A CPU dry run: `--config src/qeffect/configs/tiny.toml --device cpu --path eager --steps 2 --warmup 1
+--rounds 1`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import datetime as _dt
+import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from qeffect.cli.common import write_json
-from qeffect.config import load_config
-from qeffect.graphs.handshake import git_revision
-from qeffect.profile.matrix import ConfigSpec, PipelineRunner, device_name_of, te_version, time_runner
+from qeffect.config import apply_sets, load_config
+from qeffect.profile.matrix import (
+    ConfigSpec,
+    PipelineRunner,
+    device_name_of,
+    git_revision,
+    initial_weights_drawn_once,
+    merge_rounds,
+    release_memory,
+    te_version,
+    time_runner,
+)
 from qeffect.profile.report import ConfigResult
 
+VARIANTS = ("by-liveness=pipeline.wgrad_staging=8,pipeline.wgrad_staging_by_liveness=true;"
+            "fixed=pipeline.wgrad_staging=8,pipeline.wgrad_staging_by_liveness=false;"
+            "unstaged=pipeline.wgrad_staging=0")
 
-def main() -> int:
+
+def parse_variants(text: str) -> list[tuple[str, list[str]]]:
+    """``name=key=value,key=value;name=...`` -> [(name, ["key=value", ...])]."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, eq, sets = part.partition("=")
+        if not eq or not name:
+            raise SystemExit(f"--variants: expected name=section.field=value,... in {part!r}")
+        out.append((name, [s.strip() for s in sets.split(",") if s.strip()]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None)
     ap.add_argument("--backend", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--path", default="captured-direct")
-    ap.add_argument("--staging", default="0,4", help="comma-separated wgrad_staging values")
+    ap.add_argument("--variants", default=VARIANTS, help="name=section.field=value,...;name=... (first: the base)")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    cfg = load_config(args.config)
-    over = {k: v for k, v in {"fp8.backend": args.backend, "train.device": args.device}.items() if v}
+    a = ap.parse_args(argv)
+    cfg = load_config(a.config)
+    over = {k: v for k, v in {"fp8.backend": a.backend, "train.device": a.device}.items() if v}
     cfg = cfg.with_overrides(**over) if over else cfg
     device = torch.device(cfg.train.device)
-    values = [int(v) for v in args.staging.split(",")]
-    spec = ConfigSpec("captured-direct", "A/B of wgrad_staging", path=args.path)
-    rows = []
-    for g in values:
-        c = cfg.with_overrides(**{"pipeline.wgrad_staging": g})
-        res = ConfigResult(name=f"staging={g}", description=spec.description, status="ok", schedule="interleaved",
-                           path=args.path)
-        time_runner(res, lambda c=c: PipelineRunner(c, device, spec), device, steps=args.steps, warmup=args.warmup)
-        rows.append({"wgrad_staging": g, "median_step_seconds": res.median_step_seconds,
-                     "step_seconds": res.step_seconds, "warmup_seconds": res.warmup_seconds,
-                     "peak_allocated_bytes": res.peak_allocated_bytes, "arena_bytes": res.arena_bytes,
-                     "persistent_growth_bytes_per_step": res.persistent_growth_bytes_per_step,
-                     "losses": res.losses})
-        print(f"wgrad_staging={g}: median {res.median_step_seconds * 1e3:.2f} ms, peak "
-              f"{(res.peak_allocated_bytes or 0) / 2**30:.2f} GiB, arena {(res.arena_bytes or 0) / 2**20:.0f} MiB",
-              flush=True)
-    base = rows[0]["median_step_seconds"]
-    for r in rows:
-        r["ratio_vs_first"] = r["median_step_seconds"] / base
-    same_losses = all(r["losses"] == rows[0]["losses"] for r in rows)
-    report = {"command": " ".join(sys.argv), "git_revision": git_revision(), "device": device_name_of(device),
-              "torch_version": torch.__version__, "te_version": te_version(), "config_path": args.config,
-              "backend": cfg.fp8.backend, "path": args.path, "steps": args.steps, "warmup": args.warmup,
-              "fused_fold": _fused_note(device), "losses_identical": same_losses, "settings": rows}
-    print(json.dumps({"losses_identical": same_losses,
-                      "ratios": {r["wgrad_staging"]: round(r["ratio_vs_first"], 4) for r in rows}}))
-    if args.out:
-        write_json(Path(args.out), report)
-    return 0 if same_losses else 1
-
-
-def _fused_note(device: torch.device) -> str:
-    from qeffect.stage.accumulate import fused_available
-
-    probe = torch.zeros(1, device=device)
-    return "triton kernel" if fused_available(probe) else "copy_/add_ sequence"
+    variants = [(name, apply_sets(cfg, sets, source="--variants")) for name, sets in parse_variants(a.variants)]
+    spec = ConfigSpec(a.path, "A/B of the staging depth", path=a.path)
+    by: dict[str, list[ConfigResult]] = {name: [] for name, _ in variants}
+    with initial_weights_drawn_once(cfg, device, print):
+        for k in range(a.rounds):
+            for name, c in variants:
+                r = ConfigResult(name=name, description=f"{a.path}, {name}", status="ok",
+                                 schedule=c.pipeline.schedule, path=a.path)
+                print(f"round {k + 1}/{a.rounds}: {name}", flush=True)
+                time_runner(r, lambda c=c: PipelineRunner(c, device, spec), device, steps=a.steps, warmup=a.warmup)
+                by[name].append(r)
+                release_memory(device)
+    results = [merge_rounds(rs) for rs in by.values()]
+    base = results[0]
+    rows: list[dict[str, Any]] = []
+    for (name, c), r in zip(variants, results, strict=True):
+        ratios = [x / b for x, b in zip(r.round_medians, base.round_medians, strict=True)]
+        rows.append({"name": name, "pipeline": c.pipeline.model_dump(), "median_step_seconds": r.median_step_seconds,
+                     "round_medians": r.round_medians, "ratio_vs_first_by_round": ratios,
+                     "ratio_vs_first": statistics.median(ratios), "peak_allocated_bytes": r.peak_allocated_bytes,
+                     "arena_bytes": r.arena_bytes, "graphs_per_rank": r.graphs_per_rank,
+                     "capture_host_seconds": r.capture_host_seconds, "losses_equal_first": r.losses == base.losses,
+                     "result": r.model_dump(mode="json")})
+        peak = (r.peak_allocated_bytes or 0) / 2**30
+        print(f"{name}: median {r.median_step_seconds * 1e3:.2f} ms (rounds "
+              f"{', '.join(f'{x * 1e3:.2f}' for x in r.round_medians)}), x{statistics.median(ratios):.3f} vs "
+              f"{base.name}; peak {peak:.2f} GiB, arena {(r.arena_bytes or 0) / 2**20:.0f} MiB, graphs per rank "
+              f"{r.graphs_per_rank}", flush=True)
+    same = all(row["losses_equal_first"] for row in rows)
+    report = {"kind": "staging-ab", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+              "git_revision": git_revision(), "device": device_name_of(device), "torch_version": torch.__version__,
+              "te_version": te_version(), "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+              "config_path": a.config, "config": cfg.model_dump(), "path": a.path, "steps": a.steps,
+              "warmup": a.warmup, "rounds": a.rounds, "losses_identical": same, "variants": rows}
+    print(f"losses identical: {same}")
+    if a.out:
+        write_json(Path(a.out), report)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -188,13 +188,15 @@ def test_staged_direct_chains_are_the_liveness_classes(fake_graphs, schedule: st
     """With the default staging depth a direct dW's slot and fold follow its chain (`staging_depth`) and
     the fold's overwrite/add/skip is a device word: the chunk captures as many graphs as without staging."""
     counts = {}
-    for staging in (0, 8):
+    for staging, by_liveness in ((0, True), (8, True), (8, False)):
         cfg = load_config().with_overrides(**{**BASE, "pipeline.schedule": schedule, "pipeline.microbatches": 8,
-                                              "pipeline.wgrad_staging": staging})
+                                              "pipeline.wgrad_staging": staging,
+                                              "pipeline.wgrad_staging_by_liveness": by_liveness})
         report = run_verify_state(cfg, steps=2, path="captured-direct")
         assert report.passed, report.first_divergence
-        counts[staging] = report.graphs["graph_count"]
-    assert counts[8] == counts[0]
+        counts[staging, by_liveness] = report.graphs["graph_count"]
+    assert counts[8, True] == counts[0, True]
+    assert counts[8, False] > counts[0, True]  # every stage at depth 8: slots and folds split the classes
 
 
 @pytest.mark.parametrize("mode", [FoldMode.ADD, FoldMode.SKIP])

@@ -112,6 +112,24 @@ def test_a_cpu_pipeline_is_counted_by_category() -> None:
     assert transient_grad_bytes(pipe.ranks, native=False) == 0
 
 
+def test_an_invalidated_fp8_cache_is_still_counted() -> None:
+    """The buffers the optimizer casts FP8 weights into stay allocated while the cache is invalid (after a
+    commit, before the next refresh): the split counts what is allocated, not what is valid."""
+    cfg = load_config().with_overrides(**{"model.vocab_size": 256})
+    pipe = build_single_process(cfg, native=False, device="cpu")
+    lins = [lin for r in pipe.ranks for c in r.chunks.values() for lin in c.matrix_linears().values()]
+    casts = [lin.weight_cast_target(f"w{i}") for i, lin in enumerate(lins)]
+    for lin in lins:
+        lin.invalidate_cache()
+        assert not lin.cache_valid
+    state = sum(t.untyped_storage().nbytes() for r in pipe.ranks for c in r.chunks.values()
+                for t in c.fp8_state().values())
+    cast = sum(t.untyped_storage().nbytes() for c in casts
+               for t in (c.data, c.transpose, c.scale_inv, c.pending_amax) if t is not None)
+    counted, _ = count_steady(pipe.ranks, pipe.manager)
+    assert cast > 0 and counted["fp8"] == state + cast
+
+
 # ------------------------------------------------------------------------------------------ memory cap
 CAP_CFG = load_config().with_overrides(**{"train.device": "cuda", "train.memory_fraction": 0.3,
                                           "train.path": "captured-direct"})

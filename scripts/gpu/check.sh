@@ -19,6 +19,11 @@
 #                    scripts/step_gaps.py on the h4096 te step                                  (~5 min)
 #   rank-streams     benchmarks/rank_streams_ab.py: runtime.rank_streams on/off at h2048 and h4096 (~6 min)
 #   llama            pytest -m gpu on the llama tests; bitwise matrix at llama-h2048, both backends (~6 min)
+#   profile-llama-h2048-te
+#                    qeffect profile of llama-h2048 (te): native eager, captured-direct (both schedules) and
+#                    te-graphed from TransformerLayers with the Llama settings, 3 interleaved rounds    (~4 min)
+#   staging-ab       benchmarks/staging_ab.py at h4096 te: staging depth by liveness / fixed 8 / unstaged,
+#                    3 interleaved rounds (step time, peak memory, arena, graphs per rank)              (~4 min)
 #   multi            2+ GPUs under torchrun/NCCL: verify-state PP=2 (PP=2 x DP=2 and PP=4 ZB-V with 4 GPUs),
 #                    a PP=2 checkpoint resumed into another layout and verified                 (~7 min)
 #   multi-timing     fixed-work h4096 timing PP=2 (against PP=4 with 4 GPUs), Interleaved and ZB-V, with
@@ -30,13 +35,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama multi multi-timing megatron)" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|multi|multi-timing|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama multi multi-timing megatron" >&2
+tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|profile-llama-h2048-te|staging-ab|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -140,6 +145,15 @@ llama)
     step verify-matrix-llama 330 python3 scripts/gpu_check.py --config $LLAMA --steps 12 --backends reference,te \
         --schedules interleaved,zbv --paths captured-copy,captured-direct --out "$tmp/llama"
     keep "$tmp/llama/gpu-check.json" "$OUT/verify-matrix-llama-h2048.json"
+    ;;
+profile-llama-h2048-te)
+    step "$part" 420 python3 benchmarks/profile_matrix.py --out "$OUT" --tomls examples/configs/llama-h2048.toml \
+        --backends te --rounds 3 --steps 10 --warmup 2 --trace 2 --microbatches "" \
+        --configs native-eager,captured-direct,captured-zbv-direct,te-graphed --targets ""
+    ;;
+staging-ab)
+    step staging-ab-h4096-te 420 python3 benchmarks/staging_ab.py --config $H4096 --backend te --rounds 3 \
+        --out "$OUT/staging-ab-h4096-te.json"
     ;;
 multi)
     if [ "$NGPU" -ge 4 ]; then

@@ -94,9 +94,14 @@ class PipelineConfig(_Strict):
     wgrad_staging: int = Field(
         8, ge=0, description="Staged weight-gradient accumulation: microbatch weight gradients kept in the "
         "GEMM's dtype and folded into the fp32 gradient once per group of at most this many (0: add each as "
-        "it comes). With direct placement a stage uses the largest divisor of its live tape bound K up to "
-        "this, so that its captured graphs stay bounded by liveness. Used when every stage runs dW in "
-        "microbatch order; same bits either way, fewer memory passes, more memory.")
+        "it comes). Used when every stage runs dW in microbatch order; same bits either way, fewer memory "
+        "passes, more memory.")
+    wgrad_staging_by_liveness: bool = Field(
+        True, description="Direct placement: each stage stages at the largest divisor of its live tape bound "
+        "K (schedule liveness) up to wgrad_staging, so that staging adds no captured graphs and its slots "
+        "shrink with K (less memory, a fold pass every K microbatches). Off: every stage stages at "
+        "wgrad_staging, and each staging slot and fold gets graphs of its own (more graphs and memory, "
+        "fewer fold passes). Same bits either way.")
 
     @property
     def num_stages(self) -> int:

@@ -211,6 +211,15 @@ class RefFP8Linear(nn.Module):
     def weight_cache(self) -> WeightCache | None:
         return self._cache
 
+    def cache_storage(self) -> list[Tensor]:
+        """Every tensor of the FP8 weight cache this linear keeps, valid or not: the cache and the buffers
+        the optimizer casts into (memory accounting: those stay allocated while the cache is invalid)."""
+        out = [self._cache.w_q, self._cache.w_q_t, self._cache.scale_inv] if self._cache is not None else []
+        cast = self._weight_cast
+        if cast is not None:
+            out += [t for t in (cast.data, cast.transpose, cast.scale_inv, cast.pending_amax) if t is not None]
+        return out
+
     def invalidate_cache(self) -> None:
         """Drop the quantized weight (after a commit or a resume the next forward must refresh it)."""
         self._cache = None

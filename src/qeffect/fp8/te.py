@@ -340,6 +340,15 @@ def te_linear_class() -> type[nn.Module]:
         def cache_valid(self) -> bool:
             return self._cache_valid
 
+        def cache_storage(self) -> list[Tensor]:
+            """Every tensor of the FP8 weight workspace TE keeps, valid or not (memory accounting: the
+            workspace stays allocated between an invalidation and the next refresh)."""
+            ws = te_compat.weight_workspace(self)
+            if ws is None:
+                return []
+            parts = (te_compat.float8_data(ws), te_compat.float8_transpose(ws), te_compat.float8_scale_inv(ws))
+            return [t for t in parts if isinstance(t, Tensor)]
+
         @property
         def weight_cache(self) -> TEWeightCache | None:
             ws = te_compat.weight_workspace(self)

@@ -32,7 +32,6 @@ peak is filled in once both ran (`add_native_ratios`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -119,17 +118,6 @@ class StorageCounter:
         self.bytes[category] = total
 
 
-def _tensors_of(obj: Any) -> list[torch.Tensor]:
-    """The tensor fields of a cache object (a dataclass of tensors), or the tensor itself."""
-    if obj is None:
-        return []
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if dataclasses.is_dataclass(obj):
-        return [v for f in dataclasses.fields(obj) if isinstance(v := getattr(obj, f.name, None), torch.Tensor)]
-    return [v for v in vars(obj).values() if isinstance(v, torch.Tensor)] if hasattr(obj, "__dict__") else []
-
-
 def _optimizer_tensors(opt: Any) -> list[torch.Tensor]:
     out = []
     for state in getattr(opt, "state", {}).values():
@@ -172,9 +160,8 @@ def count_steady(ranks: Sequence[Any], manager: Any | None) -> tuple[dict[str, i
     fp8: list[torch.Tensor] = []
     for chunk in chunks:
         fp8.extend(chunk.fp8_state().values())
-        for lin in chunk.matrix_linears().values():
-            cache = getattr(lin, "weight_cache", None)
-            fp8.extend(_tensors_of(cache() if callable(cache) else cache))  # a property on both backends
+        for lin in chunk.matrix_linears().values():  # valid or not: an invalid cache is still allocated
+            fp8.extend(lin.cache_storage() if hasattr(lin, "cache_storage") else [])
     c.add("fp8", fp8)
     counted = dict(c.bytes)
     reserved = 0

@@ -17,11 +17,11 @@ import torch
 from qeffect.config import RunConfig
 from qeffect.contracts import GradientArena
 from qeffect.fp8 import get_backend
-from qeffect.graphs.binding import chunk_plan, staging_depth
+from qeffect.graphs.binding import chunk_plan
 from qeffect.model import GPTShape
 from qeffect.model.gpt import StageChunk
 from qeffect.profile.report import ResourceRow
-from qeffect.runtime.build import dtype_of, recipe_of
+from qeffect.runtime.build import dtype_of, recipe_of, staging_of
 from qeffect.schedule import Schedule, build_schedule, dw_in_order, max_live_tapes, max_pending_dw
 from qeffect.schedule.liveness import slots_for
 from qeffect.stage.actions import arena_name
@@ -61,13 +61,6 @@ def stage_arena_specs(cfg: RunConfig) -> dict[int, dict[str, Spec]]:
     return out
 
 
-def arena_bytes_per_rank(schedule: Schedule, specs: dict[int, dict[str, Spec]], microbatches: int,
-                         staging: int = 0, staging_dtype: torch.dtype | None = None) -> list[int]:
-    """Bytes of each rank's `GradientArena` (laid out on the meta device: real sizes and padding),
-    staging slots included (`staging_dtype`: the wgrad GEMM's output dtype, None: the parameter's)."""
-    return [a.nbytes for a in rank_arenas(schedule, specs, microbatches, staging, staging_dtype)]
-
-
 def planned_graphs_per_rank(schedule: Schedule, arenas: list[GradientArena], specs: dict[int, dict[str, Spec]],
                             tokens_per_microbatch: int) -> list[int]:
     """Graphs each rank's captured-direct chunks capture (what `CapturedStageActions.plan_for` plans):
@@ -86,23 +79,22 @@ def planned_graphs_per_rank(schedule: Schedule, arenas: list[GradientArena], spe
     return out
 
 
-def rank_arenas(schedule: Schedule, specs: dict[int, dict[str, Spec]], microbatches: int, staging: int = 0,
+def rank_arenas(schedule: Schedule, specs: dict[int, dict[str, Spec]], depths: dict[int, int],
                 staging_dtype: torch.dtype | None = None) -> list[GradientArena]:
-    """Each rank's `GradientArena` as a captured-direct `QEffectRank` lays it out, on the meta device (each
-    stage staged with `staging_depth` of its K)."""
-    slots = slots_for(schedule)
+    """Each rank's `GradientArena` as `QEffectRank` lays it out, on the meta device, with each stage's
+    staging depth (`runtime.build.staging_of`)."""
     out = []
     for rank in range(schedule.pp):
         rank_specs: dict[str, Spec] = {}
-        depths: dict[str, int] = {}
+        staging: dict[str, int] = {}
         for s in schedule.stages_of(rank):
             rank_specs.update(specs[s])
-            depths.update({n: staging_depth(staging, slots[s], microbatches) for n in specs[s]})
+            staging.update({n: depths[s] for n in specs[s]})
         accumulate = dw_in_order(schedule, rank)
         dtypes = {n: staging_dtype for n in rank_specs} if staging_dtype is not None else None
-        out.append(GradientArena(rank_specs, microbatches, device="meta", accumulate=accumulate,
-                                 staging=depths if accumulate and staging else 0, staging_dtypes=dtypes,
-                                 defer_last_fold=True))
+        out.append(GradientArena(rank_specs, schedule.microbatches, device="meta", accumulate=accumulate,
+                                 staging=staging if accumulate and any(staging.values()) else 0,
+                                 staging_dtypes=dtypes, defer_last_fold=True))
     return out
 
 
@@ -116,7 +108,7 @@ def resource_rows(cfg: RunConfig, microbatches: list[int], schedules: list[str],
         for m in microbatches:
             sch = build_schedule(name, p.pp, p.chunks_per_rank, m)
             # staging slots in the activation dtype: both backends' wgrad GEMMs write it (`wgrad_dtype`)
-            arenas = rank_arenas(sch, specs, m, p.wgrad_staging, dtype_of(cfg))
+            arenas = rank_arenas(sch, specs, staging_of(p, sch, range(sch.num_stages)), dtype_of(cfg))
             per_rank = [a.nbytes for a in arenas]
             graphs = planned_graphs_per_rank(sch, arenas, specs, cfg.model.microbatch_size * cfg.model.seq_len)
             live, pending = max_live_tapes(sch), max_pending_dw(sch)

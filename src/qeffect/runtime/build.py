@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
 
-from qeffect.config import OffloadConfig, RunConfig
+from qeffect.config import OffloadConfig, PipelineConfig, RunConfig
 from qeffect.errors import UserError
 from qeffect.fp8 import DelayedScalingRecipe, get_backend
 from qeffect.graphs.binding import staging_depth
@@ -75,16 +75,21 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, 
         return NativeRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, total_steps=cfg.train.steps)
     activation = ((mc.microbatch_size, mc.seq_len, mc.hidden), dtype_of(cfg))
     bounded = bounded_slots and manager is not None and offload is None
-    slots = slots_for(schedule)
-    # a direct dW writes its staging slot from its own graph: each stage stages at a depth that follows its
-    # chains (`staging_depth`); the same layout eager and captured, so the arena is the rank's, not the path's
-    staging = ({s: staging_depth(p.wgrad_staging, slots[s], p.microbatches) for s in owned} if direct
-               else p.wgrad_staging) if accumulate else 0
     return QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
                        fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
                        activation=activation, offload=offload, accumulate=accumulate,
-                       staging=staging, total_steps=cfg.train.steps,
-                       graph_slots=slots if bounded else None)
+                       staging=staging_of(p, schedule, owned, direct=direct) if accumulate else 0,
+                       total_steps=cfg.train.steps, graph_slots=slots_for(schedule) if bounded else None)
+
+
+def staging_of(p: PipelineConfig, schedule: Schedule, stages: Iterable[int], *, direct: bool = True) -> dict[int, int]:
+    """Each stage's staging depth (0: not staged). A direct dW writes its staging slot from its own graph,
+    so with `wgrad_staging_by_liveness` a stage stages at a depth that follows its chains
+    (`graphs.binding.staging_depth`); eager and captured alike, so the arena is the rank's, not the path's."""
+    slots = slots_for(schedule)
+    if direct and p.wgrad_staging_by_liveness:
+        return {s: staging_depth(p.wgrad_staging, slots[s], schedule.microbatches) for s in stages}
+    return {s: min(p.wgrad_staging, schedule.microbatches) for s in stages}
 
 
 def check_path(path: str, device: str | torch.device, offload: str = "off") -> None:
