@@ -258,9 +258,9 @@ def test_resume_fields_are_the_bit_changing_ones_and_the_layout() -> None:
     from qeffect.checkpoint.state import RESUME_FIELDS
 
     before = [f"{s}.{f}" for s in ("model", "pipeline", "fp8") for f in RunConfig.model_fields[s].annotation.model_fields]
-    assert set(before) - {"pipeline.wgrad_staging"} <= set(RESUME_FIELDS)
+    assert set(before) - {"pipeline.wgrad_staging", "pipeline.wgrad_staging_by_liveness"} <= set(RESUME_FIELDS)
     assert set(bit_changing_fields()) | {"train.dtype", "pipeline.schedule"} <= set(RESUME_FIELDS)
-    free = ("pipeline.wgrad_staging", "train.steps", "train.path", "train.device", "runtime.rank_streams",
+    free = ("pipeline.wgrad_staging", "pipeline.wgrad_staging_by_liveness", "train.steps", "train.path", "train.device", "runtime.rank_streams",
             "offload.mode", "train.checkpoint_every")
     assert not set(free) & set(RESUME_FIELDS)
 

@@ -303,7 +303,9 @@ CASES = [
      "[arena] unknown view for arena 'B': expected one of 1 parameters x 3 microbatches, found ('z', 0) in region",
      "unknown view", ("z", 0), ["w"], ("z", 0)),
     ("arena: flush of no group", lambda: _staged().flush("w", 0), ValueError,
-     "arena 'C': dW(0) closes no staging group (staging 2, 3 microbatches)", None, None, None, None),
+     "arena 'C': dW(0) closes no staging group of w (staging 2, 3 microbatches)", None, None, None, None),
+    ("arena: gated fold of no group", lambda: _staged().flush_gated("w", 0, torch.zeros((), dtype=torch.int32)),
+     ValueError, "arena 'C': dW(0) holds no fold of w (staging 2, 3 microbatches)", None, None, None, None),
     ("arena: fold before the last write", lambda: _staged().storage_views("w"), ArenaViolation,
      "[arena] fold before the last write for arena 'C' view w[m=2]: expected dW(2) written before its deferred "
      "group is folded, found writes [0, 1]", "fold before the last write", ("w", 2), "written", "not written"),
