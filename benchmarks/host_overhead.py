@@ -1,0 +1,181 @@
+"""Host time of the captured runtime per step, with the device work taken away (a CPU benchmark).
+
+A captured step's host side is the contracts, the ledger, the tape pool, the arena's checks, the hand-offs
+and one graph replay per action. On the GPU the host queues a step while the device runs the previous
+one, so when the host is slower than the device the step is host-bound (`qeffect profile` reports the
+host/GPU ratio). This benchmark isolates the host side on a CPU: the pipeline of a config (its ranks,
+stages, microbatches and parameters; the hidden sizes shrunk, since no tensor work runs) is built with a
+graph manager whose capture records the body's outputs once and whose replay does nothing but the
+manager's own bookkeeping. The optimizer step is left out (on the GPU it is one graph replay). The step
+time is then the runtime's host cost; `--profile N` prints the functions it goes to (cProfile).
+
+    python3 benchmarks/host_overhead.py --config examples/configs/h2048.toml --steps 50 --profile 25 \
+        --out benchmarks/results/host-overhead-h2048-cpu.json
+
+The numbers are this CPU's; compare variants in one run, not across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime as _dt
+import io
+import platform
+import pstats
+import statistics
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qeffect.cli.common import write_json
+from qeffect.config import apply_sets, load_config
+from qeffect.graphs.handshake import git_revision
+from qeffect.graphs.stats import GraphStats
+from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, schedule_of
+from qeffect.runtime.single import SingleProcessPipeline
+from qeffect.verify.state import synthetic_batches
+
+SHRINK = {"model.hidden": 64, "model.ffn": 128, "model.heads": 2, "model.vocab_size": 256, "model.seq_len": 16,
+          "model.microbatch_size": 1}
+
+
+class _Stream:
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
+class _Backend:
+    def current_stream(self) -> _Stream:
+        return _Stream()
+
+    def use_stream(self, stream: Any):
+        return nullcontext()
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass
+class _Action:
+    name: str
+    static_inputs: dict[str, torch.Tensor]
+    outputs: Any
+    replays: int = 0
+
+
+@dataclass
+class NullManager:
+    """The `GraphManager` surface the captured actions use; a replay copies the dynamic inputs (as the real
+    manager does before `graph.replay()`) and runs nothing."""
+
+    stream: _Stream = field(default_factory=_Stream)
+    backend: _Backend = field(default_factory=_Backend)
+    actions: dict[str, _Action] = field(default_factory=dict)
+    stats: GraphStats = field(default_factory=lambda: GraphStats(protocol="stream-ordered"))
+
+    def capture(self, name: str, fn, *, static_inputs, warmup: int = 0, private_pool: bool = False) -> _Action:
+        action = _Action(name, dict(static_inputs), fn())
+        self.actions[name] = action
+        self.stats.record_capture(name, 0.0, 0, 0, 0, 0)
+        return action
+
+    def dry_capture(self, fn):
+        return fn()
+
+    def replay(self, action: _Action, dynamic: dict[str, torch.Tensor] | None = None) -> Any:
+        with torch.no_grad():
+            for k, v in (dynamic or {}).items():
+                action.static_inputs[k].copy_(v)
+        action.replays += 1
+        self.stats.record_replay(0)
+        return action.outputs
+
+    @contextmanager
+    def capturing_on(self, stream: Any):
+        yield
+
+    def mark_step(self) -> int:
+        self.stats.mark_step(0)
+        return 0
+
+    def persistent_growth_per_step(self) -> float:
+        return 0.0
+
+
+def build(cfg) -> SingleProcessPipeline:
+    """The captured-direct pipeline of `cfg` on the CPU with `NullManager`."""
+    mgr = NullManager()
+    schedule = schedule_of(cfg)
+    chunks = build_chunks_for(cfg, "cpu")
+    ranks = [build_rank(cfg, schedule, r, chunks, native=False, direct=True, manager=mgr) for r in range(schedule.pp)]
+    for r in ranks:  # the FP8 weight cast is the CUDA optimizer's pass
+        for act in r.actions.values():
+            act.weight_cast = False
+    pipe = SingleProcessPipeline(ranks, schedule)
+    pipe.manager = mgr
+    capture_ranks(ranks, pipe.order, None, cfg.model.microbatch_size, cfg.model.seq_len)
+    return pipe
+
+
+def step_without_optimizer(pipe: SingleProcessPipeline, batches) -> None:
+    """One step's actions and the commit's bookkeeping, the optimizer's update taken out."""
+    for r in pipe.ranks:
+        r.optimizer.step = lambda *a, **k: None  # noqa: ARG005 - the update is one graph replay on the GPU
+    pipe.step(batches)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--set", action="append", default=[], help="section.field=value (after the shrink)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=0, help="profiled steps after the timed ones (0: none)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    cfg = load_config(a.config).with_overrides(**{**SHRINK, "train.device": "cpu", "fp8.backend": "reference"})
+    cfg = apply_sets(cfg, a.set)
+    torch.manual_seed(0)
+    pipe = build(cfg)
+    actions = 3 * cfg.pipeline.microbatches * cfg.pipeline.num_stages
+    data = [synthetic_batches(cfg, i, "cpu") for i in range(a.warmup + a.steps + a.profile)]
+    times = []
+    for i in range(a.warmup + a.steps):
+        t = time.perf_counter()
+        step_without_optimizer(pipe, data[i])
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    print(f"{Path(a.config or 'tiny').stem}: {actions} actions per step; host {med * 1e3:.2f} ms per step "
+          f"(min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}), {med / actions * 1e6:.1f} us per action")
+    top = None
+    if a.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(a.warmup + a.steps, a.warmup + a.steps + a.profile):
+            step_without_optimizer(pipe, data[i])
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(a.top)
+        top = buf.getvalue()
+        print(top)
+    if a.out:
+        write_json(Path(a.out), {
+            "kind": "host-overhead", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+            "git_revision": git_revision(), "device": "cpu", "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch_version": torch.__version__,
+            "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "config": cfg.model_dump(),
+            "actions_per_step": actions, "warmup": a.warmup, "step_seconds": times, "median_step_seconds": med,
+            "profile_top": top})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
