@@ -1,7 +1,7 @@
 """Staged weight-gradient accumulation, A/B in one process: captured direct placement with each stage's
 staging depth bounded by its live tape bound K (`pipeline.wgrad_staging_by_liveness`, the default), with
-every stage at `pipeline.wgrad_staging` (a graph per staging slot and fold), and unstaged (each dW added
-into the fp32 gradient as it comes).
+every stage at `pipeline.wgrad_staging` (a graph per staging slot and fold), bounded by liveness at depth
+at most 2, and unstaged (each dW added into the fp32 gradient as it comes).
 
 Variants run in interleaved rounds (A B C A B C ...), each round building, warming up and timing every
 variant again with the profile's own timer (`qeffect.profile.matrix.time_runner`). Per variant: the median
@@ -47,6 +47,7 @@ from qeffect.profile.report import ConfigResult
 
 VARIANTS = ("by-liveness=pipeline.wgrad_staging=8,pipeline.wgrad_staging_by_liveness=true;"
             "fixed=pipeline.wgrad_staging=8,pipeline.wgrad_staging_by_liveness=false;"
+            "by-liveness-2=pipeline.wgrad_staging=2,pipeline.wgrad_staging_by_liveness=true;"
             "unstaged=pipeline.wgrad_staging=0")
 
 
