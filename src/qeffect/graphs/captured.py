@@ -107,6 +107,8 @@ class CapturedStageActions(StageActions):
     # the first stage's token rows: microbatch m's index on the device (one dI graph records any m > 0)
     _mb: torch.Tensor | None = field(default=None, repr=False)
     _mb_views: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # per microbatch: the gated folds' mode values its dW replay copies in (empty: no fold in its graph)
+    _dw_modes: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)
 
     # ------------------------------------------------------------------------------------ capture
     def chain(self, m: int) -> int:
@@ -153,6 +155,8 @@ class CapturedStageActions(StageActions):
         self._fold_mode = {g: torch.zeros((), dtype=torch.int32, device=dev) for g in sorted(depths)}
         modes = torch.tensor([FoldMode.SKIP, FoldMode.INIT, FoldMode.ADD], dtype=torch.int32, device=dev)
         self._mode_values = {int(v): modes[i] for i, v in enumerate((FoldMode.SKIP, FoldMode.INIT, FoldMode.ADD))}
+        self._dw_modes = [{f"fold{g}": self._mode_values[self.arena.fold_mode(m, name)]
+                           for g, name in self._gated_folds(m).items()} for m in range(microbatches)]
         if self.offload is not None and len(self.plan.chains) < microbatches:
             raise RuntimeError(f"stage {self.stage}: offload groups are planned per microbatch; graph slots bounded "
                                "by liveness need offload.mode = off")
@@ -453,12 +457,8 @@ class CapturedStageActions(StageActions):
 
         group = self.groups.get(self.chain(m))
 
-        # the gated folds' modes for this microbatch (the graph holds the folds of every group of its slot)
-        dynamic = {f"fold{g}": self._mode_values[self.arena.fold_mode(m, name)]
-                   for g, name in self._gated_folds(m).items()}
-
-        def run() -> None:
-            self.manager.replay(graphs.dW, dynamic)
+        def run() -> None:  # with the gated folds' modes of m (the graph folds every group of its slot)
+            self.manager.replay(graphs.dW, self._dw_modes[m] if self._dw_modes else {})
             if group is not None:  # dW is the last reader: the retained dW work references saved tensors
                 group.after_backward()
             if self.direct:
