@@ -156,6 +156,7 @@ BASE = {"model.vocab_size": 64, "model.hidden": 16, "model.ffn": 32, "model.head
     ("zbv", 6, "captured-copy", 0),
     ("interleaved", 8, "captured-direct", 8),
     ("zbv", 8, "captured-direct", 8),
+    ("interleaved", 6, "captured-direct", 8),  # depth 4 on the first stage: a partial last group
 ])
 def test_bounded_chains_keep_native_eager_bits(fake_graphs, schedule: str, microbatches: int, path: str,
                                               staging: int) -> None:
