@@ -4,9 +4,8 @@ A captured step's host side is the contracts, the ledger, the tape pool, the are
 and one graph replay per action. On the GPU the host queues a step while the device runs the previous
 one, so when the host is slower than the device the step is host-bound (`qeffect profile` reports the
 host/GPU ratio). This benchmark isolates the host side on a CPU: the pipeline of a config (its ranks,
-stages, microbatches and parameters; the hidden sizes shrunk, since no tensor work runs) is built with a
-graph manager whose capture records the body's outputs once and whose replay does nothing but the
-manager's own bookkeeping. The optimizer step is left out (on the GPU it is one graph replay). The step
+stages, microbatches and parameters; the hidden sizes shrunk, since no tensor work runs) is built with the
+real graph manager on a backend whose capture runs the body once and whose graphs replay nothing. The optimizer step is left out (on the GPU it is one graph replay). The step
 time is then the runtime's host cost; `--profile N` prints the functions it goes to (cProfile).
 
     python3 benchmarks/host_overhead.py --config examples/configs/h2048.toml --steps 50 --profile 25 \
@@ -26,8 +25,7 @@ import pstats
 import statistics
 import sys
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +34,7 @@ import torch
 from qeffect.cli.common import write_json
 from qeffect.config import apply_sets, load_config
 from qeffect.graphs.handshake import git_revision
-from qeffect.graphs.stats import GraphStats
+from qeffect.graphs.manager import GraphManager
 from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, schedule_of
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.verify.state import synthetic_batches
@@ -45,72 +43,68 @@ SHRINK = {"model.hidden": 64, "model.ffn": 128, "model.heads": 2, "model.vocab_s
           "model.microbatch_size": 1}
 
 
-class _Stream:
+class _Null:
+    """A stream, event or graph of `NullGraphBackend`: every operation does nothing."""
+
     def wait_stream(self, other: Any) -> None:
         pass
 
+    def wait_event(self, event: Any) -> None:
+        pass
 
-class _Backend:
-    def current_stream(self) -> _Stream:
-        return _Stream()
+    def record(self, *args: Any) -> None:
+        pass
+
+    def replay(self) -> None:
+        pass
+
+
+class NullGraphBackend:
+    """`graphs.manager.GraphBackend` on a CPU with no device work: a capture runs the body once (its outputs
+    become the graph's static outputs) and a replay runs nothing. The real `GraphManager` runs on it, so
+    its replay bookkeeping and input copies are part of what is timed."""
+
+    def new_stream(self) -> _Null:
+        return _Null()
+
+    def current_stream(self) -> _Null:
+        return _Null()
 
     def use_stream(self, stream: Any):
         return nullcontext()
+
+    def graph_pool_handle(self) -> None:
+        return None
+
+    def new_graph(self) -> _Null:
+        return _Null()
+
+    def capture(self, graph: Any, pool: Any, stream: Any):
+        return nullcontext()
+
+    def new_external_event(self) -> _Null:
+        return _Null()
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.no_grad():
+            dst.copy_(src)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass
+
+    def memory_allocated(self) -> int:
+        return 0
+
+    def memory_reserved(self) -> int:
+        return 0
 
     def synchronize(self) -> None:
         pass
 
 
-@dataclass
-class _Action:
-    name: str
-    static_inputs: dict[str, torch.Tensor]
-    outputs: Any
-    replays: int = 0
-
-
-@dataclass
-class NullManager:
-    """The `GraphManager` surface the captured actions use; a replay copies the dynamic inputs (as the real
-    manager does before `graph.replay()`) and runs nothing."""
-
-    stream: _Stream = field(default_factory=_Stream)
-    backend: _Backend = field(default_factory=_Backend)
-    actions: dict[str, _Action] = field(default_factory=dict)
-    stats: GraphStats = field(default_factory=lambda: GraphStats(protocol="stream-ordered"))
-
-    def capture(self, name: str, fn, *, static_inputs, warmup: int = 0, private_pool: bool = False) -> _Action:
-        action = _Action(name, dict(static_inputs), fn())
-        self.actions[name] = action
-        self.stats.record_capture(name, 0.0, 0, 0, 0, 0)
-        return action
-
-    def dry_capture(self, fn):
-        return fn()
-
-    def replay(self, action: _Action, dynamic: dict[str, torch.Tensor] | None = None) -> Any:
-        with torch.no_grad():
-            for k, v in (dynamic or {}).items():
-                action.static_inputs[k].copy_(v)
-        action.replays += 1
-        self.stats.record_replay(0)
-        return action.outputs
-
-    @contextmanager
-    def capturing_on(self, stream: Any):
-        yield
-
-    def mark_step(self) -> int:
-        self.stats.mark_step(0)
-        return 0
-
-    def persistent_growth_per_step(self) -> float:
-        return 0.0
-
-
 def build(cfg) -> SingleProcessPipeline:
-    """The captured-direct pipeline of `cfg` on the CPU with `NullManager`."""
-    mgr = NullManager()
+    """The captured-direct pipeline of `cfg` on the CPU, its graph manager on `NullGraphBackend`."""
+    mgr = GraphManager("cpu", protocol="stream-ordered", backend=NullGraphBackend())
     schedule = schedule_of(cfg)
     chunks = build_chunks_for(cfg, "cpu")
     ranks = [build_rank(cfg, schedule, r, chunks, native=False, direct=True, manager=mgr) for r in range(schedule.pp)]
