@@ -383,7 +383,7 @@ def test_te_anchors_on_cuda(capsys, tmp_path) -> None:
     text = (Path(__file__).parents[1] / "src/qeffect/configs/tiny.toml").read_text()
     cfg.write_text(text.replace('backend = "reference"', 'backend = "te"').replace('device = "cpu"', 'device = "cuda"'))
     out = tmp_path / "r.json"
-    rc, _, _ = run(capsys, "profile", "--config", str(cfg), "--steps", "3", "--warmup", "2",
+    rc, _, _ = run(capsys, "profile", "--config", str(cfg), "--steps", "3", "--warmup", "2", "--rounds", "1",
                    "--configs", "te-graphed,te-graphed-model,te-graphed-mcore", "--json", str(out))
     assert rc == 0
     report = ProfileReport.model_validate_json(out.read_text())

@@ -339,6 +339,7 @@ def _run(args: argparse.Namespace, result: dict[str, Any], save: Any) -> None:
         result["steps_completed"] = step + 1
         save()
     result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()  # `qeffect profile`'s megatron-graphs row
+    result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     result["stage"] = "done"
 
 

@@ -154,13 +154,15 @@ _IN_GRAPH = (f"inside a CUDA graph of up to {MAX_CALLS_PER_GRAPH} calls (about {
              "replayed back to back")
 GRAPH_METHOD = _IN_GRAPH + ", device events: no launch cost"
 GRAPH_KERNEL_METHOD = (_IN_GRAPH + ": the lesser of the device-event time per call and the profiled kernel time "
-                       "per call (no launch cost, no gaps)")
+                       "per call, each kernel at its fastest traced run (no launch cost, no gaps)")
 EAGER_METHOD = "eager back-to-back calls (no CUDA device: host timing, not a device lower bound)"
 
 
-def _replay_kernel_seconds(graph: torch.cuda.CUDAGraph, replays: int, device: torch.device) -> float | None:
-    """Summed device kernel time of `replays` replays under `torch.profiler` (None: nothing traced, or no
-    profiler here). Kineto events are read as `profile.trace` reads them (not imported: trace is above)."""
+def _replay_kernel_seconds(graph: torch.cuda.CUDAGraph, replays: int, calls: int, device: torch.device) -> float | None:
+    """Device kernel time per call of `replays` replays of a graph of `calls` calls under `torch.profiler`,
+    each kernel (by name) at the shortest duration it was traced at: a lower bound, since a call's kernels
+    never run faster than their fastest observed run (None: nothing traced, or no profiler here). Kineto
+    events are read as `profile.trace` reads them (not imported: trace is above)."""
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -168,18 +170,22 @@ def _replay_kernel_seconds(graph: torch.cuda.CUDAGraph, replays: int, device: to
             for _ in range(replays):
                 graph.replay()
             torch.cuda.synchronize(device)
-        ns, kernels = 0, 0
+        fastest: dict[str, int] = {}
+        count: dict[str, int] = {}
         for ev in prof.profiler.kineto_results.events():
             if ev.device_type() != torch.autograd.DeviceType.CUDA or ev.name().startswith(("[", "Memcpy", "Memset")):
                 continue
             activity = getattr(ev, "activity_type", lambda: None)()
             if activity not in (None, "kernel") or getattr(ev, "is_user_annotation", lambda: False)():
                 continue
-            ns += ev.end_ns() - ev.start_ns()
-            kernels += 1
+            name, ns = ev.name(), ev.end_ns() - ev.start_ns()
+            fastest[name] = min(fastest.get(name, ns), ns)
+            count[name] = count.get(name, 0) + 1
     except Exception:  # no CUPTI, or a profiler that cannot trace graph kernels: the event time stands
         return None
-    return ns * 1e-9 if kernels else None
+    if not fastest:
+        return None
+    return sum(fastest[n] * count[n] for n in fastest) * 1e-9 / (replays * calls)
 
 
 def time_in_graph(fn: Callable[[], object], device: torch.device, *, target_seconds: float,
@@ -191,7 +197,7 @@ def time_in_graph(fn: Callable[[], object], device: torch.device, *, target_seco
     launches and synchronizations stay outside the interval: a lower bound of what the call costs inside
     a captured step. `kernel_time`: also profile a few replays and take the lesser of the two per call (the
     event time holds the small gaps between the graph's kernels; a GEMM's floor must not exceed its kernel's
-    time in a traced step). Elsewhere: `time_call` (eager), said so in the method.
+    time in a traced step, so the traced time counts each kernel at its fastest run). Elsewhere: `time_call` (eager), said so in the method.
     """
     if device.type != "cuda":
         seconds, reps = time_call(fn, device, target_seconds=target_seconds, min_samples=min_samples,
@@ -230,9 +236,9 @@ def time_in_graph(fn: Callable[[], object], device: torch.device, *, target_seco
         spent += dt
     seconds, method = statistics.median(samples), GRAPH_METHOD
     if kernel_time:
-        traced = _replay_kernel_seconds(graph, replays, device)
+        traced = _replay_kernel_seconds(graph, replays, calls, device)
         if traced is not None:
-            seconds, method = min(seconds, traced / (replays * calls)), GRAPH_KERNEL_METHOD
+            seconds, method = min(seconds, traced), GRAPH_KERNEL_METHOD
     del graph
     return seconds, len(samples) * replays * calls, method
 

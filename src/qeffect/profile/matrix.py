@@ -448,8 +448,9 @@ def megatron_round(result: ConfigResult, megatron: Any) -> None:
     result.spread = Spread.of(result.step_seconds)
     result.median_step_seconds = result.spread.median
     result.peak_allocated_bytes = run.peak_allocated_bytes
+    result.peak_reserved_bytes = run.peak_reserved_bytes
     result.setup_seconds = run.setup_seconds
-    result.memory_note = "peak: the child process's torch.cuda.max_memory_allocated"
+    result.memory_note = "peak: the child process's torch.cuda.max_memory_allocated (and _reserved)"
 
 
 def merge_rounds(rounds: Sequence[ConfigResult]) -> ConfigResult:

@@ -62,6 +62,7 @@ class ModeRun:
     finished: bool
     step_seconds: list[float] = field(default_factory=list)
     peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
     setup_seconds: float | None = None  # child start to the end of its first timed-out step: capture included
     reason: str | None = None
 
@@ -112,10 +113,10 @@ def mode_run_of(mode: str, data: dict[str, Any], returncode: int | None, output:
     times = [float(x) * 1e-3 for x in data.get("step_times_ms", [])]
     if len(times) <= skip:
         return ModeRun(mode, False, reason=f"{len(times)} steps recorded, {skip} untimed")
-    peak = data.get("peak_allocated_bytes")
+    peak, reserved = data.get("peak_allocated_bytes"), data.get("peak_reserved_bytes")
     setup = wall - sum(times[skip:]) if wall is not None else None
     return ModeRun(mode, True, step_seconds=times[skip:], peak_allocated_bytes=int(peak) if peak else None,
-                   setup_seconds=setup)
+                   peak_reserved_bytes=int(reserved) if reserved else None, setup_seconds=setup)
 
 
 class MegatronGraphs:
