@@ -1,5 +1,5 @@
 """Staged weight-gradient accumulation, A/B in one process: captured direct placement with each stage's
-staging depth bounded by its live tape bound K (`pipeline.wgrad_staging_by_liveness`, the default), with
+staging depth bounded by its live tape bound K (`pipeline.wgrad_staging_by_liveness = true`), with
 every stage at `pipeline.wgrad_staging` (a graph per staging slot and fold), bounded by liveness at depth
 at most 2, and unstaged (each dW added into the fp32 gradient as it comes).
 

@@ -144,7 +144,8 @@ def fake_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 BASE = {"model.vocab_size": 64, "model.hidden": 16, "model.ffn": 32, "model.heads": 2, "model.seq_len": 8,
-        "model.microbatch_size": 1, "pipeline.pp": 2, "pipeline.chunks_per_rank": 2, "fp8.amax_history_len": 2}
+        "model.microbatch_size": 1, "pipeline.pp": 2, "pipeline.chunks_per_rank": 2, "fp8.amax_history_len": 2,
+        "pipeline.wgrad_staging_by_liveness": True}
 
 
 @pytest.mark.parametrize(("schedule", "microbatches", "path", "staging"), [

@@ -19,7 +19,8 @@ BACKENDS = ["reference", pytest.param("te", marks=pytest.mark.skipif(not te_avai
 
 def _cfg(backend: str, schedule: str, microbatches: int = 16):
     over = {"train.device": "cuda", "train.dtype": "bfloat16", "fp8.backend": backend,
-            "pipeline.schedule": schedule, "pipeline.microbatches": microbatches, "fp8.amax_history_len": 4}
+            "pipeline.schedule": schedule, "pipeline.microbatches": microbatches, "fp8.amax_history_len": 4,
+            "pipeline.wgrad_staging_by_liveness": True}  # staging bounded by liveness too
     if backend == "te":  # TE's FP8 GEMMs want multiples of 16
         over.update({"model.hidden": 128, "model.ffn": 256, "model.heads": 4, "model.seq_len": 32,
                      "model.vocab_size": 512})

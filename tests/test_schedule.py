@@ -487,7 +487,8 @@ def test_dw_in_order_selects_the_accumulating_arena() -> None:
     assert not dw_in_order(swapped, 0)
     pipe = build_single_process(cfg.with_overrides(**{"pipeline.wgrad_staging": 0}), native=False)
     assert all(r.arena.accumulate and r.arena.staging == 0 for r in pipe.ranks)
-    staged = build_single_process(cfg, native=False)  # staging slots (fp32 for the reference) on top
+    staged = build_single_process(cfg.with_overrides(**{"pipeline.wgrad_staging_by_liveness": True}),
+                                  native=False)  # staging slots (fp32 for the reference) on top
     # each stage stages at the depth that follows its chains: the largest divisor of its K up to the setting
     slots, mb = slots_for(staged.schedule), cfg.pipeline.microbatches
     for r in staged.ranks:

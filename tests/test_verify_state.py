@@ -68,7 +68,7 @@ def test_staged_accumulation_with_a_partial_group_is_bitwise_equal(schedule: str
                         lambda self, p, block, count, init: (deferred.append((count, init)),
                                                              fold_into(self, p, block, count, init)))
     cfg = load_config().with_overrides(**{"pipeline.schedule": schedule, "pipeline.microbatches": 6,
-                                          "pipeline.wgrad_staging": 4})
+                                          "pipeline.wgrad_staging": 4, "pipeline.wgrad_staging_by_liveness": True})
     report = run_verify_state(cfg, steps=3)
     assert report.passed, report.first_divergence
     assert all(c.mismatches == 0 and c.compared > 0 for c in report.categories)

@@ -97,11 +97,11 @@ class PipelineConfig(_Strict):
         "it comes). Used when every stage runs dW in microbatch order; same bits either way, fewer memory "
         "passes, more memory.")
     wgrad_staging_by_liveness: bool = Field(
-        True, description="Direct placement: each stage stages at the largest divisor of its live tape bound "
+        False, description="Direct placement: each stage stages at the largest divisor of its live tape bound "
         "K (schedule liveness) up to wgrad_staging, so that staging adds no captured graphs and its slots "
-        "shrink with K (less memory, a fold pass every K microbatches). Off: every stage stages at "
-        "wgrad_staging, and each staging slot and fold gets graphs of its own (more graphs and memory, "
-        "fewer fold passes). Same bits either way.")
+        "shrink with K: less memory, a fold pass every K microbatches (h4096 on the H200: peak 27.4 -> 18.6 "
+        "GiB, step 25.8 -> 31.6 ms). Off: every stage stages at wgrad_staging, and each staging slot and fold "
+        "gets graphs of its own. Same bits either way.")
 
     @property
     def num_stages(self) -> int:
