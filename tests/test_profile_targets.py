@@ -358,9 +358,10 @@ def test_megatron_graphs_runs_the_fastest_mode_that_finished() -> None:
     assert shape["layers"] == cfg.model.layers_per_chunk * cfg.pipeline.pp * cfg.pipeline.chunks_per_rank
     # the child's JSON: capture steps left out, milliseconds to seconds, peak memory
     data = {"status": "finished", "step_times_ms": [900.0, 50, 50, 40, 10.0, 12.0, 11.0],
-            "peak_allocated_bytes": 123}
+            "peak_allocated_bytes": 123, "peak_reserved_bytes": 456}
     m = mode_run_of("local", data, 0, "", skip=4)
     assert m.finished and m.step_seconds == [0.010, 0.012, 0.011] and m.peak_allocated_bytes == 123
+    assert m.peak_reserved_bytes == 456
     failed = mode_run_of("full_iteration", {"status": "failed", "failure": {"type": "RuntimeError", "message": "boom",
                                                                             "stage": "step 3"}}, 3, "", skip=4)
     assert not failed.finished and failed.reason == "RuntimeError: boom (at step 3)"
