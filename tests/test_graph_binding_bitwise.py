@@ -209,3 +209,13 @@ def test_a_fold_with_the_wrong_mode_is_caught(fake_graphs, monkeypatch: pytest.M
     cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 8, "pipeline.wgrad_staging": 8})
     report = run_verify_state(cfg, steps=2, path="captured-direct")
     assert not report.passed
+
+
+def test_each_rank_captures_the_graphs_its_plan_counts() -> None:
+    """`QEffectRank.captured_graphs` (distinct graphs its actions replay) is its plan's count on every rank,
+    and the ranks' counts add up to the manager's captures."""
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 8})
+    pipe = _fake_captured_build(None)(cfg, native=False, path="captured-direct")
+    counts = [r.captured_graphs() for r in pipe.ranks]
+    assert counts == [r.planned_graphs() for r in pipe.ranks] and sum(counts) == len(pipe.manager.actions)
+    assert len(set(counts)) > 1  # the ranks differ (K per stage), so a per-rank average would not do

@@ -70,9 +70,7 @@ def run_capture(cfg: RunConfig, *, path: str = "captured-direct", steps: int = 5
     planned = sum(r.planned_graphs() for r in pipe.ranks)
     expected = max(r.planned_graphs() for r in pipe.ranks)
     growth = mgr.persistent_growth_per_step()
-    # the busiest rank's graphs (its chunks' graph names start with `s<stage>.`), as the plan counts them
-    tags = [{f"s{s}" for s in r.chunks} for r in pipe.ranks]
-    per_rank = max(sum(name.split(".", 1)[0] in t for name in mgr.actions) for t in tags)
+    per_rank = max(r.captured_graphs() for r in pipe.ranks)  # the busiest rank, as the plan counts it
     return CaptureReport(
         config=cfg.model_dump(), path=path, schedule=p.schedule, backend=cfg.fp8.backend,
         device_name=torch.cuda.get_device_name(), torch_version=torch.__version__,

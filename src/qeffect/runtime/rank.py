@@ -303,6 +303,11 @@ class QEffectRank(BaseRank):
         """Graphs this rank's captured actions capture (`graphs.binding`); 0 on the eager path."""
         return sum(a.plan.graph_count for a in self.actions.values() if getattr(a, "plan", None) is not None)
 
+    def captured_graphs(self) -> int:
+        """Distinct graphs this rank's captured actions replay (microbatches of one chain share theirs)."""
+        return len({id(g) for a in self.actions.values() for sg in getattr(a, "slots", {}).values()
+                    for g in (sg.F, sg.dI, sg.dW) if g is not None})
+
     def matrix_grad_prefix(self, stage: int, upto: int) -> dict[str, torch.Tensor]:
         """Microbatch gradients 0..upto of a stage summed in fixed order (what `.grad` holds in the reference).
 
