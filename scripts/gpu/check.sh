@@ -15,6 +15,9 @@
 #   profile-h2048-te, profile-h2048-reference, profile-h4096-te, profile-h4096-reference
 #                    one qeffect profile matrix each (benchmarks/profile_matrix.py): every configuration
 #                    in 3 interleaved rounds, judged by examples/targets/h200.toml                (~6-9 min)
+#   offload-long     the capped h4096-long pair (scripts/offload_cap_check.py: no offload refused under the cap,
+#                    release trains 20 steps bitwise equal to an uncapped run without offload), then
+#                    offload_bench.py off / release at h4096-long, one after the other in one process    (~6-8 min)
 #   resources-h4096  the --microbatches 2,4,8,16 analysis of h4096 te (graphs, arena against M), then
 #                    scripts/step_gaps.py on the h4096 te step                                  (~5 min)
 #   rank-streams     benchmarks/rank_streams_ab.py: runtime.rank_streams on/off at h2048 and h4096 (~6 min)
@@ -35,13 +38,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab multi multi-timing megatron)" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|profile-llama-h2048-te|staging-ab|multi|multi-timing|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab multi multi-timing megatron" >&2
+tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|profile-llama-h2048-te|staging-ab|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -123,6 +126,15 @@ offload)
     done
     step offload-h4096-interleaved 200 python3 benchmarks/offload_bench.py --config $H4096 --schedule interleaved \
         --steps 30 --interleave 2 --out "$OUT/offload-bench-h4096-interleaved.json"
+    ;;
+offload-long)
+    LONG=examples/configs/h4096-long.toml
+    step offload-cap-h4096-long 420 python3 scripts/offload_cap_check.py --config $LONG --steps 20 --dir "$tmp/cap" \
+        --json "$OUT/offload-cap-h4096-long.json"
+    rm -rf "$tmp/cap"  # two checkpoints of the 1B-parameter model
+    # sequential: each mode built after the last one's memory is gone (both at once may not fit one GPU)
+    step offload-h4096-long 300 python3 benchmarks/offload_bench.py --config $LONG --modes off,release --steps 10 \
+        --warmup 2 --out "$OUT/offload-bench-h4096-long.json"
     ;;
 profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference)
     # writes profile-<shape>-<backend>-<gpu>.json; figures afterwards: qeffect profile --report FILE --plot DIR

@@ -1,0 +1,123 @@
+"""Offload that pays, under a memory cap: the capped `h4096-long` pair on one GPU.
+
+    source .gpu-kit/setup.sh
+    python3 scripts/offload_cap_check.py --config examples/configs/h4096-long.toml --steps 20 \
+        --dir /tmp/cap --json $OUT/offload-cap-h4096-long.json
+
+Four `qeffect train` runs, each in its own process (a cap is per process, and a refused run must not
+leave memory behind for the next):
+
+1. uncapped, no offload (`train.memory_fraction = 0`), a checkpoint at the last step: the reference;
+2. uncapped, `offload.mode = release`: its peak places the cap;
+3. capped, no offload: must stop with the one-line refusal and a nonzero status;
+4. capped, `release`: must train every step, its last checkpoint bitwise equal to run 1's.
+
+The cap is the config's own `train.memory_fraction` when it lies between run 2's and run 1's peaks on
+this device (so that on the GPU the config was written for, that is what is checked); on another GPU it
+is the fraction halfway between the two peaks, and the report says so. Peaks are torch's allocated
+bytes (`summary.json`), which the caching allocator's cap bounds from above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from qeffect.checkpoint import diff_checkpoints
+from qeffect.config import load_config
+from qeffect.graphs.handshake import git_revision
+
+REFUSAL_MARK = "does not fit in"
+
+
+def train(config: str, steps: int, out: Path, sets: list[str], checkpoint: bool) -> dict:
+    """One `qeffect train` process; its status, wall time, last lines and summary (None if it wrote none)."""
+    cmd = [sys.executable, "-m", "qeffect", "train", "-c", config, "--steps", str(steps), "--out", str(out),
+           "--set", "train.eval_every=0"]
+    if checkpoint:
+        cmd += ["--checkpoint-every", str(steps)]
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    summary = out / "summary.json"
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    print(f"== {' '.join(cmd[3:])}: rc={p.returncode} in {wall:.0f} s; last: {lines[-1] if lines else ''}", flush=True)
+    return {"command": " ".join(["python3"] + cmd[1:]), "returncode": p.returncode, "wall_s": wall,
+            "last_lines": lines[-4:], "summary": json.loads(summary.read_text()) if summary.exists() else None}
+
+
+def peak(run: dict) -> int | None:
+    s = run["summary"]
+    return None if s is None else s.get("peak_allocated_bytes")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="examples/configs/h4096-long.toml")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dir", required=True, help="scratch folder for the four run folders and checkpoints")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    cfg = load_config(a.config)
+    total = torch.cuda.get_device_properties(0).total_memory
+    root = Path(a.dir)
+    report: dict = {"kind": "offload-cap", "command": " ".join(["python3"] + sys.argv),
+                    "git_revision": git_revision() or "unknown", "device": torch.cuda.get_device_name(0),
+                    "torch": torch.__version__, "config": a.config, "steps": a.steps, "total_bytes": total}
+    runs = report["runs"] = {}
+    runs["uncapped-off"] = train(a.config, a.steps, root / "off", ["train.memory_fraction=0", "offload.mode=\"off\""],
+                                 checkpoint=True)
+    runs["uncapped-release"] = train(a.config, a.steps, root / "release",
+                                     ["train.memory_fraction=0", "offload.mode=\"release\""], checkpoint=False)
+    p_off, p_rel = peak(runs["uncapped-off"]), peak(runs["uncapped-release"])
+    if p_off is None or p_rel is None:
+        report["verdict"] = "an uncapped run failed: no cap to place"
+        Path(a.json).write_text(json.dumps(report, indent=1))
+        print(report["verdict"])
+        return 1
+    own = cfg.train.memory_fraction
+    if own and p_rel < own * total < p_off:
+        fraction, why = own, "the config's own train.memory_fraction (between the two uncapped peaks here)"
+    else:
+        fraction = round((p_off + p_rel) / 2 / total, 4)
+        why = (f"halfway between the two uncapped peaks (the config's {own} = {own * total / 2**30:.1f} GiB does "
+               f"not lie between {p_rel / 2**30:.1f} and {p_off / 2**30:.1f} GiB on this device)")
+    report["cap"] = {"fraction": fraction, "bytes": int(fraction * total), "why": why,
+                     "uncapped_off_peak_bytes": p_off, "uncapped_release_peak_bytes": p_rel}
+    print(f"cap: {fraction} of {total / 2**30:.1f} GiB = {fraction * total / 2**30:.1f} GiB: {why}", flush=True)
+    runs["capped-off"] = train(a.config, a.steps, root / "capped-off",
+                               [f"train.memory_fraction={fraction}", "offload.mode=\"off\""], checkpoint=False)
+    runs["capped-release"] = train(a.config, a.steps, root / "capped-release",
+                                   [f"train.memory_fraction={fraction}", "offload.mode=\"release\""], checkpoint=True)
+    off = runs["capped-off"]
+    refused = off["returncode"] != 0 and any(REFUSAL_MARK in ln for ln in off["last_lines"])
+    rel = runs["capped-release"]
+    trained = rel["returncode"] == 0 and rel["summary"] is not None
+    diff = None
+    if trained:
+        d = diff_checkpoints(root / "off" / "checkpoints", root / "capped-release" / "checkpoints")  # each one's latest
+        diff = {"identical": d.identical, "tensors_compared": d.tensors_compared,
+                "tensors_differing": [t.model_dump() for t in d.tensors_differing][:10],
+                "state_differences": d.state_differences}
+    report["capped_off_refused"] = refused
+    report["capped_release_trained"] = trained
+    report["capped_release_vs_uncapped_off"] = diff
+    ok = refused and trained and diff is not None and diff["identical"]
+    report["passed"] = ok
+    Path(a.json).write_text(json.dumps(report, indent=1))
+    print(f"capped no-offload refused in one line: {refused}; capped release trained {a.steps} steps: {trained}; "
+          f"bitwise equal to the uncapped run without offload: {diff['identical'] if diff else None} "
+          f"({diff['tensors_compared'] if diff else 0} tensors) -> {'passed' if ok else 'FAILED'}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
