@@ -17,6 +17,8 @@ from qeffect.profile.memory import (
     add_native_ratios,
     count_steady,
     graph_pool_bytes,
+    graph_pools,
+    pool_bytes_from_segments,
     split_peak,
     transient_grad_bytes,
 )
@@ -86,6 +88,29 @@ def test_graph_pools_split_forward_from_backward_graphs() -> None:
 
     assert graph_pool_bytes([act("s0.F0", 10, 20), act("s0.F4", 5), act("s1.dI0", 7, 8),
                              act("s1.dW3", 3)]) == (15, 10, 28)
+
+
+def test_graph_pools_are_counted_from_the_allocator_snapshot_by_blocks_in_use() -> None:
+    """A capture that frees memory allocated before it (a warm-up's tapes) adds a negative net to the
+    allocated bytes; the snapshot counts what the pool holds: its blocks in use, not those another
+    category already counted, nothing of other pools or of the default one."""
+    def seg(pool, *blocks):
+        return {"segment_pool_id": pool, "blocks": [{"address": a, "size": n, "state": st} for a, n, st in blocks]}
+
+    segments = [seg((0, 1), (100, 64, "active_allocated"), (164, 32, "inactive"), (196, 8, "active_allocated")),
+                seg((0, 2), (300, 16, "active_allocated"), (316, 4, "active_awaiting_free")),
+                seg((0, 0), (500, 1000, "active_allocated")),  # the default pool: tensors outside graphs
+                seg((0, 9), (900, 7, "active_allocated"))]     # a pool no capture of ours made
+    pools = {(0, 1): "activations", (0, 2): "graph_pools"}
+    assert pool_bytes_from_segments(segments, pools, counted=set()) == {"activations": 72, "graph_pools": 16}
+    assert pool_bytes_from_segments(segments, pools, counted={196, 300}) == {"activations": 64}
+
+    def act(name: str, pool):
+        return SimpleNamespace(name=name, pool=pool)
+
+    assert graph_pools([act("s0.F0", (0, 1)), act("s0.dI0", (0, 2)), act("s0.dW0", (0, 2)), act("s1.F1", (0, 3)),
+                        act("opt", (0, 3)), act("s2.F0", object()), act("s2.F1", None)]) == {
+        (0, 1): "activations", (0, 2): "graph_pools", (0, 3): "graph_pools"}
 
 
 def test_native_ratio_uses_native_eager_of_the_same_report() -> None:

@@ -174,6 +174,7 @@ class CapturedAction:
     memory_allocated_after: int
     memory_reserved_before: int
     memory_reserved_after: int
+    pool: Any = None  # the memory pool its capture allocated from (private or the manager's shared one)
     replays: int = field(default=0)
 
 
@@ -251,7 +252,8 @@ class GraphManager:
         action = CapturedAction(name=name, graph=graph, static_inputs=dict(static_inputs), outputs=outputs,
                                 tail_event=tail, capture_seconds=seconds,
                                 memory_allocated_before=allocated_before, memory_allocated_after=allocated_after,
-                                memory_reserved_before=reserved_before, memory_reserved_after=reserved_after)
+                                memory_reserved_before=reserved_before, memory_reserved_after=reserved_after,
+                                pool=pool)
         self.actions[name] = action
         self.stats.record_capture(name, seconds, allocated_before, reserved_before, allocated_after, reserved_after)
         return action

@@ -14,9 +14,12 @@ The steady bytes are attributed by walking the objects that own them, each stora
 this order: ``parameters`` (every chunk's parameters), ``optimizer_state`` (the optimizers' state
 tensors), ``gradients`` (the arena's regions, views and staging slots, the captured dI graphs' fixed
 non-matrix gradient buffers and the token table's row accumulator, any ``.grad`` still set), ``fp8``
-(the FP8 scaling state and every cached FP8 weight), then the CUDA graphs' private pools by the
-allocations each capture made (``activations`` for the F graphs, whose pools hold what the forward saves
-for backward; ``graph_pools`` for dI and dW, which hold the retained dW work and the outputs). The
+(the FP8 scaling state and every cached FP8 weight), then the CUDA graphs' memory pools by the blocks
+in use in each pool's segments, from the allocator's snapshot, less those backing a storage already
+counted (``activations`` for the F graphs, whose pools hold what the forward saves for backward;
+``graph_pools`` for dI and dW, which hold the retained dW work and the outputs). Without a snapshot (a
+fake backend) a pool is counted by what its captures added to the allocated bytes; that net figure
+misleads where a capture frees memory allocated before it (a warm-up's tapes). The
 transient bytes go to ``activations`` on a path without graphs (autograd's saved tensors), less the
 gradients such a path allocates per step (native eager's ``.grad`` of every parameter, counted under
 ``gradients``; they exist from a stage's first backward to the commit, so at the peak of a 1F1B step),
@@ -101,7 +104,7 @@ class StorageCounter:
     """Bytes of distinct storages, by category, in the order categories are filled (first one wins)."""
 
     def __init__(self) -> None:
-        self.seen: set[tuple[str, int]] = set()
+        self.seen: set[tuple[str, int]] = set()  # (device, storage address)
         self.bytes: dict[str, int] = {}
 
     def add(self, category: str, tensors: Iterable[Any]) -> None:
@@ -132,11 +135,52 @@ def graph_pool_bytes(actions: Iterable[Any]) -> tuple[int, int, int]:
     for a in actions:
         grew = a.memory_allocated_after - a.memory_allocated_before
         reserved += a.memory_reserved_after - a.memory_reserved_before
-        if a.name.rsplit(".", 1)[-1].startswith("F"):
+        if pool_category(a.name) == "activations":
             forward += grew
         else:
             backward += grew
     return forward, backward, reserved
+
+
+def pool_category(name: str) -> str:
+    """`activations` for a forward graph (names end in `.F<n>`), `graph_pools` for any other."""
+    return "activations" if name.rsplit(".", 1)[-1].startswith("F") else "graph_pools"
+
+
+def pool_bytes_from_segments(segments: Iterable[dict], pools: dict[tuple[int, int], str],
+                             counted: set[int]) -> dict[str, int]:
+    """Bytes in use in the graphs' pools by category, from an allocator snapshot (`segments`, as
+    `torch.cuda.memory_snapshot()` gives them): every allocated block of a segment that a pool in `pools`
+    owns, except blocks at an address in `counted` (a storage another category already holds)."""
+    out: dict[str, int] = {}
+    for seg in segments:
+        category = pools.get(tuple(seg.get("segment_pool_id", ())))
+        if category is None:
+            continue
+        for block in seg.get("blocks", ()):
+            if block.get("state") == "active_allocated" and block.get("address") not in counted:
+                out[category] = out.get(category, 0) + int(block["size"])
+    return out
+
+
+def graph_pools(actions: Iterable[Any]) -> dict[tuple[int, int], str]:
+    """Each capture's pool and its category; a pool shared by forward and other graphs is `graph_pools`."""
+    pools: dict[tuple[int, int], str] = {}
+    for a in actions:
+        pool = getattr(a, "pool", None)
+        if not isinstance(pool, tuple):  # torch's pool handles are (int, int); a fake backend's are not
+            continue
+        key, category = pool, pool_category(a.name)
+        pools[key] = category if pools.get(key, category) == category else "graph_pools"
+    return pools
+
+
+def _allocator_segments(manager: Any) -> list[dict] | None:
+    """The allocator's snapshot of the manager's CUDA device; None for a backend off CUDA (a fake)."""
+    device = getattr(manager.backend, "device", None)
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        return None
+    return [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", device.index) in (device.index, None)]
 
 
 def count_steady(ranks: Sequence[Any], manager: Any | None) -> tuple[dict[str, int], int]:
@@ -167,6 +211,11 @@ def count_steady(ranks: Sequence[Any], manager: Any | None) -> tuple[dict[str, i
     reserved = 0
     if manager is not None:
         forward, backward, reserved = graph_pool_bytes(manager.actions.values())
+        segments = _allocator_segments(manager)
+        pools = graph_pools(manager.actions.values())
+        if segments is not None and pools:
+            by_pool = pool_bytes_from_segments(segments, pools, {ptr for _, ptr in c.seen})
+            forward, backward = by_pool.get("activations", 0), by_pool.get("graph_pools", 0)
         counted["activations"] = counted.get("activations", 0) + forward
         counted["graph_pools"] = counted.get("graph_pools", 0) + backward
     return counted, reserved
