@@ -180,7 +180,8 @@ def _allocator_segments(manager: Any) -> list[dict] | None:
     device = getattr(manager.backend, "device", None)
     if not isinstance(device, torch.device) or device.type != "cuda":
         return None
-    return [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", device.index) in (device.index, None)]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index]
 
 
 def count_steady(ranks: Sequence[Any], manager: Any | None) -> tuple[dict[str, int], int]:
