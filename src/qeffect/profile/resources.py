@@ -93,7 +93,7 @@ def rank_arenas(schedule: Schedule, specs: dict[int, dict[str, Spec]], depths: d
         accumulate = dw_in_order(schedule, rank)
         dtypes = {n: staging_dtype for n in rank_specs} if staging_dtype is not None else None
         out.append(GradientArena(rank_specs, schedule.microbatches, device="meta", accumulate=accumulate,
-                                 staging=staging if accumulate and any(staging.values()) else 0,
+                                 staging=staging if accumulate else 0,
                                  staging_dtypes=dtypes, defer_last_fold=True))
     return out
 

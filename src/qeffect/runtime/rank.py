@@ -223,7 +223,7 @@ class QEffectRank(BaseRank):
                 act = activation[1] if activation is not None else p.dtype
                 staging_dtypes[name] = lin.wgrad_dtype(act) if direct else p.dtype
         self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena",
-                                   accumulate=accumulate, staging=depths if accumulate and any(depths.values()) else 0,
+                                   accumulate=accumulate, staging=depths if accumulate else 0,
                                    staging_dtypes=staging_dtypes, reduce=fold_staged, reduce_gated=fold_staged_gated,
                                    defer_last_fold=True)  # the commit's AdamW folds the last group
         self.reductions = reductions or ReductionTracker()
