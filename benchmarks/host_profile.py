@@ -13,7 +13,8 @@ time, which is what the host spends in CUDA and in torch's C++ for them.
 
 The report (`host-profile-<config>-<backend>-<rev>-<device>.json`) has, per variant, the unprofiled host
 queue time per step and the top functions by own time, per step. cProfile slows Python functions; the
-unprofiled time is the number to compare against the GPU step.
+unprofiled time is the number to compare against the GPU step. The whole profile of each variant is
+written beside it (`host-profile-<config>-<variant>.prof`, for `pstats`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def top_functions(prof: cProfile.Profile, steps: int, top: int) -> list[dict[str
 
 
 def profile_variant(cfg, device: torch.device, *, path: str, schedule: str, steps: int, warmup: int,
-                    top: int) -> dict[str, Any]:
+                    top: int, dump: Path | None = None) -> dict[str, Any]:
     spec = ConfigSpec(path, path, path=path, schedule=schedule)
     runner = PipelineRunner(cfg, device, spec)
     host: list[float] = []
@@ -81,6 +82,8 @@ def profile_variant(cfg, device: torch.device, *, path: str, schedule: str, step
         prof.disable()
         profiled.append(time.perf_counter() - t)
         _sync(device)
+    if dump is not None:  # the whole profile, for `pstats` (callers and callees)
+        prof.dump_stats(dump)
     replays, handoffs = runner.counters()
     del runner
     release_memory(device)
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, on in VARIANTS:
             c = cfg.with_overrides(**{"runtime.rank_streams": on})
             variants[name] = profile_variant(c, device, path=a.path, schedule=a.schedule, steps=a.steps,
-                                             warmup=a.warmup, top=a.top)
+                                             warmup=a.warmup, top=a.top,
+                                             dump=Path(a.out) / f"host-profile-{stem}-{name}.prof")
             v = variants[name]
             print(f"[{stem}] {name}: host {v['host_median_seconds'] * 1e3:.2f} ms, step "
                   f"{v['median_step_seconds'] * 1e3:.2f} ms (host/step {v['host_gpu_step_ratio']:.2f}); "

@@ -484,3 +484,35 @@ def test_graphed_step_is_bitwise_the_eager_step_with_folds_and_casts():
     # step 0 initializes the state, 1 is the first key, 2 captures (and replays), 3-5 replay; the new lr at
     # 6 runs eagerly, 7 captures it
     assert (graphed.graph_captures, graphed.graph_replays) == (2, 5)
+
+
+def test_the_graph_key_names_every_address_and_refuses_what_the_pass_does_not_cover(monkeypatch):
+    """`_work_key` (built by the host every step): the addresses of each live parameter, gradient and state
+    tensor, so a moved gradient gives another key; None (no graph) for a state not yet made, a tensor the
+    pass does not cover, a group option it does not take, or a group without gradients."""
+    monkeypatch.setattr(adamw, "_kernel", lambda: object())
+    monkeypatch.setattr(adamw, "_fp32_contiguous_cuda", lambda t: t.dtype == torch.float32 and t.is_contiguous())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    params, opt = _run(torch.optim.AdamW, [(4, 3), (5,)], 1, "cpu", 0.0)
+    opt.__class__ = TritonAdamW  # the state torch's step made, read as TritonAdamW's
+    opt.tensor_lr, opt._folds, opt._lazy, opt._casts = False, {}, {}, {}
+    key = opt._work_key()
+    st = [opt.state[p] for p in params]
+    assert key == ((3e-4, (0.9, 0.95), 1e-8, 0.0),
+                   *((p.data_ptr(), p.numel(), p.grad.data_ptr(), s["step"].data_ptr(), s["exp_avg"].data_ptr(),
+                      s["exp_avg_sq"].data_ptr()) for p, s in zip(params, st, strict=True)))
+    params[1].grad = params[1].grad.clone()
+    assert opt._work_key() != key
+    params[1].grad = None  # a parameter without a gradient is not part of the step
+    assert len(opt._work_key()) == 2
+    params[0].grad = torch.zeros(3, 4).t()  # not contiguous
+    assert opt._work_key() is None
+    params[0].grad = None
+    assert opt._work_key() is None  # no live parameter
+    params[0].grad = torch.zeros(4, 3)
+    del opt.state[params[0]]["exp_avg"]
+    assert opt._work_key() is None
+    opt.state[params[0]]["exp_avg"] = torch.zeros(4, 3)
+    assert opt._work_key() is not None
+    opt.param_groups[0]["amsgrad"] = True
+    assert opt._work_key() is None

@@ -152,3 +152,33 @@ def test_the_rank_streams_ab_benchmark_interleaves_both_variants(tmp_path, capsy
     assert report["one_stream_over_rank_streams_by_round"] == ratios
     assert report["one_stream_over_rank_streams"] == statistics.median(ratios)
     assert "one-stream / rank-streams" in capsys.readouterr().out
+
+
+def test_the_stream_switch_sets_a_stream_only_where_it_changes_and_restores_it(monkeypatch) -> None:
+    """Inside a step the pipeline knows the current stream: one query at `begin`, a `set_stream` per change
+    (none for a run on the stream already current), the previous stream back on exit (also on an error),
+    and the transport's hand-offs read the known stream; outside a step it is torch's context."""
+    from qeffect.runtime.single import StreamSwitch, _SwitchEvents
+
+    caller, a, b = object(), object(), object()
+    calls: list[object] = []
+    queries: list[object] = []
+    monkeypatch.setattr(torch.cuda, "set_stream", calls.append)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: queries.append(device) or caller)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: ("torch", s))
+    sw = StreamSwitch()
+    events = _SwitchEvents(sw)
+    assert sw.use(a) == ("torch", a)  # outside a step
+    assert sw.begin("dev") is caller and queries == ["dev"]
+    with sw.use(a):
+        assert sw.current is a and events.current_stream("dev") is a
+        with sw.use(a):  # already current: nothing to set
+            pass
+        assert calls == [a]
+    assert sw.current is caller and calls == [a, caller]
+    with pytest.raises(ValueError), sw.use(b):
+        raise ValueError
+    assert sw.current is caller and calls == [a, caller, b, caller]
+    assert events.current_stream("dev") is caller and queries == ["dev"]  # no query inside the step
+    sw.end()
+    assert sw.current is None and events.current_stream("dev") is caller and queries == ["dev", "dev"]

@@ -303,19 +303,33 @@ class TritonAdamW(torch.optim.AdamW):
         """What one step's kernels read and write, and their scalar arguments, or None when the step must
         run eagerly (no graph: state not yet initialized, a tensor not covered by the Triton pass, a step
         under another capture)."""
+        # One pass per parameter (the host builds this key every step): the checks of `_covered` and of the
+        # state, then the addresses.
+        if _kernel() is None:
+            return None
         key: list = []
+        is_tensor, state_of = torch.is_tensor, self.state.get
         for i, group in enumerate(self.param_groups):
-            live = [p for p in group["params"] if p.grad is not None]
-            if not live or not self._covered(group, live, [p.grad for p in live]):
+            if (group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]
+                    or is_tensor(group["lr"])):
                 return None
             lr = ("lr-tensor", self._lr_buffer(i).data_ptr()) if self.tensor_lr else group["lr"]
             key.append((lr, group["betas"], group["eps"], group["weight_decay"]))
-            for p in live:
-                state = self.state.get(p)
-                if not state or not all(torch.is_tensor(state.get(k)) for k in ("step", "exp_avg", "exp_avg_sq")):
+            live = 0
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                live += 1
+                state = state_of(p)
+                if not (state and _fp32_contiguous_cuda(p) and _fp32_contiguous_cuda(g)):
                     return None
-                key.append((p.data_ptr(), p.numel(), p.grad.data_ptr(), state["step"].data_ptr(),
-                            state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr()))
+                step, m, v = state.get("step"), state.get("exp_avg"), state.get("exp_avg_sq")
+                if not (is_tensor(step) and is_tensor(m) and is_tensor(v)):
+                    return None
+                key.append((p.data_ptr(), p.numel(), g.data_ptr(), step.data_ptr(), m.data_ptr(), v.data_ptr()))
+            if not live:
+                return None
         for p, (block, count, init) in self._folds.items():
             key.append((id(p), block.data_ptr(), tuple(block.shape), tuple(block.stride()), count, init))
         for p, lazy in self._lazy.items():

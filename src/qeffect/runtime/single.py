@@ -10,6 +10,12 @@ step returns or leaves behind is ordered on the caller's stream as before (whole
 records an event on the stream it waits for, the same rule with an event nobody needs to name). The
 arithmetic of every action is the same: only which kernels may overlap changes.
 
+Inside a step only the pipeline switches streams, so it knows the current one (`StreamSwitch`): it asks
+torch once per step and switches with one `torch.cuda.set_stream` per run of a rank's actions, and the
+hand-offs take their streams from it. `torch.cuda.stream(...)` and `torch.cuda.current_stream()` look the
+device up in Python on every call, which at one switch and one hand-off per action was most of what rank
+streams added to the host's queue time of a small step.
+
 The commit applies the training recipe (`runtime.recipe`): each rank sets the schedule's learning rate
 itself; with clipping (or `track_grad_norm`) the pipeline first loads every rank's complete gradients,
 adds the stages' square sums in stage order into the global norm and hands every rank the clip factor.
@@ -20,13 +26,14 @@ gradient), not beside other ranks' remaining actions.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 
 from qeffect.runtime.rank import BaseRank, Batch, Observer
 from qeffect.runtime.recipe import clip_factor, global_norm
-from qeffect.runtime.transport import LocalTransport
+from qeffect.runtime.transport import LocalTransport, TorchCudaEvents
 from qeffect.schedule import Schedule, global_order
 
 
@@ -39,6 +46,61 @@ def rank_runs(order: Sequence[tuple[int, object]]) -> list[tuple[int, list]]:
         else:
             runs.append((rank, [action]))
     return runs
+
+
+class StreamSwitch:
+    """The current stream of the pipeline's device while a step runs, kept by the pipeline instead of asked
+    of torch: `begin` takes the caller's stream (one query), `use(stream)` switches where it changes and
+    back on exit, `end` forgets it. Outside `begin`/`end` it knows nothing (`current` is None) and `use`
+    is `torch.cuda.stream`."""
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current: torch.cuda.Stream | None = None
+
+    def begin(self, device: torch.device) -> torch.cuda.Stream:
+        self.current = torch.cuda.current_stream(device)
+        return self.current
+
+    def end(self) -> None:
+        self.current = None
+
+    def use(self, stream: torch.cuda.Stream) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream) if self.current is None else _On(self, stream)
+
+
+class _On:
+    """`StreamSwitch.use` inside a step: `set_stream` only where the stream changes, the previous one restored."""
+
+    __slots__ = ("switch", "stream", "prev")
+
+    def __init__(self, switch: StreamSwitch, stream: torch.cuda.Stream) -> None:
+        self.switch, self.stream, self.prev = switch, stream, None
+
+    def __enter__(self) -> None:
+        self.prev = self.switch.current
+        if self.stream is not self.prev:
+            torch.cuda.set_stream(self.stream)
+            self.switch.current = self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        if self.switch.current is not self.prev:
+            torch.cuda.set_stream(self.prev)
+            self.switch.current = self.prev
+
+
+class _SwitchEvents(TorchCudaEvents):
+    """The transport's event operations with the current stream from the pipeline's `StreamSwitch`."""
+
+    __slots__ = ("switch",)
+
+    def __init__(self, switch: StreamSwitch) -> None:
+        self.switch = switch
+
+    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        cur = self.switch.current
+        return torch.cuda.current_stream(device) if cur is None else cur
 
 
 class SingleProcessPipeline:
@@ -62,10 +124,11 @@ class SingleProcessPipeline:
         self._prepared: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (norm, clip factor)
         self._transport: LocalTransport | None = None  # kept between steps: its hand-off events are reused
         self._runs: tuple[list, list[tuple[int, list]]] | None = None  # (order, `rank_runs(order)`)
+        self._switch = StreamSwitch()  # the current stream while a step runs on rank streams
 
     def on_rank_stream(self, rank: int):
         """The context rank `rank`'s work is launched in: its stream, or the caller's without rank streams."""
-        return torch.cuda.stream(self.rank_streams[rank]) if self.rank_streams is not None else nullcontext()
+        return self._switch.use(self.rank_streams[rank]) if self.rank_streams is not None else nullcontext()
 
     @contextmanager
     def _fork_join(self) -> Iterator[None]:
@@ -73,13 +136,16 @@ class SingleProcessPipeline:
         if self.rank_streams is None:
             yield
             return
-        caller = torch.cuda.current_stream(self.rank_streams[0].device)
+        caller = self._switch.begin(self.rank_streams[0].device)
         for s in self.rank_streams:
             s.wait_stream(caller)
         try:
             yield
         finally:
-            self._after_rank_streams()
+            try:
+                self._after_rank_streams()
+            finally:
+                self._switch.end()
 
     def _step_transport(self) -> LocalTransport:
         """The transport of a step: the last step's (its events are reused per hand-off slot) unless that
@@ -87,7 +153,8 @@ class SingleProcessPipeline:
         events = self.rank_streams is not None
         t = self._transport
         if t is None or not t.empty() or t.events != events or t.checked != self.checked_completion:
-            t = self._transport = LocalTransport(events=events, checked=self.checked_completion)
+            t = self._transport = LocalTransport(events=events, ops=_SwitchEvents(self._switch),
+                                                 checked=self.checked_completion)
         return t
 
     def _rank_runs(self) -> list[tuple[int, list]]:
@@ -118,7 +185,7 @@ class SingleProcessPipeline:
             loss = self.ranks[last_rank].step_loss()
         assert loss is not None
         if self.rank_streams is not None:  # made on the last rank's stream, read on the caller's
-            loss.record_stream(torch.cuda.current_stream(loss.device))
+            loss.record_stream(self._caller_stream())
         return loss
 
     def run_actions(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
@@ -129,10 +196,15 @@ class SingleProcessPipeline:
     def _wants_norm(self) -> bool:
         return self.track_grad_norm or self.ranks[0].recipe.clip > 0
 
+    def _caller_stream(self) -> torch.cuda.Stream:
+        """The current stream: the caller's between the rank runs of a step (known), else torch's."""
+        cur = self._switch.current
+        return torch.cuda.current_stream(self.rank_streams[0].device) if cur is None else cur
+
     def _after_rank_streams(self) -> None:
         """The caller's stream after every rank stream (the work that follows reads every rank's results)."""
         if self.rank_streams is not None:
-            caller = torch.cuda.current_stream(self.rank_streams[0].device)
+            caller = self._caller_stream()
             for s in self.rank_streams:
                 caller.wait_stream(s)
 
