@@ -64,6 +64,7 @@ class BaseRank:
         self.last_lr: float | None = None  # the learning rate of the last commit
         self.step_index = 0
         self.losses: dict[int, torch.Tensor] = {}
+        self._seeds: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # `loss_seed`, made once
         self.last_output: torch.Tensor | None = None
 
     def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -74,8 +75,14 @@ class BaseRank:
         return param.grad
 
     def loss_seed(self, like: torch.Tensor) -> torch.Tensor:
-        """d(step loss)/d(microbatch loss): the step loss is the mean of the microbatch losses."""
-        return torch.full((), 1.0 / self.microbatches, dtype=like.dtype, device=like.device)
+        """d(step loss)/d(microbatch loss): the step loss is the mean of the microbatch losses. One tensor
+        per dtype and device, made at its first use and only ever read (a backward does not write its
+        incoming gradient): the host saves a fill per last-stage dI."""
+        key = (like.dtype, like.device)
+        seed = self._seeds.get(key)
+        if seed is None:
+            seed = self._seeds[key] = torch.full((), 1.0 / self.microbatches, dtype=like.dtype, device=like.device)
+        return seed
 
     def _input(self, stage: int, m: int, batches: Sequence[Batch], transport: Transport) -> torch.Tensor:
         return batches[m][0] if stage == 0 else transport.get("act", stage - 1, m)
