@@ -31,6 +31,7 @@ from qeffect.profile.flops import (
     measure_device_rates,
     measure_gemm_rates,
     optimizer_params,
+    row_lazy_token_table,
 )
 from qeffect.profile.matrix import (
     ConfigSpec,
@@ -172,7 +173,8 @@ def run_profile_distributed(cfg: RunConfig, *, steps: int = 20, warmup: int = 3,
     flops = count_matrix_flops(cfg)
     say("measuring the FP8 GEMM rate on the model's shapes")
     gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
-    floor = pipeline_floor(floor_of(gemm, flops, measure_device_rates(device), optimizer_params(cfg)), p.pp)
+    floor = pipeline_floor(floor_of(gemm, flops, measure_device_rates(device), optimizer_params(cfg),
+                              lazy_table=row_lazy_token_table(cfg)), p.pp)
     release_memory(device)
     with initial_weights_drawn_once(cfg, device, say) as init_draw_seconds:  # in every process
         results = _run_specs(cfg, specs, device, te_ok, flops, steps=steps, warmup=warmup,

@@ -33,6 +33,7 @@ from pydantic import BaseModel
 
 from qeffect.config import RunConfig
 from qeffect.model.flops import HEAD, LinearFlops, MatrixFlops, count_matrix_flops, linear_shapes
+from qeffect.runtime.lazy_rows import MAX_TOKENS
 
 __all__ = ["HEAD", "DeviceRates", "Floor", "GemmRate", "LinearFlops", "MatrixFlops", "count_matrix_flops",
            "floor_of", "gemm_problems", "linear_shapes", "measure_device_rates", "measure_gemm_rates",
@@ -320,7 +321,17 @@ def measure_device_rates(device: torch.device | str, *, square: int | None = Non
                                            target_seconds=target_seconds)
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    copy_s, _, copy_method = time_in_graph(lambda: dst.copy_(src), device, target_seconds=target_seconds)
+    src32, dst32 = src.view(torch.float32), dst.view(torch.float32)
+    # Two ways to move the bytes, the faster one taken: torch's copy of one contiguous tensor is the driver's
+    # memcpy, which on the H200 moved fewer bytes per second than the AdamW pass itself; an elementwise
+    # kernel of the SMs (a sign flip into a preallocated output, same bytes read and written) streams faster.
+    copies = {"torch copy_ (a driver memcpy)": lambda: dst.copy_(src),
+              "an elementwise kernel (torch.neg into a preallocated output)": lambda: torch.neg(src32, out=dst32)}
+    timed = {name: time_in_graph(fn, device, target_seconds=target_seconds) for name, fn in copies.items()}
+    name = min(timed, key=lambda n: timed[n][0])
+    copy_s = timed[name][0]
+    copy_method = (f"the faster of {' and '.join(copies)}: {name}, {timed[name][2]}; the other ran "
+                   + ", ".join(f"{2 * copy_bytes / t[0] / 1e9:,.0f} GB/s" for n, t in timed.items() if n != name))
     return DeviceRates(square_gemm=f"{square} x {square} x {square} float8_e4m3fn -> bfloat16",
                        fp8_tflops=2 * square**3 / gemm_s / 1e12, gemm_method=gemm_method, copy_bytes=copy_bytes,
                        copy_bytes_per_second=2 * copy_bytes / copy_s, copy_method=copy_method)
@@ -330,21 +341,29 @@ ADAMW_BYTES_PER_PARAM_FP32 = 7 * 4  # read parameter, gradient, exp_avg, exp_avg
 ADAMW_BYTES_PER_PARAM_BF16 = 7 * 2  # the same in bf16 (te-graphed's layers alone: bf16 params and states)
 
 
+def row_lazy_token_table(cfg: RunConfig) -> bool:
+    """Whether the captured runtime updates the token table row-lazily (`runtime.lazy_rows`): without data
+    parallelism, and with a microbatch's tokens within one catch-up's reach."""
+    return cfg.pipeline.dp == 1 and cfg.model.microbatch_size * cfg.model.seq_len <= MAX_TOKENS
+
+
 def optimizer_params(cfg: RunConfig) -> tuple[int, int]:
     """(the model's, the layers alone's) parameters the optimizer floor counts: every matrix weight, plus
-    the token and (GPT) position embeddings for the model. Norm weights and biases are left out: a lower bound."""
+    the token and (GPT) position embeddings for the model. Left out, for a lower bound: norm weights and
+    biases, and a row-lazy token table (`row_lazy_token_table`), whose step updates only the rows it touched."""
     mc = cfg.model
     layers = sum(fin * fout * n for name, fin, fout, n in linear_shapes(cfg) if name != HEAD)
     head = sum(fin * fout * n for name, fin, fout, n in linear_shapes(cfg) if name == HEAD)
     positions = mc.seq_len if mc.family == "gpt" else 0  # llama: rotary, no table
-    return layers + head + (mc.vocab_size + positions) * mc.hidden, layers
+    tokens = 0 if row_lazy_token_table(cfg) else mc.vocab_size
+    return layers + head + (tokens + positions) * mc.hidden, layers
 
 
 def floor_of(rates: list[GemmRate], flops: MatrixFlops, device_rates: DeviceRates | None = None,
-             params: tuple[int, int] | None = None) -> Floor:
+             params: tuple[int, int] | None = None, *, lazy_table: bool = False) -> Floor:
     """GEMM floor = sum of calls x measured seconds (the layers-only floor leaves the head's problems out);
     with `device_rates` and `params` (`optimizer_params`) also the peak-rate and optimizer floors and the
-    limit, their sum."""
+    limit, their sum. `lazy_table`: `params` left a row-lazy token table out (said in the method)."""
     seconds = sum(r.calls_per_step * r.seconds_per_call for r in rates)
     layers = sum(r.calls_per_step * r.seconds_per_call for r in rates if r.linear != HEAD)
     methods = sorted({r.method for r in rates})
@@ -368,9 +387,10 @@ def floor_of(rates: list[GemmRate], flops: MatrixFlops, device_rates: DeviceRate
     floor.optimizer_bytes, floor.optimizer_bytes_layers_only = model_bytes, layer_bytes
     floor.copy_bytes_per_second = bw
     floor.optimizer_seconds, floor.optimizer_seconds_layers_only = model_bytes / bw, layer_bytes / bw
+    lazy = ", the row-lazy token table left out: a step updates only the rows it touched" if lazy_table else ""
     floor.optimizer_method = (f"AdamW's bytes (read parameter, gradient and both moments, write parameter and "
                               f"moments: 28 B per fp32 parameter, 14 per bf16 one; matrix weights and embeddings "
-                              f"only) at the bandwidth of one {device_rates.copy_bytes / 2**20:,.0f} MiB device "
+                              f"only{lazy}) at the bandwidth of one {device_rates.copy_bytes / 2**20:,.0f} MiB device "
                               f"copy, {device_rates.copy_method}")
     floor.limit_seconds = floor.peak_rate_seconds + floor.optimizer_seconds
     floor.limit_seconds_layers_only = floor.peak_rate_seconds_layers_only + floor.optimizer_seconds_layers_only
