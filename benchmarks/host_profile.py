@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             for row in v["top"][:15]:
                 print(f"    {row['own_us_per_step']:8.0f} us {row['calls_per_step']:7.1f}x  {row['function']}")
         rev = git_revision()
-        tag = "cpu" if device.type == "cpu" else "h200" if "H200" in device_name_of(device) else "h100"
+        name = device_name_of(device)
+        tag = "cpu" if device.type == "cpu" else "h200" if "H200" in name else "h100" if "H100" in name else "cuda"
         out = Path(a.out) / f"host-profile-{stem}-{a.backend}-{rev}-{tag}.json"
         write_json(out, {
             "kind": "host-profile", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),

@@ -154,6 +154,30 @@ def test_the_rank_streams_ab_benchmark_interleaves_both_variants(tmp_path, capsy
     assert "one-stream / rank-streams" in capsys.readouterr().out
 
 
+def test_the_host_profile_benchmark_writes_both_variants_and_their_profiles(tmp_path, monkeypatch) -> None:
+    """A CPU dry run of benchmarks/host_profile.py: per variant the unprofiled host time of every step,
+    the top functions per step, and the whole profile beside the report (readable by `pstats`)."""
+    import importlib.util
+    import json
+    import pstats
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("host_profile", root / "benchmarks" / "host_profile.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "git_revision", lambda: "abc1234")
+    toml = root / "src" / "qeffect" / "configs" / "tiny.toml"
+    assert bench.main(["--tomls", str(toml), "--backend", "reference", "--device", "cpu", "--path", "eager",
+                       "--steps", "2", "--warmup", "1", "--top", "5", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "host-profile-tiny-reference-abc1234-cpu.json").read_text())
+    assert report["git_revision"] == "abc1234" and set(report["variants"]) == {"rank-streams", "one-stream"}
+    for name, v in report["variants"].items():
+        assert len(v["host_seconds"]) == len(v["step_seconds"]) == 2 and len(v["top"]) == 5
+        assert v["top"][0]["own_us_per_step"] >= v["top"][-1]["own_us_per_step"] > 0
+        pstats.Stats(str(tmp_path / f"host-profile-tiny-{name}.prof"))  # a whole profile, loadable
+
+
 def test_the_stream_switch_sets_a_stream_only_where_it_changes_and_restores_it(monkeypatch) -> None:
     """Inside a step the pipeline knows the current stream: one query at `begin`, a `set_stream` per change
     (none for a run on the stream already current), the previous stream back on exit (also on an error),
