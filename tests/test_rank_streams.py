@@ -154,6 +154,26 @@ def test_the_rank_streams_ab_benchmark_interleaves_both_variants(tmp_path, capsy
     assert "one-stream / rank-streams" in capsys.readouterr().out
 
 
+def test_the_loss_seed_is_made_once_per_dtype_and_device_and_keeps_its_value() -> None:
+    """The last stage's incoming gradient (1/M) is one tensor per dtype and device: the same object each
+    microbatch and step, with the value a fresh one would have, and a step still gives native eager's bits."""
+    from qeffect.verify.state import synthetic_batches
+
+    cfg = load_config()
+    pipe = build_single_process(cfg, native=False, device="cpu")
+    r = pipe.ranks[pipe.schedule.stage_to_rank[pipe.schedule.num_stages - 1]]
+    like = torch.zeros((), dtype=torch.float32)
+    seed = r.loss_seed(like)
+    assert r.loss_seed(like) is seed and torch.equal(seed, torch.full((), 1.0 / cfg.pipeline.microbatches))
+    half = r.loss_seed(like.to(torch.bfloat16))
+    assert half is not seed and half.dtype == torch.bfloat16 and r.loss_seed(like.to(torch.bfloat16)) is half
+    native = build_single_process(cfg, native=True, device="cpu")
+    for step in range(2):
+        batches = synthetic_batches(cfg, step, "cpu")
+        assert torch.equal(pipe.step(batches), native.step(batches))  # actions and commit
+    assert r.loss_seed(like) is seed and float(seed) == 1.0 / cfg.pipeline.microbatches
+
+
 def test_the_host_profile_benchmark_writes_both_variants_and_their_profiles(tmp_path, monkeypatch) -> None:
     """A CPU dry run of benchmarks/host_profile.py: per variant the unprofiled host time of every step,
     the top functions per step, and the whole profile beside the report (readable by `pstats`)."""

@@ -361,7 +361,7 @@ def run_profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 3, configs: Se
     say("measuring the FP8 GEMM rates on the model's shapes, a large square GEMM and a large copy")
     gemm = measure_gemm_rates(cfg, device, dtype_of(cfg))
     floor = floor_of(gemm, flops, measure_device_rates(device), optimizer_params(cfg),
-                              lazy_table=row_lazy_token_table(cfg))
+                     lazy_table=row_lazy_token_table(cfg))
     release_memory(device)
     with initial_weights_drawn_once(cfg, device, say) as init_draw_seconds:
         results = _run_specs(cfg, specs, device, te_ok, flops, steps=steps, warmup=warmup,

@@ -81,7 +81,9 @@ class BaseRank:
         key = (like.dtype, like.device)
         seed = self._seeds.get(key)
         if seed is None:
-            seed = self._seeds[key] = torch.full((), 1.0 / self.microbatches, dtype=like.dtype, device=like.device)
+            seed = torch.full((), 1.0 / self.microbatches, dtype=like.dtype, device=like.device)
+            if not (like.is_cuda and torch.cuda.is_current_stream_capturing()):  # a captured fill runs only on replay
+                self._seeds[key] = seed
         return seed
 
     def _input(self, stage: int, m: int, batches: Sequence[Batch], transport: Transport) -> torch.Tensor:
