@@ -132,3 +132,14 @@ def test_a_gradient_in_another_dtype_accumulates_with_the_bits_of_casting_first(
         expect += g.float()
     assert p.grad.dtype == torch.float32 and torch.equal(p.grad, expect)
     assert p.grad.data_ptr() != grads[0].data_ptr()
+
+
+def test_a_key_is_made_once_per_epoch_and_microbatch() -> None:
+    """`key(m)` hands out the same immutable key within an epoch (the host asks for it every action) and
+    a key of the new epoch after a commit: an invocation of the next step is never named by the last one's."""
+    pipe, rank, act = _single_stage()
+    k0 = act.key(0)
+    assert act.key(0) is k0 and (k0.e, k0.s, k0.m) == (0, 0, 0) and act.key(1).m == 1
+    pipe.step(synthetic_batches(CFG, 0, "cpu"))  # the commit advances the epoch
+    k1 = act.key(0)
+    assert k1 is not k0 and (k1.e, k1.s, k1.m) == (act.clock.e_W, 0, 0) and k1.e == k0.e + 1

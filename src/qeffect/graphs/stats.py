@@ -41,7 +41,8 @@ class GraphStats(BaseModel):
 
     def record_replay(self, handoffs: int) -> None:
         self.replay_count += 1
-        self.handoffs += handoffs
+        if handoffs:  # a model's assignment is not free, and stream-ordered replays hand off nothing
+            self.handoffs += handoffs
 
     def mark_step(self, allocated: int) -> None:
         """Store the allocated bytes at the end of one step (the manager passes memory_allocated())."""

@@ -137,13 +137,23 @@ class StageActions:
         self._matrix = self.chunk.matrix_linears()
         self._matrix_param = {name: f"{name}.weight" for name in self._matrix}
         self._nonmatrix = self.chunk.nonmatrix_params()  # the module tree is fixed: walk it once
+        self._keys: dict[int, InvocationKey] = {}  # `key`: microbatch -> its key in epoch `_keys_epoch`
+        self._keys_epoch: int | None = None
 
     @property
     def stage(self) -> int:
         return self.chunk.stage
 
     def key(self, m: int) -> InvocationKey:
-        return InvocationKey(e=self.clock.e_W, s=self.stage, m=m)
+        # Keys are immutable: each (epoch, microbatch) key is made once and handed out again within its
+        # epoch (every action asks for it on the host's hot path); a new epoch starts a new set.
+        e = self.clock.e_W
+        if e != self._keys_epoch:
+            self._keys, self._keys_epoch = {}, e
+        k = self._keys.get(m)
+        if k is None:
+            k = self._keys[m] = InvocationKey(e=e, s=self.stage, m=m)
+        return k
 
     def arena_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {
@@ -268,13 +278,13 @@ class StageActions:
 
         `fold_into`: an optimizer that finishes a deferred staged fold inside its update; the parameter's
         `.grad` is then the region without its last group, which the optimizer's next step adds."""
-        params = self.chunk.matrix_params()
-        for pname in self._matrix_param.values():
+        for lname, pname in self._matrix_param.items():  # the linears found once, their weights read now
+            weight = self._matrix[lname].weight
             name = arena_name(self.stage, pname)
             pending = self.arena.take_pending_fold(name) if fold_into is not None else None
             if pending is None:
-                params[pname].grad = self.arena.sum_microbatches(name)
+                weight.grad = self.arena.sum_microbatches(name)
                 continue
             region, block, count, init = pending
-            params[pname].grad = region
-            fold_into.fold_into_step(params[pname], block, count, init)
+            weight.grad = region
+            fold_into.fold_into_step(weight, block, count, init)
