@@ -32,15 +32,19 @@ from typing import Any
 import torch
 
 from qeffect.config import load_config
-from qeffect.profile.matrix import ConfigSpec, PipelineRunner, device_name_of, git_revision, release_memory
+from qeffect.profile.matrix import (
+    ConfigSpec,
+    PipelineRunner,
+    device_name_of,
+    git_revision,
+    release_memory,
+    time_runner,
+)
+from qeffect.profile.report import ConfigResult
+from qeffect.profile.trace import sync_device
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = (("rank-streams", True), ("one-stream", False))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def top_functions(prof: cProfile.Profile, steps: int, top: int) -> list[dict[str, Any]]:
@@ -58,30 +62,28 @@ def top_functions(prof: cProfile.Profile, steps: int, top: int) -> list[dict[str
 def profile_variant(cfg, device: torch.device, *, path: str, schedule: str, steps: int, warmup: int,
                     top: int, dump: Path | None = None) -> dict[str, Any]:
     spec = ConfigSpec(path, path, path=path, schedule=schedule)
-    runner = PipelineRunner(cfg, device, spec)
-    host: list[float] = []
-    step_s: list[float] = []
-    for i in range(warmup + steps):
-        data = runner.data(i)
-        _sync(device)
-        t = time.perf_counter()
-        runner.step(data)
-        q = time.perf_counter()
-        _sync(device)
-        if i >= warmup:
-            host.append(q - t)
-            step_s.append(time.perf_counter() - t)
+    built: list[PipelineRunner] = []
+
+    def make() -> PipelineRunner:  # kept: the profiled steps run on the runner the timer built
+        built.append(PipelineRunner(cfg, device, spec))
+        return built[0]
+
+    timed = ConfigResult(name=path, description=path, status="ok", schedule=schedule, path=path)
+    # the profile's own timer: device synchronized around each step, the host's queue time taken before
+    time_runner(timed, make, device, steps=steps, warmup=warmup)
+    runner = built.pop()
+    host, step_s = timed.host_seconds, timed.step_seconds
     prof = cProfile.Profile()
     profiled: list[float] = []
     for i in range(warmup + steps, warmup + 2 * steps):
         data = runner.data(i)
-        _sync(device)
+        sync_device(device)
         t = time.perf_counter()
         prof.enable()
         runner.step(data)
         prof.disable()
         profiled.append(time.perf_counter() - t)
-        _sync(device)
+        sync_device(device)
     if dump is not None:  # the whole profile, for `pstats` (callers and callees)
         prof.dump_stats(dump)
     replays, handoffs = runner.counters()

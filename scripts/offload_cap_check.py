@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from qeffect.checkpoint import diff_checkpoints
+from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.graphs.handshake import git_revision
 
@@ -80,7 +81,7 @@ def main() -> int:
     p_off, p_rel = peak(runs["uncapped-off"]), peak(runs["uncapped-release"])
     if p_off is None or p_rel is None:
         report["verdict"] = "an uncapped run failed: no cap to place"
-        Path(a.json).write_text(json.dumps(report, indent=1))
+        write_json(Path(a.json), report)
         print(report["verdict"])
         return 1
     own = cfg.train.memory_fraction
@@ -112,7 +113,7 @@ def main() -> int:
     report["capped_release_vs_uncapped_off"] = diff
     ok = refused and trained and diff is not None and diff["identical"]
     report["passed"] = ok
-    Path(a.json).write_text(json.dumps(report, indent=1))
+    write_json(Path(a.json), report)
     print(f"capped no-offload refused in one line: {refused}; capped release trained {a.steps} steps: {trained}; "
           f"bitwise equal to the uncapped run without offload: {diff['identical'] if diff else None} "
           f"({diff['tensors_compared'] if diff else 0} tensors) -> {'passed' if ok else 'FAILED'}", flush=True)

@@ -295,9 +295,13 @@ class TritonAdamW(torch.optim.AdamW):
         return len(self._folds)
 
     def _covered(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+        return self._group_covered(group) and all(_fp32_contiguous_cuda(t) for t in (*params, *grads))
+
+    @staticmethod
+    def _group_covered(group: dict) -> bool:
+        """The Triton pass takes the group's options (its tensors are checked apart)."""
         return (_kernel() is not None and not group["amsgrad"] and not group["maximize"]
-                and not group["capturable"] and not group["differentiable"] and not torch.is_tensor(group["lr"])
-                and all(_fp32_contiguous_cuda(t) for t in (*params, *grads)))
+                and not group["capturable"] and not group["differentiable"] and not torch.is_tensor(group["lr"]))
 
     def _work_key(self) -> tuple | None:
         """What one step's kernels read and write, and their scalar arguments, or None when the step must
@@ -305,13 +309,10 @@ class TritonAdamW(torch.optim.AdamW):
         under another capture)."""
         # One pass per parameter (the host builds this key every step): the checks of `_covered` and of the
         # state, then the addresses.
-        if _kernel() is None:
-            return None
         key: list = []
         is_tensor, state_of = torch.is_tensor, self.state.get
         for i, group in enumerate(self.param_groups):
-            if (group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]
-                    or is_tensor(group["lr"])):
+            if not self._group_covered(group):
                 return None
             lr = ("lr-tensor", self._lr_buffer(i).data_ptr()) if self.tensor_lr else group["lr"]
             key.append((lr, group["betas"], group["eps"], group["weight_decay"]))
