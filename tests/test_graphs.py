@@ -219,6 +219,57 @@ def test_replay_rejects_unknown_or_mismatched_inputs_and_duplicate_names() -> No
         GraphManager("cuda", protocol="three-way", backend=FakeBackend())  # type: ignore[arg-type]
 
 
+def _copies(be: FakeBackend) -> list[float]:
+    return [op[2] for op in be.log if op[0] == "copy"]
+
+
+def test_a_constant_input_is_copied_once_while_its_buffer_holds_it() -> None:
+    mgr, be = _manager("stream-ordered")
+    action, _ = _capture_add(mgr)
+    seed, data = torch.full((3,), 2.0), torch.full((3,), 5.0)
+    mgr.mark_constant(seed)
+    be.log.clear()
+    for _ in range(3):
+        mgr.replay(action, {"a": seed, "b": data})
+    assert _copies(be) == [2.0, 5.0, 5.0, 5.0]  # the seed once, the unmarked source every replay
+    assert mgr.stats.input_copies_skipped == 2
+    assert torch.equal(action.static_inputs["a"], seed)
+
+
+@pytest.mark.parametrize("change", ["dst-written", "src-written", "other-source", "other-constant"])
+def test_a_held_constant_is_copied_again_once_anything_may_have_changed_the_buffer(change: str) -> None:
+    mgr, be = _manager("stream-ordered")
+    action, _ = _capture_add(mgr)
+    seed, other = torch.full((3,), 2.0), torch.full((3,), 7.0)
+    mgr.mark_constant(seed, other)
+    mgr.replay(action, {"a": seed})
+    if change == "dst-written":
+        action.static_inputs["a"].fill_(0.0)  # an in-place write through the buffer moves its version
+    elif change == "src-written":
+        seed.add_(1.0)  # a "constant" written after all: its version moved
+    elif change == "other-source":
+        mgr.replay(action, {"a": torch.full((3,), 9.0)})  # an unmarked source into the same buffer
+    else:
+        mgr.replay(action, {"a": other})  # another constant into the same buffer
+    be.log.clear()
+    mgr.replay(action, {"a": seed})
+    assert _copies(be) == [float(seed[0])]
+    assert torch.equal(action.static_inputs["a"], seed)
+
+
+def test_a_buffer_the_graph_writes_is_never_taken_as_holding_a_constant() -> None:
+    mgr, be = _manager("stream-ordered")
+    a = torch.zeros(3)
+    action = mgr.capture("acc", lambda: a.add_(1.0), static_inputs={"a": a}, warmup=0)  # writes its input
+    assert action.written_inputs == frozenset({"a"})
+    seed = torch.full((3,), 2.0)
+    mgr.mark_constant(seed)
+    be.log.clear()
+    mgr.replay(action, {"a": seed})
+    mgr.replay(action, {"a": seed})
+    assert _copies(be) == [2.0, 2.0] and mgr.stats.input_copies_skipped == 0
+
+
 def test_real_backend_refuses_a_cpu_device() -> None:
     with pytest.raises(ValueError, match="CUDA device"):
         GraphManager("cpu")

@@ -49,40 +49,58 @@ def test_rank_runs_group_consecutive_actions_of_one_rank() -> None:
 
 
 def test_a_step_switches_streams_only_where_the_rank_changes(monkeypatch) -> None:
-    """Every action runs inside its own rank's stream context, in the global order; a context is entered once
-    per run of one rank's actions (plus the step loss's), not once per action."""
-    from contextlib import contextmanager
-
+    """Every action runs on its own rank's stream, in the global order; the step sets a stream once per run of
+    one rank's actions (straight from one rank's to the next), then the caller's again, then the step loss's
+    on the last rank's and back: not once per action, and never back to the caller between two runs."""
     from qeffect.runtime.single import rank_runs
     from qeffect.verify.state import synthetic_batches
 
+    class FakeStream:
+        device = torch.device("cpu")
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: object) -> None:
+            pass
+
     cfg = load_config()
     pipe = build_single_process(cfg, native=False, device="cpu")
-    inside: list[int | None] = [None]
-    entered: list[int] = []
+    caller = FakeStream("caller")
+    pipe.rank_streams = [FakeStream(f"rank{k}") for k in range(len(pipe.ranks))]
+    current = [caller]
+    set_to: list[str] = []
+
+    def set_stream(stream: FakeStream) -> None:
+        set_to.append(stream.name)
+        current[0] = stream
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(pipe, "_step_transport", LocalTransport)  # no CUDA events on a CPU
     ran: list[tuple[int, object]] = []
-
-    @contextmanager
-    def on_rank_stream(rank: int):
-        entered.append(rank)
-        inside[0] = rank
-        try:
-            yield
-        finally:
-            inside[0] = None
-
-    monkeypatch.setattr(pipe, "on_rank_stream", on_rank_stream)
     for k, r in enumerate(pipe.ranks):
         def run(action, batches, transport, _run=r.run, k=k):
-            assert inside[0] == k  # on its own rank's stream
+            assert current[0] is pipe.rank_streams[k]  # on its own rank's stream
             ran.append((k, action))
             _run(action, batches, transport)
         monkeypatch.setattr(r, "run", run)
     pipe.run_actions(synthetic_batches(cfg, 0, "cpu"))
     runs = rank_runs(pipe.order)
+    last = pipe.schedule.stage_to_rank[pipe.schedule.num_stages - 1]
     assert ran == list(pipe.order)
-    assert entered == [rank for rank, _ in runs] + [pipe.schedule.stage_to_rank[pipe.schedule.num_stages - 1]]
+    assert set_to == [f"rank{rank}" for rank, _ in runs] + ["caller", f"rank{last}", "caller"]
+    assert current[0] is caller
     assert len(runs) < len(pipe.order)  # the cut is real on this schedule
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(pipe.ranks[1], "run", fail)
+    with pytest.raises(RuntimeError, match="refused"):
+        pipe.run_actions(synthetic_batches(cfg, 1, "cpu"))
+    assert current[0] is caller  # an action that raises leaves the caller's stream current
 
 
 def test_the_transport_and_its_events_live_across_steps() -> None:

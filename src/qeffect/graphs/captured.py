@@ -104,8 +104,11 @@ class CapturedStageActions(StageActions):
     graph_slots: int | None = None
     slot_base: int = 0  # this chunk's chains are tape pool slots slot_base, slot_base + 1, ...
     plan: GraphPlan | None = None  # set by `prepare`; None (tests that fake the graphs): chain = microbatch
-    # the first stage's token rows: microbatch m's index on the device (one dI graph records any m > 0)
+    # the first stage's token rows: microbatch m's index on the device (one dI graph records any m > 0);
+    # `_mb` serves the warm-up, `_mb_chain` each chain's dI graph (one buffer per chain: with one chain per
+    # microbatch, each buffer keeps its index and a replay copies nothing: `GraphManager.mark_constant`)
     _mb: torch.Tensor | None = field(default=None, repr=False)
+    _mb_chain: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _mb_views: list[torch.Tensor] = field(default_factory=list, repr=False)
     # per microbatch: the gated folds' mode values its dW replay copies in (empty: no fold in its graph)
     _dw_modes: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)
@@ -157,6 +160,7 @@ class CapturedStageActions(StageActions):
         self._mode_values = {int(v): modes[i] for i, v in enumerate((FoldMode.SKIP, FoldMode.INIT, FoldMode.ADD))}
         self._dw_modes = [{f"fold{g}": self._mode_values[self.arena.fold_mode(m, name)]
                            for g, name in self._gated_folds(m).items()} for m in range(microbatches)]
+        self.manager.mark_constant(*self._mode_values.values())  # a dW replay copies a mode only when it changes
         if self.offload is not None and len(self.plan.chains) < microbatches:
             raise RuntimeError(f"stage {self.stage}: offload groups are planned per microbatch; graph slots bounded "
                                "by liveness need offload.mode = off")
@@ -164,6 +168,7 @@ class CapturedStageActions(StageActions):
             self._mb = torch.zeros(1, dtype=torch.int64, device=dev)
             values = torch.arange(microbatches, dtype=torch.int64, device=dev)
             self._mb_views = [values[m: m + 1] for m in range(microbatches)]
+            self.manager.mark_constant(*self._mb_views)
         for c in self.plan.chains:  # static buffers per chain, not per microbatch
             if first:
                 self._x[c] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
@@ -253,13 +258,13 @@ class CapturedStageActions(StageActions):
                     token_grad = grads.pop(EXTRA, None)  # (several tensors per launch: stage/accumulate.py)
                     accumulate_into([self._ngrad[n] for n in grads], list(grads.values()), init=m == 0)
                     if token_grad is not None:  # the same bits from the rows this microbatch touched
-                        index = self._mb if m > 0 else None  # the rows of whichever microbatch replays it
+                        index = self._mb_chain[c] if m > 0 else None  # the rows of whichever microbatch replays it
                         grads[TOKEN_TABLE] = self._token_grad.accumulate(m, self._x[c], token_grad, index=index)
                 return grad_in, grads, self._next_token()
 
             inputs = {"grad": self._gout[c]}
             if self._mb is not None and m > 0:
-                inputs["mb"] = self._mb
+                inputs["mb"] = self._mb_chain[c] = torch.zeros(1, dtype=torch.int64, device=dev)
             graphs_di[c] = self.manager.capture(f"{tag}.dI{c}", di_body, static_inputs=inputs,
                                                 warmup=0, private_pool=True)
         written = [sorted(g.outputs[1]) for g in graphs_di.values()]

@@ -156,6 +156,38 @@ class _BackendEvents:
         stream.wait_event(event)
 
 
+class HeldInputs:
+    """Which constant source each static input buffer still holds, so that a replay copies it only once.
+
+    A constant (`mark`) is made once and only ever read afterwards: a loss seed, a fold's mode word, a
+    microbatch index. A buffer holds the constant of its last copy while neither version counter moved
+    (torch counts every in-place write made through a tensor or a view of it) and the graph does not write
+    the buffer itself (a capture that moved the buffer's version: `CapturedAction.written_inputs`). Sources
+    a graph writes (its static outputs) change without a version step: they are never constants."""
+
+    __slots__ = ("constants", "buffers")
+
+    def __init__(self) -> None:
+        self.constants: dict[int, Tensor] = {}  # id -> the constant (kept alive: its id is never reused)
+        self.buffers: dict[int, tuple[Tensor, Tensor, int, int]] = {}  # id(dst) -> (dst, src, versions)
+
+    def mark(self, *tensors: Tensor) -> None:
+        for t in tensors:
+            self.constants[id(t)] = t
+
+    def holds(self, dst: Tensor, src: Tensor, written: bool) -> bool:
+        """Whether `dst` still holds constant `src` from an earlier copy (`written`: the graph writes `dst`)."""
+        if written or self.constants.get(id(src)) is not src:
+            return False
+        h = self.buffers.get(id(dst))
+        return h is not None and h[0] is dst and h[1] is src and h[2] == src._version and h[3] == dst._version
+
+    def copied(self, dst: Tensor, src: Tensor) -> None:
+        """`src` was just copied into `dst` (its version step is part of what the buffer holds)."""
+        if self.constants.get(id(src)) is src:
+            self.buffers[id(dst)] = (dst, src, src._version, dst._version)
+
+
 @dataclass
 class CapturedAction:
     """One captured graph: its static input buffers (fixed addresses), static outputs and tail event.
@@ -176,6 +208,9 @@ class CapturedAction:
     memory_reserved_after: int
     pool: Any = None  # the memory pool its capture allocated from (private or the manager's shared one)
     replays: int = field(default=0)
+    # static inputs the captured body wrote in place (their version moved during capture): every replay
+    # may write them again, so their content is never taken as still holding the last copy
+    written_inputs: frozenset[str] = frozenset()
 
 
 class GraphManager:
@@ -194,6 +229,12 @@ class GraphManager:
         # each graph's tail: recorded at capture, fired by every replay, waited on by the caller (two-way)
         self.completions = completion_ledger(_BackendEvents(self.backend), checked=checked_completion,
                                              name="graph tails")
+        self.held = HeldInputs()  # constant sources the static buffers still hold (`mark_constant`)
+
+    def mark_constant(self, *tensors: Tensor) -> None:
+        """Declare `tensors` constant inputs (`HeldInputs.mark`): a replay copies one into a static buffer
+        only where the buffer does not still hold it."""
+        self.held.mark(*tensors)
 
     # ------------------------------------------------------------------------------------ capture
     @contextmanager
@@ -244,16 +285,18 @@ class GraphManager:
         graph = be.new_graph()
         tail = be.new_external_event()
         pool = be.graph_pool_handle() if private_pool else self.pool
+        versions = {k: t._version for k, t in static_inputs.items()}
         with be.capture(graph, pool, self.stream):
             outputs = fn()
             self.completions.record(name, self.stream, event=tail)  # inside the capture: a node of the graph
+        written = frozenset(k for k, t in static_inputs.items() if t._version != versions[k])
         seconds = time.perf_counter() - t0
         allocated_after, reserved_after = be.memory_allocated(), be.memory_reserved()
         action = CapturedAction(name=name, graph=graph, static_inputs=dict(static_inputs), outputs=outputs,
                                 tail_event=tail, capture_seconds=seconds,
                                 memory_allocated_before=allocated_before, memory_allocated_after=allocated_after,
                                 memory_reserved_before=reserved_before, memory_reserved_after=reserved_after,
-                                pool=pool)
+                                pool=pool, written_inputs=written)
         self.actions[name] = action
         self.stats.record_capture(name, seconds, allocated_before, reserved_before, allocated_after, reserved_after)
         return action
@@ -311,8 +354,9 @@ class GraphManager:
 
     def _copy_inputs(self, action: CapturedAction, dynamic: dict[str, Tensor], stream: Any) -> None:
         """Copy each dynamic input into its static buffer on the current stream; `stream` (the graph
-        stream, when it is not the caller's) keeps each source's memory alive until its copy is done."""
-        be = self.backend
+        stream, when it is not the caller's) keeps each source's memory alive until its copy is done.
+        A constant source the buffer still holds is not copied again (`HeldInputs`)."""
+        be, held = self.backend, self.held
         for key, src in dynamic.items():
             try:
                 dst = action.static_inputs[key]
@@ -321,9 +365,13 @@ class GraphManager:
             if dst.shape != src.shape or dst.dtype != src.dtype:
                 raise ValueError(f"graph {action.name!r}: dynamic input {key!r} is {src.dtype}"
                                  f"{tuple(src.shape)}, its static buffer {dst.dtype}{tuple(dst.shape)}")
+            if held.holds(dst, src, key in action.written_inputs):
+                self.stats.input_copies_skipped += 1
+                continue
             be.copy_(dst, src)
             if stream is not None:
                 be.record_stream(src, stream)
+            held.copied(dst, src)
 
     # -------------------------------------------------------------------------------------- stats
     def mark_step(self) -> int:

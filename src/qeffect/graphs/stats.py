@@ -18,6 +18,8 @@ class GraphStats(BaseModel):
     replay_count: int = 0
     # One edge each way per two-way replay (caller -> graph stream, graph tail -> caller); 0 for one-way.
     handoffs: int = 0
+    # dynamic-input copies a replay left out: the static buffer still held that constant source
+    input_copies_skipped: int = 0
     capture_host_seconds: float = 0.0
     capture_host_seconds_per_graph: dict[str, float] = Field(default_factory=dict)
     # Memory around all captures: "before" is read before the first capture, "after" after the latest.

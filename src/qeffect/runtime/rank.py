@@ -84,7 +84,11 @@ class BaseRank:
             seed = torch.full((), 1.0 / self.microbatches, dtype=like.dtype, device=like.device)
             if not (like.is_cuda and torch.cuda.is_current_stream_capturing()):  # a captured fill runs only on replay
                 self._seeds[key] = seed
+                self._constant_made(seed)
         return seed
+
+    def _constant_made(self, tensor: torch.Tensor) -> None:
+        """`tensor` is made once and only ever read from now on (a loss seed)."""
 
     def _input(self, stage: int, m: int, batches: Sequence[Batch], transport: Transport) -> torch.Tensor:
         return batches[m][0] if stage == 0 else transport.get("act", stage - 1, m)
@@ -263,6 +267,10 @@ class QEffectRank(BaseRank):
         self.fixed_order_sum = fixed_order_sum
         self.dw_order: dict[int, list[int]] = {s: [] for s in self.chunks}
         self.grad_input: torch.Tensor | None = None
+
+    def _constant_made(self, tensor: torch.Tensor) -> None:
+        if self.manager is not None:  # a last-stage dI replay then copies the seed only once
+            self.manager.mark_constant(tensor)
 
     def _lazy_rows(self, table: torch.Tensor, rows: torch.Tensor):
         """The optimizer's row-lazy state of `table` over `rows`, or None where it does not apply."""

@@ -69,6 +69,12 @@ class StreamSwitch:
     def use(self, stream: torch.cuda.Stream) -> AbstractContextManager[Any]:
         return torch.cuda.stream(stream) if self.current is None else _On(self, stream)
 
+    def go(self, stream: torch.cuda.Stream) -> None:
+        """Make `stream` current (inside a step), with no way back: the caller restores its own."""
+        if stream is not self.current:
+            torch.cuda.set_stream(stream)
+            self.current = stream
+
 
 class _On:
     """`StreamSwitch.use` inside a step: `set_stream` only where the stream changes, the previous one restored."""
@@ -171,13 +177,20 @@ class SingleProcessPipeline:
         transport = self._step_transport()
         if self.offload is not None:
             self.offload.begin_step()  # groups left live by an aborted step are dropped first
-        for rank, actions in self._rank_runs():
-            r = self.ranks[rank]
-            with self.on_rank_stream(rank):
+        streams, switch = self.rank_streams, self._switch
+        caller = switch.current
+        try:
+            for rank, actions in self._rank_runs():
+                r = self.ranks[rank]
+                if streams is not None:  # straight from one rank's stream to the next: one switch per run
+                    switch.go(streams[rank])
                 for action in actions:
                     r.run(action, batches, transport)
                     if observer is not None:  # stream-ordered after the action (and before the rank's next)
                         observer(action, r)
+        finally:
+            if streams is not None:
+                switch.go(caller)
         if not transport.empty():
             raise RuntimeError("a step ended with activations or gradients nobody consumed")
         last_rank = self.schedule.stage_to_rank[self.schedule.num_stages - 1]

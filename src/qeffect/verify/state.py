@@ -513,6 +513,7 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
         graphs = {"graph_count": st.graph_count, "graphs_per_rank": st.graph_count // sched.pp,
                   "expected_per_rank": sum(r.planned_graphs() for r in qeff.ranks) // sched.pp,
                   "replays": st.replay_count, "handoffs": st.handoffs,
+                  "input_copies_skipped": st.input_copies_skipped,
                   "capture_host_seconds": st.capture_host_seconds,
                   "persistent_growth_bytes_per_step": qeff.manager.persistent_growth_per_step()}
         if qeff.offload is not None:
