@@ -135,17 +135,17 @@ offload-long)
     rm -rf "$tmp/cap"  # two checkpoints of the 1B-parameter model
     # sequential: each mode built after the last one's memory is gone (both at once may not fit one GPU)
     step offload-h4096-long 300 python3 benchmarks/offload_bench.py --config $LONG --modes off,release --steps 10 \
-        --warmup 2 --out "$OUT/offload-bench-h4096-long.json"
+        --warmup 3 --out "$OUT/offload-bench-h4096-long.json"
     ;;
 profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference)
     # writes profile-<shape>-<backend>-<gpu>.json; figures afterwards: qeffect profile --report FILE --plot DIR
     shape_backend=${part#profile-}
     step "$part" 570 python3 benchmarks/profile_matrix.py --out "$OUT" --only "${shape_backend/-/:}" \
-        --rounds 3 --steps 10 --warmup 2 --trace 2 --microbatches "" --targets examples/targets/h200.toml
+        --rounds 3 --steps 10 --warmup 3 --trace 2 --microbatches "" --targets examples/targets/h200.toml
     ;;
 resources-h4096)
     step resources-h4096-te 420 python3 benchmarks/profile_matrix.py --out "$tmp" --only h4096:te --rounds 1 \
-        --steps 4 --warmup 2 --trace 0 --configs native-eager,captured-direct --microbatches 2,4,8,16 --targets ""
+        --steps 4 --warmup 3 --trace 0 --configs native-eager,captured-direct --microbatches 2,4,8,16 --targets ""
     keep "$(ls "$tmp"/profile-h4096-te-*.json 2>/dev/null | head -1)" "$OUT/resources-h4096-te.json"
     step step-gaps-h4096-te 100 python3 scripts/step_gaps.py --config $H4096 --json "$OUT/step-gaps-h4096-te.json"
     ;;
@@ -162,7 +162,7 @@ llama)
     ;;
 profile-llama-h2048-te)
     step "$part" 420 python3 benchmarks/profile_matrix.py --out "$OUT" --tomls examples/configs/llama-h2048.toml \
-        --backends te --rounds 3 --steps 10 --warmup 2 --trace 2 --microbatches "" \
+        --backends te --rounds 3 --steps 10 --warmup 3 --trace 2 --microbatches "" \
         --configs native-eager,captured-direct,captured-zbv-direct,te-graphed --targets ""
     ;;
 staging-ab)

@@ -204,7 +204,8 @@ def profile(
     device: Device | None = typer.Option(None, "--device", help="cpu or cuda (default: the config's)."),
     backend: Backend | None = typer.Option(None, "--backend", help="FP8 backend (default: the config's)."),
     steps: int = typer.Option(20, "--steps", min=1, help="Timed steps per configuration (after warm-up)."),
-    warmup: int = typer.Option(3, "--warmup", min=1, help="Warm-up steps, excluded from the statistics; the first is part of setup."),
+    warmup: int = typer.Option(3, "--warmup", min=1, help="Warm-up steps, excluded from the statistics; the first is part of setup. "
+                              "Keep 3 or more: a captured configuration's optimizer step is captured on its third."),
     trace: int = typer.Option(0, "--trace", min=0, help="Profile this many extra steps per configuration (not timed) "
                               "and summarize where a step's time goes: GPU busy/idle, host aten time, top kernels (under torchrun: every rank)."),
     microbatches: str | None = typer.Option(None, "--microbatches", help="Also analyse resources for these M, e.g. 2,4,8,16."),
