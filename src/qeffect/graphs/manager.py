@@ -163,7 +163,9 @@ class HeldInputs:
     microbatch index. A buffer holds the constant of its last copy while neither version counter moved
     (torch counts every in-place write made through a tensor or a view of it) and the graph does not write
     the buffer itself (a capture that moved the buffer's version: `CapturedAction.written_inputs`). Sources
-    a graph writes (its static outputs) change without a version step: they are never constants."""
+    a graph writes (its static outputs) change without a version step: they are never constants. A kernel
+    that writes through a raw pointer (Triton's) moves no version either: a static input that such a kernel
+    writes must not take a constant."""
 
     __slots__ = ("constants", "buffers")
 
