@@ -206,6 +206,17 @@ def test_limit_ratio_host_ratio_and_which_reports_a_target_applies_to() -> None:
     assert c.host_gpu_ratio == 0.012 / 0.020 and c.host_gpu_basis == "traced GPU busy time per step"
     (t,) = evaluate_targets(r, [host])
     assert t.met is False and t.needed == "captured-direct queued in <= 10.00 ms (now 12.00 ms)"
+    assert "captured-direct host by round 10.00, 12.00, 20.00 ms (x2.00" in t.note  # one timed step a round
+    # by round, beside native eager's: how fast the machine's host itself ran in each round
+    c.host_seconds = [0.010, 0.011, 0.012, 0.020, 0.021, 0.022, 0.011, 0.012, 0.013]
+    native = _config("native-eager", "native", [100, 150, 110], host_seconds=[0.09] * 3 + [0.18] * 3 + [0.10] * 3)
+    r2 = _report([c, native], hidden=4096)
+    assert c.host_medians_by_round() == [0.011, 0.021, 0.012]
+    (t,) = evaluate_targets(r2, [host])
+    assert ("captured-direct host by round 11.00, 21.00, 12.00 ms (x1.91 slowest over fastest); "
+            "native-eager host by round 90.00, 180.00, 100.00 ms (x2.00 slowest over fastest)") in t.note
+    c.host_seconds = [0.01] * 4  # not a whole number of steps per round: nothing by round
+    assert c.host_medians_by_round() == []
     # filters: another width or backend, the target is left out (not "not measured")
     assert evaluate_targets(_report(configs, hidden=2048), [lim]) == []
     assert evaluate_targets(_report(configs, backend="reference"), [_spec(**{**lim.model_dump(), "backend": ["te"]})]) == []

@@ -181,6 +181,15 @@ class ConfigResult(BaseModel):
     limit_ratio: float | None = None  # median step / limit
     variant: str | None = None  # the variant that ran (megatron-graphs: Megatron-Core's capture mode)
 
+    def host_medians_by_round(self) -> list[float]:
+        """The host queue time's median in each round (every round times the same number of steps); empty
+        without host times."""
+        rounds = max(len(self.round_medians), 1)
+        if not self.host_seconds or len(self.host_seconds) % rounds:
+            return []
+        k = len(self.host_seconds) // rounds
+        return [statistics.median(self.host_seconds[i * k:(i + 1) * k]) for i in range(rounds)]
+
     def medians_by_round(self) -> list[float]:
         """The round medians; one round (the median) for reports without rounds."""
         if self.round_medians:

@@ -285,8 +285,20 @@ def _host_gpu(report: ProfileReport, spec: TargetSpec) -> TargetCheck:
                    needed=f"{ours.name} queued in <= {gpu * threshold * 1e3:.2f} ms "
                           f"(now {ours.host_median_seconds * 1e3:.2f} ms)", about=ours,
                    note=f"host {ours.host_median_seconds * 1e3:.2f} ms over GPU {gpu * 1e3:.2f} ms "
-                        f"({ours.host_gpu_basis})")
+                        f"({ours.host_gpu_basis})" + _host_rounds_note(report, ours))
     return check
+
+
+def _host_rounds_note(report: ProfileReport, ours: ConfigResult) -> str:
+    """The host's queue time by round, beside native eager's (a host-bound step: how fast the machine's
+    host itself ran in each round), so that a reader sees how much of a host ratio is the machine's."""
+    parts = []
+    for c in (ours, _ok(report, "native-eager")):
+        by_round = c.host_medians_by_round() if c is not None else []
+        if len(by_round) > 1:
+            parts.append(f"{c.name} host by round {', '.join(f'{x * 1e3:.2f}' for x in by_round)} ms "
+                         f"(x{max(by_round) / min(by_round):.2f} slowest over fastest)")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def _losses_bitwise(report: ProfileReport, spec: TargetSpec) -> TargetCheck:
