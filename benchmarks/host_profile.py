@@ -36,6 +36,7 @@ from qeffect.profile.matrix import (
     ConfigSpec,
     PipelineRunner,
     device_name_of,
+    device_tag,
     git_revision,
     release_memory,
     time_runner,
@@ -127,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in v["top"][:15]:
                 print(f"    {row['own_us_per_step']:8.0f} us {row['calls_per_step']:7.1f}x  {row['function']}")
         rev = git_revision()
-        name = device_name_of(device)
-        tag = "cpu" if device.type == "cpu" else "h200" if "H200" in name else "h100" if "H100" in name else "cuda"
-        out = Path(a.out) / f"host-profile-{stem}-{a.backend}-{rev}-{tag}.json"
+        out = Path(a.out) / f"host-profile-{stem}-{a.backend}-{rev}-{device_tag(device)}.json"
         write_json(out, {
             "kind": "host-profile", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
             "git_revision": rev, "device": device.type, "device_name": device_name_of(device),

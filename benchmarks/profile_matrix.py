@@ -20,32 +20,21 @@ A dry run on a CPU: `--tomls src/qeffect/configs/tiny.toml --backends reference 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 import traceback
 from pathlib import Path
 
-import torch
-
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
 from qeffect.errors import UserError
-from qeffect.profile.matrix import CONFIG_NAMES, run_profile
+from qeffect.profile.matrix import CONFIG_NAMES, device_tag, run_profile
 from qeffect.profile.resources import parse_microbatches
 from qeffect.profile.targets import load_targets
 from qeffect.profile.trace import trace_line
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TOMLS = f"{ROOT / 'examples/configs/h2048.toml'},{ROOT / 'examples/configs/h4096.toml'}"
-
-
-def _device_tag(device: str) -> str:
-    if device != "cuda":
-        return device
-    name = torch.cuda.get_device_name()
-    m = re.search(r"\b([A-Z]\d{2,4})\b", name)
-    return m.group(1).lower() if m else "cuda"
 
 
 def _f(x: float | None, spec: str = ".2f") -> str:
@@ -100,7 +89,7 @@ def main() -> int:
                 print(f"{stem}:{backend}: ERROR\n{traceback.format_exc()[-3000:]}", flush=True)
                 ok = False
                 continue
-            path = out / f"profile-{stem}-{backend}-{_device_tag(a.device)}.json"
+            path = out / f"profile-{stem}-{backend}-{device_tag(a.device)}.json"
             write_json(path, report)
             f = report.floor
             print(f"{stem}:{backend}: floor {f.seconds * 1e3:.3f} ms (layers {f.seconds_layers_only * 1e3:.3f} ms), "

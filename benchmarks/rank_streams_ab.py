@@ -34,6 +34,7 @@ from qeffect.profile.matrix import (
     PipelineRunner,
     derive_ratios,
     device_name_of,
+    device_tag,
     git_revision,
     initial_weights_drawn_once,
     merge_rounds,
@@ -107,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(toml).with_overrides(**{"fp8.backend": a.backend, "train.device": a.device})
         report = ab(cfg, path=a.path, steps=a.steps, warmup=a.warmup, rounds=a.rounds, trace_steps=a.trace,
                     say=lambda msg, s=stem: print(f"[{s}] {msg}", flush=True))
-        tag = "cpu" if a.device == "cpu" else "h200" if "H200" in report["device_name"] else "cuda"
-        out = Path(a.out) / f"rank-streams-ab-{stem}-{a.backend}-{tag}.json"
+        out = Path(a.out) / f"rank-streams-ab-{stem}-{a.backend}-{device_tag(a.device)}.json"
         write_json(out, report)
         print(f"{stem}: one-stream / rank-streams = {report['one_stream_over_rank_streams']:.3f} (by round "
               f"{', '.join(f'{x:.3f}' for x in report['one_stream_over_rank_streams_by_round'])}); losses equal: "

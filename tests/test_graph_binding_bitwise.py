@@ -101,11 +101,13 @@ class ExecManager:
         with torch.no_grad():
             for k, v in (dynamic or {}).items():
                 dst = action.static_inputs[k]
-                if self.held.holds(dst, v, written=False):  # a body run eagerly moves what it writes
+                constant = self.held.is_constant(v)  # a body run eagerly moves the version of what it writes
+                if constant and self.held.holds(dst, v):
                     self.stats.input_copies_skipped += 1
                     continue
                 dst.copy_(v)
-                self.held.copied(dst, v)
+                if constant:
+                    self.held.copied(dst, v)
         _copy_into(action.outputs, action.fn())
         action.replays += 1
         self.stats.record_replay(0)

@@ -177,17 +177,17 @@ class HeldInputs:
         for t in tensors:
             self.constants[id(t)] = t
 
-    def holds(self, dst: Tensor, src: Tensor, written: bool) -> bool:
-        """Whether `dst` still holds constant `src` from an earlier copy (`written`: the graph writes `dst`)."""
-        if written or self.constants.get(id(src)) is not src:
-            return False
+    def is_constant(self, src: Tensor) -> bool:
+        return self.constants.get(id(src)) is src
+
+    def holds(self, dst: Tensor, src: Tensor) -> bool:
+        """Whether `dst` still holds constant `src` from an earlier copy (the graph must not write `dst`)."""
         h = self.buffers.get(id(dst))
         return h is not None and h[0] is dst and h[1] is src and h[2] == src._version and h[3] == dst._version
 
     def copied(self, dst: Tensor, src: Tensor) -> None:
-        """`src` was just copied into `dst` (its version step is part of what the buffer holds)."""
-        if self.constants.get(id(src)) is src:
-            self.buffers[id(dst)] = (dst, src, src._version, dst._version)
+        """Constant `src` was just copied into `dst` (its version step is part of what the buffer holds)."""
+        self.buffers[id(dst)] = (dst, src, src._version, dst._version)
 
 
 @dataclass
@@ -367,13 +367,15 @@ class GraphManager:
             if dst.shape != src.shape or dst.dtype != src.dtype:
                 raise ValueError(f"graph {action.name!r}: dynamic input {key!r} is {src.dtype}"
                                  f"{tuple(src.shape)}, its static buffer {dst.dtype}{tuple(dst.shape)}")
-            if held.holds(dst, src, key in action.written_inputs):
+            constant = held.is_constant(src) and key not in action.written_inputs
+            if constant and held.holds(dst, src):
                 self.stats.input_copies_skipped += 1
                 continue
             be.copy_(dst, src)
             if stream is not None:
                 be.record_stream(src, stream)
-            held.copied(dst, src)
+            if constant:
+                held.copied(dst, src)
 
     # -------------------------------------------------------------------------------------- stats
     def mark_step(self) -> int:

@@ -35,6 +35,7 @@ import contextlib
 import datetime as _dt
 import gc
 import platform
+import re
 import statistics
 import time
 import traceback
@@ -557,3 +558,13 @@ def device_name_of(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine() or "cpu"
+
+
+def device_tag(device: torch.device | str) -> str:
+    """The device's part of a report name: "h200", "h100" (the GPU's model), "cuda" for another GPU, else
+    the device type."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    m = re.search(r"\b([A-Z]\d{2,4})\b", torch.cuda.get_device_name(device))
+    return m.group(1).lower() if m else "cuda"

@@ -66,6 +66,11 @@ class StreamSwitch:
     def end(self) -> None:
         self.current = None
 
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The current stream: the one kept inside a step, else torch's."""
+        cur = self.current
+        return torch.cuda.current_stream(device) if cur is None else cur
+
     def use(self, stream: torch.cuda.Stream) -> AbstractContextManager[Any]:
         return torch.cuda.stream(stream) if self.current is None else _On(self, stream)
 
@@ -105,8 +110,7 @@ class _SwitchEvents(TorchCudaEvents):
         self.switch = switch
 
     def current_stream(self, device: torch.device) -> torch.cuda.Stream:
-        cur = self.switch.current
-        return torch.cuda.current_stream(device) if cur is None else cur
+        return self.switch.stream(device)
 
 
 class SingleProcessPipeline:
@@ -211,8 +215,7 @@ class SingleProcessPipeline:
 
     def _caller_stream(self) -> torch.cuda.Stream:
         """The current stream: the caller's between the rank runs of a step (known), else torch's."""
-        cur = self._switch.current
-        return torch.cuda.current_stream(self.rank_streams[0].device) if cur is None else cur
+        return self._switch.stream(self.rank_streams[0].device)
 
     def _after_rank_streams(self) -> None:
         """The caller's stream after every rank stream (the work that follows reads every rank's results)."""
