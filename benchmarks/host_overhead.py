@@ -6,7 +6,8 @@ one, so when the host is slower than the device the step is host-bound (`qeffect
 host/GPU ratio). This benchmark isolates the host side on a CPU: the pipeline of a config (its ranks,
 stages, microbatches and parameters; the hidden sizes shrunk, since no tensor work runs) is built with the
 real graph manager on a backend whose capture runs the body once and whose graphs replay nothing. The optimizer step is left out (on the GPU it is one graph replay). The step
-time is then the runtime's host cost; `--profile N` prints the functions it goes to (cProfile).
+time is then the runtime's host cost; `--phases N` times N more steps by phase (input copies, launches,
+hand-offs, commit, the rest), `--profile N` prints the functions it goes to (cProfile).
 
     python3 benchmarks/host_overhead.py --config examples/configs/h2048.toml --steps 50 --profile 25 \
         --out benchmarks/results/host-overhead-h2048-cpu.json
@@ -35,6 +36,8 @@ from qeffect.cli.common import write_json
 from qeffect.config import apply_sets, load_config
 from qeffect.graphs.handshake import git_revision
 from qeffect.graphs.manager import GraphManager
+from qeffect.profile.matrix import time_phases
+from qeffect.profile.report import ConfigResult
 from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, schedule_of
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.verify.state import synthetic_batches
@@ -119,12 +122,35 @@ def build(cfg) -> SingleProcessPipeline:
     return pipe
 
 
+class _Steps:
+    """The pipeline and its prepared batches behind the profile's `Runner` calls that `time_phases` makes."""
+
+    def __init__(self, pipe: SingleProcessPipeline, data: list) -> None:
+        self.pipe, self._data = pipe, data
+
+    def data(self, step: int) -> list:
+        return self._data[step]
+
+    def step(self, batches: list) -> torch.Tensor:
+        return self.pipe.step(batches)
+
+
+def phase_steps(pipe: SingleProcessPipeline, data: list, indices: range) -> dict[str, Any]:
+    """The steps `indices` of `data` with the host's phases timed, as `qeffect profile` times them: seconds per
+    step of each phase ("runtime": the rest of the step) and calls per step."""
+    r = ConfigResult(name="captured-direct", description="host overhead", status="ok")
+    time_phases(r, _Steps(pipe, data), pipe.time_host_phases(), indices, torch.device("cpu"), lambda _d: None)
+    return {"seconds": r.host_phase_seconds, "calls_per_step": r.host_phase_calls}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", action="append", default=[], help="section.field=value (after the shrink)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--phases", type=int, default=0,
+                    help="steps after the timed ones with the host's phases timed (graphs.stats.HostPhases; 0: none)")
     ap.add_argument("--profile", type=int, default=0, help="profiled steps after the timed ones (0: none)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
@@ -134,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     pipe = build(cfg)
     actions = 3 * cfg.pipeline.microbatches * cfg.pipeline.num_stages
-    data = [synthetic_batches(cfg, i, "cpu") for i in range(a.warmup + a.steps + a.profile)]
+    data = [synthetic_batches(cfg, i, "cpu") for i in range(a.warmup + a.steps + a.phases + a.profile)]
     times = []
     for i in range(a.warmup + a.steps):
         t = time.perf_counter()
@@ -144,11 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     med = statistics.median(times)
     print(f"{Path(a.config or 'tiny').stem}: {actions} actions per step; host {med * 1e3:.2f} ms per step "
           f"(min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}), {med / actions * 1e6:.1f} us per action")
+    phased = range(a.warmup + a.steps, a.warmup + a.steps + a.phases)
+    phases = phase_steps(pipe, data, phased) if a.phases else None
+    if phases:
+        print("by phase (medians per step): " + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f} ms"
+                                                          for k, v in phases["seconds"].items()))
     top = None
+    first = a.warmup + a.steps + a.phases
     if a.profile:
         prof = cProfile.Profile()
         prof.enable()
-        for i in range(a.warmup + a.steps, a.warmup + a.steps + a.profile):
+        for i in range(first, first + a.profile):
             pipe.step(data[i])
         prof.disable()
         buf = io.StringIO()
@@ -162,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "torch_version": torch.__version__,
             "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "config": cfg.model_dump(),
             "actions_per_step": actions, "warmup": a.warmup, "step_seconds": times, "median_step_seconds": med,
-            "profile_top": top})
+            "host_phases": phases, "profile_top": top})
     return 0
 
 

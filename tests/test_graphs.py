@@ -312,6 +312,37 @@ def test_stats_count_graphs_replays_handoffs_and_capture_cost(protocol: str, per
     assert GraphStats.model_validate_json(s.model_dump_json()) == s
 
 
+@pytest.mark.parametrize("protocol", ["two-way", "stream-ordered"])
+def test_host_phases_time_copies_and_launches_only_while_on(protocol: str, monkeypatch) -> None:
+    """Off (the default) nothing is read; on, each replay's input copies (the copies made: a held constant is
+    none) and its launch are added to their phases, and the operations and their order stay the same."""
+    from qeffect.graphs.stats import COPY, HANDOFF, LAUNCH, OPTIMIZER
+
+    def logged(on: bool) -> tuple[list, GraphManager]:
+        mgr, be = _manager(protocol)
+        action, _ = _capture_add(mgr)
+        seed = torch.full((3,), 2.0)
+        mgr.mark_constant(seed)
+        mgr.host.on = on
+        be.log.clear()
+        for _ in range(3):
+            mgr.replay(action, {"a": seed, "b": torch.full((3,), 5.0)})
+        mgr.replay(action)  # no dynamic inputs: a launch, no copy phase
+        return list(be.log), mgr
+
+    off_log, off = logged(False)
+    assert off.host.seconds == dict.fromkeys(off.host.seconds, 0.0) and not any(off.host.calls.values())
+    slow_copy, slow_replay = FakeBackend.copy_, FakeGraph.replay
+    monkeypatch.setattr(FakeBackend, "copy_", lambda self, d, s: (time.sleep(0.002), slow_copy(self, d, s)))
+    monkeypatch.setattr(FakeGraph, "replay", lambda self: (time.sleep(0.003), slow_replay(self)))
+    on_log, on = logged(True)
+    assert on_log == off_log
+    h = on.host
+    assert h.calls == {LAUNCH: 4, COPY: 4, HANDOFF: 0, OPTIMIZER: 0}  # the seed once, "b" three times
+    assert h.seconds[COPY] >= 4 * 0.002 and h.seconds[LAUNCH] >= 4 * 0.003
+    assert h.seconds[COPY] < 4 * 0.002 + 0.5 and h.seconds[HANDOFF] == h.seconds[OPTIMIZER] == 0.0
+
+
 @pytest.mark.parametrize(("samples", "per_step", "total"), [
     ([], 0.0, 0),
     ([500], 0.0, 0),

@@ -131,6 +131,14 @@ def test_ran_configurations_have_raw_timings_and_summaries(profiled) -> None:
         assert c.peak_allocated_bytes is None and c.persistent_growth_bytes_per_step is None
         assert "CUDA" in c.memory_note
         assert c.graph_count == 0 and c.replays_per_step == 0 and c.handoffs_per_step == 0
+        # the host's queue time by phase, per timed step (eager: no launches or copies; the commit once a step)
+        assert list(c.host_phase_seconds) == ["graph launches", "input copies", "streams and hand-offs",
+                                              "optimizer", "runtime"]
+        # (over min(steps, PHASE_STEPS) more steps a round, after the timed ones)
+        assert all(len(v) == len(c.host_seconds) for v in c.host_phase_seconds.values())
+        assert all(min(v) >= 0 for v in c.host_phase_seconds.values())
+        assert c.host_phase_calls["optimizer"] == 1 and c.host_phase_calls["graph launches"] == 0
+        assert c.host_phase_line().startswith("optimizer ") and "runtime " in c.host_phase_line()
     # one model, one data sequence: the split eager run computes the same losses, bit for bit
     native, qeff = report.result("native-eager"), report.result("qeffect-eager")
     assert len(native.losses) == 6 and native.losses == qeff.losses
@@ -366,6 +374,11 @@ def test_profile_on_cuda(capsys, tmp_path) -> None:
         # the capture is a phase of its own, after every rank is built; it holds the graphs' capture host time
         assert list(c.setup_phases) == ["modules", "values", "ranks", "capture"]
         assert c.setup_phases["capture"] >= c.capture_host_seconds > 0
+        # the host's phases: a launch per replay, the commit once a step, rank streams' switches and hand-offs
+        calls = c.host_phase_calls
+        assert calls["graph launches"] == c.replays_per_step and calls["optimizer"] == 1
+        assert calls["input copies"] > 0 and calls["streams and hand-offs"] > 0
+        assert all(min(v) >= 0 for v in c.host_phase_seconds.values())
     for c in report.configs:
         if c.status == "ok":
             assert c.peak_allocated_bytes > 0 and c.peak_reserved_bytes >= c.peak_allocated_bytes
@@ -625,6 +638,9 @@ class _FakeRunner:
     def counters(self) -> tuple[int, int]:
         return 0, 0
 
+    def host_phases(self) -> None:
+        return None
+
 
 def test_time_runner_traces_after_the_timed_steps(monkeypatch) -> None:
     from qeffect.profile.matrix import time_runner
@@ -653,6 +669,43 @@ def test_time_runner_traces_after_the_timed_steps(monkeypatch) -> None:
     time_runner(r, lambda: fake, torch.device("cpu"), steps=3, warmup=2, trace_steps=2)
     assert r.trace is None and r.trace_error == "RuntimeError: no profiler here" and len(r.step_seconds) == 3
     assert len(r.host_seconds) == 3 and r.host_median_seconds == statistics.median(r.host_seconds)
+
+
+def test_the_host_phases_are_timed_on_steps_of_their_own_between_the_timed_and_the_traced() -> None:
+    """A runner that times its phases gets min(steps, PHASE_STEPS) more steps with its clock read, after the
+    timed steps (whose host times stay free of the clock's reads) and before the traced ones."""
+    import time
+
+    from qeffect.graphs.stats import LAUNCH, HostPhases
+    from qeffect.profile.matrix import PHASE_STEPS, time_runner
+    from qeffect.profile.report import ConfigResult
+
+    class Phased(_FakeRunner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.clock = HostPhases()
+            self.read_in: list[int] = []
+
+        def host_phases(self) -> HostPhases:
+            self.clock.on = True
+            return self.clock
+
+        def step(self, data: torch.Tensor) -> torch.Tensor:
+            if self.clock.on:
+                self.read_in.append(int(data[0, 0]))
+                t = time.perf_counter()
+                time.sleep(0.001)
+                self.clock.add(LAUNCH, t, time.perf_counter(), 2)
+            return super().step(data)
+
+    for steps in (3, 8):
+        fake, r = Phased(), ConfigResult(name="fake", description="fake", status="ok")
+        time_runner(r, lambda fake=fake: fake, torch.device("cpu"), steps=steps, warmup=2, trace_steps=1)
+        n = min(steps, PHASE_STEPS)
+        assert fake.asked == list(range(2 + steps + n + 1)) and fake.read_in[:n] == list(range(2 + steps, 2 + steps + n))
+        assert len(r.step_seconds) == steps and len(r.host_phase_seconds[LAUNCH]) == n
+        assert min(r.host_phase_seconds[LAUNCH]) >= 0.001 and r.host_phase_calls[LAUNCH] == 2
+        assert len(r.host_phase_seconds["runtime"]) == n and r.trace is not None
 
 
 # ------------------------------------------------------------------------------------------ targets

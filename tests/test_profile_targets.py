@@ -222,6 +222,25 @@ def test_limit_ratio_host_ratio_and_which_reports_a_target_applies_to() -> None:
     assert evaluate_targets(_report(configs, backend="reference"), [_spec(**{**lim.model_dump(), "backend": ["te"]})]) == []
 
 
+def test_a_missed_host_target_says_where_the_host_time_goes_by_phase() -> None:
+    c = _config("captured-direct", "captured-direct", [10, 10, 10], host_seconds=[0.008] * 3,
+                host_median_seconds=0.008,
+                host_phase_seconds={"graph launches": [0.003, 0.004, 0.005], "input copies": [0.001] * 3,
+                                    "streams and hand-offs": [0.0] * 3, "optimizer": [0.0005] * 3,
+                                    "runtime": [0.002] * 3},
+                host_phase_calls={"graph launches": 49.0, "input copies": 32.0, "streams and hand-offs": 0.0,
+                                  "optimizer": 1.0})
+    r = _report([c], hidden=2048)
+    (t,) = evaluate_targets(r, [_spec(metric="host-gpu-ratio", of="captured-direct", max=0.5)])
+    assert t.met is False
+    assert t.where.endswith("captured-direct host: queues a step in 8.00 ms of 10.00 ms wall (graph launches "
+                            "4.00 ms (49/step), input copies 1.00 ms (32/step), optimizer 0.50 ms (1/step), "
+                            "runtime 2.00 ms)")  # a phase with no calls (no rank streams) left out
+    c.host_phase_seconds, c.host_phase_calls = {}, {}  # an older report: the queue time alone
+    (t,) = evaluate_targets(r, [_spec(metric="host-gpu-ratio", of="captured-direct", max=0.5)])
+    assert t.where.endswith("captured-direct host: queues a step in 8.00 ms of 10.00 ms wall")
+
+
 def test_losses_bitwise_counts_the_captured_configurations_off_native() -> None:
     configs = [_config("native-eager", "eager", [100, 100, 100], losses=[1.0, 2.0]),
                _config("captured-copy", "captured-copy", [20, 20, 20], losses=[1.0, 2.0]),
@@ -252,7 +271,13 @@ def test_rounds_merge_into_one_result() -> None:
 
     rounds = [one([1.0, 3.0], [0.1, 0.2], [5.0, 6.0], 7), one([4.0, 4.0], [0.3, 0.4], [5.0, 6.0], 9),
               one([2.0, 2.5], [0.5, 0.6], [5.0, 6.0], 8)]
+    for k, c in enumerate(rounds):  # the host's phases per timed step, round by round
+        c.host_phase_seconds = {"graph launches": [k + 0.01, k + 0.02], "runtime": [k + 0.03, k + 0.04]}
     r = merge_rounds(rounds)
+    assert r.host_phase_seconds == {"graph launches": [0.01, 0.02, 1.01, 1.02, 2.01, 2.02],
+                                    "runtime": [0.03, 0.04, 1.03, 1.04, 2.03, 2.04]}
+    assert r.host_phase_medians() == {"graph launches": statistics.median([1.01, 1.02]),
+                                      "runtime": statistics.median([1.03, 1.04])}
     assert r.round_medians == [2.0, 4.0, 2.25] and r.median_step_seconds == 2.25
     assert r.step_seconds == [1.0, 3.0, 4.0, 4.0, 2.0, 2.5] and r.losses == [5.0, 6.0] * 3
     assert r.host_seconds == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6] and r.host_median_seconds == 0.35

@@ -216,6 +216,28 @@ def test_the_host_profile_benchmark_writes_both_variants_and_their_profiles(tmp_
         pstats.Stats(str(tmp_path / f"host-profile-tiny-{name}.prof"))  # a whole profile, loadable
 
 
+def test_the_host_overhead_benchmark_times_the_captured_runtime_and_its_phases(tmp_path) -> None:
+    """benchmarks/host_overhead.py on the tiny config: the captured-direct pipeline on a backend that replays
+    nothing; its report has every timed step and, with --phases, a graph launch per action and one commit a
+    step over the phased steps."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("host_overhead", root / "benchmarks" / "host_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "host.json"
+    assert bench.main(["--steps", "3", "--warmup", "1", "--phases", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["step_seconds"]) == 3 and report["median_step_seconds"] > 0
+    phases = report["host_phases"]
+    assert phases["calls_per_step"]["graph launches"] == report["actions_per_step"]
+    assert phases["calls_per_step"]["optimizer"] == 1
+    assert all(len(v) == 2 and min(v) >= 0 for v in phases["seconds"].values()) and "runtime" in phases["seconds"]
+
+
 def test_the_stream_switch_sets_a_stream_only_where_it_changes_and_restores_it(monkeypatch) -> None:
     """Inside a step the pipeline knows the current stream: one query at `begin`, a `set_stream` per change
     (none for a run on the stream already current), the previous stream back on exit (also on an error),
@@ -244,3 +266,63 @@ def test_the_stream_switch_sets_a_stream_only_where_it_changes_and_restores_it(m
     assert events.current_stream("dev") is caller and queries == ["dev"]  # no query inside the step
     sw.end()
     assert sw.current is None and events.current_stream("dev") is caller and queries == ["dev", "dev"]
+
+
+def test_a_timed_step_splits_the_hosts_time_into_switches_hand_offs_and_the_commit(monkeypatch) -> None:
+    """With the host's phases on, a step on rank streams adds its fork and join, its stream switches and its
+    hand-off events to "streams and hand-offs" and its commit to "optimizer" (once per step); off, nothing is
+    read."""
+    import time
+
+    from qeffect.graphs.stats import COPY, HANDOFF, LAUNCH, OPTIMIZER
+    from qeffect.runtime.single import rank_runs
+    from qeffect.verify.state import synthetic_batches
+
+    class FakeStream:
+        device = torch.device("cpu")
+
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    records: list[int] = []
+
+    class Ops:  # the transport's event calls; a record is slowed so that it shows
+        def current_stream(self, device: torch.device) -> str:
+            return "stream"
+
+        def new_event(self, name: str) -> object:
+            return object()
+
+        def record(self, event: object, stream: object) -> None:
+            records.append(1)
+            time.sleep(0.0005)
+
+        def wait(self, stream: object, event: object) -> None:
+            pass
+
+        def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
+            pass
+
+    cfg = load_config()
+    pipe = build_single_process(cfg, native=False, device="cpu")
+    caller = FakeStream()
+    pipe.rank_streams = [FakeStream() for _ in pipe.ranks]
+    current = [caller]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(pipe, "_step_transport", lambda: LocalTransport(events=True, ops=Ops(), host=pipe.host))
+    pipe.step(synthetic_batches(cfg, 0, "cpu"))
+    assert not pipe.host.on and not any(pipe.host.calls.values())  # off: nothing read
+    clock = pipe.time_host_phases()
+    assert clock is pipe.host and clock.on
+    records.clear()
+    steps = 2
+    for i in range(steps):
+        pipe.step(synthetic_batches(cfg, 1 + i, "cpu"))
+    hand_offs = len(records) // steps
+    calls = clock.calls
+    assert hand_offs > 0 and calls[OPTIMIZER] == steps and calls[LAUNCH] == calls[COPY] == 0  # eager: no graphs
+    # per step: the fork and the join, one switch per run of one rank's actions, a put and a get per hand-off
+    assert calls[HANDOFF] == steps * (2 + len(rank_runs(pipe.order)) + 2 * hand_offs)
+    assert clock.seconds[HANDOFF] >= steps * hand_offs * 0.0005 and clock.seconds[OPTIMIZER] > 0

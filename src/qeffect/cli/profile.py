@@ -98,6 +98,12 @@ def render(report, console: Console) -> None:
         console.print("setup (build phases, then the first step; seconds):", highlight=False)
         for name, line in setups:
             console.print(f"  {name}: {line}", highlight=False)
+    hosts = [(c, c.host_phase_line()) for c in report.configs if c.status == "ok" and c.host_phase_seconds]
+    if hosts:
+        console.print("host queue time per step by phase (medians; runtime: the rest, its own bookkeeping):",
+                      highlight=False)
+        for c, line in hosts:
+            console.print(f"  {c.name}: {_ms(c.host_median_seconds)} ms = {line}", highlight=False)
     if report.init_draw_seconds is not None:
         console.print(f"setup: the initial weights were drawn once ({report.init_draw_seconds:.2f} s, before any "
                       "timer) and copied into every configuration's build", highlight=False)
@@ -229,9 +235,10 @@ def profile(
 
     One model, one synthetic data sequence, one process, every configuration in --rounds interleaved
     rounds (ABC ABC ABC). For each configuration: the median of its round medians and their min-max,
-    the spread of its steps, the host's time to queue a step over the GPU's, setup time (build + capture
-    + first step, the build split by phase: modules, values, ranks, capture), break-even steps against
-    native eager, peak and persistent memory (CUDA), graphs, replays and handoffs per step, arena bytes,
+    the spread of its steps, the host's time to queue a step over the GPU's (and by phase: graph
+    launches, input copies, stream switches and hand-offs, optimizer, the runtime's own bookkeeping),
+    setup time (build + capture + first step, the build split by phase: modules, values, ranks, capture),
+    break-even steps against native eager, peak and persistent memory (CUDA), graphs, replays and handoffs per step, arena bytes,
     capture host time, and the ratios to the floors measured in the same run, each named by its method:
     (a) the GEMM floor (each GEMM timed inside a CUDA graph), (b) the peak-rate floor (matrix FLOPs at a
     large square FP8 GEMM's rate), (c) the optimizer floor (AdamW's bytes at a large copy's bandwidth);

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from qeffect.contracts import completion_ledger
-from qeffect.graphs.stats import GraphStats
+from qeffect.graphs.stats import COPY, LAUNCH, GraphStats, HostPhases
 
 HandshakeProtocol = Literal["two-way", "one-way", "stream-ordered"]
 PROTOCOLS: tuple[str, ...] = get_args(HandshakeProtocol)
@@ -232,6 +232,7 @@ class GraphManager:
         self.completions = completion_ledger(_BackendEvents(self.backend), checked=checked_completion,
                                              name="graph tails")
         self.held = HeldInputs()  # constant sources the static buffers still hold (`mark_constant`)
+        self.host = HostPhases()  # the host's time in input copies and graph launches, while on (profiling)
 
     def mark_constant(self, *tensors: Tensor) -> None:
         """Declare `tensors` constant inputs (`HeldInputs.mark`): a replay copies one into a static buffer
@@ -322,11 +323,14 @@ class GraphManager:
         dynamic inputs may be freed by the caller right away (record_stream keeps their memory alive
         until the graph stream's copy is done). One-way (the defect) gives neither guarantee.
         """
-        be = self.backend
+        be, host = self.backend, self.host
         if self.protocol == "stream-ordered":  # copies and graph on the caller's stream: stream order
-            if dynamic:
-                self._copy_inputs(action, dynamic, None)
-            action.graph.replay()
+            if host.on:
+                self._timed_replay(action, dynamic, host)
+            else:
+                if dynamic:
+                    self._copy_inputs(action, dynamic, None)
+                action.graph.replay()
             if self.completions.checked:  # the tail fires on the caller's stream (production skips the query)
                 self.completions.fired(action.name, be.current_stream())
             action.replays += 1
@@ -337,15 +341,30 @@ class GraphManager:
         if two_way:
             self.stream.wait_stream(caller)  # (1) caller -> graph edge
         with be.use_stream(self.stream):
-            if dynamic:
-                self._copy_inputs(action, dynamic, self.stream)  # (2) after the edge, on the graph stream
-            action.graph.replay()  # (3)
+            if host.on:  # (2) and (3), each timed
+                self._timed_replay(action, dynamic, host, self.stream)
+            else:
+                if dynamic:
+                    self._copy_inputs(action, dynamic, self.stream)  # (2) after the edge, on the graph stream
+                action.graph.replay()  # (3)
         self.completions.fired(action.name, self.stream)  # the tail node fired again, on the graph stream
         if two_way:
             self.completions.wait(action.name, caller)  # (4) graph tail -> caller
         action.replays += 1
         self.stats.record_replay(2 if two_way else 0)
         return action.outputs
+
+    def _timed_replay(self, action: CapturedAction, dynamic: dict[str, Tensor] | None, host: HostPhases,
+                      stream: Any = None) -> None:
+        """The input copies and the launch of one replay, each added to `host` (profiling)."""
+        clock = time.perf_counter
+        if dynamic:
+            t = clock()
+            copied = self._copy_inputs(action, dynamic, stream)
+            host.add(COPY, t, clock(), copied)
+        t = clock()
+        action.graph.replay()
+        host.add(LAUNCH, t, clock())
 
     def check_use(self, action: CapturedAction, stream: Any = None) -> None:
         """Checked completion: raise `DeviceCompletionViolation` if work queued on `stream` (default: the
@@ -354,11 +373,12 @@ class GraphManager:
         if self.completions.checked:
             self.completions.use(action.name, self.backend.current_stream() if stream is None else stream)
 
-    def _copy_inputs(self, action: CapturedAction, dynamic: dict[str, Tensor], stream: Any) -> None:
+    def _copy_inputs(self, action: CapturedAction, dynamic: dict[str, Tensor], stream: Any) -> int:
         """Copy each dynamic input into its static buffer on the current stream; `stream` (the graph
         stream, when it is not the caller's) keeps each source's memory alive until its copy is done.
-        A constant source the buffer still holds is not copied again (`HeldInputs`)."""
+        A constant source the buffer still holds is not copied again (`HeldInputs`). Returns the copies made."""
         be, held = self.backend, self.held
+        copied = 0
         for key, src in dynamic.items():
             try:
                 dst = action.static_inputs[key]
@@ -372,10 +392,12 @@ class GraphManager:
                 self.stats.input_copies_skipped += 1
                 continue
             be.copy_(dst, src)
+            copied += 1
             if stream is not None:
                 be.record_stream(src, stream)
             if constant:
                 held.copied(dst, src)
+        return copied
 
     # -------------------------------------------------------------------------------------- stats
     def mark_step(self) -> int:

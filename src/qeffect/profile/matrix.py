@@ -47,7 +47,7 @@ import torch
 
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
-from qeffect.graphs.stats import GraphStats
+from qeffect.graphs.stats import RUNTIME_PHASE, GraphStats, HostPhases
 from qeffect.model.gpt import shared_init_draws
 from qeffect.profile.flops import (
     Floor,
@@ -126,6 +126,7 @@ class Runner(Protocol):
     def data(self, step: int) -> Any: ...
     def step(self, data: Any) -> torch.Tensor | None: ...
     def counters(self) -> tuple[int, int]: ...
+    def host_phases(self) -> HostPhases | None: ...
 
 
 class GraphCounters:
@@ -147,6 +148,10 @@ class GraphCounters:
             return 0, 0
         return self.manager.stats.replay_count, self.manager.stats.handoffs
 
+    def host_phases(self) -> HostPhases | None:
+        """The clock of the host's phases, turned on (None: this runner does not time them)."""
+        return None
+
 
 class PipelineRunner(GraphCounters):
     """A `SingleProcessPipeline` (native, qeffect eager or captured) behind the `Runner` interface."""
@@ -166,6 +171,9 @@ class PipelineRunner(GraphCounters):
 
     def step(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         return self.pipe.step(data)
+
+    def host_phases(self) -> HostPhases:
+        return self.pipe.time_host_phases()
 
 
 def te_version() -> str | None:
@@ -279,13 +287,44 @@ def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.
     result.spread = Spread.of(result.step_seconds)
     result.median_step_seconds = result.spread.median
     result.host_median_seconds = statistics.median(result.host_seconds)
+    first = warmup + steps
+    phases = runner.host_phases()
+    if phases is not None:  # after the timed steps: the clock's reads are not in the times judged above
+        n = min(steps, PHASE_STEPS)
+        time_phases(result, runner, phases, range(first, first + n), device, sync)
+        first += n
     if trace_steps > 0:
         from qeffect.profile.trace import trace_runner
 
         try:
-            result.trace = trace_runner(runner, device, steps=trace_steps, first_step=warmup + steps, sync=sync)
+            result.trace = trace_runner(runner, device, steps=trace_steps, first_step=first, sync=sync)
         except Exception as err:  # the profiler failing (e.g. no CUPTI) must not lose the timings
             result.trace_error = f"{type(err).__name__}: {str(err)[:500]}"
+
+
+PHASE_STEPS = 5  # steps per round timed by host phase, after the timed steps
+
+
+def time_phases(result: ConfigResult, runner: Runner, phases: HostPhases, indices: range, device: torch.device,
+                sync: Callable[[torch.device], None]) -> None:
+    """The host's queue time by phase (`graphs.stats.HostPhases`) over the steps `indices`, taken apart from
+    the timed steps (the clock reads cost the host a little): per step, each phase's seconds and the rest of
+    that step's queue time as "runtime"; per phase, its calls per step."""
+    calls0 = phases.snapshot()[1]
+    for i in indices:
+        data = runner.data(i)
+        sync(device)
+        before = phases.snapshot()[0]
+        t = time.perf_counter()
+        runner.step(data)
+        host = time.perf_counter() - t
+        after = phases.snapshot()[0]
+        sync(device)
+        timed = {k: after[k] - before[k] for k in after}
+        timed[RUNTIME_PHASE] = max(0.0, host - sum(timed.values()))
+        for k, v in timed.items():
+            result.host_phase_seconds.setdefault(k, []).append(v)
+    result.host_phase_calls = {k: (n - calls0[k]) / len(indices) for k, n in phases.snapshot()[1].items()}
 
 
 def _make_runner(spec: ConfigSpec, cfg: RunConfig, device: torch.device) -> Callable[[], Runner]:
@@ -472,6 +511,8 @@ def merge_rounds(rounds: Sequence[ConfigResult]) -> ConfigResult:
     r.median_step_seconds = statistics.median(r.round_medians)
     r.spread = Spread.of(r.step_seconds)
     r.host_median_seconds = statistics.median(r.host_seconds) if r.host_seconds else None
+    r.host_phase_seconds = {k: [x for c in rounds for x in c.host_phase_seconds.get(k, [])]
+                            for k in first.host_phase_seconds}
 
     def worst(values: list[Any]) -> Any:
         values = [v for v in values if v is not None]

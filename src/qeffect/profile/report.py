@@ -18,10 +18,12 @@ from qeffect.profile.memory import MemorySplit
 
 # 2: optional per-configuration `trace`; 3: `world_size` and per-rank memory (torchrun); 4: `targets`;
 # 5: `trace_by_rank` (traces under torchrun); 6: per-configuration `setup_phases`; 7: rounds, host enqueue
-# times, lower-bound floors and the limit, targets from a user's file (`targets_source`)
-SCHEMA_VERSION = 7
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # older reports are newer ones of one process, one round,
-# without traces, host times or the newer floors; a targets file judges any of them (`qeffect.profile.targets`)
+# times, lower-bound floors and the limit, targets from a user's file (`targets_source`); 8: the host's queue
+# time by phase (`host_phase_seconds`, `host_phase_calls`)
+SCHEMA_VERSION = 8
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)  # older reports are newer ones of one process, one round,
+# without traces, host times, host phases or the newer floors; a targets file judges any of them
+# (`qeffect.profile.targets`)
 Status = Literal["ok", "not run", "failed"]
 
 
@@ -177,6 +179,12 @@ class ConfigResult(BaseModel):
     # median wall step (`host_gpu_basis` says which)
     host_gpu_ratio: float | None = None
     host_gpu_basis: str | None = None
+    # where the queue time goes (schema 8; one-process pipelines; `graphs.stats.HostPhases`): seconds per step
+    # of each phase over a few more steps after the timed ones (`profile.matrix.PHASE_STEPS` a round, every
+    # round's in order), "runtime" being the rest of each one's queue time (contracts, ledger, tape pool, arena
+    # checks, Python); and each phase's calls per step. Empty: not measured
+    host_phase_seconds: dict[str, list[float]] = Field(default_factory=dict)
+    host_phase_calls: dict[str, float] = Field(default_factory=dict)
     limit_seconds: float | None = None  # the report's limit for this configuration (`Floor.limit_for`)
     limit_ratio: float | None = None  # median step / limit
     variant: str | None = None  # the variant that ran (megatron-graphs: Megatron-Core's capture mode)
@@ -189,6 +197,21 @@ class ConfigResult(BaseModel):
             return []
         k = len(self.host_seconds) // rounds
         return [statistics.median(self.host_seconds[i * k:(i + 1) * k]) for i in range(rounds)]
+
+    def host_phase_medians(self) -> dict[str, float]:
+        """Each host phase's median seconds per step (empty where not measured)."""
+        return {k: statistics.median(v) for k, v in self.host_phase_seconds.items() if v}
+
+    def host_phase_line(self) -> str | None:
+        """The host's queue time by phase, e.g. "graph launches 2.10 ms (49/step), input copies 0.41 ms
+        (32/step), ..., runtime 1.20 ms" (medians per step; a phase with no calls left out); None where not
+        measured."""
+        medians = self.host_phase_medians()
+        if not medians:
+            return None
+        calls = self.host_phase_calls
+        return ", ".join(f"{k} {v * 1e3:.2f} ms" + (f" ({calls[k]:g}/step)" if calls.get(k) else "")
+                         for k, v in medians.items() if calls.get(k, 1))
 
     def medians_by_round(self) -> list[float]:
         """The round medians; one round (the median) for reports without rounds."""

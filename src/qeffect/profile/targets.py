@@ -208,8 +208,9 @@ def _where(c: ConfigResult) -> str:
     if not parts:
         parts.append(f"{c.name}: no trace (run with --trace N for where the time goes)")
     if c.host_median_seconds is not None and c.median_step_seconds:
+        line = c.host_phase_line()
         parts.append(f"{c.name} host: queues a step in {c.host_median_seconds * 1e3:.2f} ms of "
-                     f"{c.median_step_seconds * 1e3:.2f} ms wall")
+                     f"{c.median_step_seconds * 1e3:.2f} ms wall" + (f" ({line})" if line else ""))
     return "; ".join(parts)
 
 

@@ -208,6 +208,10 @@ class TEGraphedLayers:
         """(replays, caller/graph handoffs): TE replays on the caller's stream, so no handoffs."""
         return self._replays, 0
 
+    def host_phases(self) -> None:
+        """Not timed by phase: the host's queue time is Transformer Engine's and torch's."""
+        return None
+
 
 class TEGraphedModel(TEGraphedLayers):
     """`te-graphed-model`: the per-layer graphs inside the run's whole model, with its numerics (module doc)."""

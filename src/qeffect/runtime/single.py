@@ -25,12 +25,14 @@ gradient), not beside other ranks' remaining actions.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
+from qeffect.graphs.stats import HANDOFF, OPTIMIZER, HostPhases
 from qeffect.runtime.rank import BaseRank, Batch, Observer
 from qeffect.runtime.recipe import clip_factor, global_norm
 from qeffect.runtime.transport import LocalTransport, TorchCudaEvents
@@ -135,6 +137,16 @@ class SingleProcessPipeline:
         self._transport: LocalTransport | None = None  # kept between steps: its hand-off events are reused
         self._runs: tuple[list, list[tuple[int, list]]] | None = None  # (order, `rank_runs(order)`)
         self._switch = StreamSwitch()  # the current stream while a step runs on rank streams
+        self.host = HostPhases()  # the host's time per phase of a step, while on (`time_host_phases`)
+
+    def time_host_phases(self) -> HostPhases:
+        """Time the host's phases of the steps that follow (`graphs.stats.HostPhases`): the graph manager's
+        input copies and launches, stream switches and hand-off events, the commit. Returns the clock."""
+        self.host.on = True
+        if self.manager is not None:
+            self.manager.host = self.host
+        self._transport = None  # the next step's transport takes the clock
+        return self.host
 
     def on_rank_stream(self, rank: int):
         """The context rank `rank`'s work is launched in: its stream, or the caller's without rank streams."""
@@ -146,16 +158,23 @@ class SingleProcessPipeline:
         if self.rank_streams is None:
             yield
             return
+        host = self.host
+        t = time.perf_counter() if host.on else None
         caller = self._switch.begin(self.rank_streams[0].device)
         for s in self.rank_streams:
             s.wait_stream(caller)
+        if t is not None:
+            host.add(HANDOFF, t, time.perf_counter())
         try:
             yield
         finally:
+            t = time.perf_counter() if host.on else None
             try:
                 self._after_rank_streams()
             finally:
                 self._switch.end()
+                if t is not None:
+                    host.add(HANDOFF, t, time.perf_counter())
 
     def _step_transport(self) -> LocalTransport:
         """The transport of a step: the last step's (its events are reused per hand-off slot) unless that
@@ -164,7 +183,7 @@ class SingleProcessPipeline:
         t = self._transport
         if t is None or not t.empty() or t.events != events or t.checked != self.checked_completion:
             t = self._transport = LocalTransport(events=events, ops=_SwitchEvents(self._switch),
-                                                 checked=self.checked_completion)
+                                                 checked=self.checked_completion, host=self.host)
         return t
 
     def _rank_runs(self) -> list[tuple[int, list]]:
@@ -181,13 +200,18 @@ class SingleProcessPipeline:
         transport = self._step_transport()
         if self.offload is not None:
             self.offload.begin_step()  # groups left live by an aborted step are dropped first
-        streams, switch = self.rank_streams, self._switch
+        streams, switch, host = self.rank_streams, self._switch, self.host
         caller = switch.current
         try:
             for rank, actions in self._rank_runs():
                 r = self.ranks[rank]
                 if streams is not None:  # straight from one rank's stream to the next: one switch per run
-                    switch.go(streams[rank])
+                    if host.on:
+                        t = time.perf_counter()
+                        switch.go(streams[rank])
+                        host.add(HANDOFF, t, time.perf_counter())
+                    else:
+                        switch.go(streams[rank])
                 for action in actions:
                     r.run(action, batches, transport)
                     if observer is not None:  # stream-ordered after the action (and before the rank's next)
@@ -241,6 +265,16 @@ class SingleProcessPipeline:
         return self._prepared[0]
 
     def _commit_ranks(self, before_step: Callable[[BaseRank], None] | None = None, skip: bool = False) -> None:
+        if not self.host.on:
+            self._commit_each(before_step, skip)
+            return
+        t = time.perf_counter()
+        try:
+            self._commit_each(before_step, skip)
+        finally:
+            self.host.add(OPTIMIZER, t, time.perf_counter())
+
+    def _commit_each(self, before_step: Callable[[BaseRank], None] | None, skip: bool) -> None:
         def hook(r: BaseRank) -> Callable[[], None] | None:
             return None if before_step is None else (lambda: before_step(r))
 

@@ -6,11 +6,13 @@ executor supplies point-to-point transports with the same interface.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import torch
 
 from qeffect.contracts import CompletionLedger, EventOps, completion_ledger
+from qeffect.graphs.stats import HANDOFF, HostPhases
 
 
 class Transport(Protocol):
@@ -60,12 +62,14 @@ class LocalTransport:
     the producer's current stream and `get` makes the consumer's current stream wait on it, so a consumer
     reads a tensor only after the producer's stream has written it (host order alone orders nothing across
     streams). `ops`: the streams and events (default torch.cuda's; `offload.fake.FakeDevice` on a CPU);
-    `checked`: a checked ledger (`completions`)."""
+    `checked`: a checked ledger (`completions`); `host`: the clock its event work is timed on while that is on."""
 
-    def __init__(self, *, events: bool = False, ops: TransportEvents | None = None, checked: bool = False) -> None:
+    def __init__(self, *, events: bool = False, ops: TransportEvents | None = None, checked: bool = False,
+                 host: HostPhases | None = None) -> None:
         self._slots: dict[tuple[str, int, int], torch.Tensor] = {}
         self.events = events
         self.checked = checked
+        self.host = host if host is not None else HostPhases()
         self._ops: TransportEvents = ops if ops is not None else TorchCudaEvents()
         self.completions: CompletionLedger | None = (
             completion_ledger(self._ops, checked=checked, name="transport") if events else None)
@@ -75,7 +79,10 @@ class LocalTransport:
         if key in self._slots:
             raise RuntimeError(f"{kind} of stage {stage} microbatch {m} published twice")
         if self.completions is not None:
+            t = time.perf_counter() if self.host.on else None
             self.completions.record(key, self._ops.current_stream(tensor.device))  # the producer's stream
+            if t is not None:
+                self.host.add(HANDOFF, t, time.perf_counter())
         self._slots[key] = tensor
 
     def get(self, kind: str, stage: int, m: int) -> torch.Tensor:
@@ -85,6 +92,7 @@ class LocalTransport:
         except KeyError:
             raise RuntimeError(f"{kind} of stage {stage} microbatch {m} is not available yet") from None
         if self.completions is not None:
+            t = time.perf_counter() if self.host.on else None
             consumer = self._ops.current_stream(tensor.device)
             self.completions.take(key, consumer)
             # The consumer reads on its own stream; a tensor allocated on the producer's stream (a hand-off
@@ -92,6 +100,8 @@ class LocalTransport:
             # caching allocator would give its block to the producer's stream again without waiting for
             # that read. Recording the use keeps the block until the consumer's stream has passed it.
             self._ops.record_stream(tensor, consumer)
+            if t is not None:
+                self.host.add(HANDOFF, t, time.perf_counter())
         return tensor
 
     def empty(self) -> bool:
