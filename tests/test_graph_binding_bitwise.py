@@ -232,3 +232,29 @@ def test_each_rank_captures_the_graphs_its_plan_counts() -> None:
     counts = [r.captured_graphs() for r in pipe.ranks]
     assert counts == [r.planned_graphs() for r in pipe.ranks] and sum(counts) == len(pipe.manager.actions)
     assert len(set(counts)) > 1  # the ranks differ (K per stage), so a per-rank average would not do
+
+
+@pytest.mark.parametrize("staging", [4, 8])
+def test_a_fold_every_replay_would_skip_is_not_captured(fake_graphs, staging: int) -> None:
+    """Fixed staging depth: the last microbatch's group is folded by the optimizer (deferred), so a dW graph
+    that serves only microbatches whose fold is skipped holds no gated fold (no kernel launched every step to
+    do nothing); a graph that also serves a microbatch closing an earlier group keeps it, gated. Depth 8 at
+    M = 8: no dW graph folds at all. The bits stay native eager's."""
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 8, "pipeline.wgrad_staging": staging,
+                                          "pipeline.wgrad_staging_by_liveness": False})
+    pipe = _fake_captured_build(build_mod.build_single_process)(cfg, native=False, path="captured-direct")
+    dropped = 0
+    for r in pipe.ranks:
+        for act in r.actions.values():
+            for m in range(8):
+                members = [k for k in range(8) if act.chain(k) == act.chain(m)]
+                runs = any(act._dw_modes[k] and FoldMode.SKIP not in [int(v) for v in act._dw_modes[k].values()]
+                           for k in members)
+                has = any(k.startswith("fold") for k in act.slots[m].dW.static_inputs)
+                assert has is runs and has is bool(act._dw_modes[m]), (act.stage, m)
+                dropped += m % staging == staging - 1 and not has
+            if staging == 8:
+                assert not any(act._dw_modes)
+    assert dropped > 0
+    report = run_verify_state(cfg, steps=2, path="captured-direct")
+    assert report.passed, report.first_divergence

@@ -159,7 +159,7 @@ class CapturedStageActions(StageActions):
         modes = torch.tensor([FoldMode.SKIP, FoldMode.INIT, FoldMode.ADD], dtype=torch.int32, device=dev)
         self._mode_values = {int(v): modes[i] for i, v in enumerate((FoldMode.SKIP, FoldMode.INIT, FoldMode.ADD))}
         self._dw_modes = [{f"fold{g}": self._mode_values[self.arena.fold_mode(m, name)]
-                           for g, name in self._gated_folds(m).items()} for m in range(microbatches)]
+                           for g, name in self._live_folds(m).items()} for m in range(microbatches)]
         self.manager.mark_constant(*self._mode_values.values())  # a dW replay copies a mode only when it changes
         if self.offload is not None and len(self.plan.chains) < microbatches:
             raise RuntimeError(f"stage {self.stage}: offload groups are planned per microbatch; graph slots bounded "
@@ -202,6 +202,15 @@ class CapturedStageActions(StageActions):
             if self.arena.fold_count(m, name):
                 out.setdefault(self.arena.depth(name), name)
         return out
+
+    def _live_folds(self, m: int) -> dict[int, str]:
+        """The gated folds dW(m)'s graph holds: those of `_gated_folds` that some microbatch of its chain runs
+        (not SKIP). A fold every one of them skips (the deferred last group, where the last microbatch has a
+        chain of its own) is left out of the graph: its kernel would launch every step to do nothing."""
+        members = [m] if self.plan is None else [k for k, g in enumerate(self.plan.per_microbatch)
+                                                 if g.chain == self.chain(m)]
+        return {g: name for g, name in self._gated_folds(m).items()
+                if any(self.arena.fold_mode(k, name) != FoldMode.SKIP for k in members)}
 
     def _f_body(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chain `c`'s forward (its first microbatch is `c`; only chain 0 refreshes the weight cache)."""
@@ -274,7 +283,9 @@ class CapturedStageActions(StageActions):
         graphs_dw: dict[int, CapturedAction] = {}
         for c, m in plan.chains.items():  # the order the dI captures queued the retained work (a FIFO in te)
 
-            def dw_body(c: int = c, m: int = m) -> tuple:
+            live = self._live_folds(m)
+
+            def dw_body(c: int = c, m: int = m, live: dict[int, str] = live) -> tuple:
                 grads = {}
                 for name, lin in self._matrix.items():
                     pname = self._matrix_param[name]
@@ -282,13 +293,14 @@ class CapturedStageActions(StageActions):
                         aname = arena_name(self.stage, pname)
                         grads[pname] = lin.compute_wgrad(self._work[c][name], out=self._view(name, m),
                                                          accumulate=not self.arena.overwrites(m))
-                        if self.arena.fold_count(m, aname):  # the group's fold, its mode read at replay
-                            self.arena.flush_gated(aname, m, self._fold_mode[self.arena.depth(aname)])
+                        depth = self.arena.depth(aname)
+                        if self.arena.fold_count(m, aname) and depth in live:  # the group's fold, mode read at replay
+                            self.arena.flush_gated(aname, m, self._fold_mode[depth])
                     else:
                         grads[pname] = lin.compute_wgrad(self._work[c][name])
                 return grads, self._next_token()
 
-            folds = {f"fold{g}": self._fold_mode[g] for g in self._gated_folds(m)}
+            folds = {f"fold{g}": self._fold_mode[g] for g in live}
             graphs_dw[c] = self.manager.capture(f"{tag}.dW{c}", dw_body, static_inputs=folds,
                                                 warmup=0, private_pool=True)
         for m, g in enumerate(plan.per_microbatch):  # what each microbatch replays (shared within a chain)
