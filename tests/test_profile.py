@@ -568,6 +568,13 @@ def test_summarize_cuda_by_hand() -> None:
     assert gemm.fraction == pytest.approx(80 / 115)
     expected = {"gemm": 40e-6, "fp8-cast/amax": 10e-6, "copy": 5e-6, "reduction": 5e-6, "memset": 2.5e-6}
     assert {k: v for k, v in t.categories.items() if v} == pytest.approx(expected)
+    # what each category holds, its largest kernels first (categories with no kernel left out)
+    assert list(t.top_by_category) == ["gemm", "fp8-cast/amax", "reduction", "memset", "copy"]
+    assert [k.name for k in t.top_by_category["copy"]] == ["Memcpy DtoD (Device -> Device)"]
+    assert t.top_by_category["gemm"][0] == gemm
+    many = summarize([Event(WINDOW, "window", 0, 10**6)] + [Event(f"other_{i}", "kernel", i * 10, i * 10 + i + 1)
+                                                             for i in range(9)], [1e-3], cuda=True)
+    assert [k.name for k in many.top_by_category["other"]] == [f"other_{i}" for i in (8, 7, 6, 5, 4)]
     line = trace_line(t)
     assert line.startswith(f"trace: wall 0.1 ms, GPU busy 0.0575 ms (idle {t.gpu_idle_fraction:.0%}, host-bound), "
                            "2 kernels/step, host aten ops 0.01 ms (1/step); top: gemm 0.04 ms, fp8-cast/amax 0.01 ms")

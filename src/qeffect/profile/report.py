@@ -95,6 +95,9 @@ class TraceSummary(BaseModel):
     # wins; "other" for the rest): device time on CUDA (sums durations, so overlapping streams may sum
     # past the busy time), aten-op self time on CPU
     categories: dict[str, float]
+    # the largest kernels of each category (`qeffect.profile.trace.TOP_PER_CATEGORY`, by time): what a bucket
+    # such as "other" or "copy" holds (schema 8; empty in older reports)
+    top_by_category: dict[str, list[TraceRow]] = Field(default_factory=dict)
 
 
 # the paths of Transformer Engine's own graphs (`profile.te_anchor`): their arithmetic is not native eager's

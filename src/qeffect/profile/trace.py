@@ -33,6 +33,7 @@ from qeffect.profile.report import TraceRow, TraceSummary
 
 WINDOW = "qeffect::trace_step"
 TOP = 10
+TOP_PER_CATEGORY = 5
 NAME_CHARS = 120
 GPU_BOUND_IDLE = 0.10  # a step whose GPU idles less than this fraction of the wall is GPU-bound
 
@@ -128,8 +129,8 @@ def _aten_self_times(ops: list[Event]) -> tuple[list[tuple[Event, int]], int]:
     return out, top_level
 
 
-def _rows(totals: dict[str, list[float]], steps: int, busy: float) -> list[TraceRow]:
-    top = sorted(totals.items(), key=lambda kv: (-kv[1][1], kv[0]))[:TOP]  # ties by name: deterministic
+def _rows(totals: dict[str, list[float]], steps: int, busy: float, top: int = TOP) -> list[TraceRow]:
+    top = sorted(totals.items(), key=lambda kv: (-kv[1][1], kv[0]))[:top]  # ties by name: deterministic
     return [TraceRow(name=name[:NAME_CHARS], calls_per_step=calls / steps, seconds_per_step=ns / steps * 1e-9,
                      fraction=ns / busy if busy > 0 else 0.0) for name, (calls, ns) in top]
 
@@ -185,9 +186,15 @@ def summarize(events: Iterable[Event], walls: Sequence[float], *, cuda: bool) ->
         for e, ns in self_times:
             totals[e.name][0] += 1
             totals[e.name][1] += ns
-    for name, (_, ns) in totals.items():
-        categories[category(name)] += ns / steps * 1e-9
-    return TraceSummary(**summary, top_kernels=_rows(totals, steps, busy), categories=categories)
+    by_category: dict[str, dict[str, list[float]]] = defaultdict(dict)
+    for name, (calls, ns) in totals.items():
+        cat = category(name)
+        categories[cat] += ns / steps * 1e-9
+        by_category[cat][name] = [calls, ns]
+    top_by_category = {cat: _rows(by_category[cat], steps, busy, TOP_PER_CATEGORY)
+                       for cat in CATEGORY_NAMES if by_category.get(cat)}
+    return TraceSummary(**summary, top_kernels=_rows(totals, steps, busy), categories=categories,
+                        top_by_category=top_by_category)
 
 
 def _kind(ev: Any) -> Kind:
