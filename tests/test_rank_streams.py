@@ -326,3 +326,41 @@ def test_a_timed_step_splits_the_hosts_time_into_switches_hand_offs_and_the_comm
     # per step: the fork and the join, one switch per run of one rank's actions, a put and a get per hand-off
     assert calls[HANDOFF] == steps * (2 + len(rank_runs(pipe.order)) + 2 * hand_offs)
     assert clock.seconds[HANDOFF] >= steps * hand_offs * 0.0005 and clock.seconds[OPTIMIZER] > 0
+
+
+def _graph_launch_bench():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("graph_launch", root / "benchmarks" / "graph_launch.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_graph_launch_benchmark_fits_a_line_and_needs_cuda(capsys, monkeypatch) -> None:
+    bench = _graph_launch_bench()
+    fit = bench.fit_line([(1, 12.0), (4, 15.0), (16, 27.0)])
+    assert fit["slope"] == pytest.approx(1.0) and fit["intercept"] == pytest.approx(11.0)
+    assert bench.fit_line([(8, 1.0), (8, 2.0)]) is None  # one kernel count: no slope
+    calls = iter([0.0, 0.5, 10.0, 10.2, 20.0, 20.3])  # three batches of 10 calls: 50, 20 and 30 us each
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(calls))
+    assert bench.host_us_per_replay(lambda: None, lambda: None, 10, 3) == pytest.approx(3e4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_graph_launch_benchmark_counts_each_graphs_kernels(tmp_path) -> None:
+    import json
+
+    bench = _graph_launch_bench()
+    assert bench.main(["--config", "src/qeffect/configs/tiny.toml", "--backend", "reference", "--kernels", "1,4",
+                       "--replays", "2", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("graph-launch-tiny-reference-*.json")
+    report = json.loads(path.read_text())
+    assert [(r["kernels"], r["device_ops"]) for r in report["synthetic"] if not r["fork"]] == [(1, 1), (4, 4)]
+    assert all(r["device_ops"] > 0 and r["host_us_per_replay"] > 0 for r in report["graphs"])
+    assert report["replays_per_step"] == 3 * 4 * 4  # tiny: 3 actions x 4 stages x 4 microbatches

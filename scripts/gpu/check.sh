@@ -21,7 +21,8 @@
 #   resources-h4096  the --microbatches 2,4,8,16 analysis of h4096 te (graphs, arena against M), then
 #                    scripts/step_gaps.py on the h4096 te step                                  (~5 min)
 #   rank-streams     benchmarks/rank_streams_ab.py: runtime.rank_streams on/off at h2048 and h4096, then
-#                    benchmarks/host_profile.py: where the h2048 host's queue time goes (~3-4 min)
+#                    benchmarks/host_profile.py: where the h2048 host's queue time goes, then
+#                    benchmarks/graph_launch.py: a graph launch's host time against its kernels (~4-5 min)
 #   llama            pytest -m gpu on the llama tests; bitwise matrix at llama-h2048, both backends (~6 min)
 #   profile-llama-h2048-te
 #                    qeffect profile of llama-h2048 (te): native eager, captured-direct (both schedules) and
@@ -152,6 +153,7 @@ resources-h4096)
 rank-streams)
     step rank-streams-ab 400 python3 benchmarks/rank_streams_ab.py --out "$OUT" --rounds 3 --trace 2 --steps 10 --warmup 3
     step host-profile-h2048 150 python3 benchmarks/host_profile.py --out "$OUT" --steps 20
+    step graph-launch-h2048 120 python3 benchmarks/graph_launch.py --out "$OUT"
     ;;
 llama)
     LLAMA=examples/configs/llama-h2048.toml

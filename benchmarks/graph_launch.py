@@ -1,0 +1,172 @@
+"""What one CUDA graph launch costs the host, against the number of kernels in the graph (GPU).
+
+A captured step is one `CUDAGraph.replay()` per action, and the host's queue time of a small step goes
+mostly to them (`qeffect profile`'s host phases: "graph launches"). Whether a launch costs the host per
+graph or per kernel in it decides which cut pays: fewer graphs (one graph for a dI and the dW that follows
+it) or fewer kernels per graph. Two parts, one process:
+
+1. Synthetic: graphs of N one-element kernels (`--kernels`), captured on one stream (a straight line),
+   and the same with every other kernel on a second stream (a fork and a join per pair).
+2. The pipeline's own graphs: `--path` of `--config`, built and warmed up as `qeffect profile` builds it;
+   each graph replayed on its own.
+
+Per graph: its device operations (kernels, copies, sets) counted from a profiler trace of one replay, and
+the host's time per replay: `--replays` back-to-back replays between two device synchronizations, the
+median over `--repeats`. Then a least-squares line, microseconds per launch = a + b x kernels, for each
+part. Replaying a pipeline graph outside its step rewrites the step's buffers and FP8 state with the same
+kind of values: fine for timing, and nothing is trained afterwards.
+
+    source .gpu-kit/setup.sh
+    python3 benchmarks/graph_launch.py --out $OUT
+
+The report is `graph-launch-<config>-<backend>-<rev>-<device>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qeffect.cli.common import write_json
+from qeffect.config import load_config
+from qeffect.profile.matrix import device_name_of, device_tag, git_revision, release_memory
+from qeffect.runtime.build import build_single_process
+from qeffect.verify.state import synthetic_batches
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fit_line(points: list[tuple[float, float]]) -> dict[str, float] | None:
+    """Least squares `y = intercept + slope * x` over `(x, y)` points; None with fewer than two distinct x."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    slope, intercept = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+    return {"intercept": intercept, "slope": slope}
+
+
+def host_us_per_replay(replay: Callable[[], None], sync: Callable[[], None], replays: int, repeats: int) -> float:
+    """Median over `repeats` of the host's time per call in `replays` back-to-back calls of `replay` (the
+    device synchronized before and after each batch, outside the timer)."""
+    per = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        for _ in range(replays):
+            replay()
+        per.append((time.perf_counter() - t) / replays * 1e6)
+        sync()
+    return statistics.median(per)
+
+
+def device_ops(replay: Callable[[], None], sync: Callable[[], None]) -> int:
+    """The device operations (kernels, memory copies and sets) of one `replay`, from a profiler trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        replay()
+        sync()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def synthetic_graph(kernels: int, fork: bool, device: torch.device) -> torch.cuda.CUDAGraph:
+    """A graph of `kernels` one-element additions; `fork`: every other one on a second stream."""
+    x, y = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    side = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize(device)
+    with torch.cuda.graph(graph):
+        main = torch.cuda.current_stream(device)
+        for k in range(kernels):
+            if fork and k % 2:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    y.add_(1.0)
+                main.wait_stream(side)
+            else:
+                x.add_(1.0)
+    return graph
+
+
+def measure(graph: torch.cuda.CUDAGraph, sync: Callable[[], None], replays: int, repeats: int) -> dict[str, Any]:
+    graph.replay()  # uploaded before anything is timed
+    return {"device_ops": device_ops(graph.replay, sync),
+            "host_us_per_replay": host_us_per_replay(graph.replay, sync, replays, repeats)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "examples/configs/h2048.toml"))
+    ap.add_argument("--backend", default="te")
+    ap.add_argument("--path", default="captured-direct")
+    ap.add_argument("--schedule", default="interleaved")
+    ap.add_argument("--warmup", type=int, default=3, help="pipeline steps before its graphs are timed")
+    ap.add_argument("--kernels", default="1,4,16,64,256", help="kernels per synthetic graph")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("graph_launch.py needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def sync() -> None:
+        torch.cuda.synchronize(device)
+
+    synthetic = []
+    for n in (int(k) for k in a.kernels.split(",")):
+        for fork in (False, True):
+            row = {"kernels": n, "fork": fork, **measure(synthetic_graph(n, fork, device), sync, a.replays, a.repeats)}
+            synthetic.append(row)
+            print(f"synthetic {n:4d} kernels{' forked' if fork else '':7s}: {row['device_ops']:4d} device ops, "
+                  f"{row['host_us_per_replay']:7.1f} us per launch", flush=True)
+    stem = Path(a.config).stem
+    cfg = load_config(a.config).with_overrides(**{"fp8.backend": a.backend, "train.device": "cuda",
+                                                  "pipeline.schedule": a.schedule})
+    pipe = build_single_process(cfg, native=False, device=device, path=a.path)
+    for i in range(a.warmup):
+        pipe.step(synthetic_batches(cfg, i, device))
+    sync()
+    per_step = {name: action.replays / a.warmup for name, action in pipe.manager.actions.items()}
+    graphs = []
+    for name, action in pipe.manager.actions.items():
+        row = {"name": name, "replays_per_step": per_step[name], **measure(action.graph, sync, a.replays, a.repeats)}
+        graphs.append(row)
+        print(f"{name:10s}: {row['device_ops']:4d} device ops, {row['host_us_per_replay']:7.1f} us per launch",
+              flush=True)
+    del pipe
+    release_memory(device)
+    fits = {"synthetic-straight": fit_line([(r["kernels"], r["host_us_per_replay"]) for r in synthetic if not r["fork"]]),
+            "synthetic-forked": fit_line([(r["kernels"], r["host_us_per_replay"]) for r in synthetic if r["fork"]]),
+            "pipeline": fit_line([(r["device_ops"], r["host_us_per_replay"]) for r in graphs])}
+    for k, f in fits.items():
+        if f is not None:
+            print(f"{k}: {f['intercept']:.1f} us + {f['slope']:.3f} us per kernel", flush=True)
+    launches = sum(r["replays_per_step"] * r["host_us_per_replay"] for r in graphs)
+    print(f"the step's launches, each timed on its own: {launches / 1e3:.2f} ms of host a step "
+          f"({sum(per_step.values()):.0f} replays)", flush=True)
+    rev = git_revision()
+    out = Path(a.out) / f"graph-launch-{stem}-{a.backend}-{rev}-{device_tag(device)}.json"
+    write_json(out, {
+        "kind": "graph-launch", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "git_revision": rev, "device": device.type, "device_name": device_name_of(device),
+        "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "config": cfg.model_dump(),
+        "path": a.path, "schedule": a.schedule, "replays": a.replays, "repeats": a.repeats,
+        "synthetic": synthetic, "graphs": graphs, "fits": fits,
+        "replays_per_step": sum(per_step.values()), "launch_host_ms_per_step": launches / 1e3})
+    print(f"-> {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
