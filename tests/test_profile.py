@@ -409,6 +409,37 @@ def test_te_anchors_on_cuda(capsys, tmp_path) -> None:
     for c in (model, mcore):
         assert len(c.losses) == 5 and c.non_finite_losses == 0 and c.matrix_flops == report.matrix_flops.total
         assert c.losses_equal_native is None  # another implementation: nothing to compare bit for bit
+    # TE's own modules joined TE's global delayed-scaling buffers; between configurations they are emptied
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    from qeffect.profile.matrix import release_memory
+
+    release_memory(torch.device("cuda"))
+    assert FP8GlobalStateManager.quantization_state.global_amax_buffer == {}
+
+
+def test_between_configurations_te_global_amax_buffers_are_emptied(monkeypatch) -> None:
+    """TE's process-global delayed-scaling buffers (filled by TE's own modules, e.g. the anchors) are emptied
+    between configurations, or the next one's autocast exits update the last one's modules too; where TE was
+    never imported nothing is imported."""
+    import sys
+    import types
+
+    from qeffect.fp8.te import clear_global_amax_buffers
+    from qeffect.profile.matrix import release_memory
+
+    monkeypatch.delitem(sys.modules, "transformer_engine.pytorch.quantization", raising=False)
+    assert clear_global_amax_buffers() == 0 and "transformer_engine.pytorch.quantization" not in sys.modules
+    state = types.SimpleNamespace(global_amax_buffer={"forward_r": [1, 2], "backward_r": [3]},
+                                  global_amax_history_buffer={"forward_r": [4, 5], "backward_r": [6]},
+                                  global_scale_buffer={"forward_r": [7, 8], "backward_r": [9]})
+    fake = types.SimpleNamespace(FP8GlobalStateManager=types.SimpleNamespace(quantization_state=state))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.quantization", fake)
+    assert clear_global_amax_buffers() == 3
+    assert state.global_amax_buffer == state.global_amax_history_buffer == state.global_scale_buffer == {}
+    state.global_amax_buffer["forward_r"] = [1]
+    release_memory(torch.device("cpu"))
+    assert state.global_amax_buffer == {}
 
 
 @pytest.mark.gpu

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -206,6 +207,26 @@ class TEWeightCache:
     w_q: Tensor  # [out, in] E4M3 (rowwise data)
     w_q_t: Tensor | None  # [in, out] E4M3 (columnwise data, for dgrad), if TE made it
     scale_inv: Tensor
+
+
+def clear_global_amax_buffers() -> int:
+    """Empty Transformer Engine's process-global delayed-scaling buffers; returns the entries they held.
+
+    TE's own modules (not qeffect's linears, which stay out of them) join these buffers on their first
+    forward, and from then on every outermost autocast exit in grad mode updates every entry, whichever
+    module it belongs to and whether or not that module still runs: a concatenation and an update kernel per
+    exit, captured into any graph whose body exits an autocast (each qeffect TE linear's forward does). A
+    process that runs one configuration after another (`qeffect profile`'s interleaved rounds, after the
+    TE anchors) empties them between configurations, or a later one pays for an earlier one's modules. Only
+    between configurations: a module still in use would not join again. Without TE imported: nothing (0)."""
+    quantization = sys.modules.get("transformer_engine.pytorch.quantization")
+    if quantization is None:
+        return 0
+    state = quantization.FP8GlobalStateManager.quantization_state
+    held = sum(len(v) for v in state.global_amax_buffer.values())
+    for buffer in (state.global_amax_buffer, state.global_amax_history_buffer, state.global_scale_buffer):
+        buffer.clear()
+    return held
 
 
 @functools.cache

@@ -47,6 +47,7 @@ import torch
 
 from qeffect.config import RunConfig
 from qeffect.errors import UserError
+from qeffect.fp8.te import clear_global_amax_buffers
 from qeffect.graphs.stats import RUNTIME_PHASE, GraphStats, HostPhases
 from qeffect.model.gpt import shared_init_draws
 from qeffect.profile.flops import (
@@ -212,6 +213,10 @@ def not_run_reason(spec: ConfigSpec, cfg: RunConfig, device: torch.device, te_ok
 
 
 def release_memory(device: torch.device) -> None:
+    """Between configurations: the last one's memory back to the device, and Transformer Engine's global
+    delayed-scaling buffers emptied (`fp8.te.clear_global_amax_buffers`: else every TE autocast exit of the
+    next configuration, captured ones included, updates the last one's modules too)."""
+    clear_global_amax_buffers()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
