@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qeffect.fp8.te import te_available
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -101,3 +103,35 @@ def test_the_device_token_chain_follows_the_ledger() -> None:
     native = build_single_process(cfg, native=True, device="cuda")
     ref = [native.step(synthetic_batches(cfg, step, "cuda")) for step in range(3)]
     assert torch.equal(torch.stack(losses), torch.stack(ref))  # the token carries no numbers of the model
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not te_available(), reason="needs CUDA and Transformer Engine")
+def test_a_captured_te_step_launches_only_its_own_scaling_updates_and_no_skipped_fold() -> None:
+    """After TE's own modules ran in this process (the te-graphed anchor) and the profile emptied TE's global
+    delayed-scaling buffers, a captured te step holds one batched scaling update per F and dI graph, none of
+    the anchor's, and no gated fold that every replay skips (fixed staging depth: the deferred last group)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from qeffect.config import load_config
+    from qeffect.profile.matrix import release_memory
+    from qeffect.profile.te_anchor import TEGraphedLayers
+    from qeffect.runtime.build import build_single_process
+    from qeffect.verify.state import synthetic_batches
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    cfg = load_config().with_overrides(**{"fp8.backend": "te", "train.device": "cuda"})
+    anchor = TEGraphedLayers(cfg, device)
+    anchor.step(anchor.data(0))  # its modules join TE's global buffers
+    del anchor
+    release_memory(device)
+    pipe = build_single_process(cfg, native=False, device=device, path="captured-direct")
+    for i in range(3):
+        pipe.step(synthetic_batches(cfg, i, device))
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        pipe.step(synthetic_batches(cfg, 3, device))
+        torch.cuda.synchronize(device)
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    p = cfg.pipeline
+    assert sum("amax_and_scale_update" in n for n in names) == 2 * p.num_stages * p.microbatches
+    assert not any("fold_gated" in n for n in names)
