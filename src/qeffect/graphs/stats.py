@@ -7,7 +7,13 @@ pay off at all and the second what they cost per step once they do.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 from pydantic import BaseModel, Field
+
+T = TypeVar("T")
 
 
 class GraphStats(BaseModel):
@@ -101,6 +107,16 @@ class HostPhases:
         """`calls` of `phase` (input copies: the copies made) from `since` to `now` (`time.perf_counter`)."""
         self.seconds[phase] += now - since
         self.calls[phase] += calls
+
+    def call(self, phase: str, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, timed as one call of `phase` while on."""
+        if not self.on:
+            return fn(*args)
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.add(phase, t, time.perf_counter())
 
     def snapshot(self) -> tuple[dict[str, float], dict[str, int]]:
         """The totals so far (copies): take one before and after a step for that step's share."""

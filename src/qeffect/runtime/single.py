@@ -25,7 +25,6 @@ gradient), not beside other ranks' remaining actions.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -158,23 +157,20 @@ class SingleProcessPipeline:
         if self.rank_streams is None:
             yield
             return
-        host = self.host
-        t = time.perf_counter() if host.on else None
-        caller = self._switch.begin(self.rank_streams[0].device)
-        for s in self.rank_streams:
-            s.wait_stream(caller)
-        if t is not None:
-            host.add(HANDOFF, t, time.perf_counter())
+        self.host.call(HANDOFF, self._fork)
         try:
             yield
         finally:
-            t = time.perf_counter() if host.on else None
             try:
-                self._after_rank_streams()
+                self.host.call(HANDOFF, self._after_rank_streams)
             finally:
                 self._switch.end()
-                if t is not None:
-                    host.add(HANDOFF, t, time.perf_counter())
+
+    def _fork(self) -> None:
+        """Every rank stream after the caller's (the step's start)."""
+        caller = self._switch.begin(self.rank_streams[0].device)
+        for s in self.rank_streams:
+            s.wait_stream(caller)
 
     def _step_transport(self) -> LocalTransport:
         """The transport of a step: the last step's (its events are reused per hand-off slot) unless that
@@ -206,12 +202,7 @@ class SingleProcessPipeline:
             for rank, actions in self._rank_runs():
                 r = self.ranks[rank]
                 if streams is not None:  # straight from one rank's stream to the next: one switch per run
-                    if host.on:
-                        t = time.perf_counter()
-                        switch.go(streams[rank])
-                        host.add(HANDOFF, t, time.perf_counter())
-                    else:
-                        switch.go(streams[rank])
+                    host.call(HANDOFF, switch.go, streams[rank])
                 for action in actions:
                     r.run(action, batches, transport)
                     if observer is not None:  # stream-ordered after the action (and before the rank's next)
@@ -265,14 +256,7 @@ class SingleProcessPipeline:
         return self._prepared[0]
 
     def _commit_ranks(self, before_step: Callable[[BaseRank], None] | None = None, skip: bool = False) -> None:
-        if not self.host.on:
-            self._commit_each(before_step, skip)
-            return
-        t = time.perf_counter()
-        try:
-            self._commit_each(before_step, skip)
-        finally:
-            self.host.add(OPTIMIZER, t, time.perf_counter())
+        self.host.call(OPTIMIZER, self._commit_each, before_step, skip)
 
     def _commit_each(self, before_step: Callable[[BaseRank], None] | None, skip: bool) -> None:
         def hook(r: BaseRank) -> Callable[[], None] | None:

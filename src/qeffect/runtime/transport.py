@@ -6,7 +6,6 @@ executor supplies point-to-point transports with the same interface.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Protocol
 
 import torch
@@ -78,11 +77,8 @@ class LocalTransport:
         key = (kind, stage, m)
         if key in self._slots:
             raise RuntimeError(f"{kind} of stage {stage} microbatch {m} published twice")
-        if self.completions is not None:
-            t = time.perf_counter() if self.host.on else None
-            self.completions.record(key, self._ops.current_stream(tensor.device))  # the producer's stream
-            if t is not None:
-                self.host.add(HANDOFF, t, time.perf_counter())
+        if self.completions is not None:  # on the producer's stream
+            self.host.call(HANDOFF, self.completions.record, key, self._ops.current_stream(tensor.device))
         self._slots[key] = tensor
 
     def get(self, kind: str, stage: int, m: int) -> torch.Tensor:
@@ -92,17 +88,18 @@ class LocalTransport:
         except KeyError:
             raise RuntimeError(f"{kind} of stage {stage} microbatch {m} is not available yet") from None
         if self.completions is not None:
-            t = time.perf_counter() if self.host.on else None
-            consumer = self._ops.current_stream(tensor.device)
-            self.completions.take(key, consumer)
-            # The consumer reads on its own stream; a tensor allocated on the producer's stream (a hand-off
-            # copied out of a graph that serves several microbatches) is freed after this hand-off, and the
-            # caching allocator would give its block to the producer's stream again without waiting for
-            # that read. Recording the use keeps the block until the consumer's stream has passed it.
-            self._ops.record_stream(tensor, consumer)
-            if t is not None:
-                self.host.add(HANDOFF, t, time.perf_counter())
+            self.host.call(HANDOFF, self._take, key, tensor)
         return tensor
+
+    def _take(self, key: tuple[str, int, int], tensor: torch.Tensor) -> None:
+        """The consumer's stream after the producer's record of `key`, and `tensor` kept for it."""
+        consumer = self._ops.current_stream(tensor.device)
+        self.completions.take(key, consumer)
+        # The consumer reads on its own stream; a tensor allocated on the producer's stream (a hand-off
+        # copied out of a graph that serves several microbatches) is freed after this hand-off, and the
+        # caching allocator would give its block to the producer's stream again without waiting for
+        # that read. Recording the use keeps the block until the consumer's stream has passed it.
+        self._ops.record_stream(tensor, consumer)
 
     def empty(self) -> bool:
         return not self._slots
