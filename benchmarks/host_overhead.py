@@ -89,8 +89,7 @@ class NullGraphBackend:
         return _Null()
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.no_grad():
-            dst.copy_(src)
+        dst.copy_(src)  # as the real backend: the manager copies into detached buffers
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         pass

@@ -240,6 +240,18 @@ def test_fp32_reference_is_bitwise_torch_fused_on_cuda(wd):
                 assert torch.equal(got.view(torch.int32), exp.view(torch.int32))
 
 
+def test_zero_grad_drops_or_zeroes_every_gradient_as_torchs_does():
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1))]
+    opt = TritonAdamW([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
+    for p in params[:2]:
+        p.grad = torch.full_like(p, 2.0)
+    opt.zero_grad(set_to_none=False)  # torch's own path: zeroed in place, the unset one left unset
+    assert [p.grad.tolist() if p.grad is not None else None for p in params] == [[0.0] * 3, [0.0] * 2, None]
+    params[2].grad = torch.ones(1)
+    opt.zero_grad()  # the commit's call
+    assert all(p.grad is None for p in params)
+
+
 def test_runtimes_pick_their_optimizer():
     params = [torch.nn.Parameter(torch.zeros(2))]
     cfg = OptimConfig()

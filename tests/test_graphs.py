@@ -270,6 +270,19 @@ def test_a_buffer_the_graph_writes_is_never_taken_as_holding_a_constant() -> Non
     assert _copies(be) == [2.0, 2.0] and mgr.stats.input_copies_skipped == 0
 
 
+def test_a_static_input_that_requires_grad_is_copied_into_without_a_grad_mode_switch() -> None:
+    """A stage's input buffer is a leaf that requires grad; the replay copies into its detached alias (same
+    storage, same version counter), so the backend's copy needs no `no_grad` and the leaf keeps its flag."""
+    mgr, be = _manager("stream-ordered")
+    x = torch.zeros(3, requires_grad=True)
+    action = mgr.capture("f", lambda: x * 2, static_inputs={"x": x}, warmup=0)
+    version = x._version
+    mgr.replay(action, {"x": torch.full((3,), 4.0)})
+    assert torch.equal(x.detach(), torch.full((3,), 4.0)) and x.requires_grad and x.is_leaf
+    assert x._version == version + 1  # the held-constant rule reads this counter
+    assert action.copy_targets["x"].data_ptr() == x.data_ptr() and not action.copy_targets["x"].requires_grad
+
+
 def test_real_backend_refuses_a_cpu_device() -> None:
     with pytest.raises(ValueError, match="CUDA device"):
         GraphManager("cpu")

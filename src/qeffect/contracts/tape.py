@@ -190,7 +190,7 @@ class TapePool:
         if not isinstance(ref, TapeRef):
             raise TapeViolation.build("not a tape reference", key=expected_key, expected="TapeRef",
                                       found=type(ref).__name__)
-        if ref.key != expected_key:
+        if ref.key is not expected_key and ref.key != expected_key:  # keys are made once an epoch: mostly the same
             raise TapeViolation.build("foreign reference", key=expected_key, expected="key " + str(expected_key),
                                       found=f"reference for {ref.key}")
         if not 0 <= ref.slot < self._capacity:
@@ -207,7 +207,7 @@ class TapePool:
                 "stale generation", key=ref.key, what="generation", expected=tape.generation,
                 found=ref.generation,
                 note=f"slot {ref.slot} of pool '{self.name}' now holds {tape.key}")
-        if tape.key != ref.key:
+        if tape.key is not ref.key and tape.key != ref.key:
             raise TapeViolation.build("foreign reference", key=ref.key, expected=f"slot holding {ref.key}",
                                       found=f"slot {ref.slot} holding {tape.key}")
         return tape

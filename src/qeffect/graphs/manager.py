@@ -57,7 +57,7 @@ class GraphBackend(Protocol):
     def new_graph(self) -> Any: ...
     def capture(self, graph: Any, pool: Any, stream: Any) -> AbstractContextManager[Any]: ...
     def new_external_event(self) -> Any: ...
-    def copy_(self, dst: Tensor, src: Tensor) -> None: ...
+    def copy_(self, dst: Tensor, src: Tensor) -> None: ...  # `dst` requires no grad (a detached buffer)
     def record_stream(self, tensor: Tensor, stream: Any) -> None: ...
     def memory_allocated(self) -> int: ...
     def memory_reserved(self) -> int: ...
@@ -120,8 +120,7 @@ class TorchCudaBackend:
         return torch.cuda.Event(external=True)
 
     def copy_(self, dst: Tensor, src: Tensor) -> None:
-        with torch.no_grad():  # static inputs may be leaves that require grad (a stage's input activation)
-            dst.copy_(src, non_blocking=True)
+        dst.copy_(src, non_blocking=True)  # `dst` requires no grad: the manager copies into detached buffers
 
     def record_stream(self, tensor: Tensor, stream: torch.cuda.Stream) -> None:
         if tensor.is_cuda:
@@ -213,6 +212,13 @@ class CapturedAction:
     # static inputs the captured body wrote in place (their version moved during capture): every replay
     # may write them again, so their content is never taken as still holding the last copy
     written_inputs: frozenset[str] = frozenset()
+    # each static input detached (same storage and version counter): what a replay copies into, with no
+    # gradient-mode switch per copy although a buffer may be a leaf that requires grad (a stage's input)
+    copy_targets: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.copy_targets:
+            self.copy_targets = {k: t.detach() for k, t in self.static_inputs.items()}
 
 
 class GraphManager:
@@ -381,7 +387,7 @@ class GraphManager:
         copied = 0
         for key, src in dynamic.items():
             try:
-                dst = action.static_inputs[key]
+                dst = action.copy_targets[key]
             except KeyError:
                 raise KeyError(f"graph {action.name!r} has no static input {key!r}") from None
             if dst.shape != src.shape or dst.dtype != src.dtype:

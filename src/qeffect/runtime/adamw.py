@@ -342,6 +342,16 @@ class TritonAdamW(torch.optim.AdamW):
         return None if not key or torch.cuda.is_current_stream_capturing() else tuple(key)
 
     @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's `zero_grad`; with `set_to_none` (what a commit calls every step) the same `p.grad = None` for
+        every parameter, without the profiler range and compiler guard torch wraps around it (host time)."""
+        if not set_to_none:
+            super().zero_grad(set_to_none=False)
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         out = self._step_once(closure)
         for lazy in self._lazy.values():
