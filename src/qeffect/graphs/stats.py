@@ -93,8 +93,8 @@ class HostPhases:
     """Host seconds and calls per phase, summed over the steps that run while `on` (off: nothing is read).
 
     Why: a host-bound step's queue time says that the host is too slow, not which part of it; `qeffect
-    profile` turns this on for its timed steps and reports each phase per step, the rest being the runtime's
-    bookkeeping. Each timed call costs two clock reads, far below the calls it times."""
+    profile` turns this on after its timed steps, times a few more and reports each phase per step, the rest
+    being the runtime's bookkeeping. Each timed call costs two clock reads, far below the calls it times."""
 
     __slots__ = ("on", "seconds", "calls")
 
