@@ -131,7 +131,7 @@ def test_ran_configurations_have_raw_timings_and_summaries(profiled) -> None:
         assert c.peak_allocated_bytes is None and c.persistent_growth_bytes_per_step is None
         assert "CUDA" in c.memory_note
         assert c.graph_count == 0 and c.replays_per_step == 0 and c.handoffs_per_step == 0
-        # the host's queue time by phase, per timed step (eager: no launches or copies; the commit once a step)
+        # the host's queue time by phase, per phased step (eager: no launches or copies; the commit once a step)
         assert list(c.host_phase_seconds) == ["graph launches", "input copies", "streams and hand-offs",
                                               "optimizer", "runtime"]
         # (over min(steps, PHASE_STEPS) more steps a round, after the timed ones)
@@ -321,6 +321,8 @@ def test_saved_report_renders(capsys, profiled) -> None:
     assert rc == 0
     assert "native-eager" in out and "not run: te-graphed" in out and "resource analysis over M" in out
     assert "native-eager: trace: wall " in out and "qeffect-eager: trace: wall " in out and "(+ 1 traced)" in out
+    assert "host queue time per step by phase" in " ".join(out.split())
+    assert "qeffect-eager: optimizer " in out and "(timed steps: " in " ".join(out.split())
 
 
 def test_version_1_report_still_renders(capsys, profiled, tmp_path) -> None:

@@ -100,10 +100,10 @@ def render(report, console: Console) -> None:
             console.print(f"  {name}: {line}", highlight=False)
     hosts = [(c, c.host_phase_line()) for c in report.configs if c.status == "ok" and c.host_phase_seconds]
     if hosts:
-        console.print("host queue time per step by phase (medians; runtime: the rest, its own bookkeeping):",
-                      highlight=False)
+        console.print("host queue time per step by phase, medians over a few steps after the timed ones "
+                      "(runtime: the rest, its own bookkeeping):", highlight=False)
         for c, line in hosts:
-            console.print(f"  {c.name}: {_ms(c.host_median_seconds)} ms = {line}", highlight=False)
+            console.print(f"  {c.name}: {line} (timed steps: {_ms(c.host_median_seconds)} ms)", highlight=False)
     if report.init_draw_seconds is not None:
         console.print(f"setup: the initial weights were drawn once ({report.init_draw_seconds:.2f} s, before any "
                       "timer) and copied into every configuration's build", highlight=False)
