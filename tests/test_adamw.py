@@ -252,6 +252,16 @@ def test_zero_grad_drops_or_zeroes_every_gradient_as_torchs_does():
     assert all(p.grad is None for p in params)
 
 
+def test_the_step_runs_without_autograd(monkeypatch):
+    """The update writes leaves that require grad in place: it runs under `no_grad`, whatever the caller's mode."""
+    opt = TritonAdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    seen = []
+    monkeypatch.setattr(opt, "_step_once", lambda closure: seen.append(torch.is_grad_enabled()))
+    with torch.enable_grad():
+        opt.step()
+    assert seen == [False]
+
+
 def test_runtimes_pick_their_optimizer():
     params = [torch.nn.Parameter(torch.zeros(2))]
     cfg = OptimConfig()

@@ -341,7 +341,6 @@ class TritonAdamW(torch.optim.AdamW):
         # every group covered: all on CUDA, so asking about a capture is safe on a CPU-only build
         return None if not key or torch.cuda.is_current_stream_capturing() else tuple(key)
 
-    @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's `zero_grad`; with `set_to_none` (what a commit calls every step) the same `p.grad = None` for
         every parameter, without the profiler range and compiler guard torch wraps around it (host time)."""
@@ -352,6 +351,7 @@ class TritonAdamW(torch.optim.AdamW):
             for p in group["params"]:
                 p.grad = None
 
+    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         out = self._step_once(closure)
         for lazy in self._lazy.values():
