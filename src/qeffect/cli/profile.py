@@ -238,8 +238,8 @@ def profile(
     the spread of its steps, the host's time to queue a step over the GPU's (and by phase: graph
     launches, input copies, stream switches and hand-offs, optimizer, the runtime's own bookkeeping),
     setup time (build + capture + first step, the build split by phase: modules, values, ranks, capture),
-    break-even steps against native eager, peak and persistent memory (CUDA), graphs, replays and handoffs per step, arena bytes,
-    capture host time, and the ratios to the floors measured in the same run, each named by its method:
+    break-even steps against native eager, peak and persistent memory (CUDA), graphs, replays and handoffs
+    per step, arena bytes, capture host time, and the ratios to the floors measured in the same run, each named by its method:
     (a) the GEMM floor (each GEMM timed inside a CUDA graph), (b) the peak-rate floor (matrix FLOPs at a
     large square FP8 GEMM's rate), (c) the optimizer floor (AdamW's bytes at a large copy's bandwidth);
     the limit is (b) + (c). With --trace N, a profiler summary of N more steps; with --targets FILE, the

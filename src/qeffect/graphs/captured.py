@@ -294,7 +294,7 @@ class CapturedStageActions(StageActions):
                         grads[pname] = lin.compute_wgrad(self._work[c][name], out=self._view(name, m),
                                                          accumulate=not self.arena.overwrites(m))
                         depth = self.arena.depth(aname)
-                        if self.arena.fold_count(m, aname) and depth in live:  # the group's fold, mode read at replay
+                        if depth in live:  # the group's fold (`_live_folds`), its mode read at replay
                             self.arena.flush_gated(aname, m, self._fold_mode[depth])
                     else:
                         grads[pname] = lin.compute_wgrad(self._work[c][name])

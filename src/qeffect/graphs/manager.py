@@ -214,11 +214,10 @@ class CapturedAction:
     written_inputs: frozenset[str] = frozenset()
     # each static input detached (same storage and version counter): what a replay copies into, with no
     # gradient-mode switch per copy although a buffer may be a leaf that requires grad (a stage's input)
-    copy_targets: dict[str, Tensor] = field(default_factory=dict)
+    copy_targets: dict[str, Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.copy_targets:
-            self.copy_targets = {k: t.detach() for k, t in self.static_inputs.items()}
+        self.copy_targets = {k: t.detach() for k, t in self.static_inputs.items()}
 
 
 class GraphManager:
@@ -329,14 +328,9 @@ class GraphManager:
         dynamic inputs may be freed by the caller right away (record_stream keeps their memory alive
         until the graph stream's copy is done). One-way (the defect) gives neither guarantee.
         """
-        be, host = self.backend, self.host
+        be = self.backend
         if self.protocol == "stream-ordered":  # copies and graph on the caller's stream: stream order
-            if host.on:
-                self._timed_replay(action, dynamic, host)
-            else:
-                if dynamic:
-                    self._copy_inputs(action, dynamic, None)
-                action.graph.replay()
+            self._launch(action, dynamic, None)
             if self.completions.checked:  # the tail fires on the caller's stream (production skips the query)
                 self.completions.fired(action.name, be.current_stream())
             action.replays += 1
@@ -347,12 +341,7 @@ class GraphManager:
         if two_way:
             self.stream.wait_stream(caller)  # (1) caller -> graph edge
         with be.use_stream(self.stream):
-            if host.on:  # (2) and (3), each timed
-                self._timed_replay(action, dynamic, host, self.stream)
-            else:
-                if dynamic:
-                    self._copy_inputs(action, dynamic, self.stream)  # (2) after the edge, on the graph stream
-                action.graph.replay()  # (3)
+            self._launch(action, dynamic, self.stream)  # (2) after the edge, on the graph stream; (3)
         self.completions.fired(action.name, self.stream)  # the tail node fired again, on the graph stream
         if two_way:
             self.completions.wait(action.name, caller)  # (4) graph tail -> caller
@@ -360,9 +349,15 @@ class GraphManager:
         self.stats.record_replay(2 if two_way else 0)
         return action.outputs
 
-    def _timed_replay(self, action: CapturedAction, dynamic: dict[str, Tensor] | None, host: HostPhases,
-                      stream: Any = None) -> None:
-        """The input copies and the launch of one replay, each added to `host` (profiling)."""
+    def _launch(self, action: CapturedAction, dynamic: dict[str, Tensor] | None, stream: Any) -> None:
+        """The input copies and the graph launch of one replay on the current stream (`stream`: see
+        `_copy_inputs`), each timed into `host` while that is on (profiling)."""
+        host = self.host
+        if not host.on:
+            if dynamic:
+                self._copy_inputs(action, dynamic, stream)
+            action.graph.replay()
+            return
         clock = time.perf_counter
         if dynamic:
             t = clock()

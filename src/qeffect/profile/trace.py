@@ -129,8 +129,8 @@ def _aten_self_times(ops: list[Event]) -> tuple[list[tuple[Event, int]], int]:
     return out, top_level
 
 
-def _rows(totals: dict[str, list[float]], steps: int, busy: float, top: int = TOP) -> list[TraceRow]:
-    top = sorted(totals.items(), key=lambda kv: (-kv[1][1], kv[0]))[:top]  # ties by name: deterministic
+def _rows(totals: dict[str, list[float]], steps: int, busy: float, limit: int = TOP) -> list[TraceRow]:
+    top = sorted(totals.items(), key=lambda kv: (-kv[1][1], kv[0]))[:limit]  # ties by name: deterministic
     return [TraceRow(name=name[:NAME_CHARS], calls_per_step=calls / steps, seconds_per_step=ns / steps * 1e-9,
                      fraction=ns / busy if busy > 0 else 0.0) for name, (calls, ns) in top]
 
