@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps after the timed ones with the host's phases timed (graphs.stats.HostPhases; 0: none)")
     ap.add_argument("--profile", type=int, default=0, help="profiled steps after the timed ones (0: none)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sort", default="tottime", help="pstats order of --profile's table (tottime, cumulative, ...)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     cfg = load_config(a.config).with_overrides(**{**SHRINK, "train.device": "cpu", "fp8.backend": "reference"})
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             pipe.step(data[i])
         prof.disable()
         buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(a.top)
+        pstats.Stats(prof, stream=buf).sort_stats(a.sort).print_stats(a.top)
         top = buf.getvalue()
         print(top)
     if a.out:

@@ -96,6 +96,20 @@ def test_record_write_rejections_preserve_state():
         a.check_write("w1", 0, a.view("w1", 0))
 
 
+def test_record_checked_records_once_and_refuses_a_duplicate_or_an_aborted_arena():
+    a = make()
+    a.check_write("w1", 0, a.view("w1", 0))
+    a.record_checked("w1", 0)
+    assert a.written == {("w1", 0)}
+    before = a.snapshot()
+    with pytest.raises(ArenaViolation, match="duplicate write"):
+        a.record_checked("w1", 0)
+    assert a.snapshot() == before
+    a.abort()
+    with pytest.raises(ArenaViolation, match="aborted arena"):
+        a.record_checked("w1", 1)
+
+
 def test_finalize_missing_then_complete():
     a = make(2)
     a.record_write("w2", 1, a.view("w2", 1))

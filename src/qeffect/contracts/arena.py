@@ -404,6 +404,15 @@ class GradientArena:
         self.check_write(name, m, dest, op="record_write")
         self._written.add((name, m))
 
+    def record_checked(self, name: str, m: int) -> None:
+        """Record a ``dW`` write whose destination :meth:`check_write` accepted before the write, with no
+        arena call in between (a captured ``dW``: checked, replayed, recorded). The binding and order
+        checks held then and nothing since could change them; a duplicate is still refused. Why: the
+        second full check was a tenth of the host's bookkeeping per captured step."""
+        self._require_usable("record_write", name, m)
+        self._refuse_duplicate(name, m)
+        self._written.add((name, m))
+
     def check_write(self, name: str, m: int, dest: torch.Tensor, op: str = "check_write") -> None:
         """Every check of :meth:`record_write`, without recording: call it *before* the ``dW`` writes,
         so a duplicate, aliased or misbound write is refused before it touches the buffer."""
@@ -419,11 +428,7 @@ class GradientArena:
                     f"to {_vk(name, m)}, found a destination overlapping view(s) {names}",
                     relation="aliased write", key=(name, m), expected=(name, m), found=others)
             self._check_binding(name, m, view, dest, op)
-        if (name, m) in self._written:
-            raise ArenaViolation(
-                f"duplicate write for arena '{self.name}' view {_vk(name, m)}: expected exactly one write in "
-                f"epoch {self._epoch}, found a second write",
-                relation="duplicate write", key=(name, m), expected=1, found=2)
+        self._refuse_duplicate(name, m)
         # In order: every accepted write had its predecessor, so "m - 1 written" means m is next.
         if self.accumulate and m > 0 and (name, m - 1) not in self._written:
             done = sum((name, k) in self._written for k in range(self.microbatches))
@@ -567,6 +572,13 @@ class GradientArena:
         for m in range(1, upto + 1):
             acc += self._lookup(name, m, op)
         return acc
+
+    def _refuse_duplicate(self, name: str, m: int) -> None:
+        if (name, m) in self._written:
+            raise ArenaViolation(
+                f"duplicate write for arena '{self.name}' view {_vk(name, m)}: expected exactly one write in "
+                f"epoch {self._epoch}, found a second write",
+                relation="duplicate write", key=(name, m), expected=1, found=2)
 
     def _require_usable(self, op: str, name: str | None, m: int | None) -> None:
         if not self._usable:
