@@ -290,10 +290,12 @@ def test_triton_pass_is_bitwise_torch_fused_on_cuda(wd):
     _assert_same_bits(_state(got[0], fresh), _state(*ref))
 
 
-def _run_folded(shapes, steps, device, wd, slots_n, *, defer: bool, dtype=torch.bfloat16, init_each=True, seed=0):
+def _run_folded(shapes, steps, device, wd, slots_n, *, defer: bool, dtype=torch.bfloat16, init_each=True, seed=0,
+                no_region=False):
     """AdamW over gradients given as staged slots: folded first (`fold_staged`) then torch's fused AdamW,
     or handed to `TritonAdamW.fold_into_step` (`defer`). A non-`init_each` fold adds onto a region already
-    holding an earlier group's sum, as a second staging group does."""
+    holding an earlier group's sum, as a second staging group does. `no_region`: a parameter the pass
+    folds gets no region (`fold_without_region`), as with the arena's lazy regions."""
     from qeffect.stage.accumulate import fold_staged
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -310,7 +312,9 @@ def _run_folded(shapes, steps, device, wd, slots_n, *, defer: bool, dtype=torch.
             else:
                 r.copy_(torch.randn(p.shape, device=device, generator=gen) * 1e-3)
             p.grad = r
-            if defer:
+            if defer and no_region and init_each and opt.folds_in_pass(p, block):
+                opt.fold_without_region(p, block, slots_n)
+            elif defer:
                 opt.fold_into_step(p, block, slots_n, init_each)
             else:
                 fold_staged(r, block, slots_n, init_each)
@@ -326,6 +330,23 @@ def test_deferred_folds_run_before_torchs_step_off_the_pass(init_each):
     ref = _run_folded(shapes, 3, "cpu", 0.1, 3, defer=False, init_each=init_each)
     got = _run_folded(shapes, 3, "cpu", 0.1, 3, defer=True, init_each=init_each)
     _assert_same_bits(_state(*ref), _state(*got))
+
+
+def test_a_fold_without_region_needs_the_pass_and_never_takes_torchs_route():
+    """CPU (no Triton pass): `fold_without_region` is refused; a placeholder `.grad` (all strides 0) that
+    reached the unfused route is refused before anything writes into it."""
+    p = torch.nn.Parameter(torch.zeros(6))
+    opt = TritonAdamW([p], **HYPER)
+    block = torch.ones(2, 6)
+    assert not opt.folds_in_pass(p, block)
+    with pytest.raises(ValueError, match="does not fold this parameter"):
+        opt.fold_without_region(p, block, 2)
+    p.grad = torch.zeros(1).expand(6)
+    assert adamw._placeholder(p.grad) and not adamw._placeholder(torch.zeros(6)) and not adamw._placeholder(torch.zeros(1))
+    opt.fold_into_step(p, block, 2, True)
+    with pytest.raises(RuntimeError, match="no region to fold into"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros(6))
 
 
 def test_fold_into_step_refuses_what_it_cannot_fold():
@@ -359,6 +380,10 @@ def test_fold_in_the_pass_is_bitwise_fold_then_torch_fused_on_cuda(wd, init_each
         ref = _run_folded(shapes, 4, "cuda", wd, slots_n, defer=False, dtype=dtype, init_each=init_each)
         got = _run_folded(shapes, 4, "cuda", wd, slots_n, defer=True, dtype=dtype, init_each=init_each)
         _assert_same_bits(_state(*ref), _state(*got))
+        if init_each:  # the large tensor without a region (its .grad a placeholder the pass never reads)
+            lazy = _run_folded(shapes, 4, "cuda", wd, slots_n, defer=True, dtype=dtype, no_region=True)
+            assert sum(adamw._placeholder(p.grad) for p in lazy[0]) == 1
+            _assert_same_bits(_state(*ref), _state(*lazy))
 
 
 @pytest.mark.gpu
@@ -396,6 +421,8 @@ def test_training_steps_with_the_fold_in_the_pass_equal_native_eager(backend, mo
     matrix = sum(len(c.matrix_params()) for r in qeff.ranks for c in r.chunks.values())
     assert len(fused) == 3 * matrix and not unfused  # every matrix weight, every step, in the fused pass
     assert set(fused) == {cfg.pipeline.microbatches}  # one staging group of all microbatches
+    # so no region was ever made: the pass folded every weight's slots with a placeholder as its .grad
+    assert all(r.arena.lazy_regions and not r.arena.regions_made for r in qeff.ranks)
     qeff.settle()  # the row-lazy token table (runtime/lazy_rows.py) up to date before reading it
     for rn, rq in zip(native.ranks, qeff.ranks, strict=True):
         for cn, cq in zip(rn.chunks.values(), rq.chunks.values(), strict=True):

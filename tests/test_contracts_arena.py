@@ -474,6 +474,54 @@ def test_deferred_last_fold_has_the_bits_of_adding_as_it_comes(M, G, seed, bf16,
     assert a.take_pending_fold("w") is not None
 
 
+@pytest.mark.parametrize("M,G", [(1, 1), (3, 3), (3, 8), (4, 2), (4, 3)])
+def test_lazy_regions_are_made_only_when_a_sum_is_asked_for(M, G):
+    """Where every group is the deferred last one (depth M), no region exists until a summed gradient is asked
+    for: staged writes, finalize and a taken fold (no region: its consumer starts from slot 0) need none; a sum
+    makes all of them, zeroed, at fixed addresses, with the in-order bits. Any other depth makes them at once."""
+    specs = {"w": ((64,), torch.float32), "v": ((10,), torch.float32)}
+    grads = {n: _grads(M, specs[n][0], seed=i, dtype=torch.bfloat16) for i, n in enumerate(specs)}
+
+    def arena():
+        a = GradientArena(specs, microbatches=M, accumulate=True, staging=G,
+                          staging_dtypes={n: torch.bfloat16 for n in specs}, defer_last_fold=True)
+        for n in specs:
+            _stage_all(a, n, grads[n])
+        a.finalize()
+        return a
+
+    lazy = min(G, M) == M
+    a = arena()
+    assert a.lazy_regions is lazy and a.regions_made is not lazy
+    assert {kind for kind, _ in a._buffers} == ({"staging"} if lazy else {"region", "staging"})
+    if lazy:
+        staging = a.nbytes
+        region, block, count, init = a.take_pending_fold("w")
+        assert region is None and (count, init) == (M, True) and not a.regions_made
+        with pytest.raises(ValueError, match="deferred last one"):
+            a.flush_gated("v", M - 1, torch.zeros((), dtype=torch.int32))
+        finished = torch.empty(64)
+        sequential_reduce(finished, block, count, init)  # what the consumer's pass adds
+        assert torch.equal(finished, _sum_in_order(grads["w"]))
+        assert torch.equal(a.sum_microbatches("v"), _sum_in_order(grads["v"]))  # makes every region
+        assert a.regions_made and a.nbytes > staging
+        held = a.region("w").data_ptr()
+        a.advance_epoch()
+        for n in specs:
+            _stage_all(a, n, grads[n])
+        a.finalize()
+        assert a.take_pending_fold("w")[0].data_ptr() == held  # made once, at a fixed address
+    b = arena()
+    assert torch.equal(b.sum_microbatches("w"), _sum_in_order(grads["w"]))
+
+
+def _sum_in_order(grads):
+    acc = grads[0].float().clone()
+    for g in grads[1:]:
+        acc += g.float()
+    return acc
+
+
 def test_deferred_fold_is_refused_before_its_writes():
     a = GradientArena({"w": ((10,), torch.float32)}, microbatches=3, accumulate=True, staging=2,
                       defer_last_fold=True)

@@ -143,3 +143,41 @@ def test_a_key_is_made_once_per_epoch_and_microbatch() -> None:
     pipe.step(synthetic_batches(CFG, 0, "cpu"))  # the commit advances the epoch
     k1 = act.key(0)
     assert k1 is not k0 and (k1.e, k1.s, k1.m) == (act.clock.e_W, 0, 0) and k1.e == k0.e + 1
+
+
+class _FoldSpy:
+    """A `FoldingOptimizer` that records what `load_matrix_grads` hands it."""
+
+    def __init__(self, in_pass: bool) -> None:
+        self.in_pass, self.without, self.into = in_pass, [], []
+
+    def folds_in_pass(self, param, block) -> bool:
+        return self.in_pass
+
+    def fold_without_region(self, param, block, count) -> None:
+        self.without.append((param, count))
+
+    def fold_into_step(self, param, block, count, init) -> None:
+        self.into.append((param, count, init, param.grad))
+
+
+@pytest.mark.parametrize("in_pass", [True, False])
+def test_lazy_regions_reach_an_optimizer_that_folds_in_its_pass_without_a_region(in_pass: bool) -> None:
+    """One staging group a step (depth M): the deferred fold goes to an optimizer whose pass folds it with no
+    region made; one that would fold into `.grad` first gets the region, made then."""
+    pipe, rank, act = _single_stage()
+    assert rank.arena.lazy_regions and not rank.arena.regions_made
+    pipe.run_actions(synthetic_batches(CFG, 0, "cpu"))
+    rank.arena.finalize()
+    spy = _FoldSpy(in_pass)
+    act.load_matrix_grads(spy)
+    weights = [lin.weight for lin in act.chunk.matrix_linears().values()]
+    M = CFG.pipeline.microbatches
+    if in_pass:
+        assert [(id(p), c) for p, c in spy.without] == [(id(w), M) for w in weights] and not spy.into
+        assert not rank.arena.regions_made
+    else:
+        assert [(id(p), c, i) for p, c, i, _ in spy.into] == [(id(w), M, True) for w in weights] and not spy.without
+        assert rank.arena.regions_made
+        assert all(g.data_ptr() == rank.arena.region(n).data_ptr()
+                   for (_, _, _, g), n in zip(spy.into, rank.arena.specs, strict=True))

@@ -53,6 +53,12 @@ and read back). Whoever needs the summed gradient as a tensor gets it folded fir
 (:meth:`GradientArena.sum_microbatches`, :meth:`GradientArena.storage_views`): the same additions in the
 same order, so the same bits either way. Once a consumer took the group, the region is never completed
 in that epoch, and reading a sum from it is an :class:`ArenaViolation` ("sum after take").
+
+Lazy regions (``lazy_regions``, decided by the arena): where every parameter's depth is ``M`` the only group
+is the deferred last one, so no ``dW`` folds into a region and a consumer that folds the group itself
+starts the sum from slot 0 without reading one. The fp32 regions, as large as the parameters, are then
+allocated only when a summed gradient is asked for as a tensor (:meth:`GradientArena.region`): until then
+`take_pending_fold` hands out no region.
 """
 
 from __future__ import annotations
@@ -193,26 +199,23 @@ class GradientArena:
             off = stage_sizes.get(sdt, 0)
             stage_plan[pname] = (sdt, off, stride)
             stage_sizes[sdt] = off + stride * self._depth[pname]
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {
-            ("region" if accumulate else "views", dt): torch.zeros(n, dtype=dt, device=self.device)
-            for dt, n in sizes.items()
-        }
-        for dt, n in stage_sizes.items():
-            self._buffers[("staging", dt)] = torch.zeros(n, dtype=dt, device=self.device)
-        # The buffers' own device (``"cuda"`` becomes ``cuda:0``) is what tensors are compared with.
-        self.device = next(iter(self._buffers.values())).device
+        # Lazy regions: where every parameter's only group is the deferred last one (depth M), no dW folds
+        # into a region and the optimizer's pass folds the slots itself without reading one, so the fp32
+        # regions (4 bytes per parameter, what native keeps as its gradient) are made only when something
+        # asks for a summed gradient as a tensor (`region`: clipping's norm, verification, data parallelism).
+        self.lazy_regions = self.defer_last_fold and all(g == microbatches for g in self._depth.values())
+        self._region_plan = (offsets, sizes)
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._views: dict[tuple[str, int], torch.Tensor] = {}
         self._regions: dict[str, torch.Tensor] = {}
         self._blocks: dict[str, torch.Tensor] = {}
         self._ranges: list[tuple[int, int, tuple[str, int]]] = []
-        for (pname, m), (dt, off, numel) in offsets.items():
-            v = self._buffers[("region" if accumulate else "views", dt)][off : off + numel].view(self.specs[pname][0])
-            start = v.data_ptr()
-            self._ranges.append((start, start + numel * v.element_size(), (pname, m)))
-            if accumulate:
-                self._regions[pname] = v
-            for k in range(microbatches) if accumulate else (m,):
-                self._views[(pname, k)] = v
+        if not self.lazy_regions:
+            self._make_regions()
+        for dt, n in stage_sizes.items():
+            self._buffers[("staging", dt)] = torch.zeros(n, dtype=dt, device=self.device)
+        # The buffers' own device (``"cuda"`` becomes ``cuda:0``) is what tensors are compared with.
+        self.device = next(iter(self._buffers.values())).device
         for pname, (sdt, off, stride) in stage_plan.items():
             shape = self.specs[pname][0]
             numel = math.prod(shape)
@@ -231,7 +234,28 @@ class GradientArena:
         self._usable = True
         self._finalized = False
 
+    def _make_regions(self) -> None:
+        """Allocate the regions (or per-microbatch views) and their views, zeroed, at fixed addresses."""
+        offsets, sizes = self._region_plan
+        kind = "region" if self.accumulate else "views"
+        for dt, n in sizes.items():
+            self._buffers[(kind, dt)] = torch.zeros(n, dtype=dt, device=self.device)
+        for (pname, m), (dt, off, numel) in offsets.items():
+            v = self._buffers[(kind, dt)][off : off + numel].view(self.specs[pname][0])
+            start = v.data_ptr()
+            self._ranges.append((start, start + numel * v.element_size(), (pname, m)))
+            if self.accumulate:
+                self._regions[pname] = v
+            if not self._depth[pname]:  # a staged parameter's dW writes its staging slots
+                for k in range(self.microbatches) if self.accumulate else (m,):
+                    self._views[(pname, k)] = v
+
     # ----------------------------------------------------------------- queries
+    @property
+    def regions_made(self) -> bool:
+        """Whether the regions exist (always, unless `lazy_regions` and nothing asked for one yet)."""
+        return not self.lazy_regions or bool(self._regions)
+
     @property
     def epoch(self) -> int:
         return self._epoch
@@ -325,6 +349,8 @@ class GradientArena:
             if not self.accumulate:
                 raise ValueError(f"arena '{self.name}' has one view per microbatch, no accumulating region")
             self._lookup(name, 0, "region")  # raises the unknown-view error
+            self._make_regions()  # lazy regions: the first sum asked for makes them all
+            region = self._regions[name]
         return region
 
     def flush(self, name: str, m: int) -> None:
@@ -343,6 +369,9 @@ class GradientArena:
         read from the device word ``mode`` when it runs: the caller sets it to :meth:`fold_mode` of the
         microbatch it replays the graph for. A device computation with no bookkeeping, like :meth:`flush`."""
         self._require_usable("flush", name, m)
+        if self.lazy_regions:  # it would make the regions, perhaps inside a capture
+            raise ValueError(f"arena '{self.name}': dW({m}) holds no fold of {name}: its only group is the deferred "
+                             "last one (lazy regions)")
         count = self.fold_count(m, name)
         if not count:
             raise ValueError(f"arena '{self.name}': dW({m}) holds no fold of {name} (staging {self.depth(name)}, "
@@ -463,18 +492,20 @@ class GradientArena:
             return self.region(name)
         return self._ordered_sum(name, self.microbatches - 1, "sum_microbatches")
 
-    def take_pending_fold(self, name: str) -> tuple[torch.Tensor, torch.Tensor, int, bool] | None:
+    def take_pending_fold(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor, int, bool] | None:
         """The deferred last group of ``name`` as ``(region, block, count, init)`` for a consumer that folds
         it itself (`runtime.adamw.TritonAdamW.fold_into_step`): the sum is ``region`` (not read when
-        ``init``) plus slots ``block[0:count]`` in slot order. None when nothing is deferred, or it is
-        folded or taken already. The region then lacks the group for the rest of the epoch, so every later
+        ``init``) plus slots ``block[0:count]`` in slot order; ``region`` is None where the regions are
+        lazy and not made (``init`` is then True: the group is the only one). None when nothing is
+        deferred, or it is folded or taken already. The region then lacks the group for the rest of the epoch, so every later
         sum of it (:meth:`sum_microbatches`, :meth:`storage_views`, the last :meth:`prefix_sum`) is refused
         ("sum after take") rather than read short."""
         self._require_finalized("take_pending_fold", name)
         if not self.defer_last_fold or name in self._last_folded or name in self._taken:
             return None
         self._taken.add(name)
-        return (self.region(name), *self._group_upto(name, self.microbatches - 1))
+        region = self._regions.get(name) if self.lazy_regions else self.region(name)
+        return (region, *self._group_upto(name, self.microbatches - 1))
 
     def _fold_last(self, name: str) -> None:
         """Fold the deferred last group into the region (once per epoch; a no-op without deferral)."""

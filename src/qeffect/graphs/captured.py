@@ -360,7 +360,7 @@ class CapturedStageActions(StageActions):
             # its module on first launch, which must not happen inside a capture. SKIP: nothing is written.
             skip = self._mode_values[FoldMode.SKIP]
             for m in range(self._microbatches):
-                for g in self._gated_folds(m):
+                for g in self._live_folds(m):  # the folds the graphs hold (a lazy-region arena has none)
                     self._fold_mode[g].copy_(skip)
                     for aname in self._arena_names():
                         if self.arena.depth(aname) == g:

@@ -22,7 +22,8 @@ The staged fold can ride along (`TritonAdamW.fold_into_step`, fed by `contracts.
 group): the pass then reads the bf16 staging slots, adds them in slot order in fp32 (the fold's own
 additions, so its bits) and updates with the sum, never writing the fp32 gradient: 40 bytes per element
 instead of the fold's 20 plus the update's 28 (h4096 on the H200, `benchmarks/adamw_ab.py
---fold-sweep`: 8.48 against 9.92 ms).
+--fold-sweep`: 8.48 against 9.92 ms). Where the fold starts the sum (one staging group a step), the pass
+reads no gradient at all, and the arena need not hold one (`TritonAdamW.fold_without_region`).
 
 The FP8 weight cast can ride along too (`TritonAdamW.cast_after_step`, `fp8.weight_cast`): for each
 registered Transformer Engine weight the pass also writes the updated weight's E4M3 bytes, its amax and
@@ -147,6 +148,7 @@ class TritonAdamW(torch.optim.AdamW):
         self._folds: dict[torch.Tensor, tuple[torch.Tensor, int, bool]] = {}
         self._lazy: dict[torch.Tensor, LazyRows] = {}  # row-lazy tables (`lazy_rows`)
         self._casts: dict[torch.Tensor, WeightCastTarget] = {}
+        self._zeros: dict[torch.device, torch.Tensor] = {}  # `fold_without_region`'s placeholder memory
         self.graph = graph  # see `use_graph`
         self.tensor_lr = False  # see `use_tensor_lr`
         self._lr_buffers: dict[int, torch.Tensor] = {}  # per parameter group: its learning rate on the device
@@ -280,6 +282,27 @@ class TritonAdamW(torch.optim.AdamW):
             raise ValueError(f"fold of {count} slots of {tuple(block.shape)} into {param.numel()} elements")
         self._folds[param] = (block, count, init)
 
+    def folds_in_pass(self, param: torch.Tensor, block: torch.Tensor) -> bool:
+        """Whether the next step's Triton pass folds `param`'s staged `block` itself, so that a fold that
+        starts the sum never reads `.grad`: the group's options and the tensors are the pass's (a large fp32
+        CUDA weight, not a row-lazy table) and the pass can read the block."""
+        group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
+        return (group is not None and self._group_covered(group) and _fp32_contiguous_cuda(param)
+                and param.numel() >= MIN_NUMEL and param not in self._lazy and _fusable(block))
+
+    def fold_without_region(self, param: torch.Tensor, block: torch.Tensor, count: int) -> None:
+        """:meth:`fold_into_step` of a fold that starts the sum (``init``) where no region holds the gradient
+        (`contracts.arena`'s lazy regions): `.grad` becomes a placeholder of the parameter's shape that holds
+        no memory (one fp32 zero, expanded), which the pass never reads. Only where the pass folds `param`
+        (:meth:`folds_in_pass`); a step that would take another route refuses it rather than write into it."""
+        if not self.folds_in_pass(param, block):
+            raise ValueError("fold_without_region: the Triton pass does not fold this parameter; give it a region")
+        zero = self._zeros.get(param.device)
+        if zero is None:
+            zero = self._zeros[param.device] = torch.zeros(1, dtype=torch.float32, device=param.device)
+        param.grad = zero.expand(param.shape)
+        self.fold_into_step(param, block, count, True)
+
     def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient the next step uses for `param`: ``.grad``, or with a pending fold a new tensor
         holding it finished (the fold's additions, so the bits the step's pass computes)."""
@@ -295,7 +318,8 @@ class TritonAdamW(torch.optim.AdamW):
         return len(self._folds)
 
     def _covered(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
-        return self._group_covered(group) and all(_fp32_contiguous_cuda(t) for t in (*params, *grads))
+        return (self._group_covered(group) and all(_fp32_contiguous_cuda(t) for t in params)
+                and all(_fp32_contiguous_cuda(g) or _placeholder(g) for g in grads))
 
     @staticmethod
     def _group_covered(group: dict) -> bool:
@@ -323,7 +347,7 @@ class TritonAdamW(torch.optim.AdamW):
                     continue
                 live += 1
                 state = state_of(p)
-                if not (state and _fp32_contiguous_cuda(p) and _fp32_contiguous_cuda(g)):
+                if not (state and _fp32_contiguous_cuda(p) and (_fp32_contiguous_cuda(g) or _placeholder(g))):
                     return None
                 step, m, v = state.get("step"), state.get("exp_avg"), state.get("exp_avg_sq")
                 if not (is_tensor(step) and is_tensor(m) and is_tensor(v)):
@@ -510,7 +534,17 @@ def _fusable(block: torch.Tensor) -> bool:
     return block.is_cuda and block.stride(1) == 1 and block.numel() < 2**31
 
 
+def _placeholder(g: torch.Tensor) -> bool:
+    """Whether `g` is `TritonAdamW.fold_without_region`'s placeholder: every element the one fp32 zero (no
+    gradient a backward writes has all strides 0)."""
+    return g.dtype == torch.float32 and g.numel() > 1 and not any(g.stride())
+
+
 def _fold_first(folds: dict[torch.Tensor, tuple[torch.Tensor, int, bool]]) -> None:
     """Finish deferred folds as their own pass, into each parameter's ``.grad`` (the unfused route)."""
+    for p in folds:
+        if _placeholder(p.grad):
+            raise RuntimeError(f"a staged fold of a {tuple(p.shape)} parameter has no region to fold into (lazy "
+                               "regions): it was handed over for the Triton pass, and this step takes torch's route")
     for p, (block, count, init) in folds.items():
         fold_staged(p.grad, block, count, init)

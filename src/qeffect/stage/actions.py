@@ -91,6 +91,10 @@ class FoldingOptimizer(Protocol):
 
     def fold_into_step(self, param: torch.Tensor, block: torch.Tensor, count: int, init: bool) -> None: ...
 
+    def folds_in_pass(self, param: torch.Tensor, block: torch.Tensor) -> bool: ...
+
+    def fold_without_region(self, param: torch.Tensor, block: torch.Tensor, count: int) -> None: ...
+
 
 @dataclass
 class ForwardOut:
@@ -286,5 +290,10 @@ class StageActions:
                 weight.grad = self.arena.sum_microbatches(name)
                 continue
             region, block, count, init = pending
+            if region is None:  # lazy regions, none made yet: the optimizer's pass folds without one
+                if fold_into.folds_in_pass(weight, block):
+                    fold_into.fold_without_region(weight, block, count)
+                    continue
+                region = self.arena.region(name)  # makes them: this fold runs first, into `.grad`
             weight.grad = region
             fold_into.fold_into_step(weight, block, count, init)
