@@ -380,9 +380,10 @@ def test_fold_in_the_pass_is_bitwise_fold_then_torch_fused_on_cuda(wd, init_each
         ref = _run_folded(shapes, 4, "cuda", wd, slots_n, defer=False, dtype=dtype, init_each=init_each)
         got = _run_folded(shapes, 4, "cuda", wd, slots_n, defer=True, dtype=dtype, init_each=init_each)
         _assert_same_bits(_state(*ref), _state(*got))
-        if init_each:  # the large tensor without a region (its .grad a placeholder the pass never reads)
+        if init_each:  # the large tensors without a region (each .grad a placeholder the pass never reads)
             lazy = _run_folded(shapes, 4, "cuda", wd, slots_n, defer=True, dtype=dtype, no_region=True)
-            assert sum(adamw._placeholder(p.grad) for p in lazy[0]) == 1
+            large = [p.numel() >= adamw.MIN_NUMEL for p in lazy[0]]
+            assert [adamw._placeholder(p.grad) for p in lazy[0]] == large and any(large) and not all(large)
             _assert_same_bits(_state(*ref), _state(*lazy))
 
 
