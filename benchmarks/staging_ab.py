@@ -7,7 +7,8 @@ Variants run in interleaved rounds (A B C A B C ...), each round building, warmi
 variant again with the profile's own timer (`qeffect.profile.matrix.time_runner`). Per variant: the median
 of its round medians with min-max, peak allocated memory, arena bytes, graphs per rank and capture host
 time; ratios are the median of per-round ratios against the first variant. Losses must be identical across
-variants (the depth changes no bits).
+variants (the depth changes no bits). `--made-regions NAME,...`: those variants make their arenas' fp32
+regions at build, as before lazy regions (`contracts.arena`), for an A/B of that memory at the same depth.
 
 On the GPU machine (from the repository root):
 
@@ -62,6 +63,15 @@ def parse_variants(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+def _runner(cfg: Any, device: torch.device, spec: ConfigSpec, made_regions: bool) -> PipelineRunner:
+    """The profile's runner; `made_regions`: every rank's arena makes its regions now (a region asked for)."""
+    run = PipelineRunner(cfg, device, spec)
+    for rank in run.pipe.ranks if made_regions else ():
+        if rank.arena.accumulate:
+            rank.arena.region(next(iter(rank.arena.specs)))
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None)
@@ -72,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--made-regions", default="", help="variants whose arenas make their regions at build")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    made = set(filter(None, a.made_regions.split(",")))
     cfg = load_config(a.config)
     over = {k: v for k, v in {"fp8.backend": a.backend, "train.device": a.device}.items() if v}
     cfg = cfg.with_overrides(**over) if over else cfg
@@ -87,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = ConfigResult(name=name, description=f"{a.path}, {name}", status="ok",
                                  schedule=c.pipeline.schedule, path=a.path)
                 print(f"round {k + 1}/{a.rounds}: {name}", flush=True)
-                time_runner(r, lambda c=c: PipelineRunner(c, device, spec), device, steps=a.steps, warmup=a.warmup)
+                time_runner(r, lambda c=c, name=name: _runner(c, device, spec, name in made), device, steps=a.steps,
+                            warmup=a.warmup)
                 by[name].append(r)
                 release_memory(device)
     results = [merge_rounds(rs) for rs in by.values()]
