@@ -148,7 +148,8 @@ class TritonAdamW(torch.optim.AdamW):
         self._folds: dict[torch.Tensor, tuple[torch.Tensor, int, bool]] = {}
         self._lazy: dict[torch.Tensor, LazyRows] = {}  # row-lazy tables (`lazy_rows`)
         self._casts: dict[torch.Tensor, WeightCastTarget] = {}
-        self._zeros: dict[torch.device, torch.Tensor] = {}  # `fold_without_region`'s placeholder memory
+        self._placeholders: dict[torch.Tensor, torch.Tensor] = {}  # `fold_without_region`'s, per parameter
+        self._groups_index: tuple[int, dict[torch.Tensor, dict]] = (0, {})  # `_group_of`
         self.graph = graph  # see `use_graph`
         self.tensor_lr = False  # see `use_tensor_lr`
         self._lr_buffers: dict[int, torch.Tensor] = {}  # per parameter group: its learning rate on the device
@@ -286,9 +287,18 @@ class TritonAdamW(torch.optim.AdamW):
         """Whether the next step's Triton pass folds `param`'s staged `block` itself, so that a fold that
         starts the sum never reads `.grad`: the group's options and the tensors are the pass's (a large fp32
         CUDA weight, not a row-lazy table) and the pass can read the block."""
-        group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
+        group = self._group_of(param)
         return (group is not None and self._group_covered(group) and _fp32_contiguous_cuda(param)
                 and param.numel() >= MIN_NUMEL and param not in self._lazy and _fusable(block))
+
+    def _group_of(self, param: torch.Tensor) -> dict | None:
+        """`param`'s group, from an index made again when the groups change (asked for every weight every
+        step: a scan of every group's parameters would cost the host more than the rest of the commit)."""
+        count, index = self._groups_index
+        if count != len(self.param_groups) or param not in index:
+            index = {p: g for g in self.param_groups for p in g["params"]}
+            self._groups_index = (len(self.param_groups), index)
+        return index.get(param)
 
     def fold_without_region(self, param: torch.Tensor, block: torch.Tensor, count: int) -> None:
         """:meth:`fold_into_step` of a fold that starts the sum (``init``) where no region holds the gradient
@@ -297,10 +307,12 @@ class TritonAdamW(torch.optim.AdamW):
         (:meth:`folds_in_pass`); a step that would take another route refuses it rather than write into it."""
         if not self.folds_in_pass(param, block):
             raise ValueError("fold_without_region: the Triton pass does not fold this parameter; give it a region")
-        zero = self._zeros.get(param.device)
-        if zero is None:
-            zero = self._zeros[param.device] = torch.zeros(1, dtype=torch.float32, device=param.device)
-        param.grad = zero.expand(param.shape)
+        placeholder = self._placeholders.get(param)
+        if placeholder is None:
+            zero = next((z for z in self._placeholders.values() if z.device == param.device), None)
+            zero = torch.zeros(1, dtype=torch.float32, device=param.device) if zero is None else zero[(0,) * zero.dim()]
+            placeholder = self._placeholders[param] = zero.expand(param.shape)
+        param.grad = placeholder
         self.fold_into_step(param, block, count, True)
 
     def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
