@@ -436,8 +436,8 @@ class GradientArena:
     def record_checked(self, name: str, m: int) -> None:
         """Record a ``dW`` write whose destination :meth:`check_write` accepted before the write, with no
         arena call in between (a captured ``dW``: checked, replayed, recorded). The binding and order
-        checks held then and nothing since could change them; a duplicate is still refused. Why: the
-        second full check was a tenth of the host's bookkeeping per captured step."""
+        checks held then and nothing since could change them; a duplicate is still refused. Why: checking
+        every write twice cost the host a few percent of a captured step."""
         self._require_usable("record_write", name, m)
         self._refuse_duplicate(name, m)
         self._written.add((name, m))
@@ -497,9 +497,9 @@ class GradientArena:
         it itself (`runtime.adamw.TritonAdamW.fold_into_step`): the sum is ``region`` (not read when
         ``init``) plus slots ``block[0:count]`` in slot order; ``region`` is None where the regions are
         lazy and not made (``init`` is then True: the group is the only one). None when nothing is
-        deferred, or it is folded or taken already. The region then lacks the group for the rest of the epoch, so every later
-        sum of it (:meth:`sum_microbatches`, :meth:`storage_views`, the last :meth:`prefix_sum`) is refused
-        ("sum after take") rather than read short."""
+        deferred, or it is folded or taken already. The region then lacks the group for the rest of the
+        epoch, so every later sum of it (:meth:`sum_microbatches`, :meth:`storage_views`, the last
+        :meth:`prefix_sum`) is refused ("sum after take") rather than read short."""
         self._require_finalized("take_pending_fold", name)
         if not self.defer_last_fold or name in self._last_folded or name in self._taken:
             return None

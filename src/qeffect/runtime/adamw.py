@@ -149,6 +149,7 @@ class TritonAdamW(torch.optim.AdamW):
         self._lazy: dict[torch.Tensor, LazyRows] = {}  # row-lazy tables (`lazy_rows`)
         self._casts: dict[torch.Tensor, WeightCastTarget] = {}
         self._placeholders: dict[torch.Tensor, torch.Tensor] = {}  # `fold_without_region`'s, per parameter
+        self._zeros: dict[torch.device, torch.Tensor] = {}  # the one element each device's placeholders show
         self._groups_index: tuple[int, dict[torch.Tensor, dict]] = (0, {})  # `_group_of`
         self.graph = graph  # see `use_graph`
         self.tensor_lr = False  # see `use_tensor_lr`
@@ -309,8 +310,9 @@ class TritonAdamW(torch.optim.AdamW):
             raise ValueError("fold_without_region: the Triton pass does not fold this parameter; give it a region")
         placeholder = self._placeholders.get(param)
         if placeholder is None:
-            zero = next((z for z in self._placeholders.values() if z.device == param.device), None)
-            zero = torch.zeros(1, dtype=torch.float32, device=param.device) if zero is None else zero[(0,) * zero.dim()]
+            zero = self._zeros.get(param.device)
+            if zero is None:
+                zero = self._zeros[param.device] = torch.zeros(1, dtype=torch.float32, device=param.device)
             placeholder = self._placeholders[param] = zero.expand(param.shape)
         param.grad = placeholder
         self.fold_into_step(param, block, count, True)
