@@ -28,7 +28,8 @@
 #                    qeffect profile of llama-h2048 (te): native eager, captured-direct (both schedules) and
 #                    te-graphed from TransformerLayers with the Llama settings, 3 interleaved rounds    (~4 min)
 #   staging-ab       benchmarks/staging_ab.py at h4096 te: staging depth by liveness / fixed 8 / unstaged,
-#                    3 interleaved rounds (step time, peak memory, arena, graphs per rank)              (~4 min)
+#                    3 interleaved rounds (step time, peak memory, arena, graphs per rank); then lazy
+#                    gradient regions against regions made at build (--made-regions)                   (~5 min)
 #   multi            2+ GPUs under torchrun/NCCL: verify-state PP=2 (PP=2 x DP=2 and PP=4 ZB-V with 4 GPUs),
 #                    a PP=2 checkpoint resumed into another layout and verified                 (~7 min)
 #   multi-timing     fixed-work h4096 timing PP=2 (against PP=4 with 4 GPUs), Interleaved and ZB-V, with
@@ -170,6 +171,9 @@ profile-llama-h2048-te)
 staging-ab)
     step staging-ab-h4096-te 420 python3 benchmarks/staging_ab.py --config $H4096 --backend te --rounds 3 \
         --out "$OUT/staging-ab-h4096-te.json"
+    step lazy-regions-ab-h4096-te 180 python3 benchmarks/staging_ab.py --config $H4096 --backend te --rounds 3 \
+        --steps 10 --warmup 3 --variants "lazy=pipeline.wgrad_staging=8;made=pipeline.wgrad_staging=8" \
+        --made-regions made --out "$OUT/lazy-regions-ab-h4096-te.json"
     ;;
 multi)
     if [ "$NGPU" -ge 4 ]; then
