@@ -56,7 +56,6 @@ from qeffect.stage.actions import (
     InputGradOut,
     StageActions,
     WeightGradOut,
-    arena_name,
     input_grad_body,
     take_wgrad_work,
 )
@@ -192,7 +191,7 @@ class CapturedStageActions(StageActions):
 
     def _arena_names(self) -> list[str]:
         """The arena names of this chunk's matrix parameters."""
-        return [arena_name(self.stage, p) for p in self._matrix_param.values()]
+        return list(self._arena_of.values())
 
     def _gated_folds(self, m: int) -> dict[int, str]:
         """Staging depth -> one parameter of that depth, for each gated fold that dW(m)'s graph holds (a
@@ -290,7 +289,7 @@ class CapturedStageActions(StageActions):
                 for name, lin in self._matrix.items():
                     pname = self._matrix_param[name]
                     if self.direct:
-                        aname = arena_name(self.stage, pname)
+                        aname = self._arena_of[pname]
                         grads[pname] = lin.compute_wgrad(self._work[c][name], out=self._view(name, m),
                                                          accumulate=not self.arena.overwrites(m))
                         depth = self.arena.depth(aname)
@@ -480,7 +479,7 @@ class CapturedStageActions(StageActions):
                 group.after_backward()
             if self.direct:  # `checked_destinations` ran every check of these writes before the replay
                 for pname in grads:
-                    self.arena.record_checked(arena_name(self.stage, pname), m)
+                    self.arena.record_checked(self._arena_of[pname], m)
 
         self.on_tape(ref, run, Consumer.DW)
         return WeightGradOut(grads, token)

@@ -140,6 +140,8 @@ class StageActions:
         self.chunk.set_delay_wgrad(True)
         self._matrix = self.chunk.matrix_linears()
         self._matrix_param = {name: f"{name}.weight" for name in self._matrix}
+        # parameter -> its arena name (asked for every matrix weight of every dW: made once)
+        self._arena_of = {p: arena_name(self.stage, p) for p in self._matrix_param.values()}
         self._nonmatrix = self.chunk.nonmatrix_params()  # the module tree is fixed: walk it once
         self._keys: dict[int, InvocationKey] = {}  # `key`: microbatch -> its key in epoch `_keys_epoch`
         self._keys_epoch: int | None = None
@@ -161,7 +163,7 @@ class StageActions:
 
     def arena_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {
-            arena_name(self.stage, pname): (tuple(lin.weight.shape), lin.weight.dtype)
+            self._arena_of[pname]: (tuple(lin.weight.shape), lin.weight.dtype)
             for pname, lin in ((self._matrix_param[n], lin) for n, lin in self._matrix.items())
         }
 
@@ -224,7 +226,7 @@ class StageActions:
             for name, lin in self._matrix.items():
                 pname = self._matrix_param[name]
                 if self.direct:
-                    aname = arena_name(self.stage, pname)
+                    aname = self._arena_of[pname]
                     grads[pname] = lin.compute_wgrad(work[name], out=dests[pname],
                                                      accumulate=not self.arena.overwrites(m))
                     if self.arena.flushes(m, aname):
@@ -255,15 +257,15 @@ class StageActions:
         (parameter name -> tensor) defaults to the arena's own views; a captured direct dW passes the
         destinations it captured. Returns parameter name -> checked destination."""
         if dests is None:
-            dests = {p: self.arena.view(arena_name(self.stage, p), m) for p in self._matrix_param.values()}
+            dests = {p: self.arena.view(self._arena_of[p], m) for p in self._matrix_param.values()}
         for pname, dest in dests.items():
-            self.arena.check_write(arena_name(self.stage, pname), m, dest)
+            self.arena.check_write(self._arena_of[pname], m, dest)
         return dests
 
     def place_copies(self, m: int, grads: dict[str, torch.Tensor]) -> None:
         """Copied-gradient path: copy dW's independent gradients into the arena (the cost direct placement removes)."""
         for pname, g in grads.items():
-            name = arena_name(self.stage, pname)
+            name = self._arena_of[pname]
             view = self.arena.view(name, m)
             self.arena.check_write(name, m, view)  # refused before it lands (an accumulating arena: m order)
             if self.arena.overwrites(m):
@@ -275,7 +277,7 @@ class StageActions:
             self.arena.record_write(name, m, view)
 
     def _view(self, linear_name: str, m: int) -> torch.Tensor:
-        return self.arena.view(arena_name(self.stage, self._matrix_param[linear_name]), m)
+        return self.arena.view(self._arena_of[self._matrix_param[linear_name]], m)
 
     def load_matrix_grads(self, fold_into: FoldingOptimizer | None = None) -> None:
         """Set each matrix parameter's `.grad` to its microbatch gradients summed in fixed order m = 0..M-1.
@@ -284,7 +286,7 @@ class StageActions:
         `.grad` is then the region without its last group, which the optimizer's next step adds."""
         for lname, pname in self._matrix_param.items():  # the linears found once, their weights read now
             weight = self._matrix[lname].weight
-            name = arena_name(self.stage, pname)
+            name = self._arena_of[pname]
             pending = self.arena.take_pending_fold(name) if fold_into is not None else None
             if pending is None:
                 weight.grad = self.arena.sum_microbatches(name)
