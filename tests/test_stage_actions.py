@@ -181,3 +181,13 @@ def test_lazy_regions_reach_an_optimizer_that_folds_in_its_pass_without_a_region
         assert rank.arena.regions_made
         assert all(g.data_ptr() == rank.arena.region(n).data_ptr()
                    for (_, _, _, g), n in zip(spy.into, rank.arena.specs, strict=True))
+
+
+def test_a_destination_for_no_matrix_weight_is_the_arenas_unknown_view() -> None:
+    from qeffect.contracts import ArenaViolation
+
+    _, rank, act = _single_stage()
+    before = rank.arena.snapshot()
+    with pytest.raises(ArenaViolation, match=r"unknown view for arena 'rank0.arena'.*'s0.nope.weight'"):
+        act.checked_destinations(0, {"nope.weight": torch.zeros(2)})
+    assert rank.arena.snapshot() == before

@@ -258,8 +258,9 @@ class StageActions:
         destinations it captured. Returns parameter name -> checked destination."""
         if dests is None:
             dests = {p: self.arena.view(self._arena_of[p], m) for p in self._matrix_param.values()}
-        for pname, dest in dests.items():
-            self.arena.check_write(self._arena_of[pname], m, dest)
+        names = self._arena_of
+        for pname, dest in dests.items():  # a name that is no matrix weight: the arena's "unknown view"
+            self.arena.check_write(names.get(pname) or arena_name(self.stage, pname), m, dest)
         return dests
 
     def place_copies(self, m: int, grads: dict[str, torch.Tensor]) -> None:
