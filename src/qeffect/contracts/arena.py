@@ -504,8 +504,7 @@ class GradientArena:
         if not self.defer_last_fold or name in self._last_folded or name in self._taken:
             return None
         self._taken.add(name)
-        region = self._regions.get(name) if self.lazy_regions else self.region(name)
-        return (region, *self._group_upto(name, self.microbatches - 1))
+        return (self._regions.get(name), *self._group_upto(name, self.microbatches - 1))  # None: lazy, not made
 
     def _fold_last(self, name: str) -> None:
         """Fold the deferred last group into the region (once per epoch; a no-op without deferral)."""

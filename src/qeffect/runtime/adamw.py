@@ -205,8 +205,7 @@ class TritonAdamW(torch.optim.AdamW):
     def cast_after_step(self, target: WeightCastTarget) -> None:
         """From now on every :meth:`step` also casts `target.weight` into its FP8 cache (`fp8.weight_cast`):
         in the update's own pass where the Triton pass covers the weight, as its own pass otherwise."""
-        held = {id(p) for group in self.param_groups for p in group["params"]}
-        if id(target.weight) not in held:
+        if self._group_of(target.weight) is None:
             raise ValueError(f"cast_after_step: {target.name}'s weight is not in this optimizer's groups")
         if not target.weight.is_cuda or _kernel() is None:
             raise ValueError(f"cast_after_step: {target.name}: the cast is a Triton pass (needs CUDA and Triton)")
@@ -229,7 +228,7 @@ class TritonAdamW(torch.optim.AdamW):
         on `rows` (the rows the step touched, V in unused slots), every other row when it is next read.
         Its state is created now, as torch creates it, so that graphs captured before the first step can
         take its tensors. Whoever reads the table or its moments otherwise must `settle` first."""
-        group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
+        group = self._group_of(param)
         if group is None:
             raise ValueError("lazy_rows: the table is not in this optimizer's groups")
         if not self._covered(group, [], []) or not lazy_rows.available(param):  # the group's flags; the table
@@ -437,10 +436,9 @@ class TritonAdamW(torch.optim.AdamW):
         if casts:  # every cast's atomic max starts from 0
             foreach_zero_([t.pending_amax for t in casts.values()])
         if folds:
-            held = {id(p) for group in self.param_groups for p in group["params"]}
-            if any(id(p) not in held for p in folds):
-                raise ValueError(f"fold_into_step for {sum(id(p) not in held for p in folds)} parameter(s) not "
-                                 "in this optimizer's groups")
+            strangers = sum(self._group_of(p) is None for p in folds)
+            if strangers:
+                raise ValueError(f"fold_into_step for {strangers} parameter(s) not in this optimizer's groups")
         groups = []
         for group in self.param_groups:
             params: list[torch.Tensor] = []
