@@ -38,7 +38,7 @@ from qeffect.graphs.handshake import git_revision
 from qeffect.graphs.manager import GraphManager
 from qeffect.profile.matrix import time_phases
 from qeffect.profile.report import ConfigResult
-from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, schedule_of
+from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, link_stages, schedule_of
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.verify.state import synthetic_batches
 
@@ -117,6 +117,7 @@ def build(cfg) -> SingleProcessPipeline:
         r.optimizer.step = lambda *a, **k: None  # noqa: ARG005 - the update is one graph replay on the GPU
     pipe = SingleProcessPipeline(ranks, schedule)
     pipe.manager = mgr
+    link_stages(ranks)  # as `runtime.build.capture_graphs` does
     capture_ranks(ranks, pipe.order, None, cfg.model.microbatch_size, cfg.model.seq_len)
     return pipe
 

@@ -26,7 +26,8 @@ from qeffect.graphs.manager import HeldInputs
 from qeffect.graphs.stats import GraphStats
 from qeffect.runtime import build as build_mod
 from qeffect.runtime.adamw import TritonAdamW
-from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, schedule_of
+from qeffect.graphs.binding import GraphPlan
+from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, link_stages, schedule_of
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.verify import state as state_mod
 from qeffect.verify.state import run_verify_state
@@ -83,6 +84,7 @@ class ExecManager:
     actions: dict[str, _Action] = field(default_factory=dict)
     stats: GraphStats = field(default_factory=lambda: GraphStats(protocol="stream-ordered"))
     held: HeldInputs = field(default_factory=HeldInputs)  # the real manager's rule for constant inputs
+    copied: list[tuple[str, list[str]]] = field(default_factory=list)  # per replay: graph, dynamic inputs
 
     def mark_constant(self, *tensors: torch.Tensor) -> None:
         self.held.mark(*tensors)
@@ -98,6 +100,7 @@ class ExecManager:
         return fn()
 
     def replay(self, action: _Action, dynamic: dict[str, torch.Tensor] | None = None) -> Any:
+        self.copied.append((action.name, sorted(dynamic or {})))
         with torch.no_grad():
             for k, v in (dynamic or {}).items():
                 dst = action.static_inputs[k]
@@ -125,7 +128,7 @@ class ExecManager:
         return 0.0
 
 
-def _fake_captured_build(real):
+def _fake_captured_build(real, *, link: bool = True):
     def build(cfg, *, native, direct=True, fixed_order_sum=True, device=None, path="eager", capture=True,
               accumulate=None, clock=None, bounded_slots=True):
         if native or path == "eager":
@@ -142,6 +145,8 @@ def _fake_captured_build(real):
                 act.weight_cast = False
         pipe = SingleProcessPipeline(ranks, schedule)
         pipe.manager = mgr
+        if link:  # as `capture_graphs` does before the ranks capture
+            link_stages(ranks)
         capture_ranks(ranks, pipe.order, None, cfg.model.microbatch_size, cfg.model.seq_len)
         return pipe
     return build
@@ -258,3 +263,59 @@ def test_a_fold_every_replay_would_skip_is_not_captured(fake_graphs, staging: in
     assert dropped > 0
     report = run_verify_state(cfg, steps=2, path="captured-direct")
     assert report.passed, report.first_divergence
+
+
+# ------------------------------------------------------------------------------------------ hand-offs
+def _handed(pipe) -> tuple[int, int]:
+    """(F and dI replays of the step that copied their activation or gradient in, those that did not)."""
+    copied = linked = 0
+    last = pipe.schedule.num_stages - 1
+    for name, keys in pipe.manager.copied:
+        stage = int(name[1:name.index(".")])
+        kind = name.split(".")[1]
+        if kind.startswith("F") and stage > 0:
+            copied, linked = copied + ("x" in keys), linked + ("x" not in keys)
+        elif kind.startswith("dI") and stage < last:
+            copied, linked = copied + ("grad" in keys), linked + ("grad" not in keys)
+    return copied, linked
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_hand_offs_copy_nothing_where_chains_are_their_own(schedule: str) -> None:
+    """One chain per microbatch (the direct path at staging depth M): every activation and input gradient
+    that crosses a stage boundary is written by the producing graph into the consumer's static input, so
+    no F or dI replay copies one in; without the links every one of them is copied."""
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.schedule": schedule, "pipeline.microbatches": 8,
+                                          "pipeline.wgrad_staging": 8, "pipeline.wgrad_staging_by_liveness": False})
+    batches = [(torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8))) for _ in range(8)]
+    for link, expected in ((True, (0, 2 * 3 * 8)), (False, (2 * 3 * 8, 0))):
+        pipe = _fake_captured_build(None, link=link)(cfg, native=False, path="captured-direct")
+        pipe.manager.copied.clear()
+        pipe.step(batches)
+        assert _handed(pipe) == expected, link
+
+
+@pytest.mark.parametrize(("schedule", "path", "staging"), [("interleaved", "captured-direct", 8),
+                                                           ("zbv", "captured-direct", 8),
+                                                           ("interleaved", "captured-copy", 8),
+                                                           ("interleaved", "captured-direct", 3)])
+def test_hand_offs_keep_native_eager_bits(fake_graphs, schedule: str, path: str, staging: int) -> None:
+    """Linked hand-offs (all of them; or, with chains shared by liveness, only where both sides have a chain
+    of their own) against native eager, every action of every step."""
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.schedule": schedule, "pipeline.microbatches": 8,
+                                          "pipeline.wgrad_staging": staging,
+                                          "pipeline.wgrad_staging_by_liveness": staging != 8})
+    report = run_verify_state(cfg, steps=3, path=path)
+    assert report.passed, report.first_divergence
+
+
+def test_a_hand_off_on_a_shared_chain_is_caught(fake_graphs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule that makes a link safe: both graphs serve that microbatch only. Links on chains that serve
+    several microbatches (plans that claim no chain is shared) let a later microbatch's F rewrite the input
+    an earlier microbatch's tape still holds. Replayed here by re-running the captured body, the dI of that
+    earlier microbatch reads the rewritten input and autograd's version check refuses it (a CUDA graph would
+    read it silently, and the oracle would see the bits)."""
+    monkeypatch.setattr(GraphPlan, "shared", lambda self, m: False)
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 8})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run_verify_state(cfg, steps=2, path="captured-copy")  # chains shared by liveness

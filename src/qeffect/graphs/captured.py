@@ -47,6 +47,7 @@ from qeffect.contracts.arena import FoldMode
 from qeffect.fp8.te import batched_scaling_updates
 from qeffect.fp8.weight_cast import WeightCastTarget
 from qeffect.graphs.binding import GraphPlan, chunk_plan
+from qeffect.graphs.handoff import Handoff
 from qeffect.graphs.manager import CapturedAction, GraphManager
 from qeffect.offload.group import OffloadGroup, OffloadManager
 from qeffect.stage.accumulate import accumulate_into
@@ -111,6 +112,14 @@ class CapturedStageActions(StageActions):
     _mb_views: list[torch.Tensor] = field(default_factory=list, repr=False)
     # per microbatch: the gated folds' mode values its dW replay copies in (empty: no fold in its graph)
     _dw_modes: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)
+    # one process: the buffers shared with the next stage (`send`) and the previous one (`recv`), given by
+    # the builder before `prepare` (`graphs.handoff`); per microbatch whose chain is its own, on both sides
+    send: Handoff | None = None
+    recv: Handoff | None = None
+    _send_act: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # m -> next F's input (view)
+    _recv_act: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # m -> what F is handed
+    _send_grad: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # m -> previous dI's input
+    _recv_grad: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # m -> what dI is handed
 
     # ------------------------------------------------------------------------------------ capture
     def chain(self, m: int) -> int:
@@ -168,11 +177,21 @@ class CapturedStageActions(StageActions):
             values = torch.arange(microbatches, dtype=torch.int64, device=dev)
             self._mb_views = [values[m: m + 1] for m in range(microbatches)]
             self.manager.mark_constant(*self._mb_views)
-        for c in self.plan.chains:  # static buffers per chain, not per microbatch
+        self._send_act, self._recv_act, self._send_grad, self._recv_grad = {}, {}, {}, {}
+        for c, m in self.plan.chains.items():  # static buffers per chain, not per microbatch
+            own = not self.plan.shared(m)  # the chain serves microbatch m only: a hand-off buffer may be its own
             if first:
                 self._x[c] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
+            elif self.recv is not None and own:  # the previous stage's F graph writes it
+                self._x[c] = self.recv.act(m)
+                self._recv_act[m] = self.recv.act_view(m)
             else:
                 self._x[c] = torch.zeros(self.input_shape, dtype=self.input_dtype, device=dev, requires_grad=True)
+            if self.send is not None and own:  # this stage's F and dI graphs of chain c meet the next stage's
+                self._send_act[m] = self.send.act_view(m)
+                self._recv_grad[m] = self.send.grad(m)
+            if self.recv is not None and own:
+                self._send_grad[m] = self.recv.grad(m)
             if last:
                 self._tgt[c] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
             if self.offload is not None:  # one chain per microbatch here: c == m
@@ -222,6 +241,16 @@ class CapturedStageActions(StageActions):
             self._token_out[c] = self.chunk.token_out
         return out, self._next_token()
 
+    def _f_send(self, c: int, send: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain `c`'s captured forward; with `send`, its output also written into the next stage's F input
+        (`graphs.handoff`)."""
+        out, token = self._f_body(c)
+        if send is not None:
+            self.send.check("F's output", out)
+            with torch.no_grad():
+                send.copy_(out)
+        return out, token
+
     def _next_token(self) -> torch.Tensor:
         """Inside a graph body: the next token's device value (in place on the chunk's buffer)."""
         return self._tok_buf.add_(1)
@@ -241,18 +270,21 @@ class CapturedStageActions(StageActions):
             if c in self._tgt:
                 inputs["targets"] = self._tgt[c]
             hooks = self.groups[c].capture_hooks() if c in self.groups else contextlib.nullcontext()
+            send = self._send_act.get(plan.chains[c])
             with hooks:  # offload: the tensors F saves for backward are copied into the group's fixed slot
-                f = self.manager.capture(f"{tag}.F{c}", lambda c=c: self._f_body(c), static_inputs=inputs,
-                                         warmup=0, private_pool=True)
+                f = self.manager.capture(f"{tag}.F{c}", lambda c=c, send=send: self._f_send(c, send),
+                                         static_inputs=inputs, warmup=0, private_pool=True)
             self._chain_f[c] = f
         # The non-matrix gradients accumulate into fixed buffers inside the dI graphs (no eager kernel
         # launches per dI); `.grad` is bound to them after each replay. Valid because a stage runs dI in
         # microbatch order (checked at every dI).
         self._ngrad = {n: (self._token_grad.grad if n == TOKEN_TABLE and self._token_grad is not None
                            else torch.zeros_like(p)) for n, p in self._nonmatrix.items()}
-        for c in plan.chains:
+        for c, m in plan.chains.items():
             out = self._out[c]
-            if c not in self._gout:
+            if m in self._recv_grad:  # the next stage's dI graph writes it (the warm-up's buffer is let go)
+                self._gout[c] = self._recv_grad[m]
+            elif c not in self._gout:
                 self._gout[c] = torch.zeros(out.shape, dtype=out.dtype, device=dev)
         graphs_di: dict[int, CapturedAction] = {}
         for c, m in plan.chains.items():  # m: the chain's first microbatch, whose bodies it captures
@@ -268,6 +300,10 @@ class CapturedStageActions(StageActions):
                     if token_grad is not None:  # the same bits from the rows this microbatch touched
                         index = self._mb_chain[c] if m > 0 else None  # the rows of whichever microbatch replays it
                         grads[TOKEN_TABLE] = self._token_grad.accumulate(m, self._x[c], token_grad, index=index)
+                    send = self._send_grad.get(m)
+                    if send is not None:  # into the previous stage's dI input (`graphs.handoff`)
+                        self.recv.check("dI's input gradient", grad_in)
+                        send.copy_(grad_in)
                 return grad_in, grads, self._next_token()
 
             inputs = {"grad": self._gout[c]}
@@ -394,7 +430,8 @@ class CapturedStageActions(StageActions):
         out, tok = graphs.F.outputs
         token = self.ledger.consume(token, f"F{m}", value=tok, checked=True)  # checked above
         ref = self.pool.allocate(key, slot=self.slot_base + chain)
-        dynamic = {"x": inp}
+        # handed the buffer the previous stage's F graph wrote, which is this graph's own input: no copy
+        dynamic = {} if inp is self._recv_act.get(m) else {"x": inp}
         if targets is not None:
             dynamic["targets"] = targets
         group = self.groups.get(chain)
@@ -413,7 +450,8 @@ class CapturedStageActions(StageActions):
         if self.chunk.stage == self.chunk.num_stages - 1 and self._shared(m):
             # the loss is kept to the end of the step, and a later microbatch of the chain rewrites it
             out = out.clone()
-        return ForwardOut(out.detach(), ref, token)
+        sent = self._send_act.get(m)
+        return ForwardOut(out.detach() if sent is None else sent, ref, token)
 
     def _shared(self, m: int) -> bool:
         """Whether microbatch m's graphs also serve another microbatch of the step (bounded chains)."""
@@ -438,7 +476,8 @@ class CapturedStageActions(StageActions):
         grad_in, grads, tok = graphs.dI.outputs
         token = self.ledger.consume(token, f"dI{m}", value=tok)
         group = self.groups.get(self.chain(m))
-        dynamic = {"grad": grad_output}
+        # handed the buffer the next stage's dI graph wrote, which is this graph's own input: no copy
+        dynamic = {} if grad_output is self._recv_grad.get(m) else {"grad": grad_output}
         if self._mb is not None and m > 0:  # the token rows' microbatch index (`graph_plan`)
             dynamic["mb"] = self._mb_views[m]
 
@@ -458,6 +497,7 @@ class CapturedStageActions(StageActions):
         if grad_in is not None and self._shared(m):
             # the previous stage's dI(m) may run after this chain's next replay rewrote the buffer
             grad_in = grad_in.clone()
+        grad_in = self._send_grad.get(m, grad_in)  # the graph wrote it into the previous stage's buffer too
         return InputGradOut(grad_in, self.nonmatrix_grads(), token)
 
     def weight_grad(self, m: int, ref: TapeRef, token: EffectToken) -> WeightGradOut:

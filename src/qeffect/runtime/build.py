@@ -12,6 +12,8 @@ from qeffect.config import OffloadConfig, PipelineConfig, RunConfig
 from qeffect.errors import UserError
 from qeffect.fp8 import DelayedScalingRecipe, get_backend
 from qeffect.graphs.binding import staging_depth
+from qeffect.graphs.captured import CapturedStageActions
+from qeffect.graphs.handoff import Handoff
 from qeffect.graphs.manager import GraphManager
 from qeffect.model import GPTShape, build_chunks
 from qeffect.offload.group import OffloadManager
@@ -206,6 +208,27 @@ def offload_step(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]],
                       tokens=microbatch_size * seq_len)
 
 
+def link_stages(ranks: Sequence[BaseRank]) -> int:
+    """Give consecutive captured stages of these ranks (one process, one device) their hand-off buffers
+    (`graphs.handoff`): stage s's F graph then writes stage s+1's F input and stage s+1's dI graph stage s's
+    dI input, with no input copy queued per replay. Not with offload, whose planner places each chunk's
+    saved activations knowing only that chunk's own buffers. Before any capture; returns the links made."""
+    stages = {s: act for r in ranks for s, act in r.actions.items() if isinstance(act, CapturedStageActions)}
+    made = 0
+    for s, producer in sorted(stages.items()):
+        consumer = stages.get(s + 1)
+        if consumer is None or producer.send is not None or consumer.recv is not None:
+            continue
+        if producer.offload is not None or consumer.offload is not None:
+            continue
+        device = next(consumer.chunk.parameters()).device
+        if next(producer.chunk.parameters()).device != device:
+            continue
+        producer.send = consumer.recv = Handoff(s, tuple(consumer.input_shape), consumer.input_dtype, device)
+        made += 1
+    return made
+
+
 def capture_ranks(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]], offload: OffloadManager | None,
                   microbatch_size: int, seq_len: int) -> None:
     """Capture every action of `ranks` (all on one device). Without offload, chunk by chunk. With
@@ -231,6 +254,7 @@ def capture_graphs(cfg: RunConfig, pipe: SingleProcessPipeline) -> None:
     checkpoint was loaded, whoever built with `capture=False`)."""
     if pipe.manager is None:
         return  # eager path: nothing to capture
+    link_stages(pipe.ranks)  # across the ranks, before any rank captures
     if pipe.rank_streams is not None:  # each rank's graphs captured on its own stream (`capturing_on`)
         for r, stream in zip(pipe.ranks, pipe.rank_streams, strict=True):
             with pipe.manager.capturing_on(stream), rank_workspace(cfg, stream.device) as workspace:
