@@ -22,11 +22,11 @@ import torch
 from qeffect.config import load_config
 from qeffect.contracts import GradientArena
 from qeffect.contracts.arena import FoldMode
+from qeffect.graphs.binding import GraphPlan
 from qeffect.graphs.manager import HeldInputs
 from qeffect.graphs.stats import GraphStats
 from qeffect.runtime import build as build_mod
 from qeffect.runtime.adamw import TritonAdamW
-from qeffect.graphs.binding import GraphPlan
 from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, link_stages, schedule_of
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.verify import state as state_mod
