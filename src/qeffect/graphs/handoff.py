@@ -60,7 +60,3 @@ class Handoff:
         if tuple(t.shape) != self.shape or t.dtype != self.dtype:
             raise RuntimeError(f"hand-off after stage {self.stage}: {what} is {t.dtype}{tuple(t.shape)}, the "
                                f"buffer {self.dtype}{self.shape}")
-
-    def buffers(self) -> int:
-        """Buffers made so far (F inputs and dI inputs)."""
-        return len(self._acts) + len(self._grads)

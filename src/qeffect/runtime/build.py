@@ -211,8 +211,8 @@ def offload_step(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]],
 def link_stages(ranks: Sequence[BaseRank]) -> int:
     """Give consecutive captured stages of these ranks (one process, one device) their hand-off buffers
     (`graphs.handoff`): stage s's F graph then writes stage s+1's F input and stage s+1's dI graph stage s's
-    dI input, with no input copy queued per replay. Not with offload, whose planner places each chunk's
-    saved activations knowing only that chunk's own buffers. Before any capture; returns the links made."""
+    dI input, with no input copy queued per replay. Not with offload: its groups, planner and checks were
+    verified with every chunk owning its input buffers. Before any capture; returns the links made."""
     stages = {s: act for r in ranks for s, act in r.actions.items() if isinstance(act, CapturedStageActions)}
     made = 0
     for s, producer in sorted(stages.items()):
