@@ -319,3 +319,21 @@ def test_a_hand_off_on_a_shared_chain_is_caught(fake_graphs, monkeypatch: pytest
     cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 8})
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         run_verify_state(cfg, steps=2, path="captured-copy")  # chains shared by liveness
+
+
+def test_link_stages_links_each_boundary_once_and_not_under_offload() -> None:
+    """Every consecutive pair of captured stages gets one hand-off (linking again changes nothing); a stage
+    with an offload manager keeps its own buffers."""
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 4})
+    schedule = schedule_of(cfg)
+    chunks = build_chunks_for(cfg, "cpu")
+    ranks = [build_rank(cfg, schedule, r, chunks, native=False, manager=ExecManager()) for r in range(schedule.pp)]
+    acts = {s: a for r in ranks for s, a in r.actions.items()}
+    assert link_stages(ranks) == 3 and link_stages(ranks) == 0
+    assert all(acts[s].send is acts[s + 1].recv is not None for s in range(3))
+    assert acts[0].recv is None and acts[3].send is None
+    ranks = [build_rank(cfg, schedule, r, chunks, native=False, manager=ExecManager()) for r in range(schedule.pp)]
+    acts = {s: a for r in ranks for s, a in r.actions.items()}
+    acts[2].offload = object()  # any manager: the stage plans its groups around its own buffers
+    assert link_stages(ranks) == 1
+    assert acts[0].send is acts[1].recv is not None and acts[1].send is None and acts[2].send is None
