@@ -9,6 +9,9 @@ of its round medians with min-max, peak allocated memory, arena bytes, graphs pe
 time; ratios are the median of per-round ratios against the first variant. Losses must be identical across
 variants (the depth changes no bits). `--made-regions NAME,...`: those variants make their arenas' fp32
 regions at build, as before lazy regions (`contracts.arena`), for an A/B of that memory at the same depth.
+`--unlinked NAME,...`: those variants are built without hand-off buffers between stages (`graphs.handoff`),
+so every F and dI replay copies its activation or gradient in, as before; the rows give the host's queue
+time beside the step time, for an A/B of the copies' host cost.
 
 On the GPU machine (from the repository root):
 
@@ -26,8 +29,10 @@ import argparse
 import datetime as _dt
 import statistics
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -45,6 +50,7 @@ from qeffect.profile.matrix import (
     time_runner,
 )
 from qeffect.profile.report import ConfigResult
+from qeffect.runtime import build as build_mod
 
 VARIANTS = ("by-liveness=pipeline.wgrad_staging=8,pipeline.wgrad_staging_by_liveness=true;"
             "fixed=pipeline.wgrad_staging=8,pipeline.wgrad_staging_by_liveness=false;"
@@ -63,9 +69,12 @@ def parse_variants(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _runner(cfg: Any, device: torch.device, spec: ConfigSpec, made_regions: bool) -> PipelineRunner:
-    """The profile's runner; `made_regions`: every rank's arena makes its regions now (a region asked for)."""
-    run = PipelineRunner(cfg, device, spec)
+def _runner(cfg: Any, device: torch.device, spec: ConfigSpec, made_regions: bool,
+            unlinked: bool = False) -> PipelineRunner:
+    """The profile's runner; `made_regions`: every rank's arena makes its regions now (a region asked for);
+    `unlinked`: the stages get no hand-off buffers (each replay copies its input in)."""
+    with mock.patch.object(build_mod, "link_stages", lambda ranks: 0) if unlinked else nullcontext():
+        run = PipelineRunner(cfg, device, spec)
     for rank in run.pipe.ranks if made_regions else ():
         if rank.arena.accumulate:
             rank.arena.region(next(iter(rank.arena.specs)))
@@ -83,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--made-regions", default="", help="variants whose arenas make their regions at build")
+    ap.add_argument("--unlinked", default="", help="variants built without hand-off buffers between stages")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     made = set(filter(None, a.made_regions.split(",")))
+    unlinked = set(filter(None, a.unlinked.split(",")))
     cfg = load_config(a.config)
     over = {k: v for k, v in {"fp8.backend": a.backend, "train.device": a.device}.items() if v}
     cfg = cfg.with_overrides(**over) if over else cfg
@@ -99,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = ConfigResult(name=name, description=f"{a.path}, {name}", status="ok",
                                  schedule=c.pipeline.schedule, path=a.path)
                 print(f"round {k + 1}/{a.rounds}: {name}", flush=True)
-                time_runner(r, lambda c=c, name=name: _runner(c, device, spec, name in made), device, steps=a.steps,
-                            warmup=a.warmup)
+                time_runner(r, lambda c=c, name=name: _runner(c, device, spec, name in made, name in unlinked),
+                            device, steps=a.steps, warmup=a.warmup)
                 by[name].append(r)
                 release_memory(device)
     results = [merge_rounds(rs) for rs in by.values()]
@@ -112,12 +123,14 @@ def main(argv: list[str] | None = None) -> int:
                      "round_medians": r.round_medians, "ratio_vs_first_by_round": ratios,
                      "ratio_vs_first": statistics.median(ratios), "peak_allocated_bytes": r.peak_allocated_bytes,
                      "arena_bytes": r.arena_bytes, "graphs_per_rank": r.graphs_per_rank,
-                     "capture_host_seconds": r.capture_host_seconds, "losses_equal_first": r.losses == base.losses,
+                     "capture_host_seconds": r.capture_host_seconds, "host_median_seconds": r.host_median_seconds,
+                     "host_phase_medians": {k: statistics.median(v) for k, v in r.host_phase_seconds.items() if v},
+                     "unlinked": name in unlinked, "losses_equal_first": r.losses == base.losses,
                      "result": r.model_dump(mode="json")})
         peak = (r.peak_allocated_bytes or 0) / 2**30
         print(f"{name}: median {r.median_step_seconds * 1e3:.2f} ms (rounds "
               f"{', '.join(f'{x * 1e3:.2f}' for x in r.round_medians)}), x{statistics.median(ratios):.3f} vs "
-              f"{base.name}; peak {peak:.2f} GiB, arena {(r.arena_bytes or 0) / 2**20:.0f} MiB, graphs per rank "
+              f"{base.name}; host {(r.host_median_seconds or 0) * 1e3:.2f} ms; peak {peak:.2f} GiB, arena {(r.arena_bytes or 0) / 2**20:.0f} MiB, graphs per rank "
               f"{r.graphs_per_rank}", flush=True)
     same = all(row["losses_equal_first"] for row in rows)
     report = {"kind": "staging-ab", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),

@@ -27,6 +27,8 @@
 #   profile-llama-h2048-te
 #                    qeffect profile of llama-h2048 (te): native eager, captured-direct (both schedules) and
 #                    te-graphed from TransformerLayers with the Llama settings, 3 interleaved rounds    (~4 min)
+#   handoffs         benchmarks/staging_ab.py --unlinked at h2048 and h4096 te: hand-off buffers between stages
+#                    against a copy per replay, 3 interleaved rounds (step and host queue time)         (~3-4 min)
 #   staging-ab       benchmarks/staging_ab.py at h4096 te: staging depth by liveness / fixed 8 / unstaged,
 #                    3 interleaved rounds (step time, peak memory, arena, graphs per rank); then lazy
 #                    gradient regions against regions made at build (--made-regions)                   (~5 min)
@@ -41,13 +43,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab multi multi-timing megatron)" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|profile-llama-h2048-te|staging-ab|multi|multi-timing|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab multi multi-timing megatron" >&2
+tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -167,6 +169,14 @@ profile-llama-h2048-te)
     step "$part" 420 python3 benchmarks/profile_matrix.py --out "$OUT" --tomls examples/configs/llama-h2048.toml \
         --backends te --rounds 3 --steps 10 --warmup 3 --trace 2 --microbatches "" \
         --configs native-eager,captured-direct,captured-zbv-direct,te-graphed --targets ""
+    ;;
+handoffs)
+    for shape in h2048 h4096; do
+        step "handoffs-ab-$shape-te" 280 python3 benchmarks/staging_ab.py --config "examples/configs/$shape.toml" \
+            --backend te --rounds 3 --steps 20 --warmup 3 --unlinked copied \
+            --variants "linked=pipeline.wgrad_staging=8;copied=pipeline.wgrad_staging=8" \
+            --out "$OUT/handoffs-ab-$shape-te.json"
+    done
     ;;
 staging-ab)
     step staging-ab-h4096-te 420 python3 benchmarks/staging_ab.py --config $H4096 --backend te --rounds 3 \
