@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                      "ratio_vs_first": statistics.median(ratios), "peak_allocated_bytes": r.peak_allocated_bytes,
                      "arena_bytes": r.arena_bytes, "graphs_per_rank": r.graphs_per_rank,
                      "capture_host_seconds": r.capture_host_seconds, "host_median_seconds": r.host_median_seconds,
-                     "host_phase_medians": {k: statistics.median(v) for k, v in r.host_phase_seconds.items() if v},
+                     "host_phase_medians": r.host_phase_medians(),
                      "unlinked": name in unlinked, "losses_equal_first": r.losses == base.losses,
                      "result": r.model_dump(mode="json")})
         peak = (r.peak_allocated_bytes or 0) / 2**30
