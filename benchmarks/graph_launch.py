@@ -9,6 +9,10 @@ it) or fewer kernels per graph. Two parts, one process:
    and the same with every other kernel on a second stream (a fork and a join per pair).
 2. The pipeline's own graphs: `--path` of `--config`, built and warmed up as `qeffect profile` builds it;
    each graph replayed on its own.
+3. Nested (`--nested G,K`): whether CUDA accepts graph launches inside a stream capture, so that a step's
+   launches could be captured as one graph. G graphs of K kernels each (h2048's step: 48 graphs of 8-41
+   operations) are launched one by one, or captured into one outer graph launched once; the host's time
+   per step for both, and whether both leave the same values (each kernel adds 1).
 
 Per graph: its device operations (kernels, copies, sets) counted from a profiler trace of one replay, and
 the host's time per replay: `--replays` back-to-back replays between two device synchronizations, the
@@ -96,6 +100,56 @@ def synthetic_graph(kernels: int, fork: bool, device: torch.device) -> torch.cud
     return graph
 
 
+def nested(graphs: int, kernels: int, device: torch.device, sync: Callable[[], None], replays: int,
+           repeats: int) -> dict[str, Any]:
+    """`graphs` graphs of `kernels` additions each, launched one by one against captured (their launches)
+    into one outer graph: whether the capture is accepted, the host's microseconds per step for both, and
+    whether one step of each adds the same (every kernel adds 1 to one element)."""
+    x = torch.zeros(graphs, device=device)
+    inner = []
+    sync()
+    for g in range(graphs):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(kernels):
+                x[g : g + 1].add_(1.0)
+        inner.append(graph)
+
+    def one_by_one() -> None:
+        for graph in inner:
+            graph.replay()
+
+    row: dict[str, Any] = {"graphs": graphs, "kernels": kernels}
+    one_by_one()  # uploaded before anything is timed
+    row["one_by_one_host_us"] = host_us_per_replay(one_by_one, sync, replays, repeats)
+    outer = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:  # not `torch.cuda.graph`: a refused capture must still give the caller its stream back
+        with torch.cuda.stream(stream):
+            outer.capture_begin()
+            try:
+                one_by_one()
+            finally:
+                outer.capture_end()
+    except RuntimeError as err:  # the driver refuses a launch while the stream captures
+        row.update(supported=False, error=str(err).splitlines()[0][:300])
+        sync()
+        return row
+    torch.cuda.current_stream(device).wait_stream(stream)
+    before = x.clone()
+    outer.replay()
+    sync()
+    after_outer = x.clone()
+    one_by_one()
+    sync()
+    row.update(supported=True, error=None,
+               same_values=bool(torch.equal(after_outer - before, x - after_outer)),
+               added_per_step=float((after_outer - before).sum()),
+               nested_host_us=host_us_per_replay(outer.replay, sync, replays, repeats))
+    return row
+
+
 def measure(graph: torch.cuda.CUDAGraph, sync: Callable[[], None], replays: int, repeats: int) -> dict[str, Any]:
     graph.replay()  # uploaded before anything is timed
     return {"device_ops": device_ops(graph.replay, sync),
@@ -110,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule", default="interleaved")
     ap.add_argument("--warmup", type=int, default=3, help="pipeline steps before its graphs are timed")
     ap.add_argument("--kernels", default="1,4,16,64,256", help="kernels per synthetic graph")
+    ap.add_argument("--nested", default="48,20",
+                    help="G,K: G graphs of K kernels, launched one by one against one outer graph ('' skips)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
@@ -154,6 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     launches = sum(r["replays_per_step"] * r["host_us_per_replay"] for r in graphs)
     print(f"the step's launches, each timed on its own: {launches / 1e3:.2f} ms of host a step "
           f"({sum(per_step.values()):.0f} replays)", flush=True)
+    nest = None
+    if a.nested:  # last: a refused capture is the part most likely to leave the device in a poor state
+        g, k = (int(v) for v in a.nested.split(","))
+        nest = nested(g, k, device, sync, a.replays, a.repeats)
+        if nest["supported"]:
+            print(f"nested: {g} graphs of {k} kernels: {nest['one_by_one_host_us']:.1f} us one by one, "
+                  f"{nest['nested_host_us']:.1f} us as one outer graph; same values: {nest['same_values']}", flush=True)
+        else:
+            print(f"nested: a graph launch inside a capture was refused: {nest['error']}", flush=True)
     rev = git_revision()
     out = Path(a.out) / f"graph-launch-{stem}-{a.backend}-{rev}-{device_tag(device)}.json"
     write_json(out, {
@@ -162,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "config": cfg.model_dump(),
         "path": a.path, "schedule": a.schedule, "replays": a.replays, "repeats": a.repeats,
-        "synthetic": synthetic, "graphs": graphs, "fits": fits,
+        "synthetic": synthetic, "graphs": graphs, "fits": fits, "nested": nest,
         "replays_per_step": sum(per_step.values()), "launch_host_ms_per_step": launches / 1e3})
     print(f"-> {out}", flush=True)
     return 0

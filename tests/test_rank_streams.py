@@ -358,9 +358,15 @@ def test_the_graph_launch_benchmark_counts_each_graphs_kernels(tmp_path) -> None
 
     bench = _graph_launch_bench()
     assert bench.main(["--config", "src/qeffect/configs/tiny.toml", "--backend", "reference", "--kernels", "1,4",
-                       "--replays", "2", "--repeats", "1", "--out", str(tmp_path)]) == 0
+                       "--nested", "3,2", "--replays", "2", "--repeats", "1", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("graph-launch-tiny-reference-*.json")
     report = json.loads(path.read_text())
     assert [(r["kernels"], r["device_ops"]) for r in report["synthetic"] if not r["fork"]] == [(1, 1), (4, 4)]
     assert all(r["device_ops"] > 0 and r["host_us_per_replay"] > 0 for r in report["graphs"])
     assert report["replays_per_step"] == 3 * 4 * 4  # tiny: 3 actions x 4 stages x 4 microbatches
+    nest = report["nested"]
+    assert nest["graphs"] == 3 and nest["kernels"] == 2 and nest["one_by_one_host_us"] > 0
+    if nest["supported"]:  # the outer graph replays every inner one: each kernel adds 1, once
+        assert nest["same_values"] and nest["added_per_step"] == 3 * 2 and nest["nested_host_us"] > 0
+    else:
+        assert nest["error"]
