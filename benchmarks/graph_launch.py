@@ -81,9 +81,13 @@ def device_ops(replay: Callable[[], None], sync: Callable[[], None]) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def synthetic_graph(kernels: int, fork: bool, device: torch.device) -> torch.cuda.CUDAGraph:
-    """A graph of `kernels` one-element additions; `fork`: every other one on a second stream."""
-    x, y = torch.zeros(1, device=device), torch.zeros(1, device=device)
+def synthetic_graph(kernels: int, fork: bool, device: torch.device,
+                    out: torch.Tensor | None = None) -> torch.cuda.CUDAGraph:
+    """A graph of `kernels` one-element additions; `fork`: every other one on a second stream. `out`: the
+    element the straight kernels add to (default: a new one). The graph keeps the tensors it writes alive
+    (`graph.tensors`): a replay must not write memory handed to someone else."""
+    x = torch.zeros(1, device=device) if out is None else out
+    y = torch.zeros(1, device=device)
     side = torch.cuda.Stream(device)
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize(device)
@@ -97,6 +101,7 @@ def synthetic_graph(kernels: int, fork: bool, device: torch.device) -> torch.cud
                 main.wait_stream(side)
             else:
                 x.add_(1.0)
+    graph.tensors = (x, y)
     return graph
 
 
@@ -106,14 +111,7 @@ def nested(graphs: int, kernels: int, device: torch.device, sync: Callable[[], N
     into one outer graph: whether the capture is accepted, the host's microseconds per step for both, and
     whether one step of each adds the same (every kernel adds 1 to one element)."""
     x = torch.zeros(graphs, device=device)
-    inner = []
-    sync()
-    for g in range(graphs):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(kernels):
-                x[g : g + 1].add_(1.0)
-        inner.append(graph)
+    inner = [synthetic_graph(kernels, False, device, x[g : g + 1]) for g in range(graphs)]
 
     def one_by_one() -> None:
         for graph in inner:
