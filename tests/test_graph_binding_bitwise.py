@@ -29,6 +29,7 @@ from qeffect.runtime import build as build_mod
 from qeffect.runtime.adamw import TritonAdamW
 from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, link_stages, schedule_of
 from qeffect.runtime.single import SingleProcessPipeline
+from qeffect.stage.embedding_grad import needs_signed_zeros
 from qeffect.verify import state as state_mod
 from qeffect.verify.state import run_verify_state
 
@@ -188,6 +189,18 @@ def test_bounded_chains_keep_native_eager_bits(fake_graphs, schedule: str, micro
     assert graphs is not None and graphs["graph_count"] < 3 * microbatches * 4  # shared, not one per action
     assert graphs["replays"] == 3 * 3 * microbatches * 4  # every action replayed, every step
     assert graphs["input_copies_skipped"] > 0  # the bits above hold with constant inputs copied once
+
+
+@pytest.mark.parametrize("by_liveness", [False, True])
+def test_microbatches_of_many_tokens_keep_native_eager_bits(fake_graphs, by_liveness: bool) -> None:
+    """More tokens per microbatch than torch's zero-filled embedding backward takes (`needs_signed_zeros`:
+    the +0.0 pass, one first-stage dI graph per microbatch), as at h4096-long."""
+    cfg = load_config().with_overrides(**{**BASE, "model.seq_len": 64, "model.microbatch_size": 49,
+                                          "pipeline.microbatches": 4,
+                                          "pipeline.wgrad_staging_by_liveness": by_liveness})
+    assert needs_signed_zeros(cfg.model.seq_len * cfg.model.microbatch_size)
+    report = run_verify_state(cfg, steps=2, path="captured-direct")
+    assert report.passed, report.first_divergence
 
 
 def test_one_chain_too_few_is_caught(fake_graphs, monkeypatch: pytest.MonkeyPatch) -> None:

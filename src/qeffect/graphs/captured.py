@@ -298,7 +298,9 @@ class CapturedStageActions(StageActions):
                     token_grad = grads.pop(EXTRA, None)  # (several tensors per launch: stage/accumulate.py)
                     accumulate_into([self._ngrad[n] for n in grads], list(grads.values()), init=m == 0)
                     if token_grad is not None:  # the same bits from the rows this microbatch touched
-                        index = self._mb_chain[c] if m > 0 else None  # the rows of whichever microbatch replays it
+                        # the rows of whichever microbatch replays it; with the +0.0 pass each microbatch
+                        # has a dI graph of its own (`graph_plan`'s variant), which records its own rows
+                        index = self._mb_chain[c] if self._mb is not None and m > 0 else None
                         grads[TOKEN_TABLE] = self._token_grad.accumulate(m, self._x[c], token_grad, index=index)
                     send = self._send_grad.get(m)
                     if send is not None:  # into the previous stage's dI input (`graphs.handoff`)
