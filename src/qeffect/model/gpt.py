@@ -30,6 +30,8 @@ from torch import Tensor, nn
 
 from qeffect.fp8.base import FP8Backend, is_backend_linear
 from qeffect.model import cross_entropy as fused_ce
+from qeffect.model.attention import RESOLVED as ATTENTION_RESOLVED
+from qeffect.model.attention import causal_attention, resolve_attention
 from qeffect.model.layernorm import available as fused_layer_norm_available
 from qeffect.model.layernorm import triton_add_layer_norm, triton_fork_layer_norm, triton_layer_norm
 from qeffect.model.llama import ROPE_BUFFERS, LlamaBlock, rms_norm, rope_tables
@@ -57,6 +59,7 @@ class GPTShape:
     kv_heads: int = 0  # llama: key/value heads (0: heads)
     norm_eps: float = 1e-5  # llama: RMSNorm epsilon (the GPT's LayerNorms keep torch's default)
     rope_theta: float = 10000.0  # llama: rotary base
+    attention: str = "torch"  # the SDPA backend, resolved (`model.attention.resolve_attention`)
 
     def __post_init__(self) -> None:
         for field in (
@@ -75,6 +78,9 @@ class GPTShape:
             raise ValueError(f"heads ({self.heads}) must divide hidden ({self.hidden})")
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; choose one of: {', '.join(FAMILIES)}")
+        if self.attention not in ATTENTION_RESOLVED:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_RESOLVED)} (resolved), "
+                             f"got {self.attention!r}")
         if self.kv_heads < 0 or self.heads % self.num_kv_heads or (self.family == "gpt" and self.kv_heads):
             raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads}), and be 0 for gpt")
 
@@ -102,6 +108,7 @@ class GPTShape:
             kv_heads=m.kv_heads,
             norm_eps=m.norm_eps,
             rope_theta=m.rope_theta,
+            attention=resolve_attention(m.attention, m.seq_len),
         )
 
     @property
@@ -184,6 +191,7 @@ class Block(nn.Module):
         super().__init__()
         h, f = shape.hidden, shape.ffn
         self.heads = shape.heads
+        self.attention = shape.attention
         self.ln1 = nn.LayerNorm(h, device=device)
         self.qkv = backend.linear(h, 3 * h, bias=True, device=device, dtype=torch.float32)
         self.proj = backend.linear(h, h, bias=True, device=device, dtype=torch.float32)
@@ -196,7 +204,7 @@ class Block(nn.Module):
         x, n1 = fork_layer_norm(self.ln1, x)
         qkv = self.qkv(n1, is_first_microbatch)
         q, k, v = split_heads(qkv, self.heads)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = causal_attention(q, k, v, self.attention)
         a = a.transpose(1, 2).reshape(b, t, h)
         x, n2 = add_layer_norm(self.ln2, x, self.proj(a, is_first_microbatch))
         m = F.gelu(self.fc1(n2, is_first_microbatch), approximate="tanh")
@@ -244,7 +252,7 @@ class StageChunk(nn.Module):
                 self.register_buffer(name, table, persistent=False)  # constants: rebuilt, never checkpointed
             self.blocks = nn.ModuleList(
                 LlamaBlock(shape.hidden, shape.ffn, shape.heads, shape.num_kv_heads, shape.norm_eps, backend,
-                           device=device)
+                           attention=shape.attention, device=device)
                 for _ in range(shape.layers_per_chunk))
         else:
             self.blocks = nn.ModuleList(

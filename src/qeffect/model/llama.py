@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qeffect.fp8.base import FP8Backend
+from qeffect.model.attention import causal_attention
 
 ROPE_BUFFERS: tuple[str, str] = ("rope_cos", "rope_sin")  # a llama chunk's non-persistent rotary tables
 
@@ -101,10 +102,10 @@ def rope_split(qkv: Tensor, heads: int, kv_heads: int, cos: Tensor, sin: Tensor
     return _RopeSplit.apply(qkv, heads, kv_heads, cos, sin)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal attention; with fewer key/value heads than query heads each serves `heads / kv_heads`
-    consecutive query heads (grouped-query attention, torch's `enable_gqa`)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+def attention(q: Tensor, k: Tensor, v: Tensor, backend: str = "torch") -> Tensor:
+    """Causal attention on `backend` (`model.attention`); with fewer key/value heads than query heads each
+    serves `heads / kv_heads` consecutive query heads (grouped-query attention, torch's `enable_gqa`)."""
+    return causal_attention(q, k, v, backend)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -120,11 +121,11 @@ class LlamaBlock(nn.Module):
     """
 
     def __init__(self, hidden: int, ffn: int, heads: int, kv_heads: int, norm_eps: float, backend: FP8Backend,
-                 *, device: torch.device | str | None = None) -> None:
+                 *, attention: str = "torch", device: torch.device | str | None = None) -> None:
         super().__init__()
         if hidden % heads or heads % kv_heads:
             raise ValueError(f"heads ({heads}) must divide hidden ({hidden}), and kv_heads ({kv_heads}) must divide heads")
-        self.heads, self.kv_heads = heads, kv_heads
+        self.heads, self.kv_heads, self.attention = heads, kv_heads, attention
         head_dim = hidden // heads
         self.ln1 = nn.RMSNorm(hidden, eps=norm_eps, device=device)
         self.qkv = backend.linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=False, device=device,
@@ -142,7 +143,7 @@ class LlamaBlock(nn.Module):
         b, t, h = x.shape
         q, k, v = rope_split(self.qkv(rms_norm(self.ln1, x), is_first_microbatch), self.heads, self.kv_heads,
                              *rope)
-        a = attention(q, k, v).transpose(1, 2).reshape(b, t, h)
+        a = attention(q, k, v, self.attention).transpose(1, 2).reshape(b, t, h)
         x = x + self.proj(a, is_first_microbatch)
         n = rms_norm(self.ln2, x)
         m = swiglu(self.gate(n, is_first_microbatch), self.up(n, is_first_microbatch))
