@@ -80,7 +80,7 @@ import torch
 
 from qeffect.checkpoint.state import local_view, tensor_state
 from qeffect.cli.common import write_json
-from qeffect.config import load_config
+from qeffect.config import apply_sets, load_config
 from qeffect.graphs.handshake import git_revision, run_settings
 from qeffect.graphs.stats import GraphStats
 from qeffect.profile.matrix import te_version
@@ -439,13 +439,15 @@ def main() -> int:
                     help="with --interleave: each mode's steps of a round queued back to back, the device "
                          "synchronized once per round (steady-state throughput; default: around every step, "
                          "as `qeffect train` waits for each step's loss)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="a config override for every mode, as `qeffect train --set` takes it; repeatable")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.chained and a.interleave <= 0:
         ap.error("--chained needs --interleave BLOCK (the steps each chain queues back to back)")
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = load_config(a.config).with_overrides(**{"train.device": "cuda", "fp8.backend": a.backend,
-                                                  "pipeline.schedule": a.schedule})
+    cfg = apply_sets(load_config(a.config).with_overrides(**{"train.device": "cuda", "fp8.backend": a.backend,
+                                                             "pipeline.schedule": a.schedule}), a.set)
     modes = a.modes.split(",")
     if modes[0] != "off":
         modes = ["off"] + [m for m in modes if m != "off"]

@@ -12,10 +12,11 @@ leave memory behind for the next):
 3. capped, no offload: must stop with the one-line refusal and a nonzero status;
 4. capped, `release`: must train every step, its last checkpoint bitwise equal to run 1's.
 
-The cap is the config's own `train.memory_fraction` when it lies between run 2's and run 1's peaks on
-this device (so that on the GPU the config was written for, that is what is checked); on another GPU it
-is the fraction halfway between the two peaks, and the report says so. Peaks are torch's allocated
-bytes (`summary.json`), which the caching allocator's cap bounds from above.
+The cap bounds what torch's caching allocator reserves, so it must lie above what run 2 reserved and
+below what run 1 allocated (`summary.json`'s `peak_reserved_bytes` and `peak_allocated_bytes`). It is the
+config's own `train.memory_fraction` when that lies between the two on this device (so that on the GPU
+the config was written for, that is what is checked); otherwise the fraction halfway between them, and
+the report says so.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from qeffect.checkpoint import diff_checkpoints
 from qeffect.cli.common import write_json
-from qeffect.config import load_config
+from qeffect.config import apply_sets, load_config
 from qeffect.graphs.handshake import git_revision
 
 REFUSAL_MARK = "does not fit in"
@@ -55,9 +56,26 @@ def train(config: str, steps: int, out: Path, sets: list[str], checkpoint: bool)
             "last_lines": lines[-4:], "summary": json.loads(summary.read_text()) if summary.exists() else None}
 
 
-def peak(run: dict) -> int | None:
+def peak(run: dict, key: str = "peak_allocated_bytes") -> int | None:
     s = run["summary"]
-    return None if s is None else s.get("peak_allocated_bytes")
+    return None if s is None else s.get(key)
+
+
+def place_cap(total: int, *, release_reserved: int, off_allocated: int, own: float) -> tuple[float, str] | str:
+    """The cap as a fraction of `total` device bytes and why; or, where none separates the runs, why not.
+
+    The cap bounds what the caching allocator reserves (graph pools included), so release needs what it
+    reserved, not what it allocated; no offload must not fit, so its allocated peak is the upper end."""
+    low, high = release_reserved, off_allocated
+    if low >= high:
+        return (f"no cap separates the two runs: release reserved {low / 2**30:.1f} GiB, no offload allocated "
+                f"{high / 2**30:.1f} GiB")
+    if own and low < own * total < high:
+        return own, "the config's own train.memory_fraction (between the two uncapped peaks here)"
+    return round((low + high) / 2 / total, 4), (
+        f"halfway between release's reserved and no offload's allocated peak, uncapped (the config's {own} = "
+        f"{own * total / 2**30:.1f} GiB does not lie between {low / 2**30:.1f} and {high / 2**30:.1f} GiB on "
+        "this device)")
 
 
 def main() -> int:
@@ -66,38 +84,47 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dir", required=True, help="scratch folder for the four run folders and checkpoints")
     ap.add_argument("--json", required=True)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="a config override for all four runs, as `qeffect train --set` takes it; repeatable "
+                         "(train.memory_fraction and offload.mode are the script's)")
     a = ap.parse_args()
-    cfg = load_config(a.config)
+    cfg = apply_sets(load_config(a.config), a.set)
     total = torch.cuda.get_device_properties(0).total_memory
     root = Path(a.dir)
     report: dict = {"kind": "offload-cap", "command": " ".join(["python3"] + sys.argv),
                     "git_revision": git_revision() or "unknown", "device": torch.cuda.get_device_name(0),
-                    "torch": torch.__version__, "config": a.config, "steps": a.steps, "total_bytes": total}
+                    "torch": torch.__version__, "config": a.config, "sets": a.set, "steps": a.steps,
+                    "total_bytes": total}
     runs = report["runs"] = {}
-    runs["uncapped-off"] = train(a.config, a.steps, root / "off", ["train.memory_fraction=0", "offload.mode=\"off\""],
-                                 checkpoint=True)
+    runs["uncapped-off"] = train(a.config, a.steps, root / "off",
+                                 [*a.set, "train.memory_fraction=0", "offload.mode=\"off\""], checkpoint=True)
     runs["uncapped-release"] = train(a.config, a.steps, root / "release",
-                                     ["train.memory_fraction=0", "offload.mode=\"release\""], checkpoint=False)
+                                     [*a.set, "train.memory_fraction=0", "offload.mode=\"release\""],
+                                     checkpoint=False)
     p_off, p_rel = peak(runs["uncapped-off"]), peak(runs["uncapped-release"])
-    if p_off is None or p_rel is None:
+    r_rel = peak(runs["uncapped-release"], "peak_reserved_bytes")
+    if p_off is None or p_rel is None or r_rel is None:
         report["verdict"] = "an uncapped run failed: no cap to place"
         write_json(Path(a.json), report)
         print(report["verdict"])
         return 1
-    own = cfg.train.memory_fraction
-    if own and p_rel < own * total < p_off:
-        fraction, why = own, "the config's own train.memory_fraction (between the two uncapped peaks here)"
-    else:
-        fraction = round((p_off + p_rel) / 2 / total, 4)
-        why = (f"halfway between the two uncapped peaks (the config's {own} = {own * total / 2**30:.1f} GiB does "
-               f"not lie between {p_rel / 2**30:.1f} and {p_off / 2**30:.1f} GiB on this device)")
+    placed = place_cap(total, release_reserved=r_rel, off_allocated=p_off, own=cfg.train.memory_fraction)
+    if isinstance(placed, str):
+        report["verdict"] = placed
+        write_json(Path(a.json), report)
+        print(report["verdict"])
+        return 1
+    fraction, why = placed
     report["cap"] = {"fraction": fraction, "bytes": int(fraction * total), "why": why,
-                     "uncapped_off_peak_bytes": p_off, "uncapped_release_peak_bytes": p_rel}
+                     "uncapped_off_peak_bytes": p_off, "uncapped_release_peak_bytes": p_rel,
+                     "uncapped_release_peak_reserved_bytes": r_rel}
     print(f"cap: {fraction} of {total / 2**30:.1f} GiB = {fraction * total / 2**30:.1f} GiB: {why}", flush=True)
     runs["capped-off"] = train(a.config, a.steps, root / "capped-off",
-                               [f"train.memory_fraction={fraction}", "offload.mode=\"off\""], checkpoint=False)
+                               [*a.set, f"train.memory_fraction={fraction}", "offload.mode=\"off\""],
+                               checkpoint=False)
     runs["capped-release"] = train(a.config, a.steps, root / "capped-release",
-                                   [f"train.memory_fraction={fraction}", "offload.mode=\"release\""], checkpoint=True)
+                                   [*a.set, f"train.memory_fraction={fraction}", "offload.mode=\"release\""],
+                                   checkpoint=True)
     off = runs["capped-off"]
     refused = off["returncode"] != 0 and any(REFUSAL_MARK in ln for ln in off["last_lines"])
     rel = runs["capped-release"]

@@ -97,6 +97,14 @@ def peak_allocated_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.max_memory_allocated(device))
 
 
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """This process's running peak of device memory reserved by torch's caching allocator (what a
+    `train.memory_fraction` cap bounds) since it started (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.max_memory_reserved(device))
+
+
 # ------------------------------------------------------------------------------------------ TensorBoard
 TENSORBOARD_DIR = "tensorboard"
 _MISSING = "[logging] tensorboard = true needs the tensorboard package: pip install 'qeffect[tensorboard]'"

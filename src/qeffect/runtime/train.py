@@ -100,6 +100,8 @@ class TrainSummary(BaseModel):
     mfu_peak_source: str | None = None
     mfu_note: str = ""
     peak_allocated_bytes: int | None = None
+    # the caching allocator's running peak of reserved device memory: what `train.memory_fraction` bounds
+    peak_reserved_bytes: int | None = None
 
 
 @dataclass
@@ -458,7 +460,7 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
         checkpoints_removed=removed,
         mfu=mfu.mfu(med), mfu_flops_per_step=mfu.flops_per_step, mfu_peak_flops=mfu.peak_flops,
         mfu_peak_name=mfu.peak_name, mfu_peak_source=mfu.peak_source, mfu_note=mfu.note,
-        peak_allocated_bytes=M.peak_allocated_bytes(device),
+        peak_allocated_bytes=M.peak_allocated_bytes(device), peak_reserved_bytes=M.peak_reserved_bytes(device),
     )
     if run_dir is not None:
         (run_dir / "summary.json").write_text(summary.model_dump_json(indent=2) + "\n")
