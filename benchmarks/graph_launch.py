@@ -9,10 +9,14 @@ it) or fewer kernels per graph. Two parts, one process:
    and the same with every other kernel on a second stream (a fork and a join per pair).
 2. The pipeline's own graphs: `--path` of `--config`, built and warmed up as `qeffect profile` builds it;
    each graph replayed on its own.
-3. Nested (`--nested G,K`): whether CUDA accepts graph launches inside a stream capture, so that a step's
-   launches could be captured as one graph. G graphs of K kernels each (h2048's step: 48 graphs of 8-41
-   operations) are launched one by one, or captured into one outer graph launched once; the host's time
-   per step for both, and whether both leave the same values (each kernel adds 1).
+3. Nested (`--nested G,K`): whether a step's graph launches can become one graph. G graphs of K kernels
+   each (h2048's step: 48 graphs of 8-41 operations) are launched one by one, or captured into one outer
+   graph launched once; the host's time per step for both, and whether both leave the same values (each
+   kernel adds 1). Three ways: torch's `CUDAGraph.replay()` under the capture (torch refuses it before
+   CUDA is asked), the driver's `cuGraphLaunch` (CUDA refuses a launch into a capturing stream), and each
+   graph (kept with `CUDAGraph(keep_graph=True)`) added to the capture as a child-graph node after what the
+   stream captured so far (`cuStreamGetCaptureInfo`, `cuGraphAddChildGraphNode`,
+   `cuStreamUpdateCaptureDependencies`).
 
 Per graph: its device operations (kernels, copies, sets) counted from a profiler trace of one replay, and
 the host's time per replay: `--replays` back-to-back replays between two device synchronizations, the
@@ -29,6 +33,7 @@ The report is `graph-launch-<config>-<backend>-<rev>-<device>.json`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime as _dt
 import statistics
 import sys
@@ -82,14 +87,14 @@ def device_ops(replay: Callable[[], None], sync: Callable[[], None]) -> int:
 
 
 def synthetic_graph(kernels: int, fork: bool, device: torch.device,
-                    out: torch.Tensor | None = None) -> torch.cuda.CUDAGraph:
+                    out: torch.Tensor | None = None, keep_graph: bool = False) -> torch.cuda.CUDAGraph:
     """A graph of `kernels` one-element additions; `fork`: every other one on a second stream. `out`: the
     element the straight kernels add to (default: a new one). The graph keeps the tensors it writes alive
     (`graph.tensors`): a replay must not write memory handed to someone else."""
     x = torch.zeros(1, device=device) if out is None else out
     y = torch.zeros(1, device=device)
     side = torch.cuda.Stream(device)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
     torch.cuda.synchronize(device)
     with torch.cuda.graph(graph):
         main = torch.cuda.current_stream(device)
@@ -102,36 +107,90 @@ def synthetic_graph(kernels: int, fork: bool, device: torch.device,
             else:
                 x.add_(1.0)
     graph.tensors = (x, y)
+    if keep_graph:
+        graph.instantiate()
     return graph
 
 
-def nested(graphs: int, kernels: int, device: torch.device, sync: Callable[[], None], replays: int,
-           repeats: int) -> dict[str, Any]:
-    """`graphs` graphs of `kernels` additions each, launched one by one against captured (their launches)
-    into one outer graph: whether the capture is accepted, the host's microseconds per step for both, and
-    whether one step of each adds the same (every kernel adds 1 to one element)."""
-    x = torch.zeros(graphs, device=device)
-    inner = [synthetic_graph(kernels, False, device, x[g : g + 1]) for g in range(graphs)]
+class Driver:
+    """The driver calls the nested part needs, through ctypes: torch's `CUDAGraph.replay()` refuses to run
+    while a stream captures (its own check, before CUDA is asked), and torch has no call that adds a
+    graph to a capture."""
 
-    def one_by_one() -> None:
-        for graph in inner:
-            graph.replay()
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        p, n = ctypes.c_void_p, ctypes.c_size_t
+        self.launch = lib.cuGraphLaunch  # (exec, stream)
+        self.launch.argtypes, self.launch.restype = [p, p], ctypes.c_int
+        self.add_child = lib.cuGraphAddChildGraphNode  # (node out, graph, deps, n deps, child)
+        self.add_child.argtypes, self.add_child.restype = [ctypes.POINTER(p), p, ctypes.POINTER(p), n, p], ctypes.c_int
+        # CUDA 12.3+ carries edge data (v3 / v2); older drivers only the versions without it
+        self.with_edges = hasattr(lib, "cuStreamGetCaptureInfo_v3")
+        if self.with_edges:
+            self.info = lib.cuStreamGetCaptureInfo_v3
+            self.info.argtypes = [p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(p),
+                                  ctypes.POINTER(ctypes.POINTER(p)), ctypes.POINTER(p), ctypes.POINTER(n)]
+            self.update = lib.cuStreamUpdateCaptureDependencies_v2
+            self.update.argtypes = [p, ctypes.POINTER(p), p, n, ctypes.c_uint]
+        else:
+            self.info = lib.cuStreamGetCaptureInfo_v2
+            self.info.argtypes = [p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(p),
+                                  ctypes.POINTER(ctypes.POINTER(p)), ctypes.POINTER(n)]
+            self.update = lib.cuStreamUpdateCaptureDependencies
+            self.update.argtypes = [p, ctypes.POINTER(p), n, ctypes.c_uint]
+        self.info.restype = self.update.restype = ctypes.c_int
 
-    row: dict[str, Any] = {"graphs": graphs, "kernels": kernels}
-    one_by_one()  # uploaded before anything is timed
-    row["one_by_one_host_us"] = host_us_per_replay(one_by_one, sync, replays, repeats)
+    @staticmethod
+    def check(rc: int, call: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{call} returned CUresult {rc}")
+
+    def add_to_capture(self, stream: int, child: int) -> None:
+        """Add `child` (a `CUgraph`) as one child-graph node of the capture under way on `stream`, after
+        what the stream captured so far, and make it what the stream's next operation depends on."""
+        status, cid, graph = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_void_p()
+        deps, count = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
+        if self.with_edges:
+            edges = ctypes.c_void_p()
+            rc = self.info(stream, ctypes.byref(status), ctypes.byref(cid), ctypes.byref(graph), ctypes.byref(deps),
+                           ctypes.byref(edges), ctypes.byref(count))
+        else:
+            rc = self.info(stream, ctypes.byref(status), ctypes.byref(cid), ctypes.byref(graph), ctypes.byref(deps),
+                           ctypes.byref(count))
+        self.check(rc, "cuStreamGetCaptureInfo")
+        if status.value != 1:  # CU_STREAM_CAPTURE_STATUS_ACTIVE
+            raise RuntimeError(f"the stream is not capturing (status {status.value})")
+        node = ctypes.c_void_p()
+        self.check(self.add_child(ctypes.byref(node), graph, deps, count.value, child), "cuGraphAddChildGraphNode")
+        set_deps = 1  # CU_STREAM_SET_CAPTURE_DEPENDENCIES
+        rc = (self.update(stream, ctypes.byref(node), None, 1, set_deps) if self.with_edges
+              else self.update(stream, ctypes.byref(node), 1, set_deps))
+        self.check(rc, "cuStreamUpdateCaptureDependencies")
+
+
+def nested_way(launch_all: Callable[[], None], x: torch.Tensor, device: torch.device, sync: Callable[[], None],
+               replays: int, repeats: int) -> dict[str, Any]:
+    """`launch_all` (every inner graph launched once, on the current stream) timed one by one, then captured
+    into one outer graph: whether the capture is accepted, the host's microseconds per step both ways, and
+    whether one step of each adds the same to `x`."""
+    launch_all()  # uploaded before anything is timed
+    row: dict[str, Any] = {"one_by_one_host_us": host_us_per_replay(launch_all, sync, replays, repeats)}
     outer = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
+    first: list[str] = []
     try:  # not `torch.cuda.graph`: a refused capture must still give the caller its stream back
         with torch.cuda.stream(stream):
             outer.capture_begin()
             try:
-                one_by_one()
+                launch_all()
+            except RuntimeError as err:  # the launch's own error, before capture_end reports the capture broken
+                first.append(str(err).splitlines()[0][:300])
+                raise
             finally:
                 outer.capture_end()
-    except RuntimeError as err:  # the driver refuses a launch while the stream captures
-        row.update(supported=False, error=str(err).splitlines()[0][:300])
+    except RuntimeError as err:
+        row.update(supported=False, error=(first or [str(err).splitlines()[0][:300]])[0])
         sync()
         return row
     torch.cuda.current_stream(device).wait_stream(stream)
@@ -139,13 +198,52 @@ def nested(graphs: int, kernels: int, device: torch.device, sync: Callable[[], N
     outer.replay()
     sync()
     after_outer = x.clone()
-    one_by_one()
+    launch_all()
     sync()
     row.update(supported=True, error=None,
                same_values=bool(torch.equal(after_outer - before, x - after_outer)),
                added_per_step=float((after_outer - before).sum()),
                nested_host_us=host_us_per_replay(outer.replay, sync, replays, repeats))
     return row
+
+
+def nested(graphs: int, kernels: int, device: torch.device, sync: Callable[[], None], replays: int,
+           repeats: int) -> dict[str, Any]:
+    """`graphs` graphs of `kernels` additions each (every kernel adds 1 to one element), launched one by one
+    against captured into one outer graph, two ways: torch's `replay()`, and the driver's `cuGraphLaunch`
+    on each graph's executable (`raw_cuda_graph_exec()`)."""
+    x = torch.zeros(graphs, device=device)
+    inner = [synthetic_graph(kernels, False, device, x[g : g + 1]) for g in range(graphs)]
+
+    def torch_replays() -> None:
+        for graph in inner:
+            graph.replay()
+
+    driver = Driver()
+    execs = [graph.raw_cuda_graph_exec() for graph in inner]
+
+    def driver_launches() -> None:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        for e in execs:
+            driver.check(driver.launch(e, stream), "cuGraphLaunch")
+
+    kept = [synthetic_graph(kernels, False, device, x[g : g + 1], keep_graph=True) for g in range(graphs)]
+    children = [graph.raw_cuda_graph() for graph in kept]
+    kept_execs = [graph.raw_cuda_graph_exec() for graph in kept]
+
+    def child_nodes() -> None:  # eagerly: the driver's launches; under a capture: one child node per graph
+        stream = torch.cuda.current_stream(device).cuda_stream
+        if torch.cuda.is_current_stream_capturing():
+            for child in children:
+                driver.add_to_capture(stream, child)
+        else:
+            for e in kept_execs:
+                driver.check(driver.launch(e, stream), "cuGraphLaunch")
+
+    return {"graphs": graphs, "kernels": kernels,
+            "torch_replay": nested_way(torch_replays, x, device, sync, replays, repeats),
+            "driver_launch": nested_way(driver_launches, x, device, sync, replays, repeats),
+            "child_nodes": nested_way(child_nodes, x, device, sync, replays, repeats)}
 
 
 def measure(graph: torch.cuda.CUDAGraph, sync: Callable[[], None], replays: int, repeats: int) -> dict[str, Any]:
@@ -212,11 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.nested:  # last: a refused capture is the part most likely to leave the device in a poor state
         g, k = (int(v) for v in a.nested.split(","))
         nest = nested(g, k, device, sync, a.replays, a.repeats)
-        if nest["supported"]:
-            print(f"nested: {g} graphs of {k} kernels: {nest['one_by_one_host_us']:.1f} us one by one, "
-                  f"{nest['nested_host_us']:.1f} us as one outer graph; same values: {nest['same_values']}", flush=True)
-        else:
-            print(f"nested: a graph launch inside a capture was refused: {nest['error']}", flush=True)
+        for way in ("torch_replay", "driver_launch", "child_nodes"):
+            r = nest[way]
+            if r["supported"]:
+                print(f"nested ({way}): {g} graphs of {k} kernels: {r['one_by_one_host_us']:.1f} us one by one, "
+                      f"{r['nested_host_us']:.1f} us as one outer graph; same values: {r['same_values']}", flush=True)
+            else:
+                print(f"nested ({way}): a graph launch inside a capture was refused: {r['error']}", flush=True)
     rev = git_revision()
     out = Path(a.out) / f"graph-launch-{stem}-{a.backend}-{rev}-{device_tag(device)}.json"
     write_json(out, {

@@ -22,8 +22,8 @@
 #                    scripts/step_gaps.py on the h4096 te step                                  (~5 min)
 #   rank-streams     benchmarks/rank_streams_ab.py: runtime.rank_streams on/off at h2048 and h4096, then
 #                    benchmarks/host_profile.py: where the h2048 host's queue time goes, then
-#                    benchmarks/graph_launch.py: a graph launch's host time against its kernels, and 48 launches
-#                    captured as one outer graph against one by one                             (~4-5 min)
+#                    benchmarks/graph_launch.py: a graph launch's host time against its kernels, and 48 graphs
+#                    made one outer graph (child-graph nodes) against launched one by one       (~4-5 min)
 #   llama            pytest -m gpu on the llama tests; bitwise matrix at llama-h2048, both backends (~6 min)
 #   profile-llama-h2048-te
 #                    qeffect profile of llama-h2048 (te): native eager, captured-direct (both schedules) and
