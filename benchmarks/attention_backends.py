@@ -13,6 +13,7 @@ the eager bits.
 
     source .gpu-kit/setup.sh
     python3 benchmarks/attention_backends.py --json $OUT/attention-backends-h200.json
+    python3 benchmarks/attention_backends.py --seq-len 2048 --microbatch-size 2 --repeats 20 --json ...
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from qeffect.cli.common import write_json
 from qeffect.graphs.handshake import gpu_provenance
 
 BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
-SHAPES = {"h4096": 32, "h2048": 16}  # heads at head dimension 128, sequence 256, microbatch 1
+SHAPES = {"h4096": 32, "h2048": 16}  # heads at head dimension 128 (sequence and microbatch: the options)
 
 
-def case(heads: int, seq: int = 256, dim: int = 128):
+def case(heads: int, seq: int = 256, batch: int = 1, dim: int = 128):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    qkv0 = torch.randn(1, seq, 3, heads, dim, device="cuda", generator=gen).to(torch.bfloat16)
-    grad = torch.randn(1, heads, seq, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    qkv0 = torch.randn(batch, seq, 3, heads, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    grad = torch.randn(batch, heads, seq, dim, device="cuda", generator=gen).to(torch.bfloat16)
     return qkv0, grad
 
 
@@ -48,8 +49,9 @@ def fwd_bwd(backend: SDPBackend, qkv0: torch.Tensor, grad: torch.Tensor):
     return out.detach(), qkv.grad
 
 
-def measure(backend: SDPBackend, heads: int, repeats: int, reps: int, replays: int) -> dict:
-    qkv0, grad = case(heads)
+def measure(backend: SDPBackend, heads: int, repeats: int, reps: int, replays: int, seq: int = 256,
+            batch: int = 1) -> dict:
+    qkv0, grad = case(heads, seq, batch)
     first = fwd_bwd(backend, qkv0, grad)
     repeatable = all(all(torch.equal(a, b) for a, b in zip(first, fwd_bwd(backend, qkv0, grad), strict=True))
                      for _ in range(repeats))
@@ -82,6 +84,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200, help="eager reruns compared bitwise with the first")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (h4096-long: 2048)")
+    ap.add_argument("--microbatch-size", type=int, default=1, help="sequences per call")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -91,7 +95,7 @@ def main() -> None:
         flash_out = None
         for backend in BACKENDS:
             try:
-                r = measure(backend, heads, a.repeats, a.reps, a.replays)
+                r = measure(backend, heads, a.repeats, a.reps, a.replays, a.seq_len, a.microbatch_size)
             except RuntimeError as err:  # a backend this build or shape does not run
                 rows.append({"shape": shape, "backend": backend.name, "error": str(err)[:300]})
                 continue
@@ -103,7 +107,7 @@ def main() -> None:
             print(shape, backend.name, {k: v for k, v in r.items() if k != "raw_us"}, flush=True)
     if a.json:
         write_json(a.json, {**gpu_provenance(), "repeats": a.repeats, "reps": a.reps, "replays": a.replays,
-                            "rows": rows})
+                            "seq_len": a.seq_len, "microbatch_size": a.microbatch_size, "rows": rows})
 
 
 if __name__ == "__main__":
