@@ -25,6 +25,8 @@
 #                    benchmarks/graph_launch.py: a graph launch's host time against its kernels, and 48 graphs
 #                    made one outer graph (child-graph nodes) against launched one by one       (~4-5 min)
 #   llama            pytest -m gpu on the llama tests; bitwise matrix at llama-h2048, both backends (~6 min)
+#   long-seq         verify-state at h2048 with 2,048 tokens per sequence: captured-direct te at microbatch size 2
+#                    and 1, eager te, captured-direct reference; attention backends' bits at that shape    (~4 min)
 #   profile-llama-h2048-te
 #                    qeffect profile of llama-h2048 (te): native eager, captured-direct (both schedules) and
 #                    te-graphed from TransformerLayers with the Llama settings, 3 interleaved rounds    (~4 min)
@@ -44,13 +46,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
+tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -165,6 +167,20 @@ llama)
     step verify-matrix-llama 330 python3 scripts/gpu_check.py --config $LLAMA --steps 12 --backends reference,te \
         --schedules interleaved,zbv --paths captured-copy,captured-direct --out "$tmp/llama"
     keep "$tmp/llama/gpu-check.json" "$OUT/verify-matrix-llama-h2048.json"
+    ;;
+long-seq)
+    # where captured-direct leaves native eager's bits at 2,048 tokens per sequence: the failing case, then the
+    # same with 2,048 tokens per microbatch (no +0.0 pass), without graphs (split backward only) and without
+    # Transformer Engine; then the attention backends' repeatability at that shape
+    LONG=(--set model.seq_len=2048)
+    for combo in "2 captured-direct te" "1 captured-direct te" "2 eager te" "2 captured-direct reference"; do
+        read -r mb path backend <<< "$combo"
+        step "verify-seq2048-mb$mb-$path-$backend" 120 python3 -m qeffect verify-state -c $H2048 "${LONG[@]}" \
+            --set model.microbatch_size="$mb" --steps 2 --path "$path" --backend "$backend" \
+            --json "$OUT/verify-seq2048-mb$mb-$path-$backend.json"
+    done
+    step attention-seq2048 120 python3 benchmarks/attention_backends.py --seq-len 2048 --microbatch-size 2 \
+        --repeats 20 --json "$OUT/attention-backends-seq2048.json"
     ;;
 profile-llama-h2048-te)
     step "$part" 420 python3 benchmarks/profile_matrix.py --out "$OUT" --tomls examples/configs/llama-h2048.toml \
