@@ -24,6 +24,8 @@
 #                    benchmarks/host_profile.py: where the h2048 host's queue time goes, then
 #                    benchmarks/graph_launch.py: a graph launch's host time against its kernels, and 48 graphs
 #                    made one outer graph (child-graph nodes) against launched one by one       (~4-5 min)
+#   step-graph       benchmarks/step_graph_probe.py: one h2048 step's actions recorded as one graph of child-graph
+#                    nodes, bitwise against ordinary steps, host and GPU time of the actions both ways (~2 min)
 #   llama            pytest -m gpu on the llama tests; bitwise matrix at llama-h2048, both backends (~6 min)
 #   long-seq         verify-state at h2048 with 2,048 tokens per sequence: captured-direct te at microbatch size 2
 #                    and 1, eager te, captured-direct reference; attention backends' bits at that shape    (~4 min)
@@ -46,13 +48,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
+tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|step-graph|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -167,6 +169,9 @@ llama)
     step verify-matrix-llama 330 python3 scripts/gpu_check.py --config $LLAMA --steps 12 --backends reference,te \
         --schedules interleaved,zbv --paths captured-copy,captured-direct --out "$tmp/llama"
     keep "$tmp/llama/gpu-check.json" "$OUT/verify-matrix-llama-h2048.json"
+    ;;
+step-graph)
+    step step-graph-probe-h2048 240 python3 benchmarks/step_graph_probe.py --out "$OUT"
     ;;
 long-seq)
     # where captured-direct leaves native eager's bits at 2,048 tokens per sequence: the failing case, then the
