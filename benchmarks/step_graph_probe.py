@@ -42,8 +42,9 @@ from graph_launch import Driver
 
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
+from qeffect.graphs.handshake import gpu_provenance
 from qeffect.graphs.manager import TorchCudaBackend
-from qeffect.profile.matrix import device_name_of, device_tag, git_revision
+from qeffect.profile.matrix import device_tag
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
 
@@ -190,15 +191,12 @@ def main(argv: list[str] | None = None) -> int:
             row["gpu_median_s"] = statistics.median(row["gpu_s"])
             print(f"{name}: host {row['host_median_s'] * 1e3:.3f} ms, GPU {row['gpu_median_s'] * 1e3:.3f} ms "
                   "per step's actions (medians)", flush=True)
-    rev = git_revision()
-    stem = Path(a.config).stem
-    out = Path(a.out) / f"step-graph-probe-{stem}-{a.backend}-{rev}-{device_tag(device)}.json"
-    write_json(out, {
-        "kind": "step-graph-probe", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        "git_revision": rev, "device": device.type, "device_name": device_name_of(device),
-        "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "config": cfg.model_dump(),
-        "schedule": a.schedule, "steps": a.steps, "reps": a.reps, **report})
+    head = gpu_provenance(device)
+    out = Path(a.out) / (f"step-graph-probe-{Path(a.config).stem}-{a.backend}-{head['git_revision']}-"
+                         f"{device_tag(device)}.json")
+    created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    write_json(out, {"kind": "step-graph-probe", **head, "cuda_version": torch.version.cuda, "created": created,
+                     "config": cfg.model_dump(), "schedule": a.schedule, "steps": a.steps, "reps": a.reps, **report})
     print(f"-> {out}", flush=True)
     return 0 if report["error"] is None and report.get("bitwise") else 1
 

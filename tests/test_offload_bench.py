@@ -6,23 +6,15 @@ Python, so a stand-in for `ModeRun` (no device) checks them here.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_bench.py"
+from script_modules import script_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("offload_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["offload_bench"] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    del sys.modules["offload_bench"]
+    with script_module("benchmarks/offload_bench.py") as mod:
+        yield mod
 
 
 def _fake_runs(bench, monkeypatch) -> list[str]:

@@ -3,24 +3,17 @@ above what release reserved and below what no offload allocated."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "offload_cap_check.py"
+from script_modules import script_module
+
 GIB = 2**30
 
 
 @pytest.fixture(scope="module")
 def cap_check():
-    spec = importlib.util.spec_from_file_location("offload_cap_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["offload_cap_check"] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    del sys.modules["offload_cap_check"]
+    with script_module("scripts/offload_cap_check.py") as mod:
+        yield mod
 
 
 def test_the_configs_own_cap_is_kept_where_it_separates_the_runs(cap_check) -> None:

@@ -377,23 +377,17 @@ def test_the_graph_launch_benchmark_counts_each_graphs_kernels(tmp_path) -> None
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_step_recorded_as_one_graph_of_child_nodes_keeps_the_bits(tmp_path, monkeypatch) -> None:
+def test_a_step_recorded_as_one_graph_of_child_nodes_keeps_the_bits(tmp_path) -> None:
     """`benchmarks/step_graph_probe.py`: a step whose actions run as one outer graph (each action graph a
     child-graph node) leaves the same losses and parameters as ordinary steps."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    monkeypatch.syspath_prepend(str(root / "benchmarks"))  # the probe imports graph_launch.py beside it
-    spec = importlib.util.spec_from_file_location("step_graph_probe", root / "benchmarks" / "step_graph_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    rc = probe.main(["--config", "src/qeffect/configs/tiny.toml", "--backend", "reference", "--steps", "3",
-                     "--record-step", "1", "--reps", "2", "--out", str(tmp_path)])
+    from script_modules import script_module
+
+    with script_module("benchmarks/step_graph_probe.py") as probe:
+        rc = probe.main(["--config", "src/qeffect/configs/tiny.toml", "--backend", "reference", "--steps", "3",
+                         "--record-step", "1", "--reps", "2", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("step-graph-probe-tiny-reference-*.json")
     report = json.loads(path.read_text())
     assert report["error"] is None and report["bitwise"], report
     assert rc == 0 and report["as_one_graph"]["host_median_s"] > 0
-    sys.modules.pop("graph_launch", None)
