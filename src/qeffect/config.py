@@ -61,8 +61,8 @@ class ModelConfig(_Strict):
     seq_len: int = _bits("Tokens per sequence.", 32, ge=2)
     attention: Literal["auto", "flash", "efficient"] = _bits(
         "Causal attention's SDPA backend on CUDA. Runs must repeat bit for bit, and flash attention's backward "
-        "does only up to 256 tokens per sequence (above, it adds its parts in a varying order); the "
-        "memory-efficient backend repeated at every shape measured, about 1.2-1.3x slower. 'auto': torch's "
+        "did at 256 tokens per sequence but not at 2,048; the memory-efficient backend repeated at every "
+        "shape measured, about 1.2-1.3x slower. 'auto': torch's "
         "own choice (flash) up to 256 tokens per sequence, memory-efficient above (docs/models.md).", "auto")
     microbatch_size: int = _bits("Sequences per microbatch.", 2, ge=1)
 

@@ -1,11 +1,11 @@
 """The model's causal attention, on a named SDPA backend (config: `model.attention`).
 
 Why a named backend: the bitwise oracle compares whole runs, so attention must give the same bits every
-run. Flash attention's and cuDNN's backward add the key blocks' parts of dQ in the order their thread
-blocks finish; up to 256 tokens per sequence there are at most two such parts, and two additions give the
-same result in either order, but at 2,048 tokens runs differ in bits (measured on the H100, also with
-torch's deterministic flag). The memory-efficient backend's backward gave the same bits at every shape
-measured; it is about 1.2-1.3x slower than flash at 256 tokens. "auto" leaves the choice to torch up to
+run. Flash attention's and cuDNN's backward gave the same bits every run at 256 tokens per sequence but
+not at 2,048 (on the H100, also under torch's deterministic flag). A likely reason: dQ adds the key
+blocks' parts in the order their thread blocks finish, and at 256 tokens there are at most two parts,
+whose sum does not depend on the order. The memory-efficient backend's backward gave the same bits at
+every shape measured; it is about 1.2-1.3x slower than flash at 256 tokens. "auto" leaves the choice to torch up to
 256 tokens per sequence (flash, at every shape this project runs; the call is the one the model always
 made, with no context to enter) and takes memory-efficient above. A clean repeat is evidence at the
 shapes measured, not a promise torch makes.
