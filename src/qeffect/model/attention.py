@@ -5,10 +5,11 @@ run. Flash attention's and cuDNN's backward gave the same bits every run at 256 
 not at 2,048 (on the H100, also under torch's deterministic flag). A likely reason: dQ adds the key
 blocks' parts in the order their thread blocks finish, and at 256 tokens there are at most two parts,
 whose sum does not depend on the order. The memory-efficient backend's backward gave the same bits at
-every shape measured; it is about 1.2-1.3x slower than flash at 256 tokens. "auto" leaves the choice to torch up to
-256 tokens per sequence (flash, at every shape this project runs; the call is the one the model always
-made, with no context to enter) and takes memory-efficient above. A clean repeat is evidence at the
-shapes measured, not a promise torch makes.
+every shape measured; it is about 1.2-1.3x slower than flash at 256 tokens.
+
+"auto" leaves the choice to torch up to 256 tokens per sequence (flash, at every shape this project
+runs; the call is the one the model always made, with no context to enter) and takes memory-efficient
+above. A clean repeat is evidence at the shapes measured, not a promise torch makes.
 """
 
 from __future__ import annotations
