@@ -3,7 +3,7 @@
 A captured step is one `CUDAGraph.replay()` per action, and the host's queue time of a small step goes
 mostly to them (`qeffect profile`'s host phases: "graph launches"). Whether a launch costs the host per
 graph or per kernel in it decides which cut pays: fewer graphs (one graph for a dI and the dW that follows
-it) or fewer kernels per graph. Two parts, one process:
+it) or fewer kernels per graph. Three parts, one process:
 
 1. Synthetic: graphs of N one-element kernels (`--kernels`), captured on one stream (a straight line),
    and the same with every other kernel on a second stream (a fork and a join per pair).
@@ -113,9 +113,9 @@ def synthetic_graph(kernels: int, fork: bool, device: torch.device,
 
 
 class Driver:
-    """The driver calls the nested part needs, through ctypes: torch's `CUDAGraph.replay()` refuses to run
-    while a stream captures (its own check, before CUDA is asked), and torch has no call that adds a
-    graph to a capture."""
+    """The CUDA driver calls that the nested part and `step_graph_probe.py` need, through ctypes: torch's
+    `CUDAGraph.replay()` refuses to run while a stream captures (its own check, before CUDA is asked),
+    and torch has no call that adds a graph to a capture."""
 
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -210,8 +210,8 @@ def nested_way(launch_all: Callable[[], None], x: torch.Tensor, device: torch.de
 def nested(graphs: int, kernels: int, device: torch.device, sync: Callable[[], None], replays: int,
            repeats: int) -> dict[str, Any]:
     """`graphs` graphs of `kernels` additions each (every kernel adds 1 to one element), launched one by one
-    against captured into one outer graph, two ways: torch's `replay()`, and the driver's `cuGraphLaunch`
-    on each graph's executable (`raw_cuda_graph_exec()`)."""
+    against captured into one outer graph, three ways: torch's `replay()`, the driver's `cuGraphLaunch` on
+    each graph's executable (`raw_cuda_graph_exec()`), and each graph added as a child-graph node."""
     x = torch.zeros(graphs, device=device)
     inner = [synthetic_graph(kernels, False, device, x[g : g + 1]) for g in range(graphs)]
 
