@@ -46,6 +46,7 @@ import torch
 
 from qeffect.cli.common import write_json
 from qeffect.config import load_config
+from qeffect.graphs.cuda_driver import CaptureInserter
 from qeffect.profile.matrix import device_name_of, device_tag, git_revision, release_memory
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import synthetic_batches
@@ -113,32 +114,13 @@ def synthetic_graph(kernels: int, fork: bool, device: torch.device,
 
 
 class Driver:
-    """The CUDA driver calls that the nested part and `step_graph_probe.py` need, through ctypes: torch's
-    `CUDAGraph.replay()` refuses to run while a stream captures (its own check, before CUDA is asked),
-    and torch has no call that adds a graph to a capture."""
+    """The driver's `cuGraphLaunch` (refused under a capture) through ctypes, beside the library's way of
+    adding a graph to a capture (`qeffect.graphs.cuda_driver.CaptureInserter`)."""
 
     def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        p, n = ctypes.c_void_p, ctypes.c_size_t
-        self.launch = lib.cuGraphLaunch  # (exec, stream)
-        self.launch.argtypes, self.launch.restype = [p, p], ctypes.c_int
-        self.add_child = lib.cuGraphAddChildGraphNode  # (node out, graph, deps, n deps, child)
-        self.add_child.argtypes, self.add_child.restype = [ctypes.POINTER(p), p, ctypes.POINTER(p), n, p], ctypes.c_int
-        # CUDA 12.3+ carries edge data (v3 / v2); older drivers only the versions without it
-        self.with_edges = hasattr(lib, "cuStreamGetCaptureInfo_v3")
-        if self.with_edges:
-            self.info = lib.cuStreamGetCaptureInfo_v3
-            self.info.argtypes = [p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(p),
-                                  ctypes.POINTER(ctypes.POINTER(p)), ctypes.POINTER(p), ctypes.POINTER(n)]
-            self.update = lib.cuStreamUpdateCaptureDependencies_v2
-            self.update.argtypes = [p, ctypes.POINTER(p), p, n, ctypes.c_uint]
-        else:
-            self.info = lib.cuStreamGetCaptureInfo_v2
-            self.info.argtypes = [p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(p),
-                                  ctypes.POINTER(ctypes.POINTER(p)), ctypes.POINTER(n)]
-            self.update = lib.cuStreamUpdateCaptureDependencies
-            self.update.argtypes = [p, ctypes.POINTER(p), n, ctypes.c_uint]
-        self.info.restype = self.update.restype = ctypes.c_int
+        self.launch = ctypes.CDLL("libcuda.so.1").cuGraphLaunch  # (exec, stream)
+        self.launch.argtypes, self.launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+        self.inserter = CaptureInserter()
 
     @staticmethod
     def check(rc: int, call: str) -> None:
@@ -146,26 +128,7 @@ class Driver:
             raise RuntimeError(f"{call} returned CUresult {rc}")
 
     def add_to_capture(self, stream: int, child: int) -> None:
-        """Add `child` (a `CUgraph`) as one child-graph node of the capture under way on `stream`, after
-        what the stream captured so far, and make it what the stream's next operation depends on."""
-        status, cid, graph = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_void_p()
-        deps, count = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
-        if self.with_edges:
-            edges = ctypes.c_void_p()
-            rc = self.info(stream, ctypes.byref(status), ctypes.byref(cid), ctypes.byref(graph), ctypes.byref(deps),
-                           ctypes.byref(edges), ctypes.byref(count))
-        else:
-            rc = self.info(stream, ctypes.byref(status), ctypes.byref(cid), ctypes.byref(graph), ctypes.byref(deps),
-                           ctypes.byref(count))
-        self.check(rc, "cuStreamGetCaptureInfo")
-        if status.value != 1:  # CU_STREAM_CAPTURE_STATUS_ACTIVE
-            raise RuntimeError(f"the stream is not capturing (status {status.value})")
-        node = ctypes.c_void_p()
-        self.check(self.add_child(ctypes.byref(node), graph, deps, count.value, child), "cuGraphAddChildGraphNode")
-        set_deps = 1  # CU_STREAM_SET_CAPTURE_DEPENDENCIES
-        rc = (self.update(stream, ctypes.byref(node), None, 1, set_deps) if self.with_edges
-              else self.update(stream, ctypes.byref(node), 1, set_deps))
-        self.check(rc, "cuStreamUpdateCaptureDependencies")
+        self.inserter.add(stream, child)
 
 
 def nested_way(launch_all: Callable[[], None], x: torch.Tensor, device: torch.device, sync: Callable[[], None],

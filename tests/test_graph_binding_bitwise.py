@@ -129,13 +129,13 @@ class ExecManager:
         return 0.0
 
 
-def _fake_captured_build(real, *, link: bool = True):
+def _fake_captured_build(real, *, link: bool = True, manager=ExecManager):
     def build(cfg, *, native, direct=True, fixed_order_sum=True, device=None, path="eager", capture=True,
               accumulate=None, clock=None, bounded_slots=True):
         if native or path == "eager":
             return real(cfg, native=native, direct=direct, fixed_order_sum=fixed_order_sum, device=device,
                         path=path, capture=capture, accumulate=accumulate, clock=clock, bounded_slots=bounded_slots)
-        mgr = ExecManager()
+        mgr = manager()
         schedule = schedule_of(cfg)
         chunks = build_chunks_for(cfg, "cpu")
         ranks = [build_rank(cfg, schedule, r, chunks, native=False, direct=direct, fixed_order_sum=fixed_order_sum,

@@ -451,7 +451,7 @@ class CapturedStageActions(StageActions):
         self.pool.resolve(ref, key).payload.update(slot=m, chain=chain)
         if self.chunk.stage == self.chunk.num_stages - 1 and self._shared(m):
             # the loss is kept to the end of the step, and a later microbatch of the chain rewrites it
-            out = out.clone()
+            out = self.manager.step_tensor((self.stage, m, "loss"), out.clone)
         sent = self._send_act.get(m)
         return ForwardOut(out.detach() if sent is None else sent, ref, token)
 
@@ -498,7 +498,7 @@ class CapturedStageActions(StageActions):
         self._di_next = (m + 1) % len(self.slots)
         if grad_in is not None and self._shared(m):
             # the previous stage's dI(m) may run after this chain's next replay rewrote the buffer
-            grad_in = grad_in.clone()
+            grad_in = self.manager.step_tensor((self.stage, m, "grad_in"), grad_in.clone)
         grad_in = self._send_grad.get(m, grad_in)  # the graph wrote it into the previous stage's buffer too
         return InputGradOut(grad_in, self.nonmatrix_grads(), token)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
@@ -40,10 +40,12 @@ import torch
 from torch import Tensor
 
 from qeffect.contracts import completion_ledger
+from qeffect.graphs.cuda_driver import CaptureInserter
 from qeffect.graphs.stats import COPY, LAUNCH, GraphStats, HostPhases
 
 HandshakeProtocol = Literal["two-way", "one-way", "stream-ordered"]
 PROTOCOLS: tuple[str, ...] = get_args(HandshakeProtocol)
+StepMode = Literal["launch", "record", "dry"]  # `GraphManager.mode`
 
 
 class GraphBackend(Protocol):
@@ -58,6 +60,7 @@ class GraphBackend(Protocol):
     def capture(self, graph: Any, pool: Any, stream: Any) -> AbstractContextManager[Any]: ...
     def new_external_event(self) -> Any: ...
     def copy_(self, dst: Tensor, src: Tensor) -> None: ...  # `dst` requires no grad (a detached buffer)
+    def add_to_capture(self, graph: Any) -> None: ...  # a step graph's record (`GraphManager.mode`)
     def record_stream(self, tensor: Tensor, stream: Any) -> None: ...
     def memory_allocated(self) -> int: ...
     def memory_reserved(self) -> int: ...
@@ -84,9 +87,14 @@ def collector_paused() -> Iterator[None]:
 
 
 class TorchCudaBackend:
-    """The real backend: torch.cuda on one device. Constructed only when a manager is built."""
+    """The real backend: torch.cuda on one device. Constructed only when a manager is built.
 
-    def __init__(self, device: torch.device | str = "cuda") -> None:
+    `keep_graphs`: each graph keeps its `cudaGraph_t` beside its executable (`CUDAGraph(keep_graph=True)`,
+    instantiated right after its capture), so a step graph can add it to its capture as a child node."""
+
+    def __init__(self, device: torch.device | str = "cuda", *, keep_graphs: bool = False) -> None:
+        self.keep_graphs = keep_graphs
+        self._inserter: CaptureInserter | None = None
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"GraphManager needs a CUDA device, got {self.device}")
@@ -107,12 +115,20 @@ class TorchCudaBackend:
             return torch.cuda.graph_pool_handle()
 
     def new_graph(self) -> torch.cuda.CUDAGraph:
-        return torch.cuda.CUDAGraph()
+        return torch.cuda.CUDAGraph(keep_graph=True) if self.keep_graphs else torch.cuda.CUDAGraph()
 
     @contextmanager
     def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> Iterator[None]:
         with collector_paused(), torch.cuda.graph(graph, pool=pool, stream=stream):
             yield
+        if self.keep_graphs:
+            graph.instantiate()
+
+    def add_to_capture(self, graph: torch.cuda.CUDAGraph) -> None:
+        """`graph` as a child node of the capture under way on the current stream (`keep_graphs` only)."""
+        if self._inserter is None:
+            self._inserter = CaptureInserter()
+        self._inserter.add(torch.cuda.current_stream(self.device).cuda_stream, graph.raw_cuda_graph())
 
     def new_external_event(self) -> torch.cuda.Event:
         # external=True: the record inside the capture becomes a graph node that fires on every replay,
@@ -224,11 +240,13 @@ class GraphManager:
     """Owns the graph stream and the shared graph memory pool; captures and replays stage actions."""
 
     def __init__(self, device: torch.device | str = "cuda", *, protocol: HandshakeProtocol = "two-way",
-                 backend: GraphBackend | None = None, checked_completion: bool = False) -> None:
+                 backend: GraphBackend | None = None, checked_completion: bool = False,
+                 keep_graphs: bool = False) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
         self.protocol: HandshakeProtocol = protocol
-        self.backend: GraphBackend = backend if backend is not None else TorchCudaBackend(device)
+        self.backend: GraphBackend = (backend if backend is not None
+                                      else TorchCudaBackend(device, keep_graphs=keep_graphs))
         self.stream = self.backend.new_stream()
         self.pool = self.backend.graph_pool_handle()
         self.actions: dict[str, CapturedAction] = {}
@@ -238,6 +256,13 @@ class GraphManager:
                                              name="graph tails")
         self.held = HeldInputs()  # constant sources the static buffers still hold (`mark_constant`)
         self.host = HostPhases()  # the host's time in input copies and graph launches, while on (profiling)
+        # A step graph (`graphs.step_graph`): "record" adds each replay's graph to the step's capture as a
+        # child node (its input copies captured as they come), "dry" issues nothing and only keeps the
+        # bookkeeping; both list what each replay issued (`issued`) and keep the step's other results
+        # (`step_tensor`) under the same keys, so a dry step can be checked against the recorded one.
+        self.mode: StepMode = "launch"
+        self.issued: list[tuple[str, tuple[tuple[str, int], ...]]] = []
+        self._step_tensors: dict[Hashable, Tensor] = {}
 
     def mark_constant(self, *tensors: Tensor) -> None:
         """Declare `tensors` constant inputs (`HeldInputs.mark`): a replay copies one into a static buffer
@@ -352,6 +377,9 @@ class GraphManager:
     def _launch(self, action: CapturedAction, dynamic: dict[str, Tensor] | None, stream: Any) -> None:
         """The input copies and the graph launch of one replay on the current stream (`stream`: see
         `_copy_inputs`), each timed into `host` while that is on (profiling)."""
+        if self.mode != "launch":
+            self._issue(action, dynamic, stream)
+            return
         host = self.host
         if not host.on:
             if dynamic:
@@ -367,6 +395,30 @@ class GraphManager:
         action.graph.replay()
         host.add(LAUNCH, t, clock())
 
+    def _issue(self, action: CapturedAction, dynamic: dict[str, Tensor] | None, stream: Any) -> None:
+        """A replay while a step graph records (its copies captured, its graph a child node) or runs dry
+        (nothing issued, the held inputs kept as if copied): what it copied, from where, listed."""
+        keys: list[tuple[str, int]] = []
+        if dynamic:
+            self._copy_inputs(action, dynamic, stream, keys=keys)
+        if self.mode == "record":
+            self.backend.add_to_capture(action.graph)
+        self.issued.append((action.name, tuple(keys)))
+
+    def step_tensor(self, key: Hashable, make: Callable[[], Tensor]) -> Tensor:
+        """A step's result made outside any action graph (a clone a later action or the caller reads):
+        `make()` when launching; recorded under `key` as well while a step graph records; the recorded one
+        while a step runs dry (its value is what the step graph's next replay writes)."""
+        if self.mode == "launch":
+            return make()
+        if self.mode == "record":
+            t = self._step_tensors[key] = make()
+            return t
+        try:
+            return self._step_tensors[key]
+        except KeyError:
+            raise RuntimeError(f"a dry step asked for {key!r}, which the recorded step did not make") from None
+
     def check_use(self, action: CapturedAction, stream: Any = None) -> None:
         """Checked completion: raise `DeviceCompletionViolation` if work queued on `stream` (default: the
         current one) now could read `action`'s outputs before its latest replay finished (one-way, or a
@@ -374,11 +426,15 @@ class GraphManager:
         if self.completions.checked:
             self.completions.use(action.name, self.backend.current_stream() if stream is None else stream)
 
-    def _copy_inputs(self, action: CapturedAction, dynamic: dict[str, Tensor], stream: Any) -> int:
+    def _copy_inputs(self, action: CapturedAction, dynamic: dict[str, Tensor], stream: Any,
+                     keys: list[tuple[str, int]] | None = None) -> int:
         """Copy each dynamic input into its static buffer on the current stream; `stream` (the graph
         stream, when it is not the caller's) keeps each source's memory alive until its copy is done.
-        A constant source the buffer still holds is not copied again (`HeldInputs`). Returns the copies made."""
+        A constant source the buffer still holds is not copied again (`HeldInputs`). Returns the copies made.
+        `keys` (a step graph's record or dry run): each copy's input name and source address is appended;
+        a dry run copies nothing and keeps the held inputs as if it had."""
         be, held = self.backend, self.held
+        dry = self.mode == "dry"
         copied = 0
         for key, src in dynamic.items():
             try:
@@ -392,10 +448,13 @@ class GraphManager:
             if constant and held.holds(dst, src):
                 self.stats.input_copies_skipped += 1
                 continue
-            be.copy_(dst, src)
+            if keys is not None:
+                keys.append((key, src.data_ptr()))
+            if not dry:
+                be.copy_(dst, src)
+                if stream is not None:
+                    be.record_stream(src, stream)
             copied += 1
-            if stream is not None:
-                be.record_stream(src, stream)
             if constant:
                 held.copied(dst, src)
         return copied

@@ -103,6 +103,9 @@ def check_path(path: str, device: str | torch.device, offload: str = "off") -> N
                         "train.path = captured-copy or captured-direct (got eager)")
 
 
+STEP_GRAPH_AFTER = 2  # ordinary steps before a step graph is recorded: the first casts the FP8 weight caches
+
+
 def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
                          fixed_order_sum: bool = True, device: str | torch.device | None = None,
                          path: ActionPath = "eager", capture: bool = True,
@@ -130,6 +133,8 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
     pipe.manager = manager
     pipe.offload = offload
     pipe.rank_streams = rank_streams_for(cfg, manager, offload, device, len(ranks))
+    if manager is not None and cfg.runtime.step_graph:
+        pipe.step_graph_after = STEP_GRAPH_AFTER
     if capture and manager is not None:
         with phase("capture"):
             capture_graphs(cfg, pipe)
@@ -180,10 +185,16 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     check_path("eager" if native else path, device, config.mode)
     if native or path == "eager":
         return None, None, direct
+    step_graph = cfg.runtime.step_graph
+    if step_graph and (path != "captured-direct" or config.mode != "off"):
+        raise UserError(f"runtime.step_graph records captured-direct steps without offload; got train.path = "
+                        f"{path}, offload.mode = {config.mode}")
     offload = make_offload_manager(config, device) if config.mode != "off" else None
     # stream-ordered: graphs launched on the caller's stream (no cross-stream edge per replay; the same
-    # guarantees as the two-way handshake, 1.5% faster at h2048: benchmarks/replay_protocol.py)
-    return GraphManager(device, protocol="stream-ordered"), offload, path == "captured-direct"
+    # guarantees as the two-way handshake, 1.5% faster at h2048: benchmarks/replay_protocol.py); a step
+    # graph adds each action's graph to its capture, so the graphs keep their `cudaGraph_t`
+    manager = GraphManager(device, protocol="stream-ordered", keep_graphs=step_graph)
+    return manager, offload, path == "captured-direct"
 
 
 def make_offload_manager(config: OffloadConfig, device: str | torch.device) -> OffloadManager:

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from qeffect.graphs.stats import HANDOFF, OPTIMIZER, HostPhases
+from qeffect.graphs.stats import HANDOFF, LAUNCH, OPTIMIZER, HostPhases
+from qeffect.graphs.step_graph import RecordedStep, check_issued, dry_step, load_batches, record_step
 from qeffect.runtime.rank import BaseRank, Batch, Observer
 from qeffect.runtime.recipe import clip_factor, global_norm
 from qeffect.runtime.transport import LocalTransport, TorchCudaEvents
@@ -137,6 +138,13 @@ class SingleProcessPipeline:
         self._runs: tuple[list, list[tuple[int, list]]] | None = None  # (order, `rank_runs(order)`)
         self._switch = StreamSwitch()  # the current stream while a step runs on rank streams
         self.host = HostPhases()  # the host's time per phase of a step, while on (`time_host_phases`)
+        # `runtime.step_graph`: after this many ordinary steps the next one is recorded as one graph, and
+        # every later step runs its bookkeeping dry and launches that graph once (`graphs.step_graph`)
+        self.step_graph_after: int | None = None
+        self.recorded: RecordedStep | None = None
+        self._steps_run = 0
+        self._dry = False  # a step's bookkeeping with nothing issued: no events, no stream switches
+        self._dry_transport: LocalTransport | None = None
 
     def time_host_phases(self) -> HostPhases:
         """Time the host's phases of the steps that follow (`graphs.stats.HostPhases`): the graph manager's
@@ -149,7 +157,9 @@ class SingleProcessPipeline:
 
     def on_rank_stream(self, rank: int):
         """The context rank `rank`'s work is launched in: its stream, or the caller's without rank streams."""
-        return self._switch.use(self.rank_streams[rank]) if self.rank_streams is not None else nullcontext()
+        if self.rank_streams is None or self._dry:
+            return nullcontext()
+        return self._switch.use(self.rank_streams[rank])
 
     @contextmanager
     def _fork_join(self) -> Iterator[None]:
@@ -193,10 +203,11 @@ class SingleProcessPipeline:
         The stream is switched only where the rank changes (a run of one rank's consecutive actions shares
         one stream context): every action is still queued on its rank's stream, in the same host order, so
         the device work and its bits are the same; the host saves a context switch per action."""
-        transport = self._step_transport()
+        dry = self._dry
+        transport = self._step_transport() if not dry else self._transport_of_dry_steps()
         if self.offload is not None:
             self.offload.begin_step()  # groups left live by an aborted step are dropped first
-        streams, switch, host = self.rank_streams, self._switch, self.host
+        streams, switch, host = (self.rank_streams if not dry else None), self._switch, self.host
         caller = switch.current
         try:
             for rank, actions in self._rank_runs():
@@ -214,11 +225,19 @@ class SingleProcessPipeline:
             raise RuntimeError("a step ended with activations or gradients nobody consumed")
         last_rank = self.schedule.stage_to_rank[self.schedule.num_stages - 1]
         with self.on_rank_stream(last_rank):
-            loss = self.ranks[last_rank].step_loss()
+            step_loss = self.ranks[last_rank].step_loss
+            loss = step_loss() if self.manager is None else self.manager.step_tensor("step loss", step_loss)
         assert loss is not None
-        if self.rank_streams is not None:  # made on the last rank's stream, read on the caller's
+        if self.rank_streams is not None and not dry:  # made on the last rank's stream, read on the caller's
             loss.record_stream(self._caller_stream())
         return loss
+
+    def _transport_of_dry_steps(self) -> LocalTransport:
+        """A dry step's hand-offs: the same bookkeeping, no events (nothing is issued)."""
+        t = self._dry_transport
+        if t is None or not t.empty():
+            t = self._dry_transport = LocalTransport(events=False, host=self.host)
+        return t
 
     def run_actions(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
         """All actions of one step (no commit); returns the step loss."""
@@ -286,11 +305,53 @@ class SingleProcessPipeline:
 
     def step(self, batches: Sequence[Batch], observer: Observer | None = None) -> torch.Tensor:
         """One step: the actions, then each rank's commit on its stream (a rank whose last action is done
-        commits beside the others' remaining actions), then the join."""
+        commits beside the others' remaining actions), then the join. With a step graph
+        (`step_graph_after`), the actions of a step after the first ones are recorded as one graph, and
+        later steps launch that graph once after their bookkeeping (`graphs.step_graph`); an observer
+        (verification, after every action) gets ordinary steps."""
+        if self.step_graph_after is None or observer is not None:
+            return self._launched_step(batches, observer)
+        if self.recorded is not None:
+            loss = self._replayed_step(batches)
+        elif self._steps_run < self.step_graph_after:
+            loss = self._launched_step(batches, None)
+        else:
+            loss = self._recorded_step(batches)
+        self._steps_run += 1
+        return loss
+
+    def _launched_step(self, batches: Sequence[Batch], observer: Observer | None) -> torch.Tensor:
         with self._fork_join():
             loss = self._actions(batches, observer)
             self._commit_ranks()
         return loss
+
+    def _recorded_step(self, batches: Sequence[Batch]) -> torch.Tensor:
+        """This step's actions recorded as one graph, which then runs them; the commit as usual."""
+        device = self.rank_streams[0].device if self.rank_streams is not None else batches[0][0].device
+        self.recorded = record_step(self.manager, device, list(batches), self.run_actions)
+        return self._launch_recorded()
+
+    def _replayed_step(self, batches: Sequence[Batch]) -> torch.Tensor:
+        """The bookkeeping of the step with nothing issued, checked to issue what the recorded step did;
+        then the batches into the recorded step's inputs and one launch of its graph; the commit as usual."""
+        rec = self.recorded
+        load_batches(rec, batches)
+        self._dry = True
+        try:
+            with dry_step(self.manager):
+                self._actions(rec.batches, None)
+            check_issued(rec, self.manager.issued)
+        finally:
+            self._dry = False
+        return self._launch_recorded()
+
+    def _launch_recorded(self) -> torch.Tensor:
+        rec = self.recorded
+        self.host.call(LAUNCH, rec.graph.replay)
+        rec.replays += 1
+        self.commit()
+        return rec.loss.clone()  # the next replay rewrites it
 
     def settle(self) -> None:
         """Every rank's parameters and optimizer state up to date, for a reader outside the steps."""

@@ -1,0 +1,157 @@
+"""A step's actions as one graph (`graphs.step_graph`, `runtime.step_graph`) on a CPU, with fake graphs.
+
+`test_graph_binding_bitwise.ExecManager` replays an action by re-running its body. `StepExecManager` adds
+the step graph's two modes as a CUDA capture would see them: while recording, every replay, input copy and
+step tensor (`GraphManager.step_tensor`) is deferred into the recorded step's list and runs only when that
+step is replayed; while dry, nothing runs at all. So a device operation of a step that does not go
+through the manager would run at the wrong time here (while recording, on stale values; while dry, not at
+all) and change the numbers: the bitwise comparison with ordinary steps catches it. The runtime, the
+contracts and the checks of what a dry step issues are the real code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from qeffect.config import load_config
+from qeffect.errors import UserError
+from qeffect.graphs.step_graph import RecordedStep, check_issued, load_batches
+from qeffect.runtime import build as build_mod
+from qeffect.runtime import single as single_mod
+from qeffect.runtime.adamw import TritonAdamW
+from qeffect.runtime.build import path_runtime
+from qeffect.verify.state import synthetic_batches
+from test_graph_binding_bitwise import BASE, ExecManager, _Action, _copy_into, _fake_captured_build
+
+
+@dataclass
+class StepExecManager(ExecManager):
+    mode: str = "launch"
+    issued: list = field(default_factory=list)
+    _step_tensors: dict = field(default_factory=dict)
+    deferred: list[Callable[[], None]] = field(default_factory=list)
+
+    def replay(self, action: _Action, dynamic: dict[str, torch.Tensor] | None = None) -> Any:
+        if self.mode == "launch":
+            return super().replay(action, dynamic)
+        keys = []
+        for k, v in (dynamic or {}).items():
+            dst = action.static_inputs[k]
+            constant = self.held.is_constant(v)
+            if constant and self.held.holds(dst, v):
+                continue
+            keys.append((k, v.data_ptr()))
+            if self.mode == "record":
+                with torch.no_grad():
+                    dst.copy_(v)  # moves the version as the captured copy does (its value is rewritten below)
+                self.deferred.append(lambda dst=dst, v=v: dst.data.copy_(v))  # `.data`: no version moves
+            if constant:
+                self.held.copied(dst, v)
+        if self.mode == "record":
+            self.deferred.append(lambda: _copy_into(action.outputs, action.fn()))
+        self.issued.append((action.name, tuple(keys)))
+        return action.outputs
+
+    def step_tensor(self, key, make):
+        if self.mode == "launch":
+            return make()
+        if self.mode == "record":
+            t = self._step_tensors[key] = make()  # stale values now; the replay writes the right ones
+            self.deferred.append(lambda: t.data.copy_(make()))
+            return t
+        return self._step_tensors[key]
+
+
+class _Replay:
+    def __init__(self, work: list[Callable[[], None]]) -> None:
+        self.work = work
+
+    def replay(self) -> None:
+        for fn in self.work:  # in order, as a replay of the bodies does (autograd on: dI reads F's graph)
+            fn()
+
+
+def fake_record_step(manager: StepExecManager, device, batches, run) -> RecordedStep:
+    """`graphs.step_graph.record_step` without CUDA: the deferred work is the outer graph."""
+    manager.mode, manager.issued, manager._step_tensors, manager.deferred = "record", [], {}, []
+    try:
+        loss = run(batches)
+    finally:
+        manager.mode = "launch"
+    return RecordedStep(_Replay(manager.deferred), list(batches), loss, list(manager.issued))
+
+
+@pytest.fixture
+def step_graphs(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    monkeypatch.setattr(single_mod, "record_step", fake_record_step)
+    monkeypatch.setattr(TritonAdamW, "use_graph", lambda self, enabled=True: None)
+    return _fake_captured_build(build_mod.build_single_process, manager=StepExecManager)
+
+
+def _parameters(pipe) -> list[torch.Tensor]:
+    pipe.settle()
+    return [p.detach() for r in pipe.ranks for c in r.chunks.values() for p in c.parameters()]
+
+
+@pytest.mark.parametrize(("schedule", "staging"), [("interleaved", 8), ("zbv", 8), ("interleaved", 3)])
+def test_steps_launched_as_one_recorded_graph_keep_the_bits(step_graphs, schedule: str, staging: int) -> None:
+    """Two ordinary steps, one recorded, five replayed with dry bookkeeping: the same losses and parameters
+    as a pipeline of ordinary steps, bit for bit (bounded chains, whose clones go through `step_tensor`)."""
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.schedule": schedule, "pipeline.microbatches": 8,
+                                          "pipeline.wgrad_staging": staging})
+    ordinary = step_graphs(cfg, native=False, path="captured-direct")
+    graphed = step_graphs(cfg, native=False, path="captured-direct")
+    graphed.step_graph_after = 2
+    for i in range(8):
+        batches = synthetic_batches(cfg, i, "cpu")
+        want, got = ordinary.step(batches), graphed.step(batches)
+        assert torch.equal(got, want), (i, got, want)
+    assert graphed.recorded is not None and graphed.recorded.replays == 6
+    assert len(graphed.recorded.issued) == 3 * 8 * 4  # F, dI, dW of 8 microbatches on 4 stages
+    for a, b in zip(_parameters(ordinary), _parameters(graphed), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_dry_step_that_issues_other_work_is_refused(step_graphs) -> None:
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 4})
+    pipe = step_graphs(cfg, native=False, path="captured-direct")
+    pipe.step_graph_after = 1
+    for i in range(2):
+        pipe.step(synthetic_batches(cfg, i, "cpu"))
+    name, keys = pipe.recorded.issued[5]
+    pipe.recorded.issued[5] = (name, (*keys, ("x", 0)))
+    with pytest.raises(RuntimeError, match="issues other work than the recorded step, from replay 5 on"):
+        pipe.step(synthetic_batches(cfg, 2, "cpu"))
+
+
+def test_check_issued_names_the_first_difference() -> None:
+    rec = RecordedStep(None, [], torch.zeros(()), [("a", ()), ("b", (("x", 1),))])
+    check_issued(rec, [("a", ()), ("b", (("x", 1),))])
+    with pytest.raises(RuntimeError, match=r"from replay 1 on: \('b', \(\)\) instead of \('b', \(\('x', 1\),\)\)"):
+        check_issued(rec, [("a", ()), ("b", ())])
+    with pytest.raises(RuntimeError, match="from replay 2 on: nothing instead of"):
+        check_issued(RecordedStep(None, [], torch.zeros(()), [("a", ()), ("b", ()), ("c", ())]),
+                     [("a", ()), ("b", ())])
+
+
+def test_load_batches_copies_into_the_recorded_inputs_and_refuses_other_shapes() -> None:
+    old = [(torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int64))]
+    rec = RecordedStep(None, old, torch.zeros(()), [])
+    new = [(torch.ones(2, 3, dtype=torch.int64), torch.full((2, 3), 2))]
+    load_batches(rec, new)
+    assert torch.equal(old[0][0], new[0][0]) and torch.equal(old[0][1], new[0][1])
+    with pytest.raises(ValueError, match=r"microbatch 0's input ids are torch.int64\(2, 4\); the step graph reads"):
+        load_batches(rec, [(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int64))])
+    with pytest.raises(ValueError, match="reads 1 microbatches, got 2"):
+        load_batches(rec, new * 2)
+
+
+@pytest.mark.parametrize(("path", "offload"), [("captured-copy", "off"), ("captured-direct", "release")])
+def test_a_step_graph_needs_captured_direct_without_offload(path: str, offload: str) -> None:
+    cfg = load_config().with_overrides(**{"runtime.step_graph": True, "offload.mode": offload})
+    with pytest.raises(UserError, match="runtime.step_graph records captured-direct steps without offload"):
+        path_runtime(cfg, path, "cuda", native=False, direct=True)
