@@ -1,11 +1,13 @@
-"""A/B of `runtime.rank_streams` (each rank on its own CUDA stream vs one stream) at h2048 and h4096, in one process.
+"""A/B of a runtime switch (`--field`) at h2048 and h4096, in one process: `runtime.rank_streams` (each rank
+on its own CUDA stream vs one stream, the default) or `runtime.step_graph` (a step's actions as one
+recorded graph vs launched one by one).
 
 The two variants of captured-direct are timed in interleaved rounds (A B A B A B), each round building,
 warming up and timing both again (`qeffect.profile.matrix.time_runner`, the profile's own timer: device
 synchronized around every step, the host's queue time measured before the closing synchronization). The
 result per variant is the median of its round medians; the A/B ratio is the median of the per-round ratios
-(one-stream / rank-streams: above 1, rank streams are faster). Losses must be equal bit for bit between
-the variants (same arithmetic, only the streams differ).
+(off / on: above 1, the switch on is faster). Losses must be equal bit for bit between the variants (same
+arithmetic, only the streams or the launches differ).
 
 On the H200 (from the repository root):
 
@@ -45,20 +47,22 @@ from qeffect.profile.report import ConfigResult
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TOMLS = f"{ROOT / 'examples/configs/h2048.toml'},{ROOT / 'examples/configs/h4096.toml'}"
-VARIANTS = (("rank-streams", True), ("one-stream", False))
+VARIANTS = {"runtime.rank_streams": (("rank-streams", True), ("one-stream", False)),
+            "runtime.step_graph": (("step-graph", True), ("launched", False))}  # (on, off) by field
 
 
-def ab(cfg: RunConfig, *, path: str = "captured-direct", steps: int = 20, warmup: int = 5, rounds: int = 3,
-       trace_steps: int = 0, say=print) -> dict[str, Any]:
+def ab(cfg: RunConfig, *, field: str = "runtime.rank_streams", path: str = "captured-direct", steps: int = 20,
+       warmup: int = 5, rounds: int = 3, trace_steps: int = 0, say=print) -> dict[str, Any]:
     """Both variants in `rounds` interleaved rounds; the report as a JSON-ready dict."""
     device = torch.device(cfg.train.device)
     spec = ConfigSpec(path, f"{path}, Interleaved 1F1B", path=path)
-    by: dict[str, list[ConfigResult]] = {name: [] for name, _ in VARIANTS}
+    variants = VARIANTS[field]
+    by: dict[str, list[ConfigResult]] = {name: [] for name, _ in variants}
     with initial_weights_drawn_once(cfg, device, say):
         for k in range(rounds):
-            for name, on in VARIANTS:
-                c = cfg.with_overrides(**{"runtime.rank_streams": on})
-                r = ConfigResult(name=name, description=f"{path}, runtime.rank_streams = {str(on).lower()}",
+            for name, on in variants:
+                c = cfg.with_overrides(**{field: on})
+                r = ConfigResult(name=name, description=f"{path}, {field} = {str(on).lower()}",
                                  status="ok", schedule="interleaved", path=path)
                 say(f"round {k + 1}/{rounds}: {name}")
                 time_runner(r, lambda c=c: PipelineRunner(c, device, spec), device, steps=steps, warmup=warmup,
@@ -67,16 +71,16 @@ def ab(cfg: RunConfig, *, path: str = "captured-direct", steps: int = 20, warmup
                 release_memory(device)
     results = [merge_rounds(rs) for rs in by.values()]
     derive_ratios(results, floor_of([], count_matrix_flops(cfg)))  # host/GPU ratios (no floor measured here)
-    streams, one = results
-    ratios = [b / a for a, b in zip(streams.round_medians, one.round_medians, strict=True)]
+    on, off = results
+    ratios = [b / a for a, b in zip(on.round_medians, off.round_medians, strict=True)]
     return {
-        "kind": "rank-streams-ab", "git_revision": git_revision(), "device": device.type,
+        "kind": f"{field.split('.')[1].replace('_', '-')}-ab", "field": field, "git_revision": git_revision(),
+        "device": device.type,
         "device_name": device_name_of(device), "torch_version": torch.__version__,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "config": cfg.model_dump(),
         "path": path, "steps": steps, "warmup": warmup, "rounds": rounds, "trace_steps": trace_steps,
-        "one_stream_over_rank_streams_by_round": ratios,
-        "one_stream_over_rank_streams": statistics.median(ratios),
-        "losses_equal": streams.losses == one.losses,
+        "off_over_on_by_round": ratios, "off_over_on": statistics.median(ratios),
+        "losses_equal": on.losses == off.losses,
         "results": [r.model_dump(mode="json") for r in results],
     }
 
@@ -91,6 +95,8 @@ def _line(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tomls", default=DEFAULT_TOMLS, help="comma-separated config files")
+    ap.add_argument("--field", default="runtime.rank_streams", choices=sorted(VARIANTS),
+                    help="the runtime switch compared, on against off")
     ap.add_argument("--backend", default="te")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--path", default="captured-direct", help="captured-direct, captured-copy (eager: a CPU dry run)")
@@ -106,12 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     for toml in a.tomls.split(","):
         stem = Path(toml).stem
         cfg = load_config(toml).with_overrides(**{"fp8.backend": a.backend, "train.device": a.device})
-        report = ab(cfg, path=a.path, steps=a.steps, warmup=a.warmup, rounds=a.rounds, trace_steps=a.trace,
+        report = ab(cfg, field=a.field, path=a.path, steps=a.steps, warmup=a.warmup, rounds=a.rounds, trace_steps=a.trace,
                     say=lambda msg, s=stem: print(f"[{s}] {msg}", flush=True))
-        out = Path(a.out) / f"rank-streams-ab-{stem}-{a.backend}-{device_tag(a.device)}.json"
+        out = Path(a.out) / f"{report['kind']}-{stem}-{a.backend}-{device_tag(a.device)}.json"
         write_json(out, report)
-        print(f"{stem}: one-stream / rank-streams = {report['one_stream_over_rank_streams']:.3f} (by round "
-              f"{', '.join(f'{x:.3f}' for x in report['one_stream_over_rank_streams_by_round'])}); losses equal: "
+        (on, _), (off, _) = VARIANTS[a.field]
+        print(f"{stem}: {off} / {on} = {report['off_over_on']:.3f} (by round "
+              f"{', '.join(f'{x:.3f}' for x in report['off_over_on_by_round'])}); losses equal: "
               f"{report['losses_equal']} -> {out}", flush=True)
         for r in report["results"]:
             print("  " + _line(r), flush=True)

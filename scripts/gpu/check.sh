@@ -25,7 +25,8 @@
 #                    benchmarks/graph_launch.py: a graph launch's host time against its kernels, and 48 graphs
 #                    made one outer graph (child-graph nodes) against launched one by one       (~4-5 min)
 #   step-graph       benchmarks/step_graph_probe.py: one h2048 step's actions recorded as one graph of child-graph
-#                    nodes, bitwise against ordinary steps, host and GPU time of the actions both ways (~2 min)
+#                    nodes, bitwise against ordinary steps; then pytest -m gpu tests/test_step_graph_gpu.py   (~4 min)
+#   step-graph-ab    rank_streams_ab.py --field runtime.step_graph at h2048 and h4096: host and step time (~6 min)
 #   llama            pytest -m gpu on the llama tests; bitwise matrix at llama-h2048, both backends (~6 min)
 #   long-seq         verify-state at h2048 with 2,048 tokens per sequence: captured-direct te at microbatch size 2
 #                    and 1, eager te, captured-direct reference; attention backends' bits at that shape    (~4 min)
@@ -48,13 +49,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|step-graph|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
+tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|step-graph|step-graph-ab|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -171,7 +172,12 @@ llama)
     keep "$tmp/llama/gpu-check.json" "$OUT/verify-matrix-llama-h2048.json"
     ;;
 step-graph)
-    step step-graph-probe-h2048 240 python3 benchmarks/step_graph_probe.py --out "$OUT"
+    step step-graph-probe-h2048 150 python3 benchmarks/step_graph_probe.py --out "$OUT"
+    step pytest-step-graph 300 "${PYTEST[@]}" tests/test_step_graph_gpu.py
+    ;;
+step-graph-ab)
+    step step-graph-ab 500 python3 benchmarks/rank_streams_ab.py --field runtime.step_graph --out "$OUT" --rounds 3 \
+        --trace 0 --steps 10 --warmup 5
     ;;
 long-seq)
     # where captured-direct leaves native eager's bits at 2,048 tokens per sequence: the failing case, then the
