@@ -333,8 +333,9 @@ class SingleProcessPipeline:
         return self._launch_recorded()
 
     def _replayed_step(self, batches: Sequence[Batch]) -> torch.Tensor:
-        """The bookkeeping of the step with nothing issued, checked to issue what the recorded step did;
-        then the batches into the recorded step's inputs and one launch of its graph; the commit as usual."""
+        """The batches into the recorded step's inputs; the step's bookkeeping with nothing issued, checked
+        to issue what the recorded step did; one launch of its graph; the commit as usual. The commit runs
+        after the whole graph, not beside the other ranks' last actions as in an ordinary step."""
         rec = self.recorded
         load_batches(rec, batches)
         self._dry = True
