@@ -36,6 +36,9 @@ class FakeManager:
         self.replays.append(action.name)
         return action.outputs
 
+    def step_tensor(self, key, make):  # ordinary steps only (`GraphManager.step_tensor`)
+        return make()
+
 
 def accepted(name: str) -> dict[int, Schedule]:
     out = {}

@@ -100,6 +100,9 @@ class ExecManager:
     def dry_capture(self, fn):
         return fn()
 
+    def step_tensor(self, key, make):  # ordinary steps only (`GraphManager.step_tensor`)
+        return make()
+
     def replay(self, action: _Action, dynamic: dict[str, torch.Tensor] | None = None) -> Any:
         self.copied.append((action.name, sorted(dynamic or {})))
         with torch.no_grad():
