@@ -19,6 +19,7 @@ import torch
 
 from qeffect.config import load_config
 from qeffect.errors import UserError
+from qeffect.graphs.manager import GraphManager
 from qeffect.graphs.step_graph import RecordedStep, check_issued, load_batches
 from qeffect.runtime import build as build_mod
 from qeffect.runtime import single as single_mod
@@ -56,6 +57,8 @@ class StepExecManager(ExecManager):
         self.issued.append((action.name, tuple(keys)))
         return action.outputs
 
+    set_step_mode = GraphManager.set_step_mode
+
     def step_tensor(self, key, make):
         if self.mode == "launch":
             return make()
@@ -77,11 +80,12 @@ class _Replay:
 
 def fake_record_step(manager: StepExecManager, device, batches, run) -> RecordedStep:
     """`graphs.step_graph.record_step` without CUDA: the deferred work is the outer graph."""
-    manager.mode, manager.issued, manager._step_tensors, manager.deferred = "record", [], {}, []
+    manager.set_step_mode("record")
+    manager.deferred = []
     try:
         loss = run(batches)
     finally:
-        manager.mode = "launch"
+        manager.set_step_mode("launch")
     return RecordedStep(_Replay(manager.deferred), list(batches), loss, list(manager.issued))
 
 

@@ -405,6 +405,15 @@ class GraphManager:
             self.backend.add_to_capture(action.graph)
         self.issued.append((action.name, tuple(keys)))
 
+    def set_step_mode(self, mode: StepMode) -> None:
+        """Start recording a step graph ("record": the list of what was issued and the step tensors start
+        anew) or a dry step ("dry": the list starts anew); "launch" ends either and keeps the list."""
+        if mode != "launch":
+            self.issued = []
+        if mode == "record":
+            self._step_tensors = {}
+        self.mode = mode
+
     def step_tensor(self, key: Hashable, make: Callable[[], Tensor]) -> Tensor:
         """A step's result made outside any action graph (a clone a later action or the caller reads):
         `make()` when launching; recorded under `key` as well while a step graph records; the recorded one

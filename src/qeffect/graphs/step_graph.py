@@ -47,12 +47,12 @@ def record_step(manager: GraphManager, device: torch.device, batches: list[tuple
     caller = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(caller)
-    manager.mode, manager.issued, manager._step_tensors = "record", [], {}
+    manager.set_step_mode("record")
     try:
         with torch.cuda.graph(outer, stream=side):
             loss = run(batches)
     finally:
-        manager.mode = "launch"
+        manager.set_step_mode("launch")
     caller.wait_stream(side)
     return RecordedStep(outer, list(batches), loss, list(manager.issued))
 
@@ -60,11 +60,11 @@ def record_step(manager: GraphManager, device: torch.device, batches: list[tuple
 @contextmanager
 def dry_step(manager: GraphManager) -> Iterator[None]:
     """The host's bookkeeping of a step with nothing issued (`GraphManager.mode = "dry"`)."""
-    manager.mode, manager.issued = "dry", []
+    manager.set_step_mode("dry")
     try:
         yield
     finally:
-        manager.mode = "launch"
+        manager.set_step_mode("launch")
 
 
 def load_batches(step: RecordedStep, batches: Any) -> None:
