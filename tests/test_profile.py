@@ -83,8 +83,8 @@ def test_report_schema_round_trip(profiled) -> None:
     assert report.rounds == 2 and "--rounds 2" in report.command
     assert report.result("native-eager").losses_equal_native is None
     assert [c.name for c in report.configs] == ["native-eager", "qeffect-eager", "captured-copy", "captured-direct",
-                                                "captured-zbv-direct", "te-graphed", "te-graphed-model",
-                                                "te-graphed-mcore", "megatron-graphs"]
+                                                "captured-zbv-direct", "captured-direct-step-graph", "te-graphed",
+                                                "te-graphed-model", "te-graphed-mcore", "megatron-graphs"]
 
 
 def test_losses_off_native_or_not_finite_are_flagged(profiled, capsys) -> None:

@@ -86,6 +86,7 @@ class ConfigSpec:
     native: bool = False
     path: str = "eager"  # eager | captured-copy | captured-direct | te | te-model | te-mcore | megatron
     schedule: str | None = "interleaved"
+    step_graph: bool = False  # `runtime.step_graph` (the profile's own per row, whatever the config says)
 
     @property
     def captured(self) -> bool:
@@ -105,6 +106,8 @@ CONFIGS: tuple[ConfigSpec, ...] = (
                path="captured-direct"),
     ConfigSpec("captured-zbv-direct", "captured actions, direct placement, ZB-V zero bubble",
                path="captured-direct", schedule="zbv"),
+    ConfigSpec("captured-direct-step-graph", "extra row: captured-direct with each step's actions launched as one "
+               "recorded graph (runtime.step_graph, experimental)", path="captured-direct", step_graph=True),
     ConfigSpec(TE_ANCHOR, "anchor: Transformer Engine make_graphed_callables per TransformerLayer, the layers "
                "alone (docs/design.md)", path="te", schedule=None),
     ConfigSpec("te-graphed-model", "extra row: the same per-layer TE graphs in the whole model (fp32 masters, "
@@ -160,6 +163,8 @@ class PipelineRunner(GraphCounters):
     def __init__(self, cfg: RunConfig, device: torch.device, spec: ConfigSpec) -> None:
         if spec.schedule is not None:
             cfg = cfg.with_overrides(**{"pipeline.schedule": spec.schedule})
+        if cfg.runtime.step_graph != spec.step_graph:
+            cfg = cfg.with_overrides(**{"runtime.step_graph": spec.step_graph})
         self.cfg, self.device = cfg, device
         clock = SetupClock(device)
         self.pipe = build_single_process(cfg, native=spec.native, device=device, path=spec.path, clock=clock)
