@@ -224,8 +224,8 @@ class RuntimeConfig(_Strict):
         "record the next step's actions as one CUDA graph (each action's graph a child node, hand-offs as "
         "edges) and launch it once per later step, after the host has run the step's bookkeeping without "
         "issuing anything and checked that it issues what the recorded step issued. Cuts the host's launches, "
-        "events and input copies per step to one launch and the batch copies. Same bits (experimental: "
-        "checked on a GPU by tests/test_step_graph_gpu.py).")
+        "events and input copies per step to one launch and the batch copies. Same bits. Experimental: "
+        "its bits are checked on a CPU with fake graphs; its GPU test is tests/test_step_graph_gpu.py.")
 
 
 class OffloadConfig(_Strict):
