@@ -127,9 +127,6 @@ class Driver:
         if rc != 0:
             raise RuntimeError(f"{call} returned CUresult {rc}")
 
-    def add_to_capture(self, stream: int, child: int) -> None:
-        self.inserter.add(stream, child)
-
 
 def nested_way(launch_all: Callable[[], None], x: torch.Tensor, device: torch.device, sync: Callable[[], None],
                replays: int, repeats: int) -> dict[str, Any]:
@@ -198,7 +195,7 @@ def nested(graphs: int, kernels: int, device: torch.device, sync: Callable[[], N
         stream = torch.cuda.current_stream(device).cuda_stream
         if torch.cuda.is_current_stream_capturing():
             for child in children:
-                driver.add_to_capture(stream, child)
+                driver.inserter.add(stream, child)
         else:
             for e in kept_execs:
                 driver.check(driver.launch(e, stream), "cuGraphLaunch")

@@ -86,6 +86,7 @@ class ExecManager:
     stats: GraphStats = field(default_factory=lambda: GraphStats(protocol="stream-ordered"))
     held: HeldInputs = field(default_factory=HeldInputs)  # the real manager's rule for constant inputs
     copied: list[tuple[str, list[str]]] = field(default_factory=list)  # per replay: graph, dynamic inputs
+    mode: str = "launch"  # ordinary steps only (`GraphManager.mode`)
 
     def mark_constant(self, *tensors: torch.Tensor) -> None:
         self.held.mark(*tensors)

@@ -31,7 +31,6 @@ from test_graph_binding_bitwise import BASE, ExecManager, _Action, _copy_into, _
 
 @dataclass
 class StepExecManager(ExecManager):
-    mode: str = "launch"
     issued: list = field(default_factory=list)
     _step_tensors: dict = field(default_factory=dict)
     deferred: list[Callable[[], None]] = field(default_factory=list)

@@ -33,6 +33,9 @@ def _bits(description: str, default: Any, **kw: Any) -> Any:
     return Field(default, description=description, json_schema_extra={"changes_bits": True}, **kw)
 
 
+AttentionKind = Literal["auto", "flash", "efficient"]  # model.attention (`model.attention.resolve_attention`)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
@@ -59,7 +62,7 @@ class ModelConfig(_Strict):
                               gt=1)
     layers_per_chunk: int = _bits("Transformer layers in each pipeline chunk (stage).", 1, ge=1)
     seq_len: int = _bits("Tokens per sequence.", 32, ge=2)
-    attention: Literal["auto", "flash", "efficient"] = _bits(
+    attention: AttentionKind = _bits(
         "Causal attention's SDPA backend on CUDA. Runs must repeat bit for bit, and flash attention's backward "
         "did at 256 tokens per sequence but not at 2,048; the memory-efficient backend repeated at every "
         "shape measured, about 1.2-1.3x slower. 'auto': torch's "

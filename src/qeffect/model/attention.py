@@ -14,11 +14,15 @@ above. A clean repeat is evidence at the shapes measured, not a promise torch ma
 
 from __future__ import annotations
 
+from typing import get_args
+
 from torch import Tensor
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-ATTENTION_KINDS: tuple[str, ...] = ("auto", "flash", "efficient")  # config: model.attention
+from qeffect.config import AttentionKind
+
+ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)  # config: model.attention
 FLASH_REPEATS_UP_TO = 256  # tokens per sequence where flash attention's backward gave the same bits every run
 RESOLVED: tuple[str, ...] = ("torch", "flash", "efficient")  # what `resolve_attention` returns
 _BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}

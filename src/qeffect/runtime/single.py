@@ -143,8 +143,12 @@ class SingleProcessPipeline:
         self.step_graph_after: int | None = None
         self.recorded: RecordedStep | None = None
         self._steps_run = 0
-        self._dry = False  # a step's bookkeeping with nothing issued: no events, no stream switches
         self._dry_transport: LocalTransport | None = None
+
+    @property
+    def _dry(self) -> bool:
+        """A step's bookkeeping with nothing issued (the graph manager's dry mode): no events, no switches."""
+        return self.manager is not None and self.manager.mode == "dry"
 
     def time_host_phases(self) -> HostPhases:
         """Time the host's phases of the steps that follow (`graphs.stats.HostPhases`): the graph manager's
@@ -157,7 +161,7 @@ class SingleProcessPipeline:
 
     def on_rank_stream(self, rank: int):
         """The context rank `rank`'s work is launched in: its stream, or the caller's without rank streams."""
-        if self.rank_streams is None or self._dry:
+        if self.rank_streams is None or self._dry:  # a dry step switches no streams
             return nullcontext()
         return self._switch.use(self.rank_streams[rank])
 
@@ -338,13 +342,9 @@ class SingleProcessPipeline:
         after the whole graph, not beside the other ranks' last actions as in an ordinary step."""
         rec = self.recorded
         load_batches(rec, batches)
-        self._dry = True
-        try:
-            with dry_step(self.manager):
-                self._actions(rec.batches, None)
-            check_issued(rec, self.manager.issued)
-        finally:
-            self._dry = False
+        with dry_step(self.manager):
+            self._actions(rec.batches, None)
+        check_issued(rec, self.manager.issued)
         return self._launch_recorded()
 
     def _launch_recorded(self) -> torch.Tensor:
