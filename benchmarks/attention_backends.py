@@ -28,8 +28,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qeffect.cli.common import write_json
 from qeffect.graphs.handshake import gpu_provenance
+from qeffect.model.attention import causal_attention
 
-BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+# torch's SDPA backends, then the model's "efficient" (SDPA's forward, a backward with the keys unsplit)
+UNSPLIT = "EFFICIENT_KEYS_UNSPLIT"
+BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, UNSPLIT)
 SHAPES = {"h4096": 32, "h2048": 16}  # heads at head dimension 128 (sequence and microbatch: the options)
 
 
@@ -40,16 +43,19 @@ def case(heads: int, seq: int = 256, batch: int = 1, dim: int = 128):
     return qkv0, grad
 
 
-def fwd_bwd(backend: SDPBackend, qkv0: torch.Tensor, grad: torch.Tensor):
+def fwd_bwd(backend: SDPBackend | str, qkv0: torch.Tensor, grad: torch.Tensor):
     qkv = qkv0.clone().requires_grad_(True)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    with sdpa_kernel([backend]):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if backend == UNSPLIT:
+        out = causal_attention(q, k, v, "efficient")
+    else:
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     out.backward(grad)
     return out.detach(), qkv.grad
 
 
-def measure(backend: SDPBackend, heads: int, repeats: int, reps: int, replays: int, seq: int = 256,
+def measure(backend: SDPBackend | str, heads: int, repeats: int, reps: int, replays: int, seq: int = 256,
             batch: int = 1) -> dict:
     qkv0, grad = case(heads, seq, batch)
     first = fwd_bwd(backend, qkv0, grad)
@@ -97,14 +103,15 @@ def main() -> None:
             try:
                 r = measure(backend, heads, a.repeats, a.reps, a.replays, a.seq_len, a.microbatch_size)
             except RuntimeError as err:  # a backend this build or shape does not run
-                rows.append({"shape": shape, "backend": backend.name, "error": str(err)[:300]})
+                rows.append({"shape": shape, "backend": getattr(backend, "name", backend), "error": str(err)[:300]})
                 continue
             out = r.pop("output")
             if backend is SDPBackend.FLASH_ATTENTION:
                 flash_out = out
             r["same_output_bits_as_flash"] = None if flash_out is None else bool(torch.equal(out, flash_out))
-            rows.append({"shape": shape, "heads": heads, "backend": backend.name, **r})
-            print(shape, backend.name, {k: v for k, v in r.items() if k != "raw_us"}, flush=True)
+            name = getattr(backend, "name", backend)
+            rows.append({"shape": shape, "heads": heads, "backend": name, **r})
+            print(shape, name, {k: v for k, v in r.items() if k != "raw_us"}, flush=True)
     if a.json:
         write_json(a.json, {**gpu_provenance(), "repeats": a.repeats, "reps": a.reps, "replays": a.replays,
                             "seq_len": a.seq_len, "microbatch_size": a.microbatch_size, "rows": rows})

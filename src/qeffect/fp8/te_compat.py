@@ -35,6 +35,10 @@ scalar_dtype = _get_scalar_dtype  # dtype of AdamW's `step` state, as torch's ow
 adamw_init_group = torch.optim.AdamW._init_group
 foreach_copy_ = torch._foreach_copy_  # one multi-tensor copy (offload's batched slot stores)
 foreach_mul_ = torch._foreach_mul_  # gradients times the clip factor (`runtime.recipe`)
+# memory-efficient attention (`model.attention`): SDPA's forward op, and the backward kernel it calls, whose
+# `num_splits_key` argument SDPA's own backward leaves to a heuristic
+sdpa_efficient_forward = torch.ops.aten._scaled_dot_product_efficient_attention
+efficient_attention_backward = torch.ops.aten._efficient_attention_backward
 
 
 def cuda_sleep(cycles: int) -> None:
