@@ -1,4 +1,5 @@
-"""Where the host's time goes when it queues a captured step on the GPU (cProfile, rank streams on and off).
+"""Where the host's time goes when it queues a captured step on the GPU (cProfile, a runtime switch on and
+off: `--field`, rank streams by default, or the step graph).
 
 `host_overhead.py` measures the runtime's Python on a CPU with the device taken away; on the GPU the host
 also pays for each graph launch, input copy, stream switch, event and `record_stream`, which only a CUDA
@@ -45,7 +46,8 @@ from qeffect.profile.report import ConfigResult
 from qeffect.profile.trace import sync_device
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = (("rank-streams", True), ("one-stream", False))
+VARIANTS = {"runtime.rank_streams": (("rank-streams", True), ("one-stream", False)),
+            "runtime.step_graph": (("step-graph", True), ("launched", False))}  # (on, off) by `--field`
 
 
 def top_functions(prof: cProfile.Profile, steps: int, top: int) -> list[dict[str, Any]]:
@@ -62,7 +64,8 @@ def top_functions(prof: cProfile.Profile, steps: int, top: int) -> list[dict[str
 
 def profile_variant(cfg, device: torch.device, *, path: str, schedule: str, steps: int, warmup: int,
                     top: int, dump: Path | None = None) -> dict[str, Any]:
-    spec = ConfigSpec(path, path, path=path, schedule=schedule)
+    # the profile's runner sets runtime.step_graph from its spec, whatever the config says
+    spec = ConfigSpec(path, path, path=path, schedule=schedule, step_graph=cfg.runtime.step_graph)
     built: list[PipelineRunner] = []
 
     def make() -> PipelineRunner:  # kept: the profiled steps run on the runner the timer built
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--field", default="runtime.rank_streams", choices=sorted(VARIANTS),
+                    help="the runtime switch profiled on and off")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     a = ap.parse_args(argv)
     from qeffect.cli.common import write_json
@@ -116,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         stem = Path(toml).stem
         cfg = load_config(toml).with_overrides(**{"fp8.backend": a.backend, "train.device": a.device})
         variants = {}
-        for name, on in VARIANTS:
-            c = cfg.with_overrides(**{"runtime.rank_streams": on})
+        for name, on in VARIANTS[a.field]:
+            c = cfg.with_overrides(**{a.field: on})
             variants[name] = profile_variant(c, device, path=a.path, schedule=a.schedule, steps=a.steps,
                                              warmup=a.warmup, top=a.top,
                                              dump=Path(a.out) / f"host-profile-{stem}-{name}.prof")
@@ -128,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             for row in v["top"][:15]:
                 print(f"    {row['own_us_per_step']:8.0f} us {row['calls_per_step']:7.1f}x  {row['function']}")
         rev = git_revision()
-        out = Path(a.out) / f"host-profile-{stem}-{a.backend}-{rev}-{device_tag(device)}.json"
+        kind = "host-profile" if a.field == "runtime.rank_streams" else "host-profile-step-graph"
+        out = Path(a.out) / f"{kind}-{stem}-{a.backend}-{rev}-{device_tag(device)}.json"
         write_json(out, {
-            "kind": "host-profile", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+            "kind": kind, "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
             "git_revision": rev, "device": device.type, "device_name": device_name_of(device),
             "torch_version": torch.__version__, "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "config": cfg.model_dump(), "path": a.path, "schedule": a.schedule, "steps": a.steps,
-            "warmup": a.warmup, "variants": variants})
+            "warmup": a.warmup, "field": a.field, "variants": variants})
         print(f"-> {out}", flush=True)
     return 0
 

@@ -55,17 +55,18 @@ def ab(cfg: RunConfig, *, field: str = "runtime.rank_streams", path: str = "capt
        warmup: int = 5, rounds: int = 3, trace_steps: int = 0, say=print) -> dict[str, Any]:
     """Both variants in `rounds` interleaved rounds; the report as a JSON-ready dict."""
     device = torch.device(cfg.train.device)
-    spec = ConfigSpec(path, f"{path}, Interleaved 1F1B", path=path)
     variants = VARIANTS[field]
     by: dict[str, list[ConfigResult]] = {name: [] for name, _ in variants}
     with initial_weights_drawn_once(cfg, device, say):
         for k in range(rounds):
             for name, on in variants:
                 c = cfg.with_overrides(**{field: on})
+                # the profile's runner sets runtime.step_graph from its spec, whatever the config says
+                spec = ConfigSpec(path, f"{path}, Interleaved 1F1B", path=path, step_graph=c.runtime.step_graph)
                 r = ConfigResult(name=name, description=f"{path}, {field} = {str(on).lower()}",
                                  status="ok", schedule="interleaved", path=path)
                 say(f"round {k + 1}/{rounds}: {name}")
-                time_runner(r, lambda c=c: PipelineRunner(c, device, spec), device, steps=steps, warmup=warmup,
+                time_runner(r, lambda c=c, spec=spec: PipelineRunner(c, device, spec), device, steps=steps, warmup=warmup,
                             trace_steps=trace_steps if k == rounds - 1 else 0)
                 by[name].append(r)
                 release_memory(device)

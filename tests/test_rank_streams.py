@@ -391,3 +391,28 @@ def test_a_step_recorded_as_one_graph_of_child_nodes_keeps_the_bits(tmp_path) ->
     report = json.loads(path.read_text())
     assert report["error"] is None and report["bitwise"], report
     assert rc == 0 and report["as_one_graph"]["host_median_s"] > 0
+
+
+def test_the_step_graph_ab_builds_each_variant_with_its_switch(monkeypatch) -> None:
+    """The profile's runner takes runtime.step_graph from its spec, so the A/B must put the variant's switch
+    there too (an A/B that left it in the config alone timed launched steps twice)."""
+    import dataclasses
+
+    from script_modules import ROOT, script_module
+
+    seen: list[tuple[bool, bool]] = []
+    with script_module("benchmarks/rank_streams_ab.py") as bench:
+        real = bench.PipelineRunner
+
+        def runner(c, device, spec):  # records the switch, then runs eager (a CPU has no step graph)
+            seen.append((c.runtime.step_graph, spec.step_graph))
+            return real(c.with_overrides(**{"runtime.step_graph": False}), device,
+                        dataclasses.replace(spec, step_graph=False))
+
+        monkeypatch.setattr(bench, "PipelineRunner", runner)
+        cfg = load_config(ROOT / "src" / "qeffect" / "configs" / "tiny.toml").with_overrides(
+            **{"fp8.backend": "reference", "train.device": "cpu"})
+        report = bench.ab(cfg, field="runtime.step_graph", path="eager", steps=1, warmup=1, rounds=2,
+                          say=lambda *_: None)
+    assert seen == [(True, True), (False, False)] * 2
+    assert [r["name"] for r in report["results"]] == ["step-graph", "launched"]
