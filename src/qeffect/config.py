@@ -63,10 +63,11 @@ class ModelConfig(_Strict):
     layers_per_chunk: int = _bits("Transformer layers in each pipeline chunk (stage).", 1, ge=1)
     seq_len: int = _bits("Tokens per sequence.", 32, ge=2)
     attention: AttentionKind = _bits(
-        "Causal attention's SDPA backend on CUDA. Runs must repeat bit for bit, and flash attention's backward "
-        "did at 256 tokens per sequence but not at 2,048; the memory-efficient backend repeated at every "
-        "shape measured, about 1.2-1.3x slower. 'auto': torch's "
-        "own choice (flash) up to 256 tokens per sequence, memory-efficient above (docs/models.md).", "auto")
+        "Causal attention's SDPA backend on CUDA. Runs must repeat bit for bit: flash attention's backward "
+        "did at 256 tokens per sequence but not at 2,048. 'efficient': the memory-efficient forward with a "
+        "backward that keeps the keys unsplit (SDPA's own split them and differed run to run), about 2-3.5x "
+        "flash's time at 2,048 tokens. 'auto': torch's own choice (flash) up to 256 tokens per sequence, "
+        "'efficient' above (docs/models.md).", "auto")
     microbatch_size: int = _bits("Sequences per microbatch.", 2, ge=1)
 
     @model_validator(mode="after")
@@ -228,7 +229,8 @@ class RuntimeConfig(_Strict):
         "edges) and launch it once per later step, after the host has run the step's bookkeeping without "
         "issuing anything and checked that it issues what the recorded step issued. Cuts the host's launches, "
         "events and input copies per step to one launch and the batch copies. Same bits. Experimental: "
-        "its bits are checked on a CPU with fake graphs; its GPU test is tests/test_step_graph_gpu.py.")
+        "it cuts the host's queue time by a quarter to a third but lengthens the step by 7-10% (the GPU "
+        "waits for the dry bookkeeping, and the optimizer for the whole graph), so it stays off.")
 
 
 class OffloadConfig(_Strict):
