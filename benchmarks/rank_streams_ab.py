@@ -1,6 +1,7 @@
 """A/B of a runtime switch (`--field`) at h2048 and h4096, in one process: `runtime.rank_streams` (each rank
-on its own CUDA stream vs one stream, the default) or `runtime.step_graph` (a step's actions as one
-recorded graph vs launched one by one).
+on its own CUDA stream vs one stream, the default), `runtime.step_graph` (a step's actions as one
+recorded graph vs launched one by one) or `runtime.graph_pools` (shared vs private graph memory pools; each
+variant's peak allocated and reserved memory are in the report).
 
 The two variants of captured-direct are timed in interleaved rounds (A B A B A B), each round building,
 warming up and timing both again (`qeffect.profile.matrix.time_runner`, the profile's own timer: device
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from qeffect.config import RunConfig, load_config
+from qeffect.config import RunConfig, apply_sets, load_config
 from qeffect.profile.flops import count_matrix_flops, floor_of
 from qeffect.profile.matrix import (
     ConfigSpec,
@@ -48,7 +49,8 @@ from qeffect.profile.report import ConfigResult
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TOMLS = f"{ROOT / 'examples/configs/h2048.toml'},{ROOT / 'examples/configs/h4096.toml'}"
 VARIANTS = {"runtime.rank_streams": (("rank-streams", True), ("one-stream", False)),
-            "runtime.step_graph": (("step-graph", True), ("launched", False))}  # (on, off) by field
+            "runtime.step_graph": (("step-graph", True), ("launched", False)),
+            "runtime.graph_pools": (("shared-pools", "shared"), ("private-pools", "private"))}  # (on, off)
 
 
 def ab(cfg: RunConfig, *, field: str = "runtime.rank_streams", path: str = "captured-direct", steps: int = 20,
@@ -90,7 +92,10 @@ def _line(r: dict[str, Any]) -> str:
     host = r["host_median_seconds"]
     return (f"{r['name']}: median {r['median_step_seconds'] * 1e3:.2f} ms over rounds "
             f"{', '.join(f'{x * 1e3:.2f}' for x in r['round_medians'])}; host queues a step in "
-            f"{host * 1e3:.2f} ms (host/GPU {r['host_gpu_ratio']:.2f}, {r['host_gpu_basis']})")
+            f"{host * 1e3:.2f} ms (host/GPU {r['host_gpu_ratio']:.2f}, {r['host_gpu_basis']})"
+            + ("" if r.get("peak_reserved_bytes") is None else
+               f"; peak allocated {r['peak_allocated_bytes'] / 2**30:.2f} GiB, reserved "
+               f"{r['peak_reserved_bytes'] / 2**30:.2f} GiB"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--trace", type=int, default=2, help="profiled steps per variant in the last round (0: none)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="a config override for both variants, as `qeffect train --set` takes it; repeatable")
+    ap.add_argument("--tag", default="", help="added to each report's file name (runs with other --set values)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     a = ap.parse_args(argv)
     from qeffect.cli.common import write_json
@@ -112,10 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for toml in a.tomls.split(","):
         stem = Path(toml).stem
-        cfg = load_config(toml).with_overrides(**{"fp8.backend": a.backend, "train.device": a.device})
+        cfg = apply_sets(load_config(toml).with_overrides(**{"fp8.backend": a.backend, "train.device": a.device}),
+                         a.set)
         report = ab(cfg, field=a.field, path=a.path, steps=a.steps, warmup=a.warmup, rounds=a.rounds, trace_steps=a.trace,
                     say=lambda msg, s=stem: print(f"[{s}] {msg}", flush=True))
-        out = Path(a.out) / f"{report['kind']}-{stem}-{a.backend}-{device_tag(a.device)}.json"
+        tag = f"-{a.tag}" if a.tag else ""
+        out = Path(a.out) / f"{report['kind']}-{stem}{tag}-{a.backend}-{device_tag(a.device)}.json"
         write_json(out, report)
         (on, _), (off, _) = VARIANTS[a.field]
         print(f"{stem}: {off} / {on} = {report['off_over_on']:.3f} (by round "

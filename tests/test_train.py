@@ -47,7 +47,8 @@ def test_default_train_learns(tmp_path: Path) -> None:
     cfg = RunConfig.model_validate(json.loads((runs[0] / "config.json").read_text()))
     assert cfg == load_config() and summary["config"] == cfg.model_dump()
     assert summary["settings"] == run_settings(cfg)
-    assert set(summary["settings"]) == {*bit_changing_fields(), "runtime.rank_streams", "runtime.step_graph"}
+    assert set(summary["settings"]) == {*bit_changing_fields(), "runtime.rank_streams", "runtime.step_graph",
+                                       "runtime.graph_pools"}
 
 
 def _bad_shards(tmp_path: Path) -> dict[str, tuple[str, str]]:

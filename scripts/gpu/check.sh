@@ -27,6 +27,9 @@
 #   step-graph       benchmarks/step_graph_probe.py: one h2048 step's actions recorded as one graph of child-graph
 #                    nodes, bitwise against ordinary steps; then pytest -m gpu tests/test_step_graph_gpu.py   (~4 min)
 #   step-graph-ab    rank_streams_ab.py --field runtime.step_graph at h2048 and h4096: host and step time (~6 min)
+#   graph-pools      pytest -m gpu tests/test_graph_pools_gpu.py; rank_streams_ab.py --field runtime.graph_pools at
+#                    h2048 and h4096 (step time, peak allocated and reserved, shared against private pools), then
+#                    at h4096 with release offload; the capped h4096-long pair with shared pools (H200)   (~7 min)
 #   llama            pytest -m gpu on the llama tests; bitwise matrix at llama-h2048, both backends (~6 min)
 #   long-seq         verify-state at h2048 with 2,048 tokens per sequence: captured-direct te at microbatch size 2
 #                    and 1, eager te, captured-direct reference; attention backends' bits at that shape    (~4 min)
@@ -49,13 +52,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|step-graph|step-graph-ab|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
+tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|step-graph|step-graph-ab|graph-pools|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -178,6 +181,16 @@ step-graph)
 step-graph-ab)
     step step-graph-ab 500 python3 benchmarks/rank_streams_ab.py --field runtime.step_graph --out "$OUT" --rounds 3 \
         --trace 0 --steps 10 --warmup 5
+    ;;
+graph-pools)
+    step pytest-graph-pools 200 "${PYTEST[@]}" tests/test_graph_pools_gpu.py
+    step graph-pools-ab 150 python3 benchmarks/rank_streams_ab.py --field runtime.graph_pools --out "$OUT" --rounds 3 \
+        --trace 0 --steps 10 --warmup 3
+    step graph-pools-ab-release 120 python3 benchmarks/rank_streams_ab.py --field runtime.graph_pools --out "$OUT" \
+        --tomls $H4096 --set offload.mode=release --tag release --rounds 3 --trace 0 --steps 10 --warmup 3
+    step offload-cap-h4096-long-shared 240 python3 scripts/offload_cap_check.py --config examples/configs/h4096-long.toml \
+        --steps 20 --dir "$tmp/cap" --set runtime.graph_pools=shared --json "$OUT/offload-cap-h4096-long-shared.json"
+    rm -rf "$tmp/cap"
     ;;
 long-seq)
     # where captured-direct leaves native eager's bits at 2,048 tokens per sequence: the failing case, then the

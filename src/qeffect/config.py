@@ -231,6 +231,14 @@ class RuntimeConfig(_Strict):
         "events and input copies per step to one launch and the batch copies. Same bits. Experimental: "
         "it cuts the host's queue time by a quarter to a third but lengthens the step by 7-10% (the GPU "
         "waits for the dry bookkeeping, and the optimizer for the whole graph), so it stays off.")
+    graph_pools: Literal["private", "shared"] = Field(
+        "private", description="Captured paths: the memory pools of a stage's action graphs. 'private': a pool "
+        "per graph, so any replay order is safe, and each graph keeps the temporaries of its capture reserved. "
+        "'shared': graphs whose replays follow their capture order share a pool, so temporaries are reserved "
+        "once per pool: with one chain per microbatch (offload, or no liveness bound) the stage's F graphs "
+        "share one and its dI graphs another; with chains bounded by liveness each chain's F and dI share "
+        "one. dW graphs keep private pools. Every replay is checked to follow its pool's capture order. "
+        "Same bits. Experimental: not yet run on a GPU (tests/test_graph_pools_gpu.py).")
 
 
 class OffloadConfig(_Strict):

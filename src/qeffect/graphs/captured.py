@@ -15,10 +15,11 @@ Capture, per chunk: all F graphs first, then all dI graphs, then all dW graphs (
 first microbatch: Transformer Engine's FIFO of retained wgrad GEMMs drains in the order it filled). dI is
 captured with `torch.autograd.grad(..., retain_graph=True)` over the autograd graph that F's capture
 recorded (the make_graphed_callables technique), so every saved activation, the retained dW work (the FP8 operands
-each linear stores in dI) and every output stay at fixed addresses for the life of the graphs. Each
-graph gets its own memory pool: with one shared pool a block freed inside one capture could be handed
+each linear stores in dI) and every output stay at fixed addresses for the life of the graphs. By default
+each graph gets its own memory pool: with one shared pool a block freed inside one capture could be handed
 to another graph's live output, and replaying the first in a different order than it was captured
-(ZB-V reorders) would overwrite it. One eager warm-up (F and dI of slot 0, on the graph stream) runs
+(ZB-V reorders) would overwrite it. `graph_pools = "shared"` shares pools only among graphs whose replays
+follow their capture order (`_pools`), and checks every replay against it (`manager.PoolCycle`). One eager warm-up (F and dI of slot 0, on the graph stream) runs
 before the first capture so that libraries initialize outside it; warm-up and capture execute the
 bodies for real, so the FP8 state is snapshotted before and restored (in place, same addresses) after;
 caches, tokens and arena are rewritten by the first replays.
@@ -48,7 +49,7 @@ from qeffect.fp8.te import batched_scaling_updates
 from qeffect.fp8.weight_cast import WeightCastTarget
 from qeffect.graphs.binding import GraphPlan, chunk_plan
 from qeffect.graphs.handoff import Handoff
-from qeffect.graphs.manager import CapturedAction, GraphManager
+from qeffect.graphs.manager import CapturedAction, GraphManager, PoolCycle
 from qeffect.offload.group import OffloadGroup, OffloadManager
 from qeffect.stage.accumulate import accumulate_into
 from qeffect.stage.actions import (
@@ -102,6 +103,10 @@ class CapturedStageActions(StageActions):
     weight_casts: list[WeightCastTarget] = field(default_factory=list)
     # K (`schedule.liveness.slots_for`): chains bounded by liveness; None: one chain per microbatch
     graph_slots: int | None = None
+    # `runtime.graph_pools`: "private" (a pool per graph) or "shared" (`_cycle`: pools whose replays follow
+    # their capture order, each replay checked)
+    graph_pools: str = "private"
+    _cycles: dict[object, PoolCycle] = field(default_factory=dict, repr=False)
     slot_base: int = 0  # this chunk's chains are tape pool slots slot_base, slot_base + 1, ...
     plan: GraphPlan | None = None  # set by `prepare`; None (tests that fake the graphs): chain = microbatch
     # the first stage's token rows: microbatch m's index on the device (one dI graph records any m > 0);
@@ -255,10 +260,32 @@ class CapturedStageActions(StageActions):
         """Inside a graph body: the next token's device value (in place on the chunk's buffer)."""
         return self._tok_buf.add_(1)
 
+    def _pools(self, kind: str, c: int) -> dict[str, object]:
+        """How chain c's F or dI graph gets its memory pool (`manager.capture`'s keywords).
+
+        Shared, one chain per microbatch: the chunk's F graphs share a pool, and so do its dI graphs. Each
+        replays once a step, in microbatch order (F by the schedule, dI checked at every dI), so what one
+        keeps live (saved activations, retained dW work) is consumed within the step, before the earlier
+        graphs of its pool run again. Shared, chains serving several microbatches: a pool per chain for its
+        F and dI, whose cycle is one microbatch: the chain's F runs again only once its tape slot is free,
+        after its dW consumed what F and dI left. dW graphs keep private pools: a schedule may run them out
+        of microbatch order, and they write the arena, outside any pool."""
+        if self.graph_pools != "shared":
+            return {"private_pool": True}
+        key: object = kind if len(self.plan.chains) == self._microbatches else c
+        cycle = self._cycles.get(key)
+        if cycle is None:
+            name = f"s{self.stage}.{kind}" if isinstance(key, str) else f"s{self.stage}.chain{c}"
+            cycle = self._cycles[key] = self.manager.pool_cycle(name)
+        return {"cycle": cycle}
+
     def capture_graphs(self) -> None:
         """Capture every slot's F, then dI, then dW; restore the FP8 state that warm-up moved."""
         chunk, dev = self.chunk, next(self.chunk.parameters()).device
         tag = f"s{self.stage}"
+        if self.graph_pools not in ("private", "shared"):
+            raise ValueError(f"graph_pools must be 'private' or 'shared', got {self.graph_pools!r}")
+        self._cycles = {}
         if self.weight_cast:  # after the warm-up, which made TE build each cache
             self.weight_casts = [lin.weight_cast_target(name) for name, lin in self._matrix.items()
                                  if hasattr(lin, "weight_cast_target")]
@@ -273,7 +300,7 @@ class CapturedStageActions(StageActions):
             send = self._send_act.get(plan.chains[c])
             with hooks:  # offload: the tensors F saves for backward are copied into the group's fixed slot
                 f = self.manager.capture(f"{tag}.F{c}", lambda c=c, send=send: self._f_send(c, send),
-                                         static_inputs=inputs, warmup=0, private_pool=True)
+                                         static_inputs=inputs, warmup=0, **self._pools("F", c))
             self._chain_f[c] = f
         # The non-matrix gradients accumulate into fixed buffers inside the dI graphs (no eager kernel
         # launches per dI); `.grad` is bound to them after each replay. Valid because a stage runs dI in
@@ -312,7 +339,7 @@ class CapturedStageActions(StageActions):
             if self._mb is not None and m > 0:
                 inputs["mb"] = self._mb_chain[c] = torch.zeros(1, dtype=torch.int64, device=dev)
             graphs_di[c] = self.manager.capture(f"{tag}.dI{c}", di_body, static_inputs=inputs,
-                                                warmup=0, private_pool=True)
+                                                warmup=0, **self._pools("dI", c))
         written = [sorted(g.outputs[1]) for g in graphs_di.values()]
         if any(w != written[0] for w in written):  # dI(0) copies what later dIs add to: the same set each
             raise RuntimeError(f"stage {self.stage}: the captured dI graphs write different non-matrix gradients "
@@ -426,6 +453,8 @@ class CapturedStageActions(StageActions):
         self.pool.check_slot_free(self.slot_base + chain, key)
         if m == 0:  # a new step (after an aborted one too): its dIs start again at microbatch 0
             self._di_next = 0
+            for cycle in self._cycles.values():  # and its shared pools' cycles (`_pools`)
+                cycle.restart()
         refresh = self.cache.check_forward(self.clock, first_microbatch=(m == 0))
         if refresh != (m == 0):  # the slot-0 graph is the one that refreshes the weight cache
             raise RuntimeError(f"stage {self.stage}: cache refresh on microbatch {m} is not captured")

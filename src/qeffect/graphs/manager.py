@@ -205,6 +205,41 @@ class HeldInputs:
         self.buffers[id(dst)] = (dst, src, src._version, dst._version)
 
 
+class PoolOrderViolation(RuntimeError):
+    """A graph of a shared memory pool replayed out of its pool's capture order (`PoolCycle`)."""
+
+
+@dataclass
+class PoolCycle:
+    """One memory pool shared by several graphs, and the rule that makes the sharing safe.
+
+    A capture may take blocks that earlier captures into the pool freed (their temporaries) for tensors
+    it keeps live past its own end (saved activations, retained work, outputs). Those blocks are then
+    written by the earlier graphs at their replays too. This is safe when the graphs replay in the order
+    they were captured and a graph's live tensors are consumed before the cycle comes back to the earlier
+    graphs: the rule torch states for graphs sharing a pool. The caller picks pools whose cycle is that
+    (`graphs.captured`); `advance` checks every replay against it, before the replay issues anything, and
+    `restart` begins a new cycle (a new step, after an aborted one too: what it left is dead).
+    """
+
+    name: str
+    handle: Any  # the backend's pool handle (`graph_pool_handle`)
+    members: list[str] = field(default_factory=list)  # graph names, in capture order
+    next: int = 0  # the member whose replay comes next
+
+    def advance(self, index: int, name: str) -> None:
+        if index != self.next:
+            raise PoolOrderViolation(
+                f"graph {name} replayed out of its memory pool's capture order (pool {self.name}: "
+                f"{' -> '.join(self.members)}); expected {self.members[self.next]}. A graph sharing a pool "
+                "may overwrite what a later-captured graph still holds; runtime.graph_pools = \"private\" "
+                "gives each graph its own pool")
+        self.next = index + 1 if index + 1 < len(self.members) else 0
+
+    def restart(self) -> None:
+        self.next = 0
+
+
 @dataclass
 class CapturedAction:
     """One captured graph: its static input buffers (fixed addresses), static outputs and tail event.
@@ -225,6 +260,8 @@ class CapturedAction:
     memory_reserved_after: int
     pool: Any = None  # the memory pool its capture allocated from (private or the manager's shared one)
     replays: int = field(default=0)
+    cycle: PoolCycle | None = None  # the shared pool whose capture order every replay must follow
+    cycle_index: int = -1  # this graph's place in `cycle.members`
     # static inputs the captured body wrote in place (their version moved during capture): every replay
     # may write them again, so their content is never taken as still holding the last copy
     written_inputs: frozenset[str] = frozenset()
@@ -284,8 +321,12 @@ class GraphManager:
         finally:
             self.stream = saved
 
+    def pool_cycle(self, name: str) -> PoolCycle:
+        """A new memory pool for graphs captured with `cycle=` it, checked to replay in capture order."""
+        return PoolCycle(name, self.backend.graph_pool_handle())
+
     def capture(self, name: str, fn: Callable[[], Any], *, static_inputs: dict[str, Tensor],
-                warmup: int = 2, private_pool: bool = False) -> CapturedAction:
+                warmup: int = 2, private_pool: bool = False, cycle: PoolCycle | None = None) -> CapturedAction:
         """Warm `fn` up `warmup` times on the graph stream, then capture it into one graph.
 
         Warm-up runs execute the body FOR REAL: any state `fn` mutates (FP8 amax histories and scales,
@@ -301,10 +342,14 @@ class GraphManager:
         By default graphs share one memory pool. A block that one capture frees (a temporary) can then
         back another graph's output, so a shared pool is safe only when graphs replay in capture order
         or free nothing that others keep. `private_pool=True` gives the graph its own pool: any replay
-        order is safe (what stage actions need: schedules reorder F, dI and dW).
+        order is safe (what stage actions need: schedules reorder F, dI and dW). `cycle`: the graph joins
+        that shared pool as its next member, and each replay is checked to follow the pool's capture
+        order (`PoolCycle`).
         """
         if name in self.actions:
             raise ValueError(f"a graph named {name!r} is already captured")
+        if cycle is not None and private_pool:
+            raise ValueError(f"graph {name!r}: a private pool or a shared pool cycle, not both")
         be = self.backend
         allocated_before, reserved_before = be.memory_allocated(), be.memory_reserved()
         t0 = time.perf_counter()
@@ -317,7 +362,7 @@ class GraphManager:
             caller.wait_stream(self.stream)
         graph = be.new_graph()
         tail = be.new_external_event()
-        pool = be.graph_pool_handle() if private_pool else self.pool
+        pool = cycle.handle if cycle is not None else be.graph_pool_handle() if private_pool else self.pool
         versions = {k: t._version for k, t in static_inputs.items()}
         with be.capture(graph, pool, self.stream):
             outputs = fn()
@@ -330,6 +375,9 @@ class GraphManager:
                                 memory_allocated_before=allocated_before, memory_allocated_after=allocated_after,
                                 memory_reserved_before=reserved_before, memory_reserved_after=reserved_after,
                                 pool=pool, written_inputs=written)
+        if cycle is not None:
+            action.cycle, action.cycle_index = cycle, len(cycle.members)
+            cycle.members.append(name)
         self.actions[name] = action
         self.stats.record_capture(name, seconds, allocated_before, reserved_before, allocated_after, reserved_after)
         return action
@@ -353,6 +401,8 @@ class GraphManager:
         dynamic inputs may be freed by the caller right away (record_stream keeps their memory alive
         until the graph stream's copy is done). One-way (the defect) gives neither guarantee.
         """
+        if action.cycle is not None:  # before anything is issued
+            action.cycle.advance(action.cycle_index, action.name)
         be = self.backend
         if self.protocol == "stream-ordered":  # copies and graph on the caller's stream: stream order
             self._launch(action, dynamic, None)

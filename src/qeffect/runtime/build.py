@@ -81,7 +81,8 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, 
                        fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
                        activation=activation, offload=offload, accumulate=accumulate,
                        staging=staging_of(p, schedule, owned, direct=direct) if accumulate else 0,
-                       total_steps=cfg.train.steps, graph_slots=slots_for(schedule) if bounded else None)
+                       total_steps=cfg.train.steps, graph_slots=slots_for(schedule) if bounded else None,
+                       graph_pools=cfg.runtime.graph_pools)
 
 
 def staging_of(p: PipelineConfig, schedule: Schedule, stages: Iterable[int], *, direct: bool = True) -> dict[int, int]:

@@ -210,7 +210,8 @@ class QEffectRank(BaseRank):
                  reductions: ReductionTracker | None = None, fixed_order_sum: bool = True,
                  manager: GraphManager | None = None, activation: tuple[tuple[int, ...], torch.dtype] | None = None,
                  offload: OffloadManager | None = None, accumulate: bool = False, staging: int | dict[int, int] = 0,
-                 total_steps: int | None = None, graph_slots: dict[int, int] | None = None) -> None:
+                 total_steps: int | None = None, graph_slots: dict[int, int] | None = None,
+                 graph_pools: str = "private") -> None:
         super().__init__(rank, chunks, num_stages, microbatches, optim, total_steps=total_steps)
         # captured: the token table's AdamW row-lazy (`runtime.lazy_rows`); off under data parallelism (set
         # before capture: the replicas' reduced table gradient is dense)
@@ -252,7 +253,7 @@ class QEffectRank(BaseRank):
                 s: CapturedStageActions(c, self.pool, self.clock, self.arena, direct=direct, manager=manager,
                                         input_shape=shape, input_dtype=dtype, offload=offload, weight_cast=cast,
                                         lazy_rows=self._lazy_rows, slot_base=i * microbatches,
-                                        graph_slots=(graph_slots or {}).get(s))
+                                        graph_slots=(graph_slots or {}).get(s), graph_pools=graph_pools)
                 for i, (s, c) in enumerate(self.chunks.items())
             }
         self.manager = manager
