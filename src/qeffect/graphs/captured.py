@@ -19,10 +19,11 @@ each linear stores in dI) and every output stay at fixed addresses for the life 
 each graph gets its own memory pool: with one shared pool a block freed inside one capture could be handed
 to another graph's live output, and replaying the first in a different order than it was captured
 (ZB-V reorders) would overwrite it. `graph_pools = "shared"` shares pools only among graphs whose replays
-follow their capture order (`_pools`), and checks every replay against it (`manager.PoolCycle`). One eager warm-up (F and dI of slot 0, on the graph stream) runs
-before the first capture so that libraries initialize outside it; warm-up and capture execute the
-bodies for real, so the FP8 state is snapshotted before and restored (in place, same addresses) after;
-caches, tokens and arena are rewritten by the first replays.
+follow their capture order (`_pools`), and checks every replay against it (`manager.PoolCycle`). One
+eager warm-up (F and dI of slot 0, on the graph stream) runs before the first capture so that libraries
+initialize outside it; warm-up and capture execute the bodies for real, so the FP8 state is snapshotted
+before and restored (in place, same addresses) after; caches, tokens and arena are rewritten by the first
+replays.
 
 The effect token's device update (one int64 buffer per chunk that every graph of the chunk increments in
 place, so a replay copies no token in: stream order is the chain's order on the device), the
@@ -103,8 +104,8 @@ class CapturedStageActions(StageActions):
     weight_casts: list[WeightCastTarget] = field(default_factory=list)
     # K (`schedule.liveness.slots_for`): chains bounded by liveness; None: one chain per microbatch
     graph_slots: int | None = None
-    # `runtime.graph_pools`: "private" (a pool per graph) or "shared" (`_cycle`: pools whose replays follow
-    # their capture order, each replay checked)
+    # `runtime.graph_pools`: "private" (a pool per graph) or "shared" (`_pools`: pools whose replays follow
+    # their capture order, each replay checked); the shared pools by kind ("F", "dI") or by chain
     graph_pools: str = "private"
     _cycles: dict[object, PoolCycle] = field(default_factory=dict, repr=False)
     slot_base: int = 0  # this chunk's chains are tape pool slots slot_base, slot_base + 1, ...
