@@ -235,9 +235,8 @@ class RuntimeConfig(_Strict):
         "private", description="Captured paths: the memory pools of a stage's action graphs. 'private': a pool "
         "per graph, so any replay order is safe, and each graph keeps the temporaries of its capture reserved. "
         "'shared': graphs whose replays follow their capture order share a pool, so temporaries are reserved "
-        "once per pool: with one chain per microbatch (offload, or no liveness bound) the stage's F graphs "
-        "share one and its dI graphs another; with chains bounded by liveness each chain's F and dI share "
-        "one. dW graphs keep private pools. Every replay is checked to follow its pool's capture order. "
+        "once per pool: with offload (one chain per microbatch) a stage's F graphs share one and its dI "
+        "graphs another; without, each chain's F and dI share one (chains are bounded by liveness). dW graphs keep private pools. Every replay is checked to follow its pool's capture order. "
         "Same bits. Experimental: not yet run on a GPU (tests/test_graph_pools_gpu.py).")
 
 
