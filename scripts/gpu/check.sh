@@ -26,7 +26,7 @@
 #                    made one outer graph (child-graph nodes) against launched one by one       (~4-5 min)
 #   step-graph       benchmarks/step_graph_probe.py: one h2048 step's actions recorded as one graph of child-graph
 #                    nodes, bitwise against ordinary steps; then pytest -m gpu tests/test_step_graph_gpu.py   (~4 min)
-#   step-graph-ab    rank_streams_ab.py --field runtime.step_graph at h2048 and h4096: host and step time (~6 min)
+#   step-graph-ab    rank_streams_ab.py --field runtime.step_graph at h2048 and h4096: host and step time (~1 min)
 #   graph-pools      pytest -m gpu tests/test_graph_pools_gpu.py; rank_streams_ab.py --field runtime.graph_pools at
 #                    h2048 and h4096 (step time, peak allocated and reserved, shared against private pools), then
 #                    at h4096 with release offload; the capped h4096-long pair with shared pools (H200)   (~7 min)
