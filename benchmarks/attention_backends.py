@@ -100,16 +100,16 @@ def main() -> None:
     for shape, heads in SHAPES.items():
         flash_out = None
         for backend in BACKENDS:
+            name = getattr(backend, "name", backend)
             try:
                 r = measure(backend, heads, a.repeats, a.reps, a.replays, a.seq_len, a.microbatch_size)
             except RuntimeError as err:  # a backend this build or shape does not run
-                rows.append({"shape": shape, "backend": getattr(backend, "name", backend), "error": str(err)[:300]})
+                rows.append({"shape": shape, "backend": name, "error": str(err)[:300]})
                 continue
             out = r.pop("output")
             if backend is SDPBackend.FLASH_ATTENTION:
                 flash_out = out
             r["same_output_bits_as_flash"] = None if flash_out is None else bool(torch.equal(out, flash_out))
-            name = getattr(backend, "name", backend)
             rows.append({"shape": shape, "heads": heads, "backend": name, **r})
             print(shape, name, {k: v for k, v in r.items() if k != "raw_us"}, flush=True)
     if a.json:

@@ -1,5 +1,5 @@
 """Where the host's time goes when it queues a captured step on the GPU (cProfile, a runtime switch on and
-off: `--field`, rank streams by default, or the step graph).
+off: `--field`, rank streams by default, or another switch of `rank_streams_ab.py`).
 
 `host_overhead.py` measures the runtime's Python on a CPU with the device taken away; on the GPU the host
 also pays for each graph launch, input copy, stream switch, event and `record_stream`, which only a CUDA
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rank_streams_ab import VARIANTS  # the switches and their variants, (on, off) by field
 
 from qeffect.config import load_config
 from qeffect.profile.matrix import (
@@ -46,8 +47,6 @@ from qeffect.profile.report import ConfigResult
 from qeffect.profile.trace import sync_device
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {"runtime.rank_streams": (("rank-streams", True), ("one-stream", False)),
-            "runtime.step_graph": (("step-graph", True), ("launched", False))}  # (on, off) by `--field`
 
 
 def top_functions(prof: cProfile.Profile, steps: int, top: int) -> list[dict[str, Any]]:
@@ -133,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             for row in v["top"][:15]:
                 print(f"    {row['own_us_per_step']:8.0f} us {row['calls_per_step']:7.1f}x  {row['function']}")
         rev = git_revision()
-        kind = "host-profile" if a.field == "runtime.rank_streams" else "host-profile-step-graph"
+        kind = "host-profile" + ("" if a.field == "runtime.rank_streams"
+                                 else "-" + a.field.split(".")[1].replace("_", "-"))
         out = Path(a.out) / f"{kind}-{stem}-{a.backend}-{rev}-{device_tag(device)}.json"
         write_json(out, {
             "kind": kind, "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),

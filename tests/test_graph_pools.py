@@ -34,15 +34,14 @@ class PoolExecManager(ExecManager):
     def capture(self, name, fn, *, static_inputs, warmup: int = 0, private_pool: bool = False, cycle=None):
         assert not (private_pool and cycle is not None)
         action = super().capture(name, fn, static_inputs=static_inputs, warmup=warmup)
-        action.cycle = cycle
+        action.cycle = None
         if cycle is not None:
-            action.cycle_index = len(cycle.members)
-            cycle.members.append(name)
+            cycle.join(action)
         return action
 
     def replay(self, action, dynamic=None):
         if action.cycle is not None:
-            action.cycle.advance(action.cycle_index, action.name)
+            action.cycle.advance(action)
         return super().replay(action, dynamic)
 
 
@@ -135,8 +134,9 @@ def test_an_aborted_step_restarts_the_pools_at_the_next_steps_first_forward(monk
     cfg = _cfg("interleaved", microbatches=4)
     pipe = state_mod.build_single_process(cfg, native=False, path="captured-direct")
     pipe.step(synthetic_batches(cfg, 0, "cpu"))
-    f_pool = built[-1].manager.actions["s0.F0"].cycle
-    f_pool.advance(0, "s0.F0")  # as an aborted step's first forward did
+    f0 = built[-1].manager.actions["s0.F0"]
+    f_pool = f0.cycle
+    f_pool.advance(f0)  # as an aborted step's first forward did
     assert f_pool.next == 1
     pipe.step(synthetic_batches(cfg, 1, "cpu"))
     assert f_pool.next == 0  # F0..F3 of the new step, from the start

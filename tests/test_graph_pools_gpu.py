@@ -11,12 +11,10 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _cfg(schedule: str, backend: str, offload: str, pools: str = "shared"):
-    from qeffect.config import load_config
+    from test_step_graph_gpu import _cfg as step_graph_cfg  # the same small GPU model
 
-    return load_config().with_overrides(**{
-        "train.device": "cuda", "train.dtype": "bfloat16", "model.hidden": 512, "model.ffn": 2048,
-        "model.heads": 8, "model.seq_len": 128, "pipeline.microbatches": 8, "pipeline.schedule": schedule,
-        "fp8.backend": backend, "offload.mode": offload, "runtime.graph_pools": pools})
+    return step_graph_cfg(schedule, backend, True).with_overrides(**{"offload.mode": offload,
+                                                                    "runtime.graph_pools": pools})
 
 
 def _needs(backend: str, offload: str) -> None:

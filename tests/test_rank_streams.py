@@ -195,19 +195,16 @@ def test_the_loss_seed_is_made_once_per_dtype_and_device_and_keeps_its_value() -
 def test_the_host_profile_benchmark_writes_both_variants_and_their_profiles(tmp_path, monkeypatch) -> None:
     """A CPU dry run of benchmarks/host_profile.py: per variant the unprofiled host time of every step,
     the top functions per step, and the whole profile beside the report (readable by `pstats`)."""
-    import importlib.util
     import json
     import pstats
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("host_profile", root / "benchmarks" / "host_profile.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    monkeypatch.setattr(bench, "git_revision", lambda: "abc1234")
-    toml = root / "src" / "qeffect" / "configs" / "tiny.toml"
-    assert bench.main(["--tomls", str(toml), "--backend", "reference", "--device", "cpu", "--path", "eager",
-                       "--steps", "2", "--warmup", "1", "--top", "5", "--out", str(tmp_path)]) == 0
+    from script_modules import ROOT, script_module
+
+    with script_module("benchmarks/host_profile.py") as bench:  # it imports rank_streams_ab.py beside it
+        monkeypatch.setattr(bench, "git_revision", lambda: "abc1234")
+        toml = ROOT / "src" / "qeffect" / "configs" / "tiny.toml"
+        assert bench.main(["--tomls", str(toml), "--backend", "reference", "--device", "cpu", "--path", "eager",
+                           "--steps", "2", "--warmup", "1", "--top", "5", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "host-profile-tiny-reference-abc1234-cpu.json").read_text())
     assert report["git_revision"] == "abc1234" and set(report["variants"]) == {"rank-streams", "one-stream"}
     for name, v in report["variants"].items():

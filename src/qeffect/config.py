@@ -34,6 +34,7 @@ def _bits(description: str, default: Any, **kw: Any) -> Any:
 
 
 AttentionKind = Literal["auto", "flash", "efficient"]  # model.attention (`model.attention.resolve_attention`)
+GraphPools = Literal["private", "shared"]  # runtime.graph_pools (`graphs.captured`)
 
 
 class _Strict(BaseModel):
@@ -231,7 +232,7 @@ class RuntimeConfig(_Strict):
         "events and input copies per step to one launch and the batch copies. Same bits. Experimental: "
         "it cuts the host's queue time by a quarter to a third but lengthens the step by 7-10% (the GPU "
         "waits for the dry bookkeeping, and the optimizer for the whole graph), so it stays off.")
-    graph_pools: Literal["private", "shared"] = Field(
+    graph_pools: GraphPools = Field(
         "private", description="Captured paths: the memory pools of a stage's action graphs. 'private': a pool "
         "per graph, so any replay order is safe, and each graph keeps the temporaries of its capture reserved. "
         "'shared': graphs whose replays follow their capture order share a pool, so temporaries are reserved "

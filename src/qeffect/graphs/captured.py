@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from qeffect.config import GraphPools
 from qeffect.contracts import Consumer, EffectToken, TapeRef, TapeViolation
 from qeffect.contracts.arena import FoldMode
 from qeffect.fp8.te import batched_scaling_updates
@@ -106,7 +107,7 @@ class CapturedStageActions(StageActions):
     graph_slots: int | None = None
     # `runtime.graph_pools`: "private" (a pool per graph) or "shared" (`_pools`: pools whose replays follow
     # their capture order, each replay checked); the shared pools by kind ("F", "dI") or by chain
-    graph_pools: str = "private"
+    graph_pools: GraphPools = "private"
     _cycles: dict[object, PoolCycle] = field(default_factory=dict, repr=False)
     slot_base: int = 0  # this chunk's chains are tape pool slots slot_base, slot_base + 1, ...
     plan: GraphPlan | None = None  # set by `prepare`; None (tests that fake the graphs): chain = microbatch
@@ -284,8 +285,6 @@ class CapturedStageActions(StageActions):
         """Capture every slot's F, then dI, then dW; restore the FP8 state that warm-up moved."""
         chunk, dev = self.chunk, next(self.chunk.parameters()).device
         tag = f"s{self.stage}"
-        if self.graph_pools not in ("private", "shared"):
-            raise ValueError(f"graph_pools must be 'private' or 'shared', got {self.graph_pools!r}")
         self._cycles = {}
         if self.weight_cast:  # after the warm-up, which made TE build each cache
             self.weight_casts = [lin.weight_cast_target(name) for name, lin in self._matrix.items()

@@ -227,14 +227,20 @@ class PoolCycle:
     members: list[str] = field(default_factory=list)  # graph names, in capture order
     next: int = 0  # the member whose replay comes next
 
-    def advance(self, index: int, name: str) -> None:
-        if index != self.next:
+    def join(self, action: CapturedAction) -> None:
+        """`action`, just captured into this pool, as its next member."""
+        action.cycle, action.cycle_index = self, len(self.members)
+        self.members.append(action.name)
+
+    def advance(self, action: CapturedAction) -> None:
+        """`action` replays now: refused unless it is the member whose turn it is."""
+        if action.cycle_index != self.next:
             raise PoolOrderViolation(
-                f"graph {name} replayed out of its memory pool's capture order (pool {self.name}: "
+                f"graph {action.name} replayed out of its memory pool's capture order (pool {self.name}: "
                 f"{' -> '.join(self.members)}); expected {self.members[self.next]}. A graph sharing a pool "
                 "may overwrite what a later-captured graph still holds; runtime.graph_pools = \"private\" "
                 "gives each graph its own pool")
-        self.next = index + 1 if index + 1 < len(self.members) else 0
+        self.next = action.cycle_index + 1 if action.cycle_index + 1 < len(self.members) else 0
 
     def restart(self) -> None:
         self.next = 0
@@ -376,8 +382,7 @@ class GraphManager:
                                 memory_reserved_before=reserved_before, memory_reserved_after=reserved_after,
                                 pool=pool, written_inputs=written)
         if cycle is not None:
-            action.cycle, action.cycle_index = cycle, len(cycle.members)
-            cycle.members.append(name)
+            cycle.join(action)
         self.actions[name] = action
         self.stats.record_capture(name, seconds, allocated_before, reserved_before, allocated_after, reserved_after)
         return action
@@ -402,7 +407,7 @@ class GraphManager:
         until the graph stream's copy is done). One-way (the defect) gives neither guarantee.
         """
         if action.cycle is not None:  # before anything is issued
-            action.cycle.advance(action.cycle_index, action.name)
+            action.cycle.advance(action)
         be = self.backend
         if self.protocol == "stream-ordered":  # copies and graph on the caller's stream: stream order
             self._launch(action, dynamic, None)

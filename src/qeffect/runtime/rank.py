@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from qeffect.config import OptimConfig
+from qeffect.config import GraphPools, OptimConfig
 from qeffect.contracts import CommitBarrier, EpochClock, GradientArena, ReductionTracker, TapePool
 from qeffect.graphs.captured import CapturedStageActions
 from qeffect.graphs.manager import GraphManager
@@ -211,7 +211,7 @@ class QEffectRank(BaseRank):
                  manager: GraphManager | None = None, activation: tuple[tuple[int, ...], torch.dtype] | None = None,
                  offload: OffloadManager | None = None, accumulate: bool = False, staging: int | dict[int, int] = 0,
                  total_steps: int | None = None, graph_slots: dict[int, int] | None = None,
-                 graph_pools: str = "private") -> None:
+                 graph_pools: GraphPools = "private") -> None:
         super().__init__(rank, chunks, num_stages, microbatches, optim, total_steps=total_steps)
         # captured: the token table's AdamW row-lazy (`runtime.lazy_rows`); off under data parallelism (set
         # before capture: the replicas' reduced table gradient is dense)
