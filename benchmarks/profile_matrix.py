@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 
 from qeffect.cli.common import write_json
-from qeffect.config import load_config
+from qeffect.config import apply_sets, load_config
 from qeffect.errors import UserError
 from qeffect.profile.matrix import CONFIG_NAMES, device_tag, run_profile
 from qeffect.profile.resources import parse_microbatches
@@ -56,6 +56,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per configuration, interleaved (ABC ABC ABC)")
     ap.add_argument("--targets", default=str(ROOT / "examples/targets/h200.toml"),
                     help="targets file to judge each report by ('' for none)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="a config override, as `qeffect train --set` takes it; repeatable")
+    ap.add_argument("--tag", default="", help="added to each report's file name (runs with --set)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     ap.add_argument("--plot", action="store_true", help="also write figures (needs matplotlib)")
     a = ap.parse_args()
@@ -70,11 +73,13 @@ def main() -> int:
         for backend in a.backends.split(","):
             if only is not None and f"{stem}:{backend}" not in only:
                 continue
-            cfg = load_config(toml).with_overrides(**{"fp8.backend": backend, "train.device": a.device})
+            cfg = apply_sets(load_config(toml).with_overrides(**{"fp8.backend": backend, "train.device": a.device}),
+                             a.set)
             command = (f"python3 benchmarks/profile_matrix.py --tomls {toml} --backends {backend} --device {a.device} "
                        f"--steps {a.steps} --warmup {a.warmup} --trace {a.trace} --microbatches {a.microbatches} "
                        f"--rounds {a.rounds}" + (f" --targets {a.targets}" if a.targets else "")
-                       + (f" --configs {a.configs}" if a.configs else ""))
+                       + (f" --configs {a.configs}" if a.configs else "")
+                       + "".join(f" --set {x}" for x in a.set) + (f" --tag {a.tag}" if a.tag else ""))
             t0 = time.perf_counter()
             try:
                 report = run_profile(cfg, steps=a.steps, warmup=a.warmup, configs=names, microbatches=ms,
@@ -89,7 +94,7 @@ def main() -> int:
                 print(f"{stem}:{backend}: ERROR\n{traceback.format_exc()[-3000:]}", flush=True)
                 ok = False
                 continue
-            path = out / f"profile-{stem}-{backend}-{device_tag(a.device)}.json"
+            path = out / f"profile-{stem}{f'-{a.tag}' if a.tag else ''}-{backend}-{device_tag(a.device)}.json"
             write_json(path, report)
             f = report.floor
             print(f"{stem}:{backend}: floor {f.seconds * 1e3:.3f} ms (layers {f.seconds_layers_only * 1e3:.3f} ms), "

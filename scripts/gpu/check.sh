@@ -30,6 +30,11 @@
 #   graph-pools      pytest -m gpu tests/test_graph_pools_gpu.py; rank_streams_ab.py --field runtime.graph_pools at
 #                    h2048 and h4096 (step time, peak allocated and reserved, shared against private pools), then
 #                    at h4096 with release offload; the capped h4096-long pair with shared pools (H200)   (~7 min)
+#   wgrad-fused      pipeline.wgrad_accumulation = fused: pytest -m gpu tests/test_wgrad_accumulation.py; verify-state
+#                    at h2048 te (captured-direct Interleaved and ZB-V, captured-copy); rank_streams_ab.py --field
+#                    pipeline.wgrad_accumulation at h2048 and h4096 (captured-direct step time and memory)   (~5 min)
+#   profile-fused    benchmarks/profile_matrix.py at h2048 and h4096 te with fused accumulation: native eager and
+#                    captured-direct, 3 interleaved rounds, memory split and ratio to native          (~5 min)
 #   llama            pytest -m gpu on the llama tests; bitwise matrix at llama-h2048, both backends (~6 min)
 #   long-seq         verify-state at h2048 with 2,048 tokens per sequence: captured-direct te at microbatch size 2
 #                    and 1, eager te, captured-direct reference; attention backends' bits at that shape    (~4 min)
@@ -52,13 +57,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools wgrad-fused profile-fused llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|step-graph|step-graph-ab|graph-pools|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
+tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|step-graph|step-graph-ab|graph-pools|wgrad-fused|profile-fused|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools wgrad-fused profile-fused llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -191,6 +196,23 @@ graph-pools)
     step offload-cap-h4096-long-shared 240 python3 scripts/offload_cap_check.py --config examples/configs/h4096-long.toml \
         --steps 20 --dir "$tmp/cap" --set runtime.graph_pools=shared --json "$OUT/offload-cap-h4096-long-shared.json"
     rm -rf "$tmp/cap"
+    ;;
+wgrad-fused)
+    FUSED=(--set pipeline.wgrad_accumulation=fused)
+    step pytest-wgrad-fused 200 "${PYTEST[@]}" tests/test_wgrad_accumulation.py
+    for combo in "captured-direct interleaved" "captured-direct zbv" "captured-copy interleaved"; do
+        read -r path schedule <<< "$combo"
+        step "verify-fused-$path-$schedule" 120 python3 -m qeffect verify-state -c $H2048 "${FUSED[@]}" \
+            --set pipeline.schedule="$schedule" --steps 6 --path "$path" --backend te \
+            --json "$OUT/verify-fused-h2048-$path-$schedule-te.json"
+    done
+    step wgrad-accumulation-ab 150 python3 benchmarks/rank_streams_ab.py --field pipeline.wgrad_accumulation \
+        --out "$OUT" --rounds 3 --trace 0 --steps 10 --warmup 3
+    ;;
+profile-fused)
+    step profile-fused 570 python3 benchmarks/profile_matrix.py --out "$OUT" --tomls $H2048,$H4096 --backends te \
+        --set pipeline.wgrad_accumulation=fused --tag fused --configs native-eager,captured-direct --rounds 3 \
+        --steps 10 --warmup 3 --trace 0 --microbatches "" --targets ""
     ;;
 long-seq)
     # where captured-direct leaves native eager's bits at 2,048 tokens per sequence: the failing case, then the

@@ -35,6 +35,7 @@ def _bits(description: str, default: Any, **kw: Any) -> Any:
 
 AttentionKind = Literal["auto", "flash", "efficient"]  # model.attention (`model.attention.resolve_attention`)
 GraphPools = Literal["private", "shared"]  # runtime.graph_pools (`graphs.captured`)
+WgradAccumulation = Literal["add", "fused"]  # pipeline.wgrad_accumulation (`fp8` backends, `runtime.build`)
 
 
 class _Strict(BaseModel):
@@ -112,6 +113,14 @@ class PipelineConfig(_Strict):
         "shrink with K: less memory, a fold pass every K microbatches (h4096 on the H200: peak 27.4 -> 18.6 "
         "GiB, step 25.8 -> 31.6 ms). Off: every stage stages at wgrad_staging, and each staging slot and fold "
         "gets graphs of its own. Same bits either way.")
+    wgrad_accumulation: WgradAccumulation = _bits(
+        "How a microbatch's weight gradient reaches the fp32 gradient. 'add': the wgrad GEMM writes the "
+        "activation dtype and the fp32 gradient adds it (autograd's way; staged by wgrad_staging). 'fused': "
+        "the GEMM accumulates in fp32 straight into the gradient (Megatron-LM's gradient-accumulation fusion, "
+        "Transformer Engine's fuse_wgrad_accumulation): no bf16 gradient, no staging (wgrad_staging is "
+        "unused), the gradient memory of native eager. Native eager and every path follow the choice, so "
+        "each is bitwise equal to its own native eager; the two choices differ in the last bits of bf16 "
+        "runs (with fp32 activations they agree).", "add")
 
     @property
     def num_stages(self) -> int:

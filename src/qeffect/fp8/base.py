@@ -67,8 +67,9 @@ class ReferenceBackend:
         "False reuses the cache and raises RuntimeError if invalidate_cache() dropped it"
     )
 
-    def __init__(self, recipe: DelayedScalingRecipe) -> None:
+    def __init__(self, recipe: DelayedScalingRecipe, *, fused_wgrad: bool = False) -> None:
         self.recipe = recipe
+        self.fused_wgrad = fused_wgrad
 
     def linear(
         self,
@@ -79,18 +80,19 @@ class ReferenceBackend:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> RefFP8Linear:
-        return RefFP8Linear(in_f, out_f, bias, self.recipe, device=device, dtype=dtype)
+        return RefFP8Linear(in_f, out_f, bias, self.recipe, device=device, dtype=dtype, fused_wgrad=self.fused_wgrad)
 
     def __repr__(self) -> str:
         return f"ReferenceBackend({self.recipe})"
 
 
-def get_backend(name: str, recipe: DelayedScalingRecipe) -> FP8Backend:
-    """The backend called `name` (`reference` or `te`), configured with `recipe`."""
+def get_backend(name: str, recipe: DelayedScalingRecipe, *, fused_wgrad: bool = False) -> FP8Backend:
+    """The backend called `name` (`reference` or `te`), configured with `recipe`; `fused_wgrad`: its wgrad
+    GEMMs accumulate in fp32 into the gradient (`pipeline.wgrad_accumulation = "fused"`)."""
     if name == "reference":
-        return ReferenceBackend(recipe)
+        return ReferenceBackend(recipe, fused_wgrad=fused_wgrad)
     if name == "te":
-        return TEBackend(recipe)  # UserError when Transformer Engine is not importable (lazy import)
+        return TEBackend(recipe, fused_wgrad=fused_wgrad)  # UserError without Transformer Engine (lazy import)
     raise UserError(f"unknown FP8 backend {name!r}; choose one of: {', '.join(BACKENDS)}")
 
 

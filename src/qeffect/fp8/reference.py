@@ -16,7 +16,9 @@ The weight-gradient GEMM writes the activation dtype, as Transformer Engine's do
 outputs the activation dtype unless accumulation is fused), and the fp32 `.grad` sums those values
 cast: the te backend's numerics, and half the staging memory and traffic of fp32 slots (the staged
 fold reads every slot once per step, and the GEMMs write half the bytes). With fp32 activations, as on
-the CPU, that is the weight's dtype.
+the CPU, that is the weight's dtype. With `fused_wgrad` (`pipeline.wgrad_accumulation = "fused"`) the
+GEMM writes fp32 and the gradient adds that: the sum of fp32 GEMM results in microbatch order, what an
+fp32 accumulation into `main_grad` computes (Megatron-LM's fusion), with no bf16 rounding between.
 """
 
 from __future__ import annotations
@@ -145,8 +147,10 @@ class RefFP8Linear(nn.Module):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        fused_wgrad: bool = False,
     ) -> None:
         super().__init__()
+        self.fused_wgrad = fused_wgrad
         self.in_features = in_features
         self.out_features = out_features
         self.recipe = recipe
@@ -305,9 +309,9 @@ class RefFP8Linear(nn.Module):
         return buf.copy_(b)
 
     def wgrad_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
-        """The dtype the wgrad GEMM writes: the activation dtype (module doc). A staging slot in it is the
-        GEMM's own output."""
-        return activation_dtype
+        """The dtype the wgrad GEMM writes: the activation dtype, or the weight's with `fused_wgrad`
+        (module doc). A staging slot in it is the GEMM's own output."""
+        return self.weight.dtype if self.fused_wgrad else activation_dtype
 
     def compute_wgrad(self, work: WgradWork, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
         """`dW [out, in]` from retained work, in the weight's dtype; with `out` it is written there (direct

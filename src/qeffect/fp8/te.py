@@ -26,11 +26,15 @@ Design (TE 2.20; see docs/design.md §6):
   backward. `compute_wgrad(handle)` must be called in dI order (checked) and pops TE's queue directly
   (`wgrad_store.pop()`, what `backward_dw()` does minus assigning `weight.grad`).
 - **Weight-gradient destination: compute then copy.** The native path's weight gradient is TE's bf16
-  wgrad GEMM output cast to the fp32 `.grad` by autograd. `fuse_wgrad_accumulation=True` would make the
-  GEMM write (and accumulate) fp32 straight into `main_grad`: more precise, so different bits (measured
-  on the H200, see the report), and its destination is bound at `dI` time, not at `dW`. So `dW` runs the
-  GEMM into TE's bf16 output and copies it into the arena view (an exact cast, the same one autograd
+  wgrad GEMM output cast to the fp32 `.grad` by autograd. So `dW` runs the GEMM into TE's bf16 output
+  (or a staging slot) and copies or adds it into the arena view (an exact cast, the same one autograd
   does for the native `.grad`).
+- **Fused accumulation** (`fused_wgrad`, `pipeline.wgrad_accumulation = "fused"`): modules are built with
+  `fuse_wgrad_accumulation=True`, so the wgrad GEMM accumulates fp32 into `weight.main_grad` (overwriting
+  on the first microbatch: TE's `is_first_microbatch`), Megatron-LM's way: other bits than the bf16
+  output, and no bf16 gradient. Native eager binds a `main_grad` of its own; a split `dW` names its
+  destination and whether it adds when it runs (TE bound `main_grad` and the flag at `dI` time), so the
+  same GEMM call writes the arena.
 - **Weight cache.** `forward(x, is_first_microbatch=True)` re-quantizes the weight into TE's cached
   workspace (in place, fixed address); `False` reuses it. `invalidate_cache()` only marks it stale (a
   later `False` raises, like the reference) and keeps TE's buffer for a fixed address.
@@ -252,6 +256,7 @@ def te_linear_class() -> type[nn.Module]:
             *,
             device: torch.device | str | None = None,
             dtype: torch.dtype = torch.float32,
+            fused_wgrad: bool = False,
         ) -> None:
             super().__init__(
                 in_features,
@@ -260,8 +265,9 @@ def te_linear_class() -> type[nn.Module]:
                 params_dtype=dtype,
                 device="cuda" if device is None else device,
                 delay_wgrad_compute=True,  # creates the FIFO store; `delay_wgrad` switches it
-                fuse_wgrad_accumulation=False,
+                fuse_wgrad_accumulation=fused_wgrad,
             )
+            self.fused_wgrad = fused_wgrad
             if not bias:
                 self.bias = None  # TE leaves an empty tensor; the reference API has None
             self.recipe = recipe
@@ -438,9 +444,28 @@ def te_linear_class() -> type[nn.Module]:
                 stack.enter_context(torch.autocast("cuda", dtype=act_dtype, cache_enabled=False))
             return stack
 
+        @property
+        def needs_main_grad(self) -> bool:
+            """Fused accumulation: TE's backward reads `weight.main_grad` (`bind_main_grad`)."""
+            return self.fused_wgrad
+
+        def bind_main_grad(self, grad: Tensor | None) -> None:
+            """The fp32 tensor of the weight's shape TE's fused wgrad GEMM accumulates into: native eager's
+            own gradient buffer; None binds a placeholder that holds no memory (the split path, where every
+            `dW` names its destination when it runs)."""
+            if grad is None:
+                grad = torch.zeros((), dtype=torch.float32, device=self.weight.device).expand(self.weight.shape)
+            if grad.shape != self.weight.shape or grad.dtype != torch.float32 or grad.device != self.weight.device:
+                raise ValueError(f"main_grad must be {tuple(self.weight.shape)} float32 on {self.weight.device}, "
+                                 f"got {tuple(grad.shape)} {grad.dtype} on {grad.device}")
+            self.weight.main_grad = grad
+
         def forward(self, x: Tensor, is_first_microbatch: bool) -> Tensor:  # type: ignore[override]
             if not is_first_microbatch and not self._cache_valid:
                 raise RuntimeError(EMPTY_CACHE_MSG)
+            if self.fused_wgrad and torch.is_grad_enabled() and getattr(self.weight, "main_grad", None) is None:
+                raise RuntimeError("fused wgrad accumulation: bind the weight's main_grad (bind_main_grad) before "
+                                   "a forward whose backward computes its gradient")
             if x.shape[-1] != self.in_features:
                 raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
             delayed = self.delay_wgrad
@@ -475,9 +500,9 @@ def te_linear_class() -> type[nn.Module]:
             return self._fifo.pop_pending()
 
         def wgrad_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
-            """The dtype TE's wgrad GEMM writes (the activation dtype): a staging slot in it is written
-            by the GEMM itself, with no copy."""
-            return activation_dtype
+            """The dtype TE's wgrad GEMM writes (the activation dtype; fp32 with fused accumulation): a
+            staging slot in it is written by the GEMM itself, with no copy."""
+            return torch.float32 if self.fused_wgrad else activation_dtype
 
         def compute_wgrad(self, work: TEWgradWork, out: Tensor | None = None, accumulate: bool = False) -> Tensor:
             """Run the oldest queued wgrad GEMM (must be `work`); write `dW` into `out` (or, `accumulate`,
@@ -486,6 +511,8 @@ def te_linear_class() -> type[nn.Module]:
             `out` in the weight's dtype (fp32) gets the GEMM output cast (copied or added); `out` in the
             GEMM's own dtype (a staging slot, `wgrad_dtype`) is the GEMM's output buffer itself."""
             self._fifo.check_next(work)
+            if self.fused_wgrad:
+                return self._fused_wgrad(work, out, accumulate)
             raw = out is not None and out.dtype != self.weight.dtype
             if out is not None and (
                 out.shape != self.weight.shape or out.device != self.weight.device
@@ -512,6 +539,31 @@ def te_linear_class() -> type[nn.Module]:
             else:
                 out.copy_(wgrad)
             return out
+
+        def _fused_wgrad(self, work: TEWgradWork, out: Tensor | None, accumulate: bool) -> Tensor:
+            """The queued fused wgrad GEMM with its destination and accumulate flag set now: into `out`
+            (added with `accumulate`, else overwritten), or into a fresh fp32 tensor without `out`. The
+            flag TE bound at `dI` follows `is_first_microbatch`, which a weight the optimizer cast passes
+            as False; the arena's rule (overwrite on the first microbatch) is what the native GEMM did."""
+            if accumulate and out is None:
+                raise ValueError("compute_wgrad(accumulate=True) needs out")
+            if out is not None and (out.shape != self.weight.shape or out.dtype != torch.float32
+                                    or out.device != self.weight.device or not out.is_contiguous()):
+                raise ValueError(f"fused dW destination must be contiguous {tuple(self.weight.shape)} float32 on "
+                                 f"{self.weight.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+            kwargs = te_compat.wgrad_gemm_kwargs(self.wgrad_store)
+            if kwargs is None or "accumulate" not in kwargs or "out" not in kwargs:
+                raise RuntimeError("fused wgrad accumulation: Transformer Engine's queued wgrad closure has no "
+                                   "out/accumulate arguments to set (an unsupported TE version)")
+            tensors, func = self.wgrad_store.context.get()
+            bound = kwargs["out"], kwargs["accumulate"]
+            kwargs["out"], kwargs["accumulate"] = out, accumulate
+            try:
+                wgrad, _bgrad = func(*tensors)
+            finally:
+                kwargs["out"], kwargs["accumulate"] = bound
+            self._fifo.consume(work)
+            return wgrad
 
         def _pop_wgrad(self, into: Tensor | None) -> Tensor:
             """`wgrad_store.pop()`, optionally with the GEMM's output buffer set to `into` (TE's wgrad
@@ -618,17 +670,19 @@ class TEBackend:
     wgrad_destination = (
         "compute_wgrad(work, out=view, accumulate=False): a tensor of the weight's shape, dtype (fp32) and device, "
         "overwritten, or added into with accumulate=True "
-        "with the bf16 wgrad GEMM output (copy); or a fresh fp32 tensor without out"
+        "with the bf16 wgrad GEMM output (copy); or a fresh fp32 tensor without out. Fused accumulation: the "
+        "GEMM itself writes or adds fp32 into out"
     )
     cache_refresh = (
         "forward(x, is_first_microbatch=True) re-quantizes the weight into TE's cached workspace (in place); "
         "False reuses it and raises RuntimeError after invalidate_cache()"
     )
 
-    def __init__(self, recipe: DelayedScalingRecipe) -> None:
+    def __init__(self, recipe: DelayedScalingRecipe, *, fused_wgrad: bool = False) -> None:
         require_te()
         self.recipe = recipe
         self.te_recipe = make_te_recipe(recipe)
+        self.fused_wgrad = fused_wgrad
 
     def linear(
         self,
@@ -639,7 +693,8 @@ class TEBackend:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> nn.Module:
-        return te_linear_class()(in_f, out_f, bias, self.recipe, self.te_recipe, device=device, dtype=dtype)
+        return te_linear_class()(in_f, out_f, bias, self.recipe, self.te_recipe, device=device, dtype=dtype,
+                                 fused_wgrad=self.fused_wgrad)
 
     def __repr__(self) -> str:
         return f"TEBackend({self.recipe})"

@@ -201,6 +201,7 @@ def count_steady(ranks: Sequence[Any], manager: Any | None) -> tuple[dict[str, i
             if token is not None:
                 grads.append(token.buffer)
     grads.extend(p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None)
+    grads.extend(_main_grads(chunks))  # fused accumulation: native eager's kept gradient buffers
     c.add("gradients", grads)
     fp8: list[torch.Tensor] = []
     for chunk in chunks:
@@ -222,11 +223,18 @@ def count_steady(ranks: Sequence[Any], manager: Any | None) -> tuple[dict[str, i
     return counted, reserved
 
 
+def _main_grads(chunks: Iterable[Any]) -> list[torch.Tensor]:
+    """The `main_grad` buffers fused wgrad accumulation keeps (a split path's placeholder holds 4 bytes)."""
+    return [g for chunk in chunks for p in chunk.parameters() if (g := getattr(p, "main_grad", None)) is not None]
+
+
 def transient_grad_bytes(ranks: Sequence[Any], native: bool) -> int:
-    """Native eager's per-step `.grad` bytes: every parameter's gradient, in the parameter's dtype."""
+    """Native eager's per-step `.grad` bytes: every parameter's gradient, in the parameter's dtype, except
+    the fused-accumulation weights', whose buffer is kept (`count_steady`)."""
     if not native:
         return 0
-    return sum(p.numel() * p.element_size() for r in ranks for chunk in r.chunks.values() for p in chunk.parameters())
+    return sum(p.numel() * p.element_size() for r in ranks for chunk in r.chunks.values() for p in chunk.parameters()
+               if getattr(p, "main_grad", None) is None)
 
 
 def measure_split(pipe: Any, *, peak: int, baseline: int, steady: int, peak_reserved: int | None,

@@ -53,7 +53,7 @@ def schedule_of(cfg: RunConfig, native: bool = False) -> Schedule:
 def build_chunks_for(cfg: RunConfig, device: str | torch.device, phase: Phase = no_phase,
                      stages: Sequence[int] | None = None) -> dict[int, torch.nn.Module]:
     """The configured model's chunks by stage: all of them, or only `stages` (one process's ranks)."""
-    backend = get_backend(cfg.fp8.backend, recipe_of(cfg))
+    backend = get_backend(cfg.fp8.backend, recipe_of(cfg), fused_wgrad=cfg.pipeline.wgrad_accumulation == "fused")
     chunks = build_chunks(GPTShape.from_config(cfg), backend, seed=cfg.train.seed, device=device,
                           dtype=dtype_of(cfg), head=cfg.fp8.head, phase=phase, stages=stages)
     return {c.stage: c for c in chunks}
@@ -88,7 +88,10 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, 
 def staging_of(p: PipelineConfig, schedule: Schedule, stages: Iterable[int], *, direct: bool = True) -> dict[int, int]:
     """Each stage's staging depth (0: not staged). A direct dW writes its staging slot from its own graph,
     so with `wgrad_staging_by_liveness` a stage stages at a depth that follows its chains
-    (`graphs.binding.staging_depth`); eager and captured alike, so the arena is the rank's, not the path's."""
+    (`graphs.binding.staging_depth`); eager and captured alike, so the arena is the rank's, not the path's.
+    Fused accumulation stages nothing: the GEMM adds into the gradient itself."""
+    if p.wgrad_accumulation == "fused":
+        return {s: 0 for s in stages}
     slots = slots_for(schedule)
     if direct and p.wgrad_staging_by_liveness:
         return {s: staging_depth(p.wgrad_staging, slots[s], schedule.microbatches) for s in stages}

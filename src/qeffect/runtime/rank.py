@@ -236,6 +236,8 @@ class QEffectRank(BaseRank):
                 # gradients arrive in the parameter's dtype and are staged in it (an exact copy always)
                 act = activation[1] if activation is not None else p.dtype
                 staging_dtypes[name] = lin.wgrad_dtype(act) if direct else p.dtype
+                if getattr(lin, "needs_main_grad", False):  # fused accumulation: each dW names its destination
+                    lin.bind_main_grad(None)
         self.arena = GradientArena(specs, microbatches, device=device, name=f"rank{rank}.arena",
                                    accumulate=accumulate, staging=depths if accumulate else 0,
                                    staging_dtypes=staging_dtypes, reduce=fold_staged, reduce_gated=fold_staged_gated,

@@ -3,7 +3,8 @@
 This is the oracle every qeffect mode is compared with (docs/design.md §7). It uses no contracts: plain
 autograd, gradients accumulated by autograd into `.grad` in backward order. Interleaved 1F1B runs each
 stage's backward in ascending microbatch order, so `.grad` is summed m = 0, 1, ..., M-1 — the same fixed
-order the gradient arena uses.
+order the gradient arena uses. With fused accumulation on Transformer Engine the wgrad GEMM accumulates
+into the weight's `main_grad` instead (autograd gets no weight gradient), and `.grad` is that buffer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ class NativeStage:
     def __post_init__(self) -> None:
         self.chunk.set_delay_wgrad(False)
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # fused accumulation: each weight's fp32 gradient buffer, written by its wgrad GEMM (overwritten on
+        # microbatch 0, added into after), kept across steps like Megatron-LM's gradient buffer
+        fused = [lin for lin in self.chunk.matrix_linears().values() if getattr(lin, "needs_main_grad", False)]
+        for lin in fused:
+            lin.bind_main_grad(torch.zeros_like(lin.weight, dtype=torch.float32))
+        self._main_grads = [lin.weight for lin in fused]
 
     @property
     def stage(self) -> int:
@@ -37,6 +44,8 @@ class NativeStage:
     def backward(self, m: int, grad_output: torch.Tensor) -> torch.Tensor | None:
         x, out = self._saved.pop(m)
         torch.autograd.backward(out, grad_output)
+        for w in self._main_grads:  # the optimizer, clipping and reductions read `.grad`
+            w.grad = w.main_grad
         return x.grad if x.requires_grad else None
 
     @property
