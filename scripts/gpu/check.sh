@@ -32,9 +32,9 @@
 #                    at h4096 with release offload; the capped h4096-long pair with shared pools (H200)   (~7 min)
 #   wgrad-fused      pipeline.wgrad_accumulation = fused: pytest -m gpu tests/test_wgrad_accumulation.py; verify-state
 #                    at h2048 te (captured-direct Interleaved and ZB-V, captured-copy); rank_streams_ab.py --field
-#                    pipeline.wgrad_accumulation at h2048 and h4096 (captured-direct step time and memory)   (~5 min)
+#                    pipeline.wgrad_accumulation at h2048 and h4096 (captured-direct step time and memory)   (~2-3 min)
 #   profile-fused    benchmarks/profile_matrix.py at h2048 and h4096 te with fused accumulation: native eager and
-#                    captured-direct, 3 interleaved rounds, memory split and ratio to native          (~5 min)
+#                    captured-direct, 3 interleaved rounds, memory split and ratio to native          (~1-2 min)
 #   llama            pytest -m gpu on the llama tests; bitwise matrix at llama-h2048, both backends (~6 min)
 #   long-seq         verify-state at h2048 with 2,048 tokens per sequence: captured-direct te at microbatch size 2
 #                    and 1, eager te, captured-direct reference; attention backends' bits at that shape    (~4 min)

@@ -120,7 +120,10 @@ class PipelineConfig(_Strict):
         "Transformer Engine's fuse_wgrad_accumulation): no bf16 gradient, no staging (wgrad_staging is "
         "unused), the gradient memory of native eager. Native eager and every path follow the choice, so "
         "each is bitwise equal to its own native eager; the two choices differ in the last bits of bf16 "
-        "runs (with fp32 activations they agree).", "add")
+        "runs (with fp32 activations they agree). Each microbatch reads and writes the fp32 gradient: on an "
+        "H100 captured-direct te takes +26% / +50% step time at h2048 / h4096 (256 tokens per microbatch) "
+        "for a peak of 0.99x native eager's (was 1.14x / 1.53x), and +1.6% at 4,096 tokens per microbatch, "
+        "saving 16 GiB.", "add")
 
     @property
     def num_stages(self) -> int:
@@ -247,7 +250,8 @@ class RuntimeConfig(_Strict):
         "'shared': graphs whose replays follow their capture order share a pool, so temporaries are reserved "
         "once per pool: with offload (one chain per microbatch) a stage's F graphs share one and its dI "
         "graphs another; without, each chain's F and dI share one (chains are bounded by liveness). dW graphs keep private pools. Every replay is checked to follow its pool's capture order. "
-        "Same bits. Experimental: not yet run on a GPU (tests/test_graph_pools_gpu.py).")
+        "Same bits (tests/test_graph_pools_gpu.py). Experimental: on an H100 the same step time, and peak "
+        "reserved 26.7 -> 25.5 GiB at h4096 (allocated equal).")
 
 
 class OffloadConfig(_Strict):
