@@ -31,8 +31,9 @@
 #                    h2048 and h4096 (step time, peak allocated and reserved, shared against private pools), then
 #                    at h4096 with release offload; the capped h4096-long pair with shared pools (H200)   (~7 min)
 #   wgrad-fused      pipeline.wgrad_accumulation = fused: pytest -m gpu tests/test_wgrad_accumulation.py; verify-state
-#                    at h2048 te (captured-direct Interleaved and ZB-V, captured-copy); rank_streams_ab.py --field
-#                    pipeline.wgrad_accumulation at h2048 and h4096 (captured-direct step time and memory)   (~2-3 min)
+#                    at h2048 te (captured-direct Interleaved and ZB-V, captured-copy; captured-direct at M = 16);
+#                    rank_streams_ab.py --field pipeline.wgrad_accumulation at h2048 and h4096 (captured-direct step
+#                    time and memory)                                                                   (~3-4 min)
 #   profile-fused    benchmarks/profile_matrix.py at h2048 and h4096 te with fused accumulation: native eager and
 #                    captured-direct, 3 interleaved rounds, memory split and ratio to native          (~1-2 min)
 #   llama            pytest -m gpu on the llama tests; bitwise matrix at llama-h2048, both backends (~6 min)
@@ -205,6 +206,11 @@ wgrad-fused)
         step "verify-fused-$path-$schedule" 120 python3 -m qeffect verify-state -c $H2048 "${FUSED[@]}" \
             --set pipeline.schedule="$schedule" --steps 6 --path "$path" --backend te \
             --json "$OUT/verify-fused-h2048-$path-$schedule-te.json"
+    done
+    for schedule in interleaved zbv; do  # graphs bounded by liveness at M = 16
+        step "verify-fused-m16-$schedule" 120 python3 -m qeffect verify-state -c $H2048 "${FUSED[@]}" \
+            --set pipeline.schedule="$schedule" --set pipeline.microbatches=16 --steps 5 --path captured-direct \
+            --backend te --json "$OUT/verify-fused-h2048-m16-captured-direct-$schedule-te.json"
     done
     step wgrad-accumulation-ab 150 python3 benchmarks/rank_streams_ab.py --field pipeline.wgrad_accumulation \
         --out "$OUT" --rounds 3 --trace 0 --steps 10 --warmup 3
