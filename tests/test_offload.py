@@ -743,6 +743,34 @@ def test_a_reap_queries_the_d2h_copies_in_their_order_and_stops_at_the_first_not
     assert mgr.reap() == 4 - len(done) and mgr._d2h_fifo == [] and mgr.stats.released_live == 4
 
 
+@pytest.mark.parametrize("keep", [0, 1, 2])
+def test_a_host_far_ahead_waits_for_the_oldest_copy_out_beyond_max_pending_copies(keep: int) -> None:
+    """A lazy device (nothing runs until waited for), as a host far ahead of the GPU sees it: no query
+    finds a copy-out done, so without the bound nothing is released; with `max_pending_copies` the host
+    waits for the oldest and at most that many slots stay mapped for their copy-outs."""
+    dev, mgr, groups = build("release", lookahead=0, progress=0, reap=False, max_pending_copies=keep)
+    for k, g in enumerate(groups):
+        g.before_forward()
+        g.after_forward()
+        assert len(mgr._d2h_fifo) == (k + 1 if keep == 0 else min(k + 1, keep))
+    assert mgr.stats.unmaps == (0 if keep == 0 else len(groups) - keep)
+    assert mgr.mapped_bytes() == sum(g.slot.size for g in groups if g.slot.mapped)
+    dev.synchronize()
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_max_pending_copies_restores_the_right_bytes_in_every_interleaving(program: str) -> None:
+    prog, order = PROGRAMS[program]
+    released = 0
+    for seed in range(12):
+        dev, mgr, groups = build("release", seed, layers=len(order), order=order, progress=0, reap=False,
+                                 max_pending_copies=1)
+        assert run_program(dev, groups, prog) == [], (program, seed)
+        assert mgr.stats.h2d_copies == mgr.stats.released_live + mgr.stats.released_at_backward
+        released += mgr.stats.released_live
+    assert released > 0  # the lazy device released nothing by queries: the waits did
+
+
 def test_timing_records_which_backward_a_restore_ran_under() -> None:
     dev, mgr, groups = build("release", timing=True, release_at_backward=True)  # (G3's backward restores too)
     assert run_program(dev, groups, STACK[0], steps=1) == []

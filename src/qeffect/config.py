@@ -278,6 +278,11 @@ class OffloadConfig(_Strict):
     reap: bool = Field(
         False, description="Release: also release a slot after its backward (its memory comes back until the "
         "group's next forward, for one more unmap and remap per group and step).")
+    max_pending_copies: int = Field(
+        0, ge=0, le=1024, description="Release: at most this many groups' slots stay mapped while their "
+        "copy-out runs; beyond that the host waits for the oldest copy-out and releases its slot (0: never "
+        "waits, releasing only what a query finds done). A host that runs far ahead of the device, as at "
+        "thousands of tokens per microbatch, otherwise finds no copy-out done and releases nothing.")
     release_at_backward: bool = Field(
         False, description="Release: a backward that finds its group's copy-out not yet seen done waits for "
         "it, releases the slot and restores it (false: keeps the slot mapped and reads the bytes in place).")

@@ -706,6 +706,9 @@ class OffloadManager:
         # still there: no unmap, map or H2D; `kept_at_backward`). True: the host waits for the D2H, releases the
         # slot and restores it at once (its memory comes back only for that moment).
         self.release_at_backward = config.release_at_backward
+        # release: the host waits for the oldest copy-out once more than this many are pending (0: never), so
+        # that slots are released however far ahead of the device the host runs
+        self.max_pending_copies = config.max_pending_copies
         self.shared: list[list[OffloadGroup]] = []  # release: the runs of groups sharing a slot (backward order)
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = config.skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
@@ -998,6 +1001,22 @@ class OffloadManager:
     def _maybe_reap(self, *, exclude: OffloadGroup | None = None) -> None:
         if self.mode == "release":
             self.reap(block=False, exclude=exclude)
+            if self.max_pending_copies:
+                self._reap_oldest(self.max_pending_copies, exclude=exclude)
+
+    def _reap_oldest(self, keep: int, *, exclude: OffloadGroup | None) -> int:
+        """Release: the host waits for the oldest pending copy-outs and releases their slots until at most
+        `keep` remain pending (groups inside a replay, or in a shared slot another member still fills, stay
+        and are passed over). Every copy waited for is already queued behind work the host launched, so the
+        wait ends; it only keeps the host from mapping more than `keep` slots ahead of the device."""
+        n = 0
+        for g in list(self._d2h_fifo):
+            if len(self._d2h_fifo) <= keep:
+                break
+            if g is exclude or g.phase is not None or g.state is not GroupState.RELEASE_D2H_PENDING:
+                continue
+            n += self._release(g, block=True)
+        return n
 
     # ---------------------------------------------------------------------------------- public
     def begin_step(self) -> int:
