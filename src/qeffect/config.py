@@ -282,7 +282,10 @@ class OffloadConfig(_Strict):
         0, ge=0, le=1024, description="Release: at most this many groups' slots stay mapped while their "
         "copy-out runs; beyond that the host waits for the oldest copy-out and releases its slot (0: never "
         "waits, releasing only what a query finds done). A host that runs far ahead of the device, as at "
-        "thousands of tokens per microbatch, otherwise finds no copy-out done and releases nothing.")
+        "thousands of tokens per microbatch, otherwise finds no copy-out done and releases nothing (h4096-long "
+        "at microbatch size 2 on an H100: 0 of the slot bytes returned before their backward; with 2, 0.90 "
+        "of them, at 1.29x no offload's step instead of 1.14x, and no lower peak of driver memory, since the "
+        "caching allocator keeps its own).")
     release_at_backward: bool = Field(
         False, description="Release: a backward that finds its group's copy-out not yet seen done waits for "
         "it, releases the slot and restores it (false: keeps the slot mapped and reads the bytes in place).")
