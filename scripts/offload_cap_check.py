@@ -12,8 +12,9 @@ leave memory behind for the next):
 3. capped, no offload: must stop with the one-line refusal and a nonzero status;
 4. capped, `release`: must train every step, its last checkpoint bitwise equal to run 1's.
 
-The cap bounds what torch's caching allocator reserves, so it must lie above what run 2 reserved and
-below what run 1 allocated (`summary.json`'s `peak_reserved_bytes` and `peak_allocated_bytes`). It is the
+The cap bounds what torch's caching allocator reserves plus offload's mapped slots (CUDA VMM, counted with
+it under a cap), so it must lie above what run 2 reserved and mapped and below what run 1 allocated
+(`summary.json`'s `peak_reserved_bytes`, `offload_peak_mapped_bytes` and `peak_allocated_bytes`). It is the
 config's own `train.memory_fraction` when that lies between the two on this device (so that on the GPU
 the config was written for, that is what is checked); otherwise the fraction halfway between them, and
 the report says so.
@@ -64,16 +65,17 @@ def peak(run: dict, key: str = "peak_allocated_bytes") -> int | None:
 def place_cap(total: int, *, release_reserved: int, off_allocated: int, own: float) -> tuple[float, str] | str:
     """The cap as a fraction of `total` device bytes and why; or, where none separates the runs, why not.
 
-    The cap bounds what the caching allocator reserves (graph pools included), so release needs what it
-    reserved, not what it allocated; no offload must not fit, so its allocated peak is the upper end."""
+    The cap bounds what the caching allocator reserves (graph pools included) and offload's mapped slots,
+    so release needs what it reserved and mapped (`release_reserved`), not what it allocated; no offload
+    must not fit, so its allocated peak is the upper end."""
     low, high = release_reserved, off_allocated
     if low >= high:
-        return (f"no cap separates the two runs: release reserved {low / 2**30:.1f} GiB, no offload allocated "
-                f"{high / 2**30:.1f} GiB")
+        return (f"no cap separates the two runs: release reserved and mapped {low / 2**30:.1f} GiB, no offload "
+                f"allocated {high / 2**30:.1f} GiB")
     if own and low < own * total < high:
         return own, "the config's own train.memory_fraction (between the two uncapped peaks here)"
     return round((low + high) / 2 / total, 4), (
-        f"halfway between release's reserved and no offload's allocated peak, uncapped (the config's {own} = "
+        f"halfway between release's reserved and mapped peak and no offload's allocated peak, uncapped (the config's {own} = "
         f"{own * total / 2**30:.1f} GiB does not lie between {low / 2**30:.1f} and {high / 2**30:.1f} GiB on "
         "this device)")
 
@@ -103,12 +105,13 @@ def main() -> int:
                                      checkpoint=False)
     p_off, p_rel = peak(runs["uncapped-off"]), peak(runs["uncapped-release"])
     r_rel = peak(runs["uncapped-release"], "peak_reserved_bytes")
+    mapped = peak(runs["uncapped-release"], "offload_peak_mapped_bytes") or 0
     if p_off is None or p_rel is None or r_rel is None:
         report["verdict"] = "an uncapped run failed: no cap to place"
         write_json(Path(a.json), report)
         print(report["verdict"])
         return 1
-    placed = place_cap(total, release_reserved=r_rel, off_allocated=p_off, own=cfg.train.memory_fraction)
+    placed = place_cap(total, release_reserved=r_rel + mapped, off_allocated=p_off, own=cfg.train.memory_fraction)
     if isinstance(placed, str):
         report["verdict"] = placed
         write_json(Path(a.json), report)
@@ -117,7 +120,7 @@ def main() -> int:
     fraction, why = placed
     report["cap"] = {"fraction": fraction, "bytes": int(fraction * total), "why": why,
                      "uncapped_off_peak_bytes": p_off, "uncapped_release_peak_bytes": p_rel,
-                     "uncapped_release_peak_reserved_bytes": r_rel}
+                     "uncapped_release_peak_reserved_bytes": r_rel, "uncapped_release_peak_mapped_bytes": mapped}
     print(f"cap: {fraction} of {total / 2**30:.1f} GiB = {fraction * total / 2**30:.1f} GiB: {why}", flush=True)
     runs["capped-off"] = train(a.config, a.steps, root / "capped-off",
                                [*a.set, f"train.memory_fraction={fraction}", "offload.mode=\"off\""],

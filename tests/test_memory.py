@@ -208,3 +208,55 @@ def test_a_capped_run_that_does_not_fit_stops_in_one_line() -> None:
     with pytest.raises(ValueError, match="other"):  # not memory: unchanged
         with refuse_out_of_memory(CAP_CFG):
             raise ValueError("other")
+
+
+def test_offload_slots_count_against_the_cap_with_torchs_reserved_bytes() -> None:
+    """`CappedVmm`: a slot that would take torch's reserved bytes plus the live slots over the cap is refused
+    as an out-of-memory error before any physical memory is made; torch's own limit follows the live slots."""
+    from qeffect.offload.fake import FakeDevice
+    from qeffect.runtime.memory_cap import CappedVmm
+
+    dev = FakeDevice(0, granularity=2 * 1024**2)
+    driver = dev.driver()
+    made = []
+    create = driver.create
+    driver.create = lambda size: made.append(size) or create(size)
+    limits: list[int] = []
+    reserved = [10 * 2**20]
+    vmm = CappedVmm(driver, 16 * 2**20, reserved=lambda: reserved[0], set_limit=limits.append)
+    a = vmm.create(4 * 2**20)
+    assert vmm.live_bytes == 4 * 2**20 and limits == [12 * 2**20]
+    with pytest.raises(torch.OutOfMemoryError, match="offload slot") as err:
+        vmm.create(4 * 2**20)  # 10 reserved + 4 live + 4 > 16
+    assert is_out_of_memory(err.value) and made == [4 * 2**20] and vmm.live_bytes == 4 * 2**20
+    reserved[0] = 6 * 2**20
+    b = vmm.create(4 * 2**20)
+    assert vmm.peak_bytes == 8 * 2**20 and limits[-1] == 8 * 2**20
+    vmm.release(a)
+    vmm.release(b)
+    assert vmm.live_bytes == 0 and limits[-1] == 16 * 2**20
+    assert vmm.granularity == driver.granularity  # everything else is the driver's
+
+
+def test_an_offload_manager_over_the_cap_is_refused_in_one_line_and_records_its_mapped_peak() -> None:
+    from qeffect.config import OffloadConfig
+    from qeffect.offload.fake import FakeDevice
+    from qeffect.offload.group import OffloadManager
+    from qeffect.runtime.memory_cap import CappedVmm
+
+    def manager(cap: int) -> OffloadManager:
+        dev = FakeDevice(0, granularity=2 * 1024**2, progress=2)
+        vmm = CappedVmm(dev.driver(), cap, reserved=lambda: 0, set_limit=lambda _: None)
+        mgr = OffloadManager(OffloadConfig(mode="release", min_window=0), device="cpu", driver=vmm, streams=dev,
+                             owns_driver=True)
+        for k in range(3):
+            mgr.group(f"G{k}").discover(torch.empty(1024, 1024))  # 4 MiB each
+        return mgr
+
+    mgr = manager(64 * 2**20)
+    mgr.allocate()
+    assert mgr.stats.peak_mapped_bytes == mgr.mapped_bytes() == 12 * 2**20
+    mgr.close()
+    with pytest.raises(UserError, match="^train.memory_fraction = 0.3: the captured-direct run does not fit"):
+        with refuse_out_of_memory(CAP_CFG.with_overrides(**{"offload.mode": "release"})):
+            manager(10 * 2**20).allocate()  # the third slot goes over

@@ -200,8 +200,9 @@ class TrainConfig(_Strict):
                                   "each save (0: keep all).")
     memory_fraction: float = Field(
         0.0, ge=0, le=1, description="Cap this process's CUDA memory at this fraction of the device's "
-        "(torch.cuda.set_per_process_memory_fraction; 0: no cap). A captured run that does not fit stops with "
-        "one line naming the cap; offload.mode = 'release' lowers the peak. Same bits with or without a cap.")
+        "(torch.cuda.set_per_process_memory_fraction; 0: no cap), offload's slots (CUDA VMM, outside torch's "
+        "allocator) counted with it. A captured run that does not fit stops with one line naming the cap; "
+        "offload.mode = 'release' lowers the peak. Same bits with or without a cap.")
 
     @model_validator(mode="after")
     def _cap_needs_cuda(self) -> TrainConfig:

@@ -233,6 +233,9 @@ class OffloadStats:
     h2d_copies: int = 0
     h2d_bytes: int = 0
     maps: int = 0  # physical mappings created on the hot path (not counting allocate)
+    # the most device bytes mapped by slots and banks at once, as the host saw it after each mapping: memory the
+    # caching allocator does not count (CUDA VMM)
+    peak_mapped_bytes: int = 0
     unmaps: int = 0
     released_live: int = 0  # release mode: slots released between forward and backward once a query found the D2H done
     # release mode, `release_at_backward`: slots whose backward came first, released by its wait, then restored
@@ -460,6 +463,7 @@ class OffloadGroup:
             if not self.slot.mapped:
                 self.slot.map()  # a fresh mapping: the forward writes every view before anything reads it
                 m.stats.maps += 1
+                m.note_mapped()
             elif self.state is not GroupState.UNMAPPED and self._consumed_recorded:
                 # still mapped: the last backward's reads come before these writes (a D2H still reading the
                 # slot may copy torn bytes, but only into this group's host buffer, which this forward's own
@@ -674,7 +678,8 @@ class OffloadManager:
 
     def __init__(self, config: OffloadConfig, *, device: torch.device | str | None = None,
                  driver: VmmDriver | None = None, streams: StreamOps | None = None, timing: bool = False,
-                 alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None) -> None:
+                 alignment: int = ALIGNMENT, eligible: Callable[[Tensor], bool] | None = None,
+                 owns_driver: bool = False) -> None:
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"OffloadManager takes an OffloadConfig (the run config's [offload] section), got "
                             f"{config!r}")
@@ -750,7 +755,7 @@ class OffloadManager:
         self.device = torch.device(device)
         self.driver: VmmDriver | None = driver
         self.streams: StreamOps | None = streams
-        self._own_driver = False
+        self._own_driver = owns_driver and driver is not None  # `close` closes a given driver too
         if self.mode != "off":
             if self.device.type == "cuda" and self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -844,6 +849,7 @@ class OffloadManager:
         for g in self.groups:
             g.state = GroupState.MAPPED
         self._allocated = True
+        self.note_mapped()
 
     def short_window(self, events: Sequence[tuple[str, Any]]) -> set[Any]:
         """The groups of `events` this manager does not offload (`offload.plan.short_window_groups`): release
@@ -937,6 +943,7 @@ class OffloadManager:
             if not g.slot.mapped:
                 g.slot.map()  # same VA, new pages
                 self.stats.maps += 1
+                self.note_mapped()
             for m in g.members:
                 if m is g or (m.state is GroupState.UNMAPPED and m.live and m.phase is None):
                     self._copy_in(m, under, [])
@@ -1121,6 +1128,10 @@ class OffloadManager:
     def mapped_bytes(self) -> int:
         """Device bytes currently mapped by this manager's slots and banks."""
         return sum(s.size for s in self.slots() if s.mapped)
+
+    def note_mapped(self) -> None:
+        """After a mapping: `stats.peak_mapped_bytes` takes the bytes mapped now."""
+        self.stats.peak_mapped_bytes = max(self.stats.peak_mapped_bytes, self.mapped_bytes())
 
     def host_bytes(self) -> int:
         return sum(g.host.numel() for g in self.groups if g.host is not None)

@@ -19,6 +19,7 @@ from qeffect.model import GPTShape, build_chunks
 from qeffect.offload.group import OffloadManager
 from qeffect.offload.planning import StepInputs, matrix_elements
 from qeffect.offload.planning import plan as plan_offload
+from qeffect.runtime.memory_cap import CappedVmm, cap_bytes
 from qeffect.runtime.phases import Phase, SetupClock, no_phase, phase_of
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.runtime.single import SingleProcessPipeline
@@ -193,7 +194,8 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     if step_graph and (path != "captured-direct" or config.mode != "off"):
         raise UserError(f"runtime.step_graph records captured-direct steps without offload; got train.path = "
                         f"{path}, offload.mode = {config.mode}")
-    offload = make_offload_manager(config, device) if config.mode != "off" else None
+    offload = make_offload_manager(config, device, cap=cap_bytes(cfg, torch.device(device))) \
+        if config.mode != "off" else None
     # stream-ordered: graphs launched on the caller's stream (no cross-stream edge per replay; the same
     # guarantees as the two-way handshake, 1.5% faster at h2048: benchmarks/replay_protocol.py); a step
     # graph adds each action's graph to its capture, so the graphs keep their `cudaGraph_t`
@@ -201,13 +203,19 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     return manager, offload, path == "captured-direct"
 
 
-def make_offload_manager(config: OffloadConfig, device: str | torch.device) -> OffloadManager:
+def make_offload_manager(config: OffloadConfig, device: str | torch.device, *, cap: int | None = None) -> OffloadManager:
     """One offload manager per device, every knob from `config` (the run's `[offload]` section); a clear
-    error where VMM offload cannot work."""
-    from qeffect.offload.driver import OffloadUnavailable
+    error where VMM offload cannot work. `cap` (`train.memory_fraction` in bytes): its slots count against
+    the cap with torch's memory (`memory_cap.CappedVmm`)."""
+    from qeffect.offload.driver import OffloadUnavailable, VmmDriver
 
+    dev = torch.device(device)
     try:
-        return OffloadManager(config, device=torch.device(device))
+        if cap is None:
+            return OffloadManager(config, device=dev)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return OffloadManager(config, device=torch.device("cuda", index), driver=CappedVmm(VmmDriver(index), cap),
+                              owns_driver=True)
     except OffloadUnavailable as err:
         raise UserError(f"offload.mode = {config.mode}: {err}") from None
 

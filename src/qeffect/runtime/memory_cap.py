@@ -6,12 +6,17 @@ be shown to need it. torch's caching allocator enforces the cap (`set_per_proces
 an allocation over it raises `torch.OutOfMemoryError`. Inside a CUDA graph capture the failed allocation
 also invalidates the capture, and the capture's own exit may raise a second error over it, so the out of
 memory error is looked for along the exception's chain.
+
+Offload's slots are CUDA VMM memory, which the caching allocator never sees: under a cap, `CappedVmm`
+counts them with torch's reserved bytes, so that a run cannot pass by moving its activations out of the
+cap's sight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -32,6 +37,59 @@ def apply_memory_fraction(cfg: RunConfig, device: torch.device | None = None) ->
     index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     return fraction
+
+
+def cap_bytes(cfg: RunConfig, device: torch.device) -> int | None:
+    """The cap in bytes on `device` (None without one)."""
+    if not cfg.train.memory_fraction:
+        return None
+    return int(cfg.train.memory_fraction * torch.cuda.get_device_properties(device).total_memory)
+
+
+class CappedVmm:
+    """A VMM driver (`offload.driver.VmmDriver`) whose physical memory counts against the cap with the
+    caching allocator's reserved bytes: a `create` that would take their sum over the cap raises
+    `torch.OutOfMemoryError`, as a torch allocation over it does, and torch's own limit is the cap less
+    the live VMM bytes, moved at each `create` and `release`. Everything else is the wrapped driver's.
+    `reserved` and `set_limit` default to torch's (CUDA) and are parameters for tests."""
+
+    def __init__(self, driver: Any, cap: int, *, reserved: Callable[[], int] | None = None,
+                 set_limit: Callable[[int], None] | None = None) -> None:
+        self._driver = driver
+        self.cap = cap
+        index = getattr(driver, "ordinal", 0)
+        total = torch.cuda.get_device_properties(index).total_memory if set_limit is None else 0
+        self._reserved = reserved or (lambda: torch.cuda.memory_reserved(index))
+        self._set_limit = set_limit or (
+            lambda nbytes: torch.cuda.set_per_process_memory_fraction(max(nbytes, 0) / total, index))
+        self._live: list[tuple[Any, int]] = []  # (handle, bytes) of every physical allocation not released
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._driver, name)
+
+    def create(self, size: int) -> Any:
+        used = self._reserved()
+        if used + self.live_bytes + size > self.cap:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory: an offload slot of {size} bytes over the cap of {self.cap} bytes "
+                f"(torch reserved {used}, offload slots {self.live_bytes})")
+        handle = self._driver.create(size)
+        self._live.append((handle, size))
+        self.live_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._set_limit(self.cap - self.live_bytes)
+        return handle
+
+    def release(self, handle: Any) -> None:
+        self._driver.release(handle)
+        for i, (h, size) in enumerate(self._live):
+            if h is handle or h == handle:
+                del self._live[i]
+                self.live_bytes -= size
+                self._set_limit(self.cap - self.live_bytes)
+                break
 
 
 def is_out_of_memory(err: BaseException) -> bool:

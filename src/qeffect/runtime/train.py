@@ -100,14 +100,23 @@ class TrainSummary(BaseModel):
     mfu_peak_source: str | None = None
     mfu_note: str = ""
     peak_allocated_bytes: int | None = None
-    # the caching allocator's running peak of reserved device memory: what `train.memory_fraction` bounds
+    # the caching allocator's running peak of reserved device memory, which `train.memory_fraction` bounds
     peak_reserved_bytes: int | None = None
+    # offload's slots and banks (CUDA VMM, outside the caching allocator): the most mapped at once, as the host
+    # saw it; under a cap they count against it with the reserved bytes (None without offload)
+    offload_peak_mapped_bytes: int | None = None
 
 
 @dataclass
 class _Data:
     stream: DataStream
     heldout: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _offload_peak_mapped(pipe: object) -> int | None:
+    """The pipeline's offload slots' peak mapped bytes (None without offload)."""
+    offload = getattr(pipe, "offload", None)
+    return None if offload is None else offload.stats.peak_mapped_bytes
 
 
 def _prepare_data(cfg: RunConfig, dp_rank: int, dp_size: int) -> _Data:
@@ -461,6 +470,7 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
         mfu=mfu.mfu(med), mfu_flops_per_step=mfu.flops_per_step, mfu_peak_flops=mfu.peak_flops,
         mfu_peak_name=mfu.peak_name, mfu_peak_source=mfu.peak_source, mfu_note=mfu.note,
         peak_allocated_bytes=M.peak_allocated_bytes(device), peak_reserved_bytes=M.peak_reserved_bytes(device),
+        offload_peak_mapped_bytes=_offload_peak_mapped(pipe),
     )
     if run_dir is not None:
         (run_dir / "summary.json").write_text(summary.model_dump_json(indent=2) + "\n")
