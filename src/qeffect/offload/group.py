@@ -1017,13 +1017,18 @@ class OffloadManager:
         and are passed over). Every copy waited for is already queued behind work the host launched, so the
         wait ends; it only keeps the host from mapping more than `keep` slots ahead of the device."""
         n = 0
-        for g in list(self._d2h_fifo):
+        for g in self._pending_copies(exclude):
             if len(self._d2h_fifo) <= keep:
                 break
-            if g is exclude or g.phase is not None or g.state is not GroupState.RELEASE_D2H_PENDING:
-                continue
             n += self._release(g, block=True)
         return n
+
+    def _pending_copies(self, exclude: OffloadGroup | None) -> Iterator[OffloadGroup]:
+        """The copy-out queue's groups still pending and outside any replay, oldest first, each checked when
+        its turn comes (one released with another member of its shared slot is no longer pending)."""
+        for g in list(self._d2h_fifo):
+            if g is not exclude and g.phase is None and g.state is GroupState.RELEASE_D2H_PENDING:
+                yield g
 
     # ---------------------------------------------------------------------------------- public
     def begin_step(self) -> int:
@@ -1045,9 +1050,7 @@ class OffloadManager:
             return 0
         n = 0
         if not block and not self.release_consumed:  # only D2H-pending slots to release: front to back
-            for g in list(self._d2h_fifo):
-                if g is exclude or g.phase is not None or g.state is not GroupState.RELEASE_D2H_PENDING:
-                    continue  # (not pending any more: released with another member of its shared slot)
+            for g in self._pending_copies(exclude):
                 if not self.streams.query(g.d2h_done):
                     break  # a later D2H on the same stream is not done either
                 n += self._release(g, block=False, done=g.d2h_done)  # (False: a member of its shared slot is not ready)

@@ -63,8 +63,11 @@ class CappedVmm:
         self._set_limit = set_limit or (
             lambda nbytes: torch.cuda.set_per_process_memory_fraction(max(nbytes, 0) / total, index))
         self._live: list[tuple[Any, int]] = []  # (handle, bytes) of every physical allocation not released
-        self.live_bytes = 0
         self.peak_bytes = 0
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(size for _, size in self._live)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._driver, name)
@@ -77,17 +80,15 @@ class CappedVmm:
                 f"(torch reserved {used}, offload slots {self.live_bytes})")
         handle = self._driver.create(size)
         self._live.append((handle, size))
-        self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._set_limit(self.cap - self.live_bytes)
         return handle
 
     def release(self, handle: Any) -> None:
         self._driver.release(handle)
-        for i, (h, size) in enumerate(self._live):
+        for i, (h, _) in enumerate(self._live):
             if h is handle or h == handle:
                 del self._live[i]
-                self.live_bytes -= size
                 self._set_limit(self.cap - self.live_bytes)
                 break
 
