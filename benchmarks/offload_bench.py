@@ -35,12 +35,13 @@ default), `release-reap` for release offload that also releases them after their
 (`offload.reap = true`; the A/B) and
 `resident-copyall` (also `resident-copyall@K`) for resident offload that copies every group to the host,
 even those the plan keeps in their bank (`offload.skip_kept_d2h = false`; the A/B of the skip), and
-`release-all` and `resident-all` (also `resident-all@K`) for offload of every group, short windows
-included (`offload.min_window = 0`; the A/B of not offloading them), `resident-memory` (also
-`resident-memory@K`) for the search preferring less bank memory to fewer bytes copied among plans as fast
-(`offload.search_prefer = "memory"`; the A/B); `VARIANTS` lists them. Any mode
-takes a `/laN` suffix (`release/la2`, `resident@6/la3`): `offload.lookahead = N`, the offloaded
-groups each backward restores ahead (0: none; the A/B), and a `/mwN` suffix (`resident/mw12`):
+`release-per-microbatch` for release offload with a captured chain and group per microbatch
+(`offload.release_chains = "microbatch"`; the A/B of chains bounded by liveness), `release-all` and
+`resident-all` (also `resident-all@K`) for offload of every group, short windows included
+(`offload.min_window = 0`; the A/B of not offloading them), `resident-memory` (also `resident-memory@K`)
+for the search preferring less bank memory to fewer bytes copied among plans as fast
+(`offload.search_prefer = "memory"`; the A/B); `VARIANTS` lists them. Any mode takes a `/laN` suffix
+(`release/la2`, `resident@6/la3`): `offload.lookahead = N`, the offloaded groups each backward restores ahead (0: none; the A/B), and a `/mwN` suffix (`resident/mw12`):
 `offload.min_window = N`, groups with fewer other actions between their forward and backward stay
 on the device (the trade of memory for time).
 A `+section.field=VALUE` suffix (repeatable) overrides a config field for that mode
@@ -98,6 +99,8 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "release-keep": ("release", {"offload.reap": False}),  # consumed slots stay mapped (the default)
     "release-reap": ("release", {"offload.reap": True}),  # consumed slots released after their backward
     "release-all": ("release", {"offload.min_window": 0}),  # every group offloaded, short windows too
+    # a captured chain and a group per microbatch (default: chains bounded by liveness)
+    "release-per-microbatch": ("release", {"offload.release_chains": "microbatch"}),
     "resident-all": ("resident", {"offload.min_window": 0}),
     "resident-copyall": ("resident", {"offload.skip_kept_d2h": False}),  # every group copied out
     "resident-colour": ("resident", {"offload.bank_plan": "colour"}),  # the greedy colouring
@@ -166,6 +169,17 @@ def mode_config(cfg, label: str):
                                 "offload.search_banks": int(banks) if banks and searched else None,
                                 "offload.lookahead": depth, "offload.min_window": window})
     return mode, cfg.with_overrides(**given) if given else cfg
+
+
+def group_uses(pipe) -> dict[int, int]:
+    """Each offload group's forwards per step, by `id`: the microbatches of the chain it serves."""
+    uses: Counter = Counter()
+    for r in pipe.ranks:
+        for act in r.actions.values():
+            for m in range(len(act.plan.per_microbatch)):
+                if act.chain(m) in act.groups:
+                    uses[id(act.groups[act.chain(m)])] += 1
+    return dict(uses)
 
 
 class ModeRun:
@@ -303,9 +317,13 @@ class ModeRun:
         }
         if mgr is not None:
             st = mgr.stats
-            not_offloaded = sum(g.nbytes for g in mgr.not_offloaded)  # release: the short-window groups' bytes
+            uses = group_uses(pipe)  # a chain's group holds each of its microbatches in turn
+            # release: the short-window groups' bytes, per step
+            not_offloaded = sum(g.nbytes * uses.get(id(g), 1) for g in mgr.not_offloaded)
             res["offload"] = {
                 "groups": len(mgr.groups), "group_bytes": sum(g.nbytes for g in mgr.groups),
+                # what the step's forwards save for backward: each group's bytes once per forward it holds
+                "saved_bytes_per_step": sum(g.nbytes * uses.get(id(g), 1) for g in mgr.groups),
                 "banks": len(mgr.banks), "bank_plan": mgr.bank_plan, "mapped_bytes_now": mgr.mapped_bytes(),
                 # release: slots (a shared one once) and the groups sharing one (offload.share_slots)
                 "slots": len(mgr.slots()), "shared_slots": [[g.name for g in run] for run in mgr.shared],
@@ -320,7 +338,8 @@ class ModeRun:
                                                "released_live", "released_at_backward", "kept_at_backward", "reaped", "prefetches", "prefetches_wasted", "prefetches_skipped", "prefetches_futile",
                                                "reloads_skipped", "evictions")}}
             if mode == "release":
-                slot = sum(s.size for s in mgr.slots())  # each group's forward runs once
+                # each slot once per forward of a group in it (a shared slot's members run once each)
+                slot = sum(s.size * max(uses.get(id(g), 1) for g in members) for s, members in mgr.release_slots())
                 early = sum(d for _, _, d, by_bwd in returned if not by_bwd)
                 total = sum(d for _, _, d, _ in returned)
                 res["offload"]["release"] = {
@@ -422,7 +441,8 @@ def main() -> int:
     ap.add_argument("--schedule", default=None, help="override pipeline.schedule")
     ap.add_argument("--path", default="captured-direct")
     ap.add_argument("--modes", default="off,release,resident",
-                    help="comma list of off, release, release-keep, release-reap, release-all (every group offloaded), resident, "
+                    help="comma list of off, release, release-keep, release-reap, release-all (every group offloaded), "
+                         "release-per-microbatch (a chain and group per microbatch), resident, "
                          "resident@K (the searched plan within the colouring's memory with K banks), resident-colour, "
                          "resident-colour@K (the colouring, at least K banks), resident-copyall, resident-copyall@K "
                          "(no D2H skipped), resident-all, resident-all@K (short windows offloaded too), resident-memory, "
@@ -477,7 +497,7 @@ def main() -> int:
             ok &= res["bitwise_vs_off"]["losses_equal"] and not diff and res["bitwise_vs_off"]["same_keys"]
             if res.get("offload"):  # each mode's peak above what was allocated before its build: its own footprint
                 off = report["modes"]["off"]
-                res["saved_bytes"] = res["offload"]["group_bytes"]
+                res["saved_bytes"] = res["offload"]["saved_bytes_per_step"]
                 res["peak_drop_vs_off_bytes"] = ((off["peak_allocated_bytes"] - off["baseline_allocated_bytes"])
                                                  - (res["peak_allocated_bytes"] - res["baseline_allocated_bytes"]))
                 res["peak_drop_fraction_of_saved"] = res["peak_drop_vs_off_bytes"] / max(res["saved_bytes"], 1)
@@ -502,7 +522,7 @@ def main() -> int:
             if o is None:  # a repeat of off (off#2): the drift control
                 print(line, flush=True)
                 continue
-            line += (f", groups {o['groups']} ({o['group_bytes'] / 2**20:.0f} MiB saved for backward per step; peak "
+            line += (f", groups {o['groups']} ({o['saved_bytes_per_step'] / 2**20:.0f} MiB saved for backward per step; peak "
                      f"{res['peak_drop_vs_off_bytes'] / 2**20:.0f} MiB below off's, "
                      f"{res['peak_drop_fraction_of_saved']:.3f} of them), banks {o['banks']}")
             if o.get("bank_search"):

@@ -105,6 +105,19 @@ def test_mode_names_map_to_the_config_they_stand_for(bench) -> None:
     for bad in ("resident/x3", "resident/mw", "resident/la-1"):
         with pytest.raises(ValueError, match="unknown suffix"):
             bench.mode_config(cfg, bad)
+    mode, c = bench.mode_config(cfg, "release-per-microbatch/la2")
+    assert mode == "release" and c.offload.release_chains == "microbatch" and cfg.offload.release_chains == "liveness"
+
+
+def test_saved_bytes_count_each_group_once_per_forward_it_holds(bench) -> None:
+    """A chain's group serves several microbatches a step: `group_uses` counts them, so saved bytes per step
+    do not shrink when the chains (and groups) are bounded by liveness."""
+    from types import SimpleNamespace as NS
+
+    a, b = object(), object()
+    act = NS(plan=NS(per_microbatch=[0, 1, 2, 3]), groups={0: a, 1: b}, chain=lambda m: m % 2)
+    last = NS(plan=NS(per_microbatch=[0, 1, 2, 3]), groups={}, chain=lambda m: 0)  # nothing offloaded
+    assert bench.group_uses(NS(ranks=[NS(actions={0: act, 1: last})])) == {id(a): 2, id(b): 2}
 
 
 def test_plus_suffixes_are_config_overrides(bench) -> None:

@@ -137,8 +137,9 @@ def test_cli_offload_check_json(tmp_path: Path, capsys) -> None:
     assert report["granularity"] and report["cuda_bindings_version"]
 
 
-@pytest.mark.parametrize("mode", ["release", "release/la0", "resident", "release+first", "resident+first",
-                                  "release+first+shared", "release+first+shared+strict"])
+@pytest.mark.parametrize("mode", ["release+pm", "release/la0+pm", "resident", "release+first+pm", "resident+first",
+                                  "release+first+shared+pm", "release+first+shared+strict+pm", "release+first",
+                                  "release+first+strict", "release/la0"])
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule: str) -> None:
     """The captured stage actions with their saved activations in VMM groups: 0 mismatches vs native eager.
@@ -147,10 +148,13 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
     the others false. `+shared`: `offload.share_slots = "any"` (groups whose backwards follow one another
     share a slot: fewer unmaps and maps; the default), the others "off". `+strict`:
     `offload.release_at_backward` (a backward before any hook saw its D2H done waits, releases and restores;
-    else it reads the bytes in place, `kept_at_backward`, the default)."""
+    else it reads the bytes in place, `kept_at_backward`, the default). `+pm`: release with a chain and a
+    group per microbatch (`offload.release_chains = "microbatch"`); without, release's chains are bounded by
+    the schedule's liveness (the default: a group per chain, holding each of its microbatches in turn)."""
     from qeffect.config import load_config
     from qeffect.verify.state import run_verify_state
 
+    mode, pm, _ = mode.partition("+pm")
     mode, strict, _ = mode.partition("+strict")
     mode, shared, _ = mode.partition("+shared")
     mode, first, _ = mode.partition("+first")
@@ -160,14 +164,21 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
                                               "offload.release_at_backward": bool(strict),
                                               "offload.share_slots": "any" if shared else "off",
                                               "offload.launch_first": bool(first),
-                                              "offload.lookahead": int(depth) if depth else None})
+                                              "offload.lookahead": int(depth) if depth else None,
+                                              "offload.release_chains": "microbatch" if pm else "liveness"})
     report = run_verify_state(cfg, steps=3, path="captured-direct")
     assert report.passed, report.first_divergence
     o = report.graphs["offload"]  # the offload really ran: every offloaded group copied out every step
-    assert o["mode"] == mode and o["groups"] == 16 and o["group_bytes"] > 0, o  # (resident: or kept in its bank)
+    assert o["mode"] == mode and o["group_bytes"] > 0, o
     # the look-ahead depth reached the manager (default 1), and the launch-first switch
     assert o["lookahead"] == (int(depth) if depth else 1) and o["launch_first"] == bool(first), o
     assert o["release_at_backward"] == bool(strict), o
+    if mode == "release" and not pm:  # a group per chain (fewer than forwards), no slot shared
+        assert o["groups"] < 16 and o["shared_slots"] == [] and o["not_offloaded"], o
+        assert o["d2h_copies"] > 0 and o["h2d_copies"] + o["kept_at_backward"] == o["d2h_copies"], o
+        assert o["kept_at_backward"] == 0 or not strict, o
+        return
+    assert o["groups"] == 16, o  # one per microbatch (resident: each copied out or kept in its bank)
     if mode == "release":  # every release group is offloaded, so a look-ahead always has one to restore
         assert (o["prefetches"] > 0) is (o["lookahead"] > 0), o
     # both modes: the groups whose window is short are not offloaded (offload.min_window, default 12:

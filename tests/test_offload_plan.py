@@ -7,6 +7,8 @@ no slot and no copies, autograd keeps their saved tensors, and the other groups'
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -222,7 +224,11 @@ class _Act:
         self.stage, self.groups, self.offload, self.captured = stage, groups, None, 0
         self.chunk = torch.nn.Linear(8, 8 * (1 + stage))  # the bank search's duration estimate reads its weights
 
+    def chain(self, m: int) -> int:  # one chain (and group) per microbatch
+        return m
+
     def prepare(self, microbatches: int, microbatch_size: int, seq_len: int) -> None:
+        self.plan = SimpleNamespace(per_microbatch=[None] * microbatches)
         for g in self.groups.values():
             if not g.specs:
                 g.discover(torch.empty(3 + self.stage, 4))

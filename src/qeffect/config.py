@@ -249,8 +249,8 @@ class RuntimeConfig(_Strict):
         "private", description="Captured paths: the memory pools of a stage's action graphs. 'private': a pool "
         "per graph, so any replay order is safe, and each graph keeps the temporaries of its capture reserved. "
         "'shared': graphs whose replays follow their capture order share a pool, so temporaries are reserved "
-        "once per pool: with offload (one chain per microbatch) a stage's F graphs share one and its dI "
-        "graphs another; without, each chain's F and dI share one (chains are bounded by liveness). dW graphs keep private pools. Every replay is checked to follow its pool's capture order. "
+        "once per pool: with one chain per microbatch (resident offload) a stage's F graphs share one and its "
+        "dI graphs another; with chains bounded by liveness, each chain's F and dI share one. dW graphs keep private pools. Every replay is checked to follow its pool's capture order. "
         "Same bits (tests/test_graph_pools_gpu.py). Experimental: on an H100 the same step time, and peak "
         "reserved 26.7 -> 25.5 GiB at h4096 (allocated equal).")
 
@@ -262,10 +262,16 @@ class OffloadConfig(_Strict):
         "off", description="'off'; 'release': each offloaded group's device memory is unmapped while its "
         "activations live on the host; 'resident': groups share a few always-mapped banks (ping-pong). "
         "Needs a captured path. Same bits as no offload.")
+    release_chains: Literal["liveness", "microbatch"] = Field(
+        "liveness", description="Release: the captured chains, and with them the offload groups. 'liveness': "
+        "bounded by the schedule's liveness, as without offload (a chain's one group holds each of its "
+        "microbatches' saved tensors in turn: fewer graphs, less memory kept by them); 'microbatch': a chain "
+        "and a group per microbatch, which lets groups share slots (`share_slots`). Resident mode always "
+        "plans a group per microbatch.")
     min_window: int = Field(
         12, ge=0, le=1_000_000, description="A group whose input gradient comes within fewer than this many "
-        "other actions of its forward is not offloaded (its copy could hardly finish in time); 0 offloads "
-        "every group.")
+        "other actions of its forward (for any microbatch it holds) is not offloaded (its copy could hardly "
+        "finish in time); 0 offloads every group.")
     lookahead: int = Field(
         1, ge=0, le=64, description="Each backward restores this many offloaded groups ahead on the copy "
         "stream (0: each group only at its own backward).")
@@ -292,7 +298,8 @@ class OffloadConfig(_Strict):
         "it, releases the slot and restores it (false: keeps the slot mapped and reads the bytes in place).")
     share_slots: Literal["any", "nested", "off"] = Field(
         "any", description="Release: groups whose backwards follow one another share one slot ('any' run of "
-        "them, only groups that 'nested', or 'off': a slot per group).")
+        "them, only groups that 'nested', or 'off': a slot per group). Only with a group per microbatch "
+        "(`release_chains = 'microbatch'`).")
     slot_members: int = Field(2, ge=1, le=64, description="Release: at most this many groups share one slot.")
     share_gap: int = Field(
         DEFAULT_SHARE_GAP, ge=0, le=1_000_000, description="Release: a shared slot's run needs this many "

@@ -176,9 +176,9 @@ class CapturedStageActions(StageActions):
         self._dw_modes = [{f"fold{g}": self._mode_values[self.arena.fold_mode(m, name)]
                            for g, name in self._live_folds(m).items()} for m in range(microbatches)]
         self.manager.mark_constant(*self._mode_values.values())  # a dW replay copies a mode only when it changes
-        if self.offload is not None and len(self.plan.chains) < microbatches:
-            raise RuntimeError(f"stage {self.stage}: offload groups are planned per microbatch; graph slots bounded "
-                               "by liveness need offload.mode = off")
+        if self.offload is not None and len(self.plan.chains) < microbatches and self.offload.mode != "release":
+            raise RuntimeError(f"stage {self.stage}: offload.mode = {self.offload.mode} plans one group per "
+                               "microbatch; graph chains bounded by liveness need offload.mode = release or off")
         if self._token_grad is not None and not self._token_grad.signed_zeros:
             self._mb = torch.zeros(1, dtype=torch.int64, device=dev)
             values = torch.arange(microbatches, dtype=torch.int64, device=dev)
@@ -201,8 +201,9 @@ class CapturedStageActions(StageActions):
                 self._send_grad[m] = self.recv.grad(m)
             if last:
                 self._tgt[c] = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=dev)
-            if self.offload is not None:  # one chain per microbatch here: c == m
-                self.groups[c] = self.offload.group(f"s{self.stage}.m{c}")
+            if self.offload is not None:  # a group per chain: its microbatches' saved tensors, one at a time
+                name = f"s{self.stage}.m{c}" if len(self.plan.chains) == microbatches else f"s{self.stage}.c{c}"
+                self.groups[c] = self.offload.group(name)
         self._warm_up(dev)
 
     def plan_for(self, microbatches: int) -> GraphPlan:
@@ -431,7 +432,7 @@ class CapturedStageActions(StageActions):
                             self.arena.flush_gated(aname, m, self._fold_mode[g])
             del out
             self._out.clear()
-            for c in self.groups:  # chains (one per microbatch with offload)
+            for c in self.groups:  # every chain's group
                 with self._discovery(c):  # under a throwaway capture: the real capture must see the same
                     self.manager.dry_capture(lambda c=c: self._f_body(c))
                 self._out.clear()  # drop the autograd graph and what it saved

@@ -108,7 +108,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
@@ -740,7 +740,7 @@ class OffloadManager:
         self.kept: list[OffloadGroup] = []  # resident: groups the plan keeps in their bank (no D2H)
         # resident: the bank search's result (`offload.timing.SearchResult`), once `offload.planning.plan` ran it
         self.bank_search: Any = None
-        self.not_offloaded: list[OffloadGroup] = []  # the plan's short-window groups (no slot, no bank)
+        self.not_offloaded: list[OffloadGroup] = []  # groups the plan leaves out: short windows (no slot, no bank)
         # resident, with allocate(events=): (x, g) look-ahead restores of g at x's backward that a forward
         # would evict before g's backward (`offload.plan.futile_restores`): not started
         self.futile: set[tuple[int, int]] = set()
@@ -784,12 +784,18 @@ class OffloadManager:
 
     def allocate(self, backward_order: Sequence[OffloadGroup] | None = None,
                  banks: Sequence[int] | None = None,
-                 events: Sequence[tuple[str, OffloadGroup]] | None = None) -> None:
+                 events: Sequence[tuple[str, OffloadGroup]] | None = None,
+                 not_offloaded: Collection[OffloadGroup] = ()) -> None:
         """Lay out every group, create slots (release) or banks (resident), map them, pin host buffers.
 
         `backward_order`: the order in which the groups' backwards run in a step (default: reverse
         creation order, a layer stack). It links look-ahead and, in resident mode, assigns banks so
-        that consecutive backwards never share one. `banks` (resident mode): the bank index of each
+        that consecutive backwards never share one. Release mode, without `events` or `banks`: a group
+        that serves several forwards a step (a captured chain's, one per microbatch it runs) may appear
+        once per backward; each group then links to the first other group whose backward follows its
+        first one (look-ahead only restores ahead: any link is safe, the usual one is just the fastest).
+        `not_offloaded`: groups given no slot or bank (their saved tensors stay where autograd keeps
+        them), beside `events`' short windows. `banks` (resident mode): the bank index of each
         group of `backward_order` (see `offload.plan.assign_banks`), instead of position mod
         `num_banks`; the manager then has max(banks) + 1 banks. `events`: one step's F / B / E events
         in execution order (`offload.plan`; `offload.planning.step_events`), the same every step: in
@@ -802,11 +808,15 @@ class OffloadManager:
             raise OffloadStateError("allocate() after close()")
         if self._allocated:
             raise OffloadStateError("allocate() was already called")
-        order = list(backward_order) if backward_order is not None else list(reversed(self.groups))
+        sequence = list(backward_order) if backward_order is not None else list(reversed(self.groups))
+        order = list({id(g): g for g in sequence}.values())  # each group once, at its first backward
         ids = [id(g) for g in order]
-        if len(set(ids)) != len(ids) or set(ids) != {id(g) for g in self.groups}:
-            names = [g.name for g in order]
-            raise ValueError(f"backward_order must list every group exactly once; got {names}, groups "
+        repeated = len(order) < len(sequence)
+        if set(ids) != {id(g) for g in self.groups} or (repeated and (self.mode != "release" or events is not None
+                                                                      or banks is not None)):
+            names = [g.name for g in sequence]
+            raise ValueError(f"backward_order must list every group, each exactly once (release mode without "
+                             f"events or banks: once per backward); got {names}, groups "
                              f"{[g.name for g in self.groups]}")
         if events is not None:
             events = list(events)
@@ -820,15 +830,17 @@ class OffloadManager:
             self.num_banks = max(self.num_banks, max(banks, default=0) + 1)
         self.bank_plan = banks if banks is not None else [pos % self.num_banks for pos in range(len(order))]
         self.backward_order = order
-        for a, b in zip(order, order[1:], strict=False):
-            a.next_backward = b
+        first: dict[int, int] = {}
+        for i, g in enumerate(sequence):
+            first.setdefault(id(g), i)
+        for g in order:  # the first other group whose backward follows g's first one (unrepeated: the next)
+            g.next_backward = next((h for h in sequence[first[id(g)] + 1:] if h is not g), None)
         for g in self.groups:
             g.offsets, g.nbytes = self.layout(g.specs)
+        for g in [*not_offloaded, *(self.short_window(events) if events is not None else ())]:
+            g.offloaded = False
+        self.not_offloaded = [g for g in order if not g.offloaded]
         if events is not None:
-            short = self.short_window(events)
-            self.not_offloaded = [g for g in order if g in short]
-            for g in self.not_offloaded:
-                g.offloaded = False
             if self.mode == "release" and self.share_slots != "off":
                 self.shared = shared_slots(events, [g for g in order if g.offloaded and g.nbytes], self.slot_members,
                                            nested=self.share_slots == "nested", min_gap=self.share_gap)

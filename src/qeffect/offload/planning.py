@@ -51,8 +51,8 @@ class StepInputs:
 class OffloadPlan:
     """What `plan` decided (the manager holds the same after `allocate`)."""
 
-    events: list[Event]
-    backward: list[OffloadGroup]  # the groups in the order their backwards start
+    events: list[Event]  # of the groups (`plan_chains`: of each (stage, microbatch))
+    backward: list[OffloadGroup]  # the groups in the order their backwards start (`plan_chains`: with repeats)
     banks: list[int] | None  # resident: each group's bank, in backward order; release: None
     search: SearchResult | None  # resident, `bank_plan = "search"`: the search's result
 
@@ -116,7 +116,10 @@ def plan(manager: OffloadManager, step: StepInputs) -> OffloadPlan:
     """Plan one step's offload with `manager.config` and allocate `manager` (outside any capture, once every
     group is discovered): the step's events name the short-window groups and, in release mode, the shared
     slots; resident mode also gets its banks (`resident_banks`) and, from them, the kept groups and the
-    futile look-ahead restores. The groups must all appear in `step`'s events."""
+    futile look-ahead restores. The groups must all appear in `step`'s events. A group that serves several
+    microbatches (a chain bounded by liveness): `plan_chains`."""
+    if len({id(g) for g in step.groups.values()}) < len(step.groups):
+        return plan_chains(manager, step)
     events = step_events(step.order, step.groups)
     backward = backward_order(events)
     banks, search = resident_banks(manager, events, step) if manager.mode == "resident" else (None, None)
@@ -125,6 +128,25 @@ def plan(manager: OffloadManager, step: StepInputs) -> OffloadPlan:
     return OffloadPlan(events, backward, banks, search)
 
 
+def plan_chains(manager: OffloadManager, step: StepInputs) -> OffloadPlan:
+    """`plan` where groups repeat: a captured chain's group holds the saved tensors of each microbatch the
+    chain runs, one after another (its tape slot refuses a forward before the previous one's last reader).
+    Release mode only: a resident bank is planned per forward-to-backward window of one group. Each window
+    is judged on its own (`events` are named by (stage, microbatch)): a group is left out if any of its
+    windows is too short (`offload.min_window`), since its one slot serves them all. No shared slots (a
+    run's members would have to leave and come back together in every window), no kept groups."""
+    if manager.mode != "release":
+        raise UserError(f"offload.mode = {manager.mode} plans one group per microbatch; graph chains that serve "
+                        "several microbatches need offload.mode = release")
+    events = [(EVENT_KINDS[a.kind], (a.stage, a.microbatch)) for a in step.order
+              if (a.stage, a.microbatch) in step.groups]
+    short = {step.groups[key] for key in manager.short_window(events)}
+    backward = [step.groups[key] for key in backward_order(events)]  # with repeats: one per microbatch
+    manager.bank_search = None
+    manager.allocate(backward, not_offloaded=short)
+    return OffloadPlan(events, backward, None, None)
+
+
 __all__ = ["ESTIMATE_ACTION_MS", "ESTIMATE_FLOPS", "ESTIMATE_TAIL", "EVENT_KINDS", "OffloadPlan", "StepInputs",
-           "estimate_costs", "estimated_costs", "matrix_elements", "named_events", "plan", "resident_banks",
-           "step_events"]
+           "estimate_costs", "estimated_costs", "matrix_elements", "named_events", "plan", "plan_chains",
+           "resident_banks", "step_events"]

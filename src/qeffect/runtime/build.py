@@ -67,9 +67,10 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, 
     """One rank of the pipeline over its stages of `chunks`, not yet captured (`capture_ranks` captures
     once every rank is built). `accumulate`: the gradient arena's layout (None: accumulating when
     `dw_in_order`, and never with the deliberately wrong `fixed_order_sum=False`, which needs one view per
-    microbatch). Captured without offload, each chunk's graphs and tape slots are bounded by the schedule's
-    liveness (`schedule.liveness.slots_for`; offload keeps one chain per microbatch, since it plans
-    its fixed-address groups per microbatch); `bounded_slots=False` keeps one set per microbatch (an A/B)."""
+    microbatch). Captured, each chunk's graphs and tape slots are bounded by the schedule's liveness
+    (`schedule.liveness.slots_for`), with release offload too (`offload.release_chains`: a group per chain,
+    `offload.planning.plan_chains`); resident offload keeps one chain per microbatch, since it plans its banks
+    per group and window; `bounded_slots=False` keeps one set per microbatch (an A/B)."""
     owned = {s: chunks[s] for s in schedule.stages_of(rank)}
     if accumulate is None:
         accumulate = fixed_order_sum and dw_in_order(schedule, rank)
@@ -77,7 +78,8 @@ def build_rank(cfg: RunConfig, schedule: Schedule, rank: int, chunks: dict[int, 
     if native:
         return NativeRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, total_steps=cfg.train.steps)
     activation = ((mc.microbatch_size, mc.seq_len, mc.hidden), dtype_of(cfg))
-    bounded = bounded_slots and manager is not None and offload is None
+    bounded = bounded_slots and manager is not None and (
+        offload is None or (offload.mode == "release" and offload.config.release_chains == "liveness"))
     return QEffectRank(rank, owned, schedule.num_stages, p.microbatches, cfg.optim, direct=direct,
                        fixed_order_sum=fixed_order_sum, reductions=reductions, manager=manager,
                        activation=activation, offload=offload, accumulate=accumulate,
@@ -223,10 +225,12 @@ def make_offload_manager(config: OffloadConfig, device: str | torch.device, *, c
 def offload_step(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]], microbatch_size: int,
                  seq_len: int) -> StepInputs:
     """What `offload.planning.plan` needs of one step of `ranks`: the actions in `order`, each captured
-    forward's group and each stage's weight-matrix elements."""
+    forward's group (its chain's: one group serves each microbatch of a chain) and each stage's weight-matrix
+    elements."""
     actions = [act for r in ranks for act in r.actions.values()]
     return StepInputs(order=[a for _, a in order],
-                      groups={(act.stage, m): g for act in actions for m, g in act.groups.items()},
+                      groups={(act.stage, m): act.groups[act.chain(m)] for act in actions
+                              for m in range(len(act.plan.per_microbatch)) if act.chain(m) in act.groups},
                       elements={act.stage: matrix_elements(act.chunk) for act in actions},
                       tokens=microbatch_size * seq_len)
 
