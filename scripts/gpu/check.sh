@@ -10,8 +10,8 @@
 #                    pytest -m gpu, every other test file: names up to test_l*, then the rest     (~4-5 min each)
 #   verify           bitwise matrix at h2048: reference, te x Interleaved, ZB-V x captured-copy,
 #                    captured-direct; the torchao head; captured resume in a fresh process   (~5-6 min)
-#   offload          qeffect offload-check; offload_bench.py off / release / resident at h2048
-#                    (both schedules) and h4096 Interleaved, bitwise and timed                (~5 min)
+#   offload          qeffect offload-check; offload_bench.py off / release / release-per-microbatch / resident at
+#                    h2048 (both schedules) and h4096 Interleaved, bitwise and timed            (~5-6 min)
 #   profile-h2048-te, profile-h2048-reference, profile-h4096-te, profile-h4096-reference
 #                    one qeffect profile matrix each (benchmarks/profile_matrix.py): every configuration
 #                    in 3 interleaved rounds, judged by examples/targets/h200.toml                (~6-9 min)
@@ -30,6 +30,8 @@
 #   graph-pools      pytest -m gpu tests/test_graph_pools_gpu.py; rank_streams_ab.py --field runtime.graph_pools at
 #                    h2048 and h4096 (step time, peak allocated and reserved, shared against private pools), then
 #                    at h4096 with release offload; the capped h4096-long pair with shared pools (H200)   (~7 min)
+#   offload-chains   release offload's chains bounded by liveness against one per microbatch (offload_bench.py at
+#                    h4096-long, fused accumulation and shared pools), then the capped h4096-long pair so  (~6-8 min)
 #   wgrad-fused      pipeline.wgrad_accumulation = fused: pytest -m gpu tests/test_wgrad_accumulation.py; verify-state
 #                    at h2048 te (captured-direct Interleaved and ZB-V, captured-copy; captured-direct at M = 16);
 #                    rank_streams_ab.py --field pipeline.wgrad_accumulation at h2048 and h4096 (captured-direct step
@@ -58,13 +60,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools wgrad-fused profile-fused llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools offload-chains wgrad-fused profile-fused llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|step-graph|step-graph-ab|graph-pools|wgrad-fused|profile-fused|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools wgrad-fused profile-fused llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
+tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|step-graph|step-graph-ab|graph-pools|offload-chains|wgrad-fused|profile-fused|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools offload-chains wgrad-fused profile-fused llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -142,10 +144,12 @@ offload)
     # rotating rounds of 2 steps
     for sched in interleaved zbv; do
         step "offload-h2048-$sched" 130 python3 benchmarks/offload_bench.py --config $H2048 --schedule "$sched" \
-            --steps 40 --interleave 2 --out "$OUT/offload-bench-h2048-$sched.json"
+            --modes off,release,release-per-microbatch,resident --steps 40 --interleave 2 \
+            --out "$OUT/offload-bench-h2048-$sched.json"
     done
     step offload-h4096-interleaved 200 python3 benchmarks/offload_bench.py --config $H4096 --schedule interleaved \
-        --steps 30 --interleave 2 --out "$OUT/offload-bench-h4096-interleaved.json"
+        --modes off,release,release-per-microbatch,resident --steps 30 --interleave 2 \
+        --out "$OUT/offload-bench-h4096-interleaved.json"
     ;;
 offload-long)
     LONG=examples/configs/h4096-long.toml
@@ -196,6 +200,18 @@ graph-pools)
         --tomls $H4096 --set offload.mode=release --tag release --rounds 3 --trace 0 --steps 10 --warmup 3
     step offload-cap-h4096-long-shared 240 python3 scripts/offload_cap_check.py --config examples/configs/h4096-long.toml \
         --steps 20 --dir "$tmp/cap" --set runtime.graph_pools=shared --json "$OUT/offload-cap-h4096-long-shared.json"
+    rm -rf "$tmp/cap"
+    ;;
+offload-chains)
+    # release offload with chains bounded by liveness (the default) against a chain per microbatch, at h4096-long
+    # with fused accumulation and shared pools (so that no offload fits an H100), then the capped pair so
+    LONG=examples/configs/h4096-long.toml
+    LEAN=(--set pipeline.wgrad_accumulation=fused --set runtime.graph_pools=shared)
+    step offload-chains-h4096-long 300 python3 benchmarks/offload_bench.py --config $LONG \
+        --modes off,release,release-per-microbatch --steps 6 --warmup 2 "${LEAN[@]}" \
+        --out "$OUT/offload-chains-h4096-long.json"
+    step offload-cap-h4096-long-chains 280 python3 scripts/offload_cap_check.py --config $LONG --steps 20 \
+        --dir "$tmp/cap" "${LEAN[@]}" --json "$OUT/offload-cap-h4096-long-chains.json"
     rm -rf "$tmp/cap"
     ;;
 wgrad-fused)
