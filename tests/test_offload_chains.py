@@ -125,6 +125,7 @@ def test_release_with_the_default_knobs_keeps_native_eager_bits(offload_fakes) -
     assert report.passed, report.first_divergence
     o = report.graphs["offload"]
     assert o["groups"] < 4 * 6 and o["not_offloaded"] and o["d2h_copies"] > 0 and o["shared_slots"] == []
+    assert o["h2d_copies"] + o["kept_at_backward"] == o["d2h_copies"]  # each copy-out comes back or is read in place
     pipe = _offload_build(0)(_config("interleaved", 6, release_chains="microbatch"), native=False,
                              path="captured-direct")
     assert len(pipe.offload.groups) == 4 * 6 and pipe.offload.shared

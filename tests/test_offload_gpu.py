@@ -150,7 +150,8 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
     `offload.release_at_backward` (a backward before any hook saw its D2H done waits, releases and restores;
     else it reads the bytes in place, `kept_at_backward`, the default). `+pm`: release with a chain and a
     group per microbatch (`offload.release_chains = "microbatch"`); without, release's chains are bounded by
-    the schedule's liveness (the default: a group per chain, holding each of its microbatches in turn)."""
+    the schedule's liveness (the default: a group per chain, holding each of its microbatches in turn), here
+    with `pipeline.wgrad_staging_by_liveness` so that the direct dW graphs do not split the chains again."""
     from qeffect.config import load_config
     from qeffect.verify.state import run_verify_state
 
@@ -165,7 +166,8 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
                                               "offload.share_slots": "any" if shared else "off",
                                               "offload.launch_first": bool(first),
                                               "offload.lookahead": int(depth) if depth else None,
-                                              "offload.release_chains": "microbatch" if pm else "liveness"})
+                                              "offload.release_chains": "microbatch" if pm else "liveness",
+                                              "pipeline.wgrad_staging_by_liveness": mode == "release" and not pm})
     report = run_verify_state(cfg, steps=3, path="captured-direct")
     assert report.passed, report.first_divergence
     o = report.graphs["offload"]  # the offload really ran: every offloaded group copied out every step
