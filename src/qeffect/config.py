@@ -267,7 +267,9 @@ class OffloadConfig(_Strict):
         "bounded by the schedule's liveness, as without offload (a chain's one group holds each of its "
         "microbatches' saved tensors in turn: fewer graphs, less memory kept by them); 'microbatch': a chain "
         "and a group per microbatch, which lets groups share slots (`share_slots`). Resident mode always "
-        "plans a group per microbatch.")
+        "plans a group per microbatch. The bound applies where the graphs allow it: with direct placement "
+        "and fixed-depth staging each microbatch's dW writes its own slot and keeps its own chain; fused "
+        "accumulation or `wgrad_staging_by_liveness` lift that.")
     min_window: int = Field(
         12, ge=0, le=1_000_000, description="A group whose input gradient comes within fewer than this many "
         "other actions of its forward (for any microbatch it holds) is not offloaded (its copy could hardly "
