@@ -179,6 +179,26 @@ def test_without_cuda_a_cap_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) 
     assert apply_memory_fraction(load_config()) is None  # no cap: nothing to set
 
 
+def test_offload_slots_count_against_the_cap_in_force_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cap_bytes`: the cap this process applied (`train`), not a config's fraction that nobody applied (a
+    benchmark or verification building the same config runs uncapped, its offload included)."""
+    from types import SimpleNamespace
+
+    from qeffect.runtime import memory_cap
+
+    set_to: list[tuple[float, int]] = []
+    monkeypatch.setattr(memory_cap, "_APPLIED", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: set_to.append((f, i)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=100 * 2**30))
+    dev = torch.device("cuda", 0)
+    assert memory_cap.cap_bytes(dev) is None  # CAP_CFG names 0.3, but no cap is in force
+    assert apply_memory_fraction(CAP_CFG) == 0.3 and set_to == [(0.3, 0)]
+    assert memory_cap.cap_bytes(dev) == int(0.3 * 100 * 2**30) == memory_cap.cap_bytes(torch.device("cuda"))
+    assert memory_cap.cap_bytes(torch.device("cuda", 1)) is None and memory_cap.cap_bytes(torch.device("cpu")) is None
+
+
 def test_out_of_memory_is_found_along_the_chain() -> None:
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     try:

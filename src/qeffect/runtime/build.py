@@ -196,7 +196,7 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
     if step_graph and (path != "captured-direct" or config.mode != "off"):
         raise UserError(f"runtime.step_graph records captured-direct steps without offload; got train.path = "
                         f"{path}, offload.mode = {config.mode}")
-    offload = make_offload_manager(config, device, cap=cap_bytes(cfg, torch.device(device))) \
+    offload = make_offload_manager(config, device, cap=cap_bytes(torch.device(device))) \
         if config.mode != "off" else None
     # stream-ordered: graphs launched on the caller's stream (no cross-stream edge per replay; the same
     # guarantees as the two-way handshake, 1.5% faster at h2048: benchmarks/replay_protocol.py); a step
@@ -207,7 +207,7 @@ def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, nativ
 
 def make_offload_manager(config: OffloadConfig, device: str | torch.device, *, cap: int | None = None) -> OffloadManager:
     """One offload manager per device, every knob from `config` (the run's `[offload]` section); a clear
-    error where VMM offload cannot work. `cap` (`train.memory_fraction` in bytes): its slots count against
+    error where VMM offload cannot work. `cap` (the `train.memory_fraction` in force, in bytes): its slots count against
     the cap with torch's memory (`memory_cap.CappedVmm`)."""
     from qeffect.offload.driver import OffloadUnavailable, VmmDriver
 

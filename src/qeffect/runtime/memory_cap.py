@@ -24,6 +24,8 @@ from qeffect.config import RunConfig
 from qeffect.errors import UserError
 
 GIB = 1024**3
+# the fraction `apply_memory_fraction` set, by device index: torch's cap is the process's, and so is this
+_APPLIED: dict[int, float] = {}
 
 
 def apply_memory_fraction(cfg: RunConfig, device: torch.device | None = None) -> float | None:
@@ -36,14 +38,21 @@ def apply_memory_fraction(cfg: RunConfig, device: torch.device | None = None) ->
                         "and a CUDA device")
     index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
     torch.cuda.set_per_process_memory_fraction(fraction, index)
+    _APPLIED[index] = fraction
     return fraction
 
 
-def cap_bytes(cfg: RunConfig, device: torch.device) -> int | None:
-    """The cap in bytes on `device` (None without one)."""
-    if not cfg.train.memory_fraction:
+def cap_bytes(device: torch.device) -> int | None:
+    """The cap in bytes that this process put on `device` (`apply_memory_fraction`; None without one).
+    Only a cap in force counts offload's slots: a benchmark or a verification that builds a config with
+    `train.memory_fraction` but never applies it runs uncapped, its offload included."""
+    if device.type != "cuda" or not _APPLIED:
         return None
-    return int(cfg.train.memory_fraction * torch.cuda.get_device_properties(device).total_memory)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fraction = _APPLIED.get(index)
+    if not fraction:
+        return None
+    return int(fraction * torch.cuda.get_device_properties(index).total_memory)
 
 
 class CappedVmm:
