@@ -1,14 +1,29 @@
-"""Import Transformer Engine first on GPU machines, before any test makes torch load cuDNN.
+"""Under pytest-xdist, each worker's share of the CPU threads; on GPU machines, Transformer Engine imported
+before any test makes torch load cuDNN.
 
-Why: on the H200 image TE opens the system cuDNN libraries; once torch has loaded its own cuDNN
+Why TE first: on the H200 image TE opens the system cuDNN libraries; once torch has loaded its own cuDNN
 sub-libraries (a captured pipeline does), TE's import fails with an undefined cuDNN symbol
 (`libcudnn_heuristic.so.9: undefined symbol ... libcudnn_graph.so.9`). A GPU test module run alone would
 then fail by test order, not by code. The te tests report any other import failure themselves.
 """
 
 import importlib.util
+import os
 
-import torch
+# Under pytest-xdist (`-n auto`, .ci/run) each worker gets its share of the cores: torch's OpenMP pool
+# otherwise takes every core in every worker (and in each `qeffect train` it starts), and OpenMP threads
+# that wait at a barrier for a descheduled sibling make a CPU step up to ten times slower. Tests that compare
+# bits across processes set the thread count themselves (launch.ENV, OMP_NUM_THREADS=1).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _threads = max(1, _cores // _workers)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)  # inherited by the tests' subprocesses
+
+import torch  # noqa: E402
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    torch.set_num_threads(_threads)
 
 if torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None:
     try:

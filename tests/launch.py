@@ -28,5 +28,12 @@ def torchrun(nproc: int, *target: str) -> list[str]:
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """Run a launcher command with `ENV`, output captured (ten minutes at most)."""
+    """Run a launcher command with `ENV`, output captured (ten minutes at most). A torchrun launch whose port
+    was taken between `free_port` and its bind (EADDRINUSE: another launch on the machine, as under
+    pytest-xdist) starts nothing, so it is relaunched on a new port, at most twice."""
+    for _ in range(2):
+        proc = subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stdout + proc.stderr:
+            return proc
+        args = [f"--master-port={free_port()}" if a.startswith("--master-port=") else a for a in args]
     return subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
