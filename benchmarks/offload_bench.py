@@ -164,10 +164,13 @@ def mode_config(cfg, label: str):
     mode, overrides = VARIANTS.get(name, (name, {}))
     # @K: the search's memory budget (resident with the searched plan), else the colouring's bank count
     searched = mode == "resident" and {**overrides, **given}.get("offload.bank_plan") != "colour"
+    # the suffixes over the variant's own overrides, where given (a None would drop the variant's value:
+    # `release-all`'s min_window = 0 once ran at the default)
+    suffixed = {"offload.banks": int(banks) if banks and not searched else None,
+                "offload.search_banks": int(banks) if banks and searched else None,
+                "offload.lookahead": depth, "offload.min_window": window}
     cfg = cfg.with_overrides(**{"offload.mode": mode, **overrides,
-                                "offload.banks": int(banks) if banks and not searched else None,
-                                "offload.search_banks": int(banks) if banks and searched else None,
-                                "offload.lookahead": depth, "offload.min_window": window})
+                                **{k: v for k, v in suffixed.items() if v is not None}})
     return mode, cfg.with_overrides(**given) if given else cfg
 
 

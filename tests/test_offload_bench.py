@@ -102,6 +102,9 @@ def test_mode_names_map_to_the_config_they_stand_for(bench) -> None:
     mode, c = bench.mode_config(cfg, "resident/mw12/la2#3")  # `/mwN`: offload.min_window
     assert mode == "resident" and c.offload.min_window == 12 and c.offload.lookahead == 2
     assert bench.mode_config(cfg, "resident-all/mw0")[1].offload.min_window == 0
+    # a variant's own value stands where no suffix overrides it
+    assert bench.mode_config(cfg, "release-all")[1].offload.min_window == 0 != cfg.offload.min_window
+    assert bench.mode_config(cfg, "resident-all/mw4")[1].offload.min_window == 4
     for bad in ("resident/x3", "resident/mw", "resident/la-1"):
         with pytest.raises(ValueError, match="unknown suffix"):
             bench.mode_config(cfg, bad)
