@@ -85,7 +85,7 @@ from qeffect.config import apply_sets, load_config
 from qeffect.graphs.handshake import git_revision, run_settings
 from qeffect.graphs.stats import GraphStats
 from qeffect.profile.matrix import te_version
-from qeffect.runtime.build import build_single_process
+from qeffect.runtime.build import build_single_process, forward_groups
 from qeffect.verify.state import synthetic_batches
 
 
@@ -176,13 +176,7 @@ def mode_config(cfg, label: str):
 
 def group_uses(pipe) -> dict[int, int]:
     """Each offload group's forwards per step, by `id`: the microbatches of the chain it serves."""
-    uses: Counter = Counter()
-    for r in pipe.ranks:
-        for act in r.actions.values():
-            for m in range(len(act.plan.per_microbatch)):
-                if act.chain(m) in act.groups:
-                    uses[id(act.groups[act.chain(m)])] += 1
-    return dict(uses)
+    return dict(Counter(id(g) for g in forward_groups(pipe.ranks).values()))
 
 
 class ModeRun:

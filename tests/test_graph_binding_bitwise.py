@@ -133,26 +133,29 @@ class ExecManager:
         return 0.0
 
 
-def _fake_captured_build(real, *, link: bool = True, manager=ExecManager):
+def _fake_captured_build(real, *, link: bool = True, manager=ExecManager, offload=None):
+    """`build_single_process` whose captured paths run on `manager()`; `offload(cfg, manager)`: the offload
+    manager their stage actions get (tests/test_offload_chains.py), or None."""
     def build(cfg, *, native, direct=True, fixed_order_sum=True, device=None, path="eager", capture=True,
               accumulate=None, clock=None, bounded_slots=True):
         if native or path == "eager":
             return real(cfg, native=native, direct=direct, fixed_order_sum=fixed_order_sum, device=device,
                         path=path, capture=capture, accumulate=accumulate, clock=clock, bounded_slots=bounded_slots)
         mgr = manager()
+        off = offload(cfg, mgr) if offload is not None else None
         schedule = schedule_of(cfg)
         chunks = build_chunks_for(cfg, "cpu")
         ranks = [build_rank(cfg, schedule, r, chunks, native=False, direct=direct, fixed_order_sum=fixed_order_sum,
-                            manager=mgr, accumulate=accumulate, bounded_slots=bounded_slots)
+                            manager=mgr, offload=off, accumulate=accumulate, bounded_slots=bounded_slots)
                  for r in range(schedule.pp)]
         for r in ranks:  # the optimizer's FP8 weight cast is a CUDA pass: slot 0's F refreshes the cache itself
             for act in r.actions.values():
                 act.weight_cast = False
         pipe = SingleProcessPipeline(ranks, schedule)
-        pipe.manager = mgr
+        pipe.manager, pipe.offload = mgr, off
         if link:  # as `capture_graphs` does before the ranks capture
             link_stages(ranks)
-        capture_ranks(ranks, pipe.order, None, cfg.model.microbatch_size, cfg.model.seq_len)
+        capture_ranks(ranks, pipe.order, off, cfg.model.microbatch_size, cfg.model.seq_len)
         return pipe
     return build
 

@@ -118,8 +118,8 @@ def test_saved_bytes_count_each_group_once_per_forward_it_holds(bench) -> None:
     from types import SimpleNamespace as NS
 
     a, b = object(), object()
-    act = NS(plan=NS(per_microbatch=[0, 1, 2, 3]), groups={0: a, 1: b}, chain=lambda m: m % 2)
-    last = NS(plan=NS(per_microbatch=[0, 1, 2, 3]), groups={}, chain=lambda m: 0)  # nothing offloaded
+    act = NS(stage=0, plan=NS(per_microbatch=[0, 1, 2, 3]), groups={0: a, 1: b}, chain=lambda m: m % 2)
+    last = NS(stage=1, plan=NS(per_microbatch=[0, 1, 2, 3]), groups={}, chain=lambda m: 0)  # nothing offloaded
     assert bench.group_uses(NS(ranks=[NS(actions={0: act, 1: last})])) == {id(a): 2, id(b): 2}
 
 

@@ -22,12 +22,11 @@ from qeffect.offload.group import OffloadGroup, OffloadManager
 from qeffect.offload.planning import plan_chains
 from qeffect.runtime import build as build_mod
 from qeffect.runtime.adamw import TritonAdamW
-from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, schedule_of
-from qeffect.runtime.single import SingleProcessPipeline
+from qeffect.runtime.build import schedule_of
 from qeffect.schedule.liveness import slots_for
 from qeffect.verify import state as state_mod
 from qeffect.verify.state import run_verify_state
-from test_graph_binding_bitwise import BASE, ExecManager
+from test_graph_binding_bitwise import BASE, ExecManager, _fake_captured_build
 
 
 @dataclass
@@ -54,30 +53,18 @@ class OffloadExecManager(ExecManager):
 
 def _offload_build(seed: int):
     """`build_single_process` for captured paths on the fakes, with the config's `[offload]` section."""
-    def build(cfg, *, native, direct=True, fixed_order_sum=True, device=None, path="eager", capture=True,
-              accumulate=None, clock=None, bounded_slots=True):
-        if native or path == "eager":
-            return real(cfg, native=native, direct=direct, fixed_order_sum=fixed_order_sum, device=device,
-                        path=path, capture=capture, accumulate=accumulate, clock=clock, bounded_slots=bounded_slots)
-        dev = FakeDevice(seed, granularity=64 << 10)
-        offload = OffloadManager(cfg.offload, device="cpu", driver=dev.driver(), streams=dev)
-        mgr = OffloadExecManager(device=dev)
-        schedule = schedule_of(cfg)
-        chunks = build_chunks_for(cfg, "cpu")
-        ranks = [build_rank(cfg, schedule, r, chunks, native=False, direct=direct, fixed_order_sum=fixed_order_sum,
-                            manager=mgr, offload=offload, accumulate=accumulate, bounded_slots=bounded_slots)
-                 for r in range(schedule.pp)]
-        for r in ranks:  # the optimizer's FP8 weight cast is a CUDA pass: slot 0's F refreshes the cache itself
-            for act in r.actions.values():
-                act.weight_cast = False
-        pipe = SingleProcessPipeline(ranks, schedule)
-        pipe.manager, pipe.offload = mgr, offload
-        capture_ranks(ranks, pipe.order, offload, cfg.model.microbatch_size, cfg.model.seq_len)
-        mgr.f_groups = {f"s{act.stage}.F{c}": g for r in ranks for act in r.actions.values()
-                        for c, g in act.groups.items()}
-        return pipe
+    def offload(cfg, mgr: OffloadExecManager) -> OffloadManager:
+        return OffloadManager(cfg.offload, device="cpu", driver=mgr.device.driver(), streams=mgr.device)
 
-    real = build_mod.build_single_process
+    fake = _fake_captured_build(build_mod.build_single_process, offload=offload,
+                                manager=lambda: OffloadExecManager(device=FakeDevice(seed, granularity=64 << 10)))
+
+    def build(cfg, **kw):
+        pipe = fake(cfg, **kw)
+        if pipe.offload is not None:  # each F graph replays under its chain's group's capture hooks
+            pipe.manager.f_groups = {f"s{act.stage}.F{c}": g for r in pipe.ranks for act in r.actions.values()
+                                     for c, g in act.groups.items()}
+        return pipe
     return build
 
 

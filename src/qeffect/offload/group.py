@@ -809,7 +809,10 @@ class OffloadManager:
         if self._allocated:
             raise OffloadStateError("allocate() was already called")
         sequence = list(backward_order) if backward_order is not None else list(reversed(self.groups))
-        order = list({id(g): g for g in sequence}.values())  # each group once, at its first backward
+        first: dict[int, int] = {}  # each group's first backward in `sequence`
+        for i, g in enumerate(sequence):
+            first.setdefault(id(g), i)
+        order = [sequence[i] for i in first.values()]  # each group once, at its first backward
         ids = [id(g) for g in order]
         repeated = len(order) < len(sequence)
         if set(ids) != {id(g) for g in self.groups} or (repeated and (self.mode != "release" or events is not None
@@ -830,9 +833,6 @@ class OffloadManager:
             self.num_banks = max(self.num_banks, max(banks, default=0) + 1)
         self.bank_plan = banks if banks is not None else [pos % self.num_banks for pos in range(len(order))]
         self.backward_order = order
-        first: dict[int, int] = {}
-        for i, g in enumerate(sequence):
-            first.setdefault(id(g), i)
         for g in order:  # the first other group whose backward follows g's first one (unrepeated: the next)
             g.next_backward = next((h for h in sequence[first[id(g)] + 1:] if h is not g), None)
         for g in self.groups:

@@ -138,8 +138,7 @@ def plan_chains(manager: OffloadManager, step: StepInputs) -> OffloadPlan:
     if manager.mode != "release":
         raise UserError(f"offload.mode = {manager.mode} plans one group per microbatch; graph chains that serve "
                         "several microbatches need offload.mode = release")
-    events = [(EVENT_KINDS[a.kind], (a.stage, a.microbatch)) for a in step.order
-              if (a.stage, a.microbatch) in step.groups]
+    events = step_events(step.order, {key: key for key in step.groups})
     short = {step.groups[key] for key in manager.short_window(events)}
     backward = [step.groups[key] for key in backward_order(events)]  # with repeats: one per microbatch
     manager.bank_search = None

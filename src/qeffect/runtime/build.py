@@ -16,7 +16,7 @@ from qeffect.graphs.captured import CapturedStageActions
 from qeffect.graphs.handoff import Handoff
 from qeffect.graphs.manager import GraphManager
 from qeffect.model import GPTShape, build_chunks
-from qeffect.offload.group import OffloadManager
+from qeffect.offload.group import OffloadGroup, OffloadManager
 from qeffect.offload.planning import StepInputs, matrix_elements
 from qeffect.offload.planning import plan as plan_offload
 from qeffect.runtime.memory_cap import CappedVmm, cap_bytes
@@ -222,15 +222,19 @@ def make_offload_manager(config: OffloadConfig, device: str | torch.device, *, c
         raise UserError(f"offload.mode = {config.mode}: {err}") from None
 
 
+def forward_groups(ranks: Sequence[BaseRank]) -> dict[tuple[int, int], OffloadGroup]:
+    """Each captured forward's offload group by (stage, microbatch), once the chunks are prepared: its chain's
+    (one group serves each microbatch of a chain)."""
+    return {(act.stage, m): act.groups[act.chain(m)] for r in ranks for act in r.actions.values()
+            for m in range(len(act.plan.per_microbatch)) if act.chain(m) in act.groups}
+
+
 def offload_step(ranks: Sequence[BaseRank], order: Sequence[tuple[int, Action]], microbatch_size: int,
                  seq_len: int) -> StepInputs:
     """What `offload.planning.plan` needs of one step of `ranks`: the actions in `order`, each captured
-    forward's group (its chain's: one group serves each microbatch of a chain) and each stage's weight-matrix
-    elements."""
+    forward's group (`forward_groups`) and each stage's weight-matrix elements."""
     actions = [act for r in ranks for act in r.actions.values()]
-    return StepInputs(order=[a for _, a in order],
-                      groups={(act.stage, m): act.groups[act.chain(m)] for act in actions
-                              for m in range(len(act.plan.per_microbatch)) if act.chain(m) in act.groups},
+    return StepInputs(order=[a for _, a in order], groups=forward_groups(ranks),
                       elements={act.stage: matrix_elements(act.chunk) for act in actions},
                       tokens=microbatch_size * seq_len)
 
