@@ -670,7 +670,9 @@ class _FakeRunner:
 
     def data(self, step: int) -> torch.Tensor:
         self.asked.append(step)
-        return torch.full((64, 64), float(step))
+        # large enough that the matmul outweighs the relu on a loaded CPU (two xdist workers): at 64 x 64 the
+        # relu once came out on top
+        return torch.full((256, 256), float(step))
 
     def step(self, data: torch.Tensor) -> torch.Tensor:
         return (data @ data).relu().sum()
