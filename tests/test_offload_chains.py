@@ -3,7 +3,7 @@ schedule's liveness (a group per chain, serving each of its microbatches in turn
 
 Two fakes stand in for the GPU, the rest is the real code (build, planning, offload manager, captured actions,
 verify-state's oracle). `ExecManager` (tests/test_graph_binding_bitwise.py) replays a graph by re-running the
-body it captured; here a forward's replay runs under its group's capture hooks, as the captured graph writes
+body it captured; here a forward's replay runs under its group's slot stores, as the captured graph writes
 its saved tensors into the group's slot. `FakeDevice` (`offload.fake`) is the VMM driver and the streams: an
 unmapped slot reads as poison bytes, and copies run on queued streams in a seeded random interleaving. A
 backward that reads a slot before its restore, or a microbatch's bytes overwritten by the next one of its
@@ -32,14 +32,29 @@ from test_graph_binding_bitwise import BASE, ExecManager, _fake_captured_build
 @dataclass
 class OffloadExecManager(ExecManager):
     """`ExecManager` on a fake device: bodies run as the compute stream's work (after what is queued on it,
-    such as the wait for a restore), a forward's under its group's capture hooks."""
+    such as the wait for a restore), a forward's under its group's slot stores."""
 
     device: FakeDevice = field(default_factory=FakeDevice)
     f_groups: dict[str, OffloadGroup] = field(default_factory=dict)  # F graph name -> its chain's group
+    offload: OffloadManager | None = None
+    # slot -> its bytes when the last capture that saw it mapped ended (`offload.map_slots = "forward"`)
+    captured_bytes: dict = field(default_factory=dict)
 
     def capture(self, name, fn, **kw):
-        with self.device.host_compute():
-            return super().capture(name, fn, **kw)
+        """A GPU capture runs nothing, so it cannot read a slot the build left unmapped; this one runs its
+        body, so such a slot is mapped for it with the bytes an earlier capture left there, then released."""
+        slots = self.offload.slots() if self.offload is not None and self.offload._allocated else []
+        lent = [s for s in slots if not s.mapped and s in self.captured_bytes]
+        for s in lent:
+            s.map()
+            s.bytes().copy_(self.captured_bytes[s])
+        try:
+            with self.device.host_compute():
+                return super().capture(name, fn, **kw)
+        finally:
+            self.captured_bytes.update({s: s.bytes().clone() for s in slots if s.mapped})
+            for s in lent:
+                s.unmap()
 
     def dry_capture(self, fn):
         with self.device.host_compute():
@@ -47,21 +62,22 @@ class OffloadExecManager(ExecManager):
 
     def replay(self, action, dynamic=None):
         group = self.f_groups.get(action.name)
-        with self.device.host_compute(), group.capture_hooks() if group is not None else nullcontext():
+        with self.device.host_compute(), group.slot_stores() if group is not None else nullcontext():
             return super().replay(action, dynamic)
 
 
 def _offload_build(seed: int):
     """`build_single_process` for captured paths on the fakes, with the config's `[offload]` section."""
     def offload(cfg, mgr: OffloadExecManager) -> OffloadManager:
-        return OffloadManager(cfg.offload, device="cpu", driver=mgr.device.driver(), streams=mgr.device)
+        mgr.offload = OffloadManager(cfg.offload, device="cpu", driver=mgr.device.driver(), streams=mgr.device)
+        return mgr.offload
 
     fake = _fake_captured_build(build_mod.build_single_process, offload=offload,
                                 manager=lambda: OffloadExecManager(device=FakeDevice(seed, granularity=64 << 10)))
 
     def build(cfg, **kw):
         pipe = fake(cfg, **kw)
-        if pipe.offload is not None:  # each F graph replays under its chain's group's capture hooks
+        if pipe.offload is not None:  # each F graph replays under its chain's group's slot stores
             pipe.manager.f_groups = {f"s{act.stage}.F{c}": g for r in pipe.ranks for act in r.actions.values()
                                      for c, g in act.groups.items()}
         return pipe
@@ -116,6 +132,24 @@ def test_release_with_the_default_knobs_keeps_native_eager_bits(offload_fakes) -
     pipe = _offload_build(0)(_config("interleaved", 6, release_chains="microbatch"), native=False,
                              path="captured-direct")
     assert len(pipe.offload.groups) == 4 * 6 and pipe.offload.shared
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_release_with_slots_mapped_at_forward_keeps_native_eager_bits(offload_fakes, schedule: str) -> None:
+    """`map_slots = "forward"`: the build maps one slot at a time (each while its forward is captured) and
+    leaves every slot released; the first forward of each group maps it afresh (poison until written). With
+    one pending copy-out and reaping, slots come and go all step long; the bits stay native eager's."""
+    cfg = _config(schedule, 6, min_window=0, map_slots="forward", max_pending_copies=1, reap=True)
+    pipe = _offload_build(0)(cfg, native=False, path="captured-direct")
+    mgr = pipe.offload
+    slots = mgr.slots()
+    assert len(slots) > 1 and not any(s.mapped for s in slots)
+    assert mgr.stats.peak_mapped_bytes == max(s.size for s in slots)  # one at a time, never two
+    report = run_verify_state(cfg, steps=2, path="captured-direct")
+    assert report.passed, report.first_divergence
+    o = report.graphs["offload"]
+    assert o["not_offloaded"] == [] and o["d2h_copies"] > 0 and o["maps"] >= o["groups"]
+    assert o["unmaps"] >= o["d2h_copies"]  # each copy-out's slot released (pending or reaped)
 
 
 def test_a_restore_that_never_copies_is_caught(offload_fakes, monkeypatch: pytest.MonkeyPatch) -> None:

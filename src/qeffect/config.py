@@ -297,6 +297,13 @@ class OffloadConfig(_Strict):
         "at microbatch size 2 on an H100: 0 of the slot bytes returned before their backward; with 2, 0.90 "
         "of them, at 1.29x no offload's step instead of 1.14x, and no lower peak of driver memory, since the "
         "caching allocator keeps its own).")
+    map_slots: Literal["build", "forward"] = Field(
+        "build", description="Release: when a slot first gets device memory. 'build': every slot is mapped when "
+        "the graphs are built and stays mapped until a release (the build fails at once if the slots do not "
+        "fit); 'forward': a slot is mapped only while its forward is captured and then at each forward that "
+        "writes it, so the build's peak holds no slot (graph pools at their fullest plus every slot is what "
+        "kept release's driver memory at no offload's). Memory comes back during steps only where slots are "
+        "released: `max_pending_copies` (host ahead of the device) and `reap` (after each backward).")
     release_at_backward: bool = Field(
         False, description="Release: a backward that finds its group's copy-out not yet seen done waits for "
         "it, releases the slot and restores it (false: keeps the slot mapped and reads the bytes in place).")

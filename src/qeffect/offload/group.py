@@ -400,8 +400,36 @@ class OffloadGroup:
         self._allocated("capture_hooks")
         if self.live or self.phase == "backward":
             raise OffloadStateError(f"group {self.name!r}: capture_hooks() while its activations are live")
-        if self.state is not GroupState.MAPPED:
-            raise OffloadStateError(f"group {self.name!r}: capture_hooks() needs a mapped slot (state {self.state})")
+        lazy = self.manager.map_at_forward and self.slot is not None
+        if self.state is not (GroupState.UNMAPPED if lazy else GroupState.MAPPED):
+            raise OffloadStateError(f"group {self.name!r}: capture_hooks() needs a "
+                                    f"{'released' if lazy else 'mapped'} slot (state {self.state})")
+        # "forward" slots: mapped for the capture's own copies only; a replay maps it again at its forward
+        with self._mapped_for_capture() if lazy else contextlib.nullcontext():
+            with self.slot_stores():
+                yield self
+
+    @contextlib.contextmanager
+    def _mapped_for_capture(self) -> Iterator[None]:
+        """`offload.map_slots = "forward"`: the slot mapped while its forward is captured, released after
+        (nothing captured runs, so the unmap waits for no copy), unless another member of a shared slot
+        had mapped it."""
+        m = self.manager
+        mapped_here = not self.slot.mapped
+        if mapped_here:
+            self.slot.map()
+            m.note_mapped()
+        try:
+            yield
+        finally:
+            if mapped_here and self.slot.mapped:
+                self.slot.unmap()
+
+    @contextlib.contextmanager
+    def slot_stores(self) -> Iterator[OffloadGroup]:
+        """The saved-tensor hooks of `capture_hooks`, without its checks or mapping: each saved tensor copied
+        into its slot view, which autograd keeps (what the captured forward's graph does at every replay; a
+        fake replay on a CPU runs them). Nothing in `off` mode or for an empty or not offloaded group."""
         if self.manager.mode == "off" or not self.specs or not self.offloaded:
             yield self
             return
@@ -714,6 +742,10 @@ class OffloadManager:
         # release: the host waits for the oldest copy-out once more than this many are pending (0: never), so
         # that slots are released however far ahead of the device the host runs
         self.max_pending_copies = config.max_pending_copies
+        # release: slots get device memory only while their forward is captured and then at each forward
+        # ("forward"), not all at allocate ("build"), so that no slot adds to the build's peak (graph pools
+        # at their fullest)
+        self.map_at_forward = self.mode == "release" and config.map_slots == "forward"
         self.shared: list[list[OffloadGroup]] = []  # release: the runs of groups sharing a slot (backward order)
         self.timing, self.alignment = timing, alignment
         self.skip_kept_d2h = config.skip_kept_d2h  # resident, with allocate(events=): no D2H for kept groups
@@ -859,7 +891,7 @@ class OffloadManager:
             futile = futile_restores(events, in_banks)
             self.futile = {(id(x), id(g)) for x, g in futile}
         for g in self.groups:
-            g.state = GroupState.MAPPED
+            g.state = GroupState.UNMAPPED if self.map_at_forward and g.slot is not None else GroupState.MAPPED
         self._allocated = True
         self.note_mapped()
 
@@ -877,7 +909,8 @@ class OffloadManager:
             for g in self.groups:
                 if g.nbytes and g.offloaded and g is g.members[0]:  # one slot per run of `shared` (or group)
                     bases, end = self._pack([m.nbytes for m in g.members])
-                    slot = VmmSlot(self.driver, end, device=self.device, name="+".join(m.name for m in g.members))
+                    slot = VmmSlot(self.driver, end, map_now=not self.map_at_forward, device=self.device,
+                                   name="+".join(m.name for m in g.members))
                     for m, base in zip(g.members, bases, strict=True):
                         m.slot, m.base = slot, base
         else:
