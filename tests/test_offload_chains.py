@@ -37,24 +37,23 @@ class OffloadExecManager(ExecManager):
     device: FakeDevice = field(default_factory=FakeDevice)
     f_groups: dict[str, OffloadGroup] = field(default_factory=dict)  # F graph name -> its chain's group
     offload: OffloadManager | None = None
-    # slot -> its bytes when the last capture that saw it mapped ended (`offload.map_slots = "forward"`)
+    # slot -> (its mapping's count, its bytes) when the last capture that saw it mapped ended
     captured_bytes: dict = field(default_factory=dict)
 
     def capture(self, name, fn, **kw):
-        """A GPU capture runs nothing, so it cannot read a slot the build left unmapped; this one runs its
-        body, so such a slot is mapped for it with the bytes an earlier capture left there, then released."""
+        """A GPU capture runs nothing, so what a slot holds then does not matter, but it must be mapped for a
+        kernel that checks its pointers (Triton's); this one runs its body, where an unmapped slot reads as
+        poison. With `offload.map_slots = "forward"` the build maps a slot afresh for each capture that uses
+        it, so the bytes the last capture left there are put back first."""
         slots = self.offload.slots() if self.offload is not None and self.offload._allocated else []
-        lent = [s for s in slots if not s.mapped and s in self.captured_bytes]
-        for s in lent:
-            s.map()
-            s.bytes().copy_(self.captured_bytes[s])
+        for s in slots:
+            if s.mapped and s in self.captured_bytes and self.captured_bytes[s][0] != s.maps:
+                s.bytes().copy_(self.captured_bytes[s][1])
         try:
             with self.device.host_compute():
                 return super().capture(name, fn, **kw)
         finally:
-            self.captured_bytes.update({s: s.bytes().clone() for s in slots if s.mapped})
-            for s in lent:
-                s.unmap()
+            self.captured_bytes.update({s: (s.maps, s.bytes().clone()) for s in slots if s.mapped})
 
     def dry_capture(self, fn):
         with self.device.host_compute():

@@ -279,6 +279,10 @@ class CapturedStageActions(StageActions):
             cycle = self._cycles[key] = self.manager.pool_cycle(name)
         return {"cycle": cycle}
 
+    def _slot_mapped(self, c: int):
+        """While a capture of chain `c` reads its offload group's slot: the slot mapped (`mapped_for_capture`)."""
+        return self.groups[c].mapped_for_capture() if c in self.groups else contextlib.nullcontext()
+
     def capture_graphs(self) -> None:
         """Capture every slot's F, then dI, then dW; restore the FP8 state that warm-up moved."""
         chunk, dev = self.chunk, next(self.chunk.parameters()).device
@@ -336,8 +340,9 @@ class CapturedStageActions(StageActions):
             inputs = {"grad": self._gout[c]}
             if self._mb is not None and m > 0:
                 inputs["mb"] = self._mb_chain[c] = torch.zeros(1, dtype=torch.int64, device=dev)
-            graphs_di[c] = self.manager.capture(f"{tag}.dI{c}", di_body, static_inputs=inputs,
-                                                warmup=0, **self._pools("dI", c))
+            with self._slot_mapped(c):  # offload: the saved tensors dI reads
+                graphs_di[c] = self.manager.capture(f"{tag}.dI{c}", di_body, static_inputs=inputs,
+                                                    warmup=0, **self._pools("dI", c))
         written = [sorted(g.outputs[1]) for g in graphs_di.values()]
         if any(w != written[0] for w in written):  # dI(0) copies what later dIs add to: the same set each
             raise RuntimeError(f"stage {self.stage}: the captured dI graphs write different non-matrix gradients "
@@ -363,8 +368,9 @@ class CapturedStageActions(StageActions):
                 return grads, self._next_token()
 
             folds = {f"fold{g}": self._fold_mode[g] for g in live}
-            graphs_dw[c] = self.manager.capture(f"{tag}.dW{c}", dw_body, static_inputs=folds,
-                                                warmup=0, private_pool=True)
+            with self._slot_mapped(c):  # offload: the saved tensors the retained work reads
+                graphs_dw[c] = self.manager.capture(f"{tag}.dW{c}", dw_body, static_inputs=folds,
+                                                    warmup=0, private_pool=True)
         for m, g in enumerate(plan.per_microbatch):  # what each microbatch replays (shared within a chain)
             self.slots[m] = SlotGraphs(F=self._chain_f[g.chain], dI=graphs_di[g.chain], dW=graphs_dw[g.chain])
         saved = self._saved

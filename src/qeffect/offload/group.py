@@ -404,25 +404,26 @@ class OffloadGroup:
         if self.state is not (GroupState.UNMAPPED if lazy else GroupState.MAPPED):
             raise OffloadStateError(f"group {self.name!r}: capture_hooks() needs a "
                                     f"{'released' if lazy else 'mapped'} slot (state {self.state})")
-        # "forward" slots: mapped for the capture's own copies only; a replay maps it again at its forward
-        with self._mapped_for_capture() if lazy else contextlib.nullcontext():
-            with self.slot_stores():
-                yield self
+        with self.mapped_for_capture(), self.slot_stores():
+            yield self
 
     @contextlib.contextmanager
-    def _mapped_for_capture(self) -> Iterator[None]:
-        """`offload.map_slots = "forward"`: the slot mapped while its forward is captured, released after
-        (nothing captured runs, so the unmap waits for no copy), unless another member of a shared slot
-        had mapped it."""
+    def mapped_for_capture(self) -> Iterator[None]:
+        """Around each capture that writes or reads the group's slot (its forward's, its backward's):
+        with `offload.map_slots = "forward"` the slot is mapped for it and released after (nothing
+        captured runs, so the unmap waits for no copy; a replay maps it again at its forward). Mapped
+        because some kernels check their pointers when launched, under a capture too (Triton's). Nothing
+        where the slot is mapped already (another member of a shared slot mapped it), or mapped at build."""
         m = self.manager
-        mapped_here = not self.slot.mapped
-        if mapped_here:
-            self.slot.map()
-            m.note_mapped()
+        if not (m.map_at_forward and self.slot is not None) or self.slot.mapped:
+            yield
+            return
+        self.slot.map()
+        m.note_mapped()
         try:
             yield
         finally:
-            if mapped_here and self.slot.mapped:
+            if self.slot.mapped:
                 self.slot.unmap()
 
     @contextlib.contextmanager
