@@ -205,6 +205,25 @@ def test_captured_pipeline_with_offload_equals_native_eager(mode: str, schedule:
         assert o["unmaps"] < 3 * n and (3 * o["slots"] <= o["unmaps"] or not strict), o
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_captured_pipeline_with_slots_mapped_at_forward_equals_native_eager(schedule: str) -> None:
+    """`offload.map_slots = "forward"`: each slot mapped only while a capture uses it (Triton checks the
+    pointers of kernels launched under a capture), then at each forward; every group offloaded, slots
+    released while their copy-out is pending and after their backward. 0 mismatches vs native eager."""
+    from qeffect.config import load_config
+    from qeffect.verify.state import run_verify_state
+
+    cfg = load_config(None).with_overrides(**{"train.device": "cuda", "offload.mode": "release",
+                                              "pipeline.schedule": schedule, "offload.map_slots": "forward",
+                                              "offload.min_window": 0, "offload.max_pending_copies": 1,
+                                              "offload.reap": True, "pipeline.wgrad_staging_by_liveness": True})
+    report = run_verify_state(cfg, steps=3, path="captured-direct")
+    assert report.passed, report.first_divergence
+    o = report.graphs["offload"]
+    assert o["not_offloaded"] == [] and o["groups"] < 16 and o["d2h_copies"] > 0, o
+    assert o["maps"] >= o["groups"] and o["unmaps"] >= o["d2h_copies"], o  # the build left every slot unmapped
+
+
 def offload_plan(cfg) -> tuple[list, set, list]:  # noqa: ANN001 - a qeffect Config
     """The schedule's offload events of `cfg` ((kind, (stage, microbatch)), one per action), the groups its
     window leaves on the device, and the runs of the others that share a slot by default."""

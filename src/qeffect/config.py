@@ -300,8 +300,8 @@ class OffloadConfig(_Strict):
     map_slots: Literal["build", "forward"] = Field(
         "build", description="Release: when a slot first gets device memory. 'build': every slot is mapped when "
         "the graphs are built and stays mapped until a release (the build fails at once if the slots do not "
-        "fit); 'forward': a slot is mapped only while its forward is captured and then at each forward that "
-        "writes it, so the build's peak holds no slot (graph pools at their fullest plus every slot is what "
+        "fit); 'forward': a slot is mapped only while a capture uses it (its chain's F, dI, dW) and then at "
+        "each forward that writes it, so the build's peak holds no more than one slot (graph pools at their fullest plus every slot is what "
         "kept release's driver memory at no offload's). Memory comes back during steps only where slots are "
         "released: `max_pending_copies` (host ahead of the device) and `reap` (after each backward).")
     release_at_backward: bool = Field(
