@@ -35,7 +35,8 @@
 #   offload-cap      release with slots mapped at each forward (offload.map_slots = forward), released while their
 #                    copies are pending (max_pending_copies = 2) and after each backward (reap), at h4096-long with
 #                    fused accumulation and shared pools: offload_bench.py off / release / that / that with every
-#                    group offloaded (peak driver memory, bits), then the capped pair with every group offloaded  (~8 min)
+#                    group offloaded (peak driver memory, bits)                                          (~3 min)
+#   offload-cap-pair the capped h4096-long pair so, every group offloaded: four trains and a checkpoint diff  (~6-8 min)
 #   wgrad-fused      pipeline.wgrad_accumulation = fused: pytest -m gpu tests/test_wgrad_accumulation.py; verify-state
 #                    at h2048 te (captured-direct Interleaved and ZB-V, captured-copy; captured-direct at M = 16);
 #                    rank_streams_ab.py --field pipeline.wgrad_accumulation at h2048 and h4096 (captured-direct step
@@ -64,13 +65,13 @@
 # Reports record the revision from QEFFECT_GIT_REVISION (the device copy of the tree has no .git) or git.
 
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools offload-chains offload-cap wgrad-fused profile-fused llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
+    echo "usage: bash scripts/gpu/check.sh PART OUTDIR (parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools offload-chains offload-cap offload-cap-pair wgrad-fused profile-fused llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron)" >&2
     exit 2
 fi
 part=$1
 case $part in
-tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|step-graph|step-graph-ab|graph-pools|offload-chains|offload-cap|wgrad-fused|profile-fused|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
-*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools offload-chains offload-cap wgrad-fused profile-fused llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
+tests-kernels|tests-pipelines-1|tests-pipelines-2|verify|offload|offload-long|profile-h2048-te|profile-h2048-reference|profile-h4096-te|profile-h4096-reference|resources-h4096|rank-streams|step-graph|step-graph-ab|graph-pools|offload-chains|offload-cap|offload-cap-pair|wgrad-fused|profile-fused|llama|long-seq|profile-llama-h2048-te|staging-ab|handoffs|multi|multi-timing|megatron) ;;
+*) echo "unknown part '$part'; parts: tests-kernels tests-pipelines-1 tests-pipelines-2 verify offload offload-long profile-h2048-te profile-h2048-reference profile-h4096-te profile-h4096-reference resources-h4096 rank-streams step-graph step-graph-ab graph-pools offload-chains offload-cap offload-cap-pair wgrad-fused profile-fused llama long-seq profile-llama-h2048-te staging-ab handoffs multi multi-timing megatron" >&2
    exit 2 ;;
 esac
 # shellcheck source=scripts/gpu/lib.sh
@@ -218,18 +219,21 @@ offload-chains)
         --dir "$tmp/cap" "${LEAN[@]}" --json "$OUT/offload-cap-h4096-long-chains.json"
     rm -rf "$tmp/cap"
     ;;
-offload-cap)
+offload-cap|offload-cap-pair)
     # release that gives memory back: no slot mapped at build (the build's peak is the graph pools at their
     # fullest), slots released while copies are pending and after each backward; then the capped pair so
     LONG=examples/configs/h4096-long.toml
     LEAN=(--set pipeline.wgrad_accumulation=fused --set runtime.graph_pools=shared)
     GIVE="+offload.map_slots=forward+offload.max_pending_copies=2+offload.reap=true"
-    step offload-cap-bench-h4096-long 300 python3 benchmarks/offload_bench.py --config $LONG \
-        --modes "off,release,release$GIVE,release-all$GIVE" --steps 5 --warmup 2 "${LEAN[@]}" \
-        --out "$OUT/offload-cap-bench-h4096-long.json"
-    step offload-cap-h4096-long 280 python3 scripts/offload_cap_check.py --config $LONG --steps 20 \
-        --dir "$tmp/cap" "${LEAN[@]}" --set offload.map_slots=forward --set offload.max_pending_copies=2 \
-        --set offload.reap=true --set offload.min_window=0 --json "$OUT/offload-cap-h4096-long.json"
+    if [ "$part" = offload-cap ]; then
+        step offload-cap-bench-h4096-long 300 python3 benchmarks/offload_bench.py --config $LONG \
+            --modes "off,release,release$GIVE,release-all$GIVE" --steps 5 --warmup 2 "${LEAN[@]}" \
+            --out "$OUT/offload-cap-bench-h4096-long.json"
+    else
+        step offload-cap-h4096-long 560 python3 scripts/offload_cap_check.py --config $LONG --steps 20 \
+            --dir "$tmp/cap" "${LEAN[@]}" --set offload.map_slots=forward --set offload.max_pending_copies=2 \
+            --set offload.reap=true --set offload.min_window=0 --json "$OUT/offload-cap-h4096-long.json"
+    fi
     rm -rf "$tmp/cap"
     ;;
 wgrad-fused)
