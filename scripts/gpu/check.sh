@@ -32,11 +32,10 @@
 #                    at h4096 with release offload; the capped h4096-long pair with shared pools (H200)   (~7 min)
 #   offload-chains   release offload's chains bounded by liveness against one per microbatch (offload_bench.py at
 #                    h4096-long, fused accumulation and shared pools), then the capped h4096-long pair so  (~6-8 min)
-#   offload-cap      release with slots mapped at each forward (offload.map_slots = forward), released while their
-#                    copies are pending (max_pending_copies = 2) and after each backward (reap), at h4096-long with
-#                    fused accumulation and shared pools: offload_bench.py off / release / that / that with every
-#                    group offloaded (peak driver memory, bits)                                          (~3 min)
-#   offload-cap-pair the capped h4096-long pair so, every group offloaded: four trains and a checkpoint diff  (~6-8 min)
+#   offload-cap      h4096-long's release (fused accumulation, shared pools, slots mapped at each forward and released
+#                    while copies are pending and after each backward, every group offloaded): offload_bench.py off /
+#                    release at the library's offload defaults / release as the config sets it (driver memory, bits) (~3 min)
+#   offload-cap-pair the capped h4096-long pair at the config's cap: four trains and a checkpoint diff      (~5-6 min)
 #   wgrad-fused      pipeline.wgrad_accumulation = fused: pytest -m gpu tests/test_wgrad_accumulation.py; verify-state
 #                    at h2048 te (captured-direct Interleaved and ZB-V, captured-copy; captured-direct at M = 16);
 #                    rank_streams_ab.py --field pipeline.wgrad_accumulation at h2048 and h4096 (captured-direct step
@@ -220,19 +219,18 @@ offload-chains)
     rm -rf "$tmp/cap"
     ;;
 offload-cap|offload-cap-pair)
-    # release that gives memory back: no slot mapped at build (the build's peak is the graph pools at their
-    # fullest), slots released while copies are pending and after each backward; then the capped pair so
+    # release that gives memory back, as h4096-long.toml sets it up (fused accumulation, shared pools, every
+    # group offloaded, no slot mapped at build, slots released while copies are pending and after each
+    # backward): one process against no offload and release at the library's offload defaults; then the
+    # capped pair at the config's own cap
     LONG=examples/configs/h4096-long.toml
-    LEAN=(--set pipeline.wgrad_accumulation=fused --set runtime.graph_pools=shared)
-    GIVE="+offload.map_slots=forward+offload.max_pending_copies=2+offload.reap=true"
+    DEFAULTS="+offload.map_slots=build+offload.min_window=12+offload.max_pending_copies=0+offload.reap=false"
     if [ "$part" = offload-cap ]; then
         step offload-cap-bench-h4096-long 300 python3 benchmarks/offload_bench.py --config $LONG \
-            --modes "off,release,release$GIVE,release-all$GIVE" --steps 5 --warmup 2 "${LEAN[@]}" \
-            --out "$OUT/offload-cap-bench-h4096-long.json"
+            --modes "off,release$DEFAULTS,release" --steps 5 --warmup 2 --out "$OUT/offload-cap-bench-h4096-long.json"
     else
         step offload-cap-h4096-long 560 python3 scripts/offload_cap_check.py --config $LONG --steps 20 \
-            --dir "$tmp/cap" "${LEAN[@]}" --set offload.map_slots=forward --set offload.max_pending_copies=2 \
-            --set offload.reap=true --set offload.min_window=0 --json "$OUT/offload-cap-h4096-long.json"
+            --dir "$tmp/cap" --json "$OUT/offload-cap-h4096-long.json"
     fi
     rm -rf "$tmp/cap"
     ;;
