@@ -301,11 +301,11 @@ class OffloadConfig(_Strict):
         "build", description="Release: when a slot first gets device memory. 'build': every slot is mapped when "
         "the graphs are built and stays mapped until a release (the build fails at once if the slots do not "
         "fit); 'forward': a slot is mapped only while a capture uses it (its chain's F, dI, dW) and then at "
-        "each forward that writes it, so the build's peak holds no more than one slot (graph pools at their fullest plus every slot is what "
-        "kept release's driver memory at no offload's). Memory comes back during steps only where slots are "
-        "released: `max_pending_copies` (host ahead of the device) and `reap` (after each backward). "
-        "h4096-long on an H100 with both and every group offloaded: driver peak 48.8 GiB against no offload's "
-        "53.5, at 1.22x its step.")
+        "each forward that writes it, so the build's peak (graph pools at their fullest) holds at most one "
+        "slot; with every slot mapped there, release needed as much driver memory as no offload. Memory comes "
+        "back during steps only where slots are released: `max_pending_copies` (host ahead of the device) and "
+        "`reap` (after each backward). h4096-long on an H100 with both and every group offloaded: driver peak "
+        "48.8 GiB against no offload's 53.5, at 1.22x its step.")
     release_at_backward: bool = Field(
         False, description="Release: a backward that finds its group's copy-out not yet seen done waits for "
         "it, releases the slot and restores it (false: keeps the slot mapped and reads the bytes in place).")

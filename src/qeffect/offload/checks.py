@@ -256,7 +256,7 @@ class ToyStack:
         self.B, self.grads = [], []
         for k in range(layers):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
+            with self.groups[k].mapped_for_capture(), torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
                 if bwd_sleep:
                     cuda_sleep(bwd_sleep)
                 grads = torch.autograd.grad(self.y[k], self._inputs(k), self.gy[k], retain_graph=True)

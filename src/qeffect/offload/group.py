@@ -743,9 +743,9 @@ class OffloadManager:
         # release: the host waits for the oldest copy-out once more than this many are pending (0: never), so
         # that slots are released however far ahead of the device the host runs
         self.max_pending_copies = config.max_pending_copies
-        # release: slots get device memory only while their forward is captured and then at each forward
-        # ("forward"), not all at allocate ("build"), so that no slot adds to the build's peak (graph pools
-        # at their fullest)
+        # release: slots get device memory only while a capture uses them and then at each forward
+        # ("forward"), not all at allocate ("build"), so that at most one slot adds to the build's peak (the
+        # graph pools at their fullest)
         self.map_at_forward = self.mode == "release" and config.map_slots == "forward"
         self.shared: list[list[OffloadGroup]] = []  # release: the runs of groups sharing a slot (backward order)
         self.timing, self.alignment = timing, alignment
