@@ -771,6 +771,34 @@ def test_max_pending_copies_restores_the_right_bytes_in_every_interleaving(progr
     assert released > 0  # the lazy device released nothing by queries: the waits did
 
 
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("shared", [False, True])
+def test_slots_mapped_at_forward_restore_the_right_bytes_in_every_interleaving(program: str, shared: bool) -> None:
+    """`map_slots = "forward"`: allocate maps nothing, a capture maps its group's slot only for itself, and
+    each first forward maps afresh; the bytes are right in every interleaving, slots shared or not."""
+    prog, order = PROGRAMS[program]
+    for seed in range(12):
+        kw = {"share_slots": "any", "program": prog} if shared else {}
+        dev, mgr, groups = build("release", seed, layers=len(order), order=order, progress=0,
+                                 map_slots="forward", max_pending_copies=1, **kw)
+        assert mgr.mapped_bytes() == 0 and all(g.state is GroupState.UNMAPPED for g in groups)
+        for g in groups:
+            with g.mapped_for_capture():
+                assert g.slot.mapped
+                with g.mapped_for_capture():  # nested (a shared slot's other member): no second map
+                    pass
+                assert g.slot.mapped
+            assert not g.slot.mapped
+        assert mgr.stats.peak_mapped_bytes == max(g.slot.size for g in groups)
+        assert run_program(dev, groups, prog) == [], (program, seed)
+        assert mgr.stats.maps >= len(mgr.slots())
+    mgr = build("release", layers=1)[1]  # slots mapped at build: capturing maps nothing more
+    (g,) = mgr.groups
+    with g.mapped_for_capture():
+        pass
+    assert g.slot.mapped and g.slot.maps == 1
+
+
 def test_timing_records_which_backward_a_restore_ran_under() -> None:
     dev, mgr, groups = build("release", timing=True, release_at_backward=True)  # (G3's backward restores too)
     assert run_program(dev, groups, STACK[0], steps=1) == []
