@@ -135,8 +135,8 @@ def test_release_with_the_default_knobs_keeps_native_eager_bits(offload_fakes) -
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_release_with_slots_mapped_at_forward_keeps_native_eager_bits(offload_fakes, schedule: str) -> None:
-    """`map_slots = "forward"`: the build maps one slot at a time (each while its forward is captured) and
-    leaves every slot released; the first forward of each group maps it afresh (poison until written). With
+    """`map_slots = "forward"`: the build maps one slot at a time (each while a capture of its chain uses it)
+    and leaves every slot released; the first forward of each group maps it afresh (poison until written). With
     one pending copy-out and reaping, slots come and go all step long; the bits stay native eager's."""
     cfg = _config(schedule, 6, min_window=0, map_slots="forward", max_pending_copies=1, reap=True)
     pipe = _offload_build(0)(cfg, native=False, path="captured-direct")

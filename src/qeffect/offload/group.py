@@ -400,7 +400,7 @@ class OffloadGroup:
         self._allocated("capture_hooks")
         if self.live or self.phase == "backward":
             raise OffloadStateError(f"group {self.name!r}: capture_hooks() while its activations are live")
-        lazy = self.manager.map_at_forward and self.slot is not None
+        lazy = self._maps_at_forward
         if self.state is not (GroupState.UNMAPPED if lazy else GroupState.MAPPED):
             raise OffloadStateError(f"group {self.name!r}: capture_hooks() needs a "
                                     f"{'released' if lazy else 'mapped'} slot (state {self.state})")
@@ -414,12 +414,11 @@ class OffloadGroup:
         captured runs, so the unmap waits for no copy; a replay maps it again at its forward). Mapped
         because some kernels check their pointers when launched, under a capture too (Triton's). Nothing
         where the slot is mapped already (another member of a shared slot mapped it), or mapped at build."""
-        m = self.manager
-        if not (m.map_at_forward and self.slot is not None) or self.slot.mapped:
+        if not self._maps_at_forward or self.slot.mapped:
             yield
             return
         self.slot.map()
-        m.note_mapped()
+        self.manager.note_mapped()
         try:
             yield
         finally:
@@ -631,6 +630,11 @@ class OffloadGroup:
             self.state = GroupState.MAPPED
 
     # -------------------------------------------------------------------------------------- helpers
+    @property
+    def _maps_at_forward(self) -> bool:
+        """Its slot gets device memory at each forward, not at allocate (`offload.map_slots = "forward"`)."""
+        return self.manager.map_at_forward and self.slot is not None
+
     def _inactive(self) -> bool:
         return self.manager.mode == "off" or self.nbytes == 0 or not self.offloaded
 
@@ -892,7 +896,7 @@ class OffloadManager:
             futile = futile_restores(events, in_banks)
             self.futile = {(id(x), id(g)) for x, g in futile}
         for g in self.groups:
-            g.state = GroupState.UNMAPPED if self.map_at_forward and g.slot is not None else GroupState.MAPPED
+            g.state = GroupState.UNMAPPED if g._maps_at_forward else GroupState.MAPPED
         self._allocated = True
         self.note_mapped()
 
