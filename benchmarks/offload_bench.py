@@ -40,7 +40,8 @@ even those the plan keeps in their bank (`offload.skip_kept_d2h = false`; the A/
 `resident-all` (also `resident-all@K`) for offload of every group, short windows included
 (`offload.min_window = 0`; the A/B of not offloading them), `resident-memory` (also `resident-memory@K`)
 for the search preferring less bank memory to fewer bytes copied among plans as fast
-(`offload.search_prefer = "memory"`; the A/B); `VARIANTS` lists them. Any mode takes a `/laN` suffix
+(`offload.search_prefer = "memory"`; the A/B), `release-defaults` for release with every other `[offload]`
+field at the library's default, whatever the config file sets; `VARIANTS` lists them. Any mode takes a `/laN` suffix
 (`release/la2`, `resident@6/la3`): `offload.lookahead = N`, the offloaded groups each backward restores ahead (0: none; the A/B), and a `/mwN` suffix (`resident/mw12`):
 `offload.min_window = N`, groups with fewer other actions between their forward and backward stay
 on the device (the trade of memory for time).
@@ -81,7 +82,7 @@ import torch
 
 from qeffect.checkpoint.state import local_view, tensor_state
 from qeffect.cli.common import write_json
-from qeffect.config import apply_sets, load_config
+from qeffect.config import OffloadConfig, apply_sets, load_config
 from qeffect.graphs.handshake import git_revision, run_settings
 from qeffect.graphs.stats import GraphStats
 from qeffect.profile.matrix import te_version
@@ -106,6 +107,9 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "resident-colour": ("resident", {"offload.bank_plan": "colour"}),  # the greedy colouring
     # the search preferring less bank memory among plans as fast (default: fewer bytes copied)
     "resident-memory": ("resident", {"offload.search_prefer": "memory"}),
+    # release with every other [offload] field at the library's default, whatever the config file sets
+    "release-defaults": ("release", {f"offload.{k}": v for k, v in OffloadConfig().model_dump().items()
+                                     if k != "mode"}),
 }
 
 # environment switches that config fields replaced: a mode's `+VAR=VALUE` naming one is refused with its field

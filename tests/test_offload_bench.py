@@ -112,6 +112,16 @@ def test_mode_names_map_to_the_config_they_stand_for(bench) -> None:
     assert mode == "release" and c.offload.release_chains == "microbatch" and cfg.offload.release_chains == "liveness"
 
 
+def test_release_defaults_resets_every_offload_field_a_config_file_sets(bench) -> None:
+    from qeffect.config import OffloadConfig, load_config
+
+    cfg = load_config("examples/configs/h4096-long.toml")
+    assert cfg.offload != OffloadConfig(mode=cfg.offload.mode)  # the recipe sets its own release knobs
+    mode, c = bench.mode_config(cfg, "release-defaults")
+    assert mode == "release" and c.offload == OffloadConfig(mode="release")
+    assert c.model == cfg.model and c.pipeline == cfg.pipeline  # only [offload] changes
+
+
 def test_saved_bytes_count_each_group_once_per_forward_it_holds(bench) -> None:
     """A chain's group serves several microbatches a step: `group_uses` counts them, so saved bytes per step
     do not shrink when the chains (and groups) are bounded by liveness."""

@@ -224,10 +224,9 @@ offload-cap|offload-cap-pair)
     # backward): one process against no offload and release at the library's offload defaults; then the
     # capped pair at the config's own cap
     LONG=examples/configs/h4096-long.toml
-    DEFAULTS="+offload.map_slots=build+offload.min_window=12+offload.max_pending_copies=0+offload.reap=false"
     if [ "$part" = offload-cap ]; then
         step offload-cap-bench-h4096-long 300 python3 benchmarks/offload_bench.py --config $LONG \
-            --modes "off,release$DEFAULTS,release" --steps 5 --warmup 2 --out "$OUT/offload-cap-bench-h4096-long.json"
+            --modes "off,release-defaults,release" --steps 5 --warmup 2 --out "$OUT/offload-cap-bench-h4096-long.json"
     else
         step offload-cap-h4096-long 560 python3 scripts/offload_cap_check.py --config $LONG --steps 20 \
             --dir "$tmp/cap" --json "$OUT/offload-cap-h4096-long.json"
