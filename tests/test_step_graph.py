@@ -127,8 +127,37 @@ def test_a_dry_step_that_issues_other_work_is_refused(step_graphs) -> None:
         pipe.step(synthetic_batches(cfg, i, "cpu"))
     name, keys = pipe.recorded.issued[5]
     pipe.recorded.issued[5] = (name, (*keys, ("x", 0)))
+    before = [p.clone() for p in _parameters(pipe)]
+    steps, replays = [r.step_index for r in pipe.ranks], pipe.recorded.replays
     with pytest.raises(RuntimeError, match="issues other work than the recorded step, from replay 5 on"):
         pipe.step(synthetic_batches(cfg, 2, "cpu"))
+    # launched before the check, which still gates the commit: no parameter took the step
+    assert pipe.recorded.replays == replays + 1
+    assert [r.step_index for r in pipe.ranks] == steps
+    assert all(torch.equal(a, b) for a, b in zip(before, _parameters(pipe), strict=True))
+
+
+def test_a_replayed_step_launches_before_its_bookkeeping_and_commits_after(step_graphs, monkeypatch) -> None:
+    """Stale FP8 weight caches cast, the one launch, then the dry bookkeeping while the device runs, then
+    the commit: the device never waits for the host's checks, which still come before the commit."""
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 4})
+    pipe = step_graphs(cfg, native=False, path="captured-direct")
+    pipe.step_graph_after = 1
+    for i in range(2):
+        pipe.step(synthetic_batches(cfg, i, "cpu"))
+    events: list[str] = []
+    rec = pipe.recorded
+    replay = rec.graph.replay
+    monkeypatch.setattr(rec.graph, "replay", lambda: (events.append("launch"), replay())[1])
+    for r in pipe.ranks:
+        monkeypatch.setattr(r, "cast_stale_weights", lambda r=r: events.append(f"cast {r.rank}"))
+        run, commit = r.run, r.commit
+        monkeypatch.setattr(r, "run", lambda *a, run=run, **k: (events.append("bookkeeping"), run(*a, **k))[1])
+        monkeypatch.setattr(r, "commit", lambda *a, commit=commit, **k: (events.append("commit"), commit(*a, **k))[1])
+    pipe.step(synthetic_batches(cfg, 2, "cpu"))
+    first = events.index("bookkeeping")
+    assert events[:first] == ["cast 0", "cast 1", "launch"]
+    assert set(events[first:-2]) == {"bookkeeping"} and events[-2:] == ["commit", "commit"]
 
 
 def test_check_issued_names_the_first_difference() -> None:

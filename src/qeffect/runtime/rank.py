@@ -29,6 +29,14 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, targets) of one microba
 Observer = Callable[[Action, "BaseRank"], None]
 
 
+def mean_loss(losses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The step loss: the microbatch losses summed in microbatch order, over their count."""
+    total = losses[0].clone()
+    for loss in losses[1:]:
+        total += loss
+    return total / len(losses)
+
+
 def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, *, triton: bool = False) -> torch.optim.Optimizer:
     """torch's fused AdamW (native eager, the TE anchor), or with `triton` its Triton form (qeffect's
     runtimes): the same arithmetic and state, so native and qeffect runs stay bitwise comparable.
@@ -90,6 +98,11 @@ class BaseRank:
     def _constant_made(self, tensor: torch.Tensor) -> None:
         """`tensor` is made once and only ever read from now on (a loss seed)."""
 
+    def cast_stale_weights(self) -> None:
+        """Cast every FP8 weight cache that is not fresh now, as each stage's first F does: a step graph
+        launched before its bookkeeping reads the caches before that F's bookkeeping runs. Nothing to do
+        without cached casts."""
+
     def _input(self, stage: int, m: int, batches: Sequence[Batch], transport: Transport) -> torch.Tensor:
         return batches[m][0] if stage == 0 else transport.get("act", stage - 1, m)
 
@@ -110,12 +123,15 @@ class BaseRank:
 
     def step_loss(self) -> torch.Tensor | None:
         """Mean microbatch loss, summed in microbatch order (None on ranks without the last stage)."""
+        return self.step_loss_of_losses()()
+
+    def step_loss_of_losses(self) -> Callable[[], torch.Tensor | None]:
+        """`step_loss` bound to this step's microbatch loss tensors: the loss of whatever they hold when it is
+        called, not of the rank's state then (a step graph's replay recomputes it from the same tensors)."""
         if not self.losses:
-            return None
-        total = self.losses[0].clone()
-        for m in range(1, self.microbatches):
-            total += self.losses[m]
-        return total / self.microbatches
+            return lambda: None
+        losses = [self.losses[m] for m in range(self.microbatches)]
+        return lambda: mean_loss(losses)
 
     def fp8_state(self, stage: int) -> dict[str, torch.Tensor]:
         return self.chunks[stage].fp8_state()
@@ -270,6 +286,12 @@ class QEffectRank(BaseRank):
         self.fixed_order_sum = fixed_order_sum
         self.dw_order: dict[int, list[int]] = {s: [] for s in self.chunks}
         self.grad_input: torch.Tensor | None = None
+
+    def cast_stale_weights(self) -> None:
+        for act in self.actions.values():
+            casts = getattr(act, "weight_casts", None)
+            if casts:
+                self.optimizer.cast_now(casts)
 
     def _constant_made(self, tensor: torch.Tensor) -> None:
         if self.manager is not None:  # a last-stage dI replay then copies the seed only once

@@ -229,7 +229,7 @@ class SingleProcessPipeline:
             raise RuntimeError("a step ended with activations or gradients nobody consumed")
         last_rank = self.schedule.stage_to_rank[self.schedule.num_stages - 1]
         with self.on_rank_stream(last_rank):
-            step_loss = self.ranks[last_rank].step_loss
+            step_loss = self.ranks[last_rank].step_loss_of_losses()
             loss = step_loss() if self.manager is None else self.manager.step_tensor("step loss", step_loss)
         assert loss is not None
         if self.rank_streams is not None and not dry:  # made on the last rank's stream, read on the caller's
@@ -337,20 +337,36 @@ class SingleProcessPipeline:
         return self._launch_recorded()
 
     def _replayed_step(self, batches: Sequence[Batch]) -> torch.Tensor:
-        """The batches into the recorded step's inputs; the step's bookkeeping with nothing issued, checked
-        to issue what the recorded step did; one launch of its graph; the commit as usual. The commit runs
-        after the whole graph, not beside the other ranks' last actions as in an ordinary step."""
+        """The batches into the recorded step's inputs; stale FP8 weight caches cast; one launch of its
+        graph; then, while the device runs it, the step's bookkeeping with nothing issued, checked to issue
+        what the recorded step did; the commit as usual once the check passed.
+
+        The launch comes first so that the device does not wait for the bookkeeping (the step is timed from
+        the host's first call to the device's last kernel). The check still gates the commit: a step whose
+        bookkeeping is refused, or issues other work, raises before any parameter or optimizer state takes
+        it; its actions' device writes (activations, staged gradients, FP8 amax histories) are the recorded
+        step's on this step's batches. The commit runs after the whole graph, not beside the other ranks'
+        last actions as in an ordinary step."""
         rec = self.recorded
         load_batches(rec, batches)
+        for r in self.ranks:  # what each stage's first F does, before the graph that reads the caches
+            r.cast_stale_weights()
+        self._launch(rec)
         with dry_step(self.manager):
             self._actions(rec.batches, None)
         check_issued(rec, self.manager.issued)
-        return self._launch_recorded()
+        return self._commit_recorded(rec)
 
     def _launch_recorded(self) -> torch.Tensor:
         rec = self.recorded
+        self._launch(rec)
+        return self._commit_recorded(rec)
+
+    def _launch(self, rec: RecordedStep) -> None:
         self.host.call(LAUNCH, rec.graph.replay)
         rec.replays += 1
+
+    def _commit_recorded(self, rec: RecordedStep) -> torch.Tensor:
         self.commit()
         return rec.loss.clone()  # the next replay rewrites it
 
