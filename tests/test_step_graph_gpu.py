@@ -23,8 +23,9 @@ def _cfg(schedule: str, backend: str, rank_streams: bool):
 @pytest.mark.parametrize("backend", ["reference", "te"])
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_a_step_graph_keeps_the_bits_of_native_eager(schedule: str, backend: str, rank_streams: bool) -> None:
-    """Seven steps of the same data: two ordinary, one recorded, four replayed. Every loss against native
-    eager's and the ordinary captured run's; then every parameter and AdamW moment."""
+    """Seven steps of the same data: two ordinary, one recorded, four replayed (each launched before its
+    bookkeeping; with rank streams each rank's commit beside the others' last actions). Every loss against
+    native eager's and the ordinary captured run's; then every parameter and AdamW moment."""
     from qeffect.runtime.build import STEP_GRAPH_AFTER, build_single_process
     from qeffect.verify.state import bitwise_equal, synthetic_batches
     from test_rank_streams_gpu import _state
@@ -44,6 +45,8 @@ def test_a_step_graph_keeps_the_bits_of_native_eager(schedule: str, backend: str
         assert bitwise_equal(ordinary.step(batches), want), step
         assert bitwise_equal(graphed.step(batches), want), step
     assert graphed.recorded is not None and graphed.recorded.replays == steps - STEP_GRAPH_AFTER
+    # with rank streams each rank's commit waits for its own event of the graph, not the whole graph
+    assert (graphed.recorded.rank_done is not None) == rank_streams
     for pipe in (native, ordinary, graphed):
         pipe.settle()
     want = _state(native)

@@ -36,6 +36,9 @@ class RecordedStep:
     loss: Tensor  # written by every replay
     issued: list[tuple[str, tuple[tuple[str, int], ...]]]  # `GraphManager.issued` while recording
     replays: int = 0
+    # with rank streams: per rank, an external event the graph records after that rank's last work (its
+    # commit waits for it instead of the whole graph); None without
+    rank_done: list[torch.cuda.Event] | None = None
 
 
 def record_step(manager: GraphManager, device: torch.device, batches: list[tuple[Tensor, Tensor]],

@@ -333,8 +333,22 @@ class SingleProcessPipeline:
     def _recorded_step(self, batches: Sequence[Batch]) -> torch.Tensor:
         """This step's actions recorded as one graph, which then runs them; the commit as usual."""
         device = self.rank_streams[0].device if self.rank_streams is not None else batches[0][0].device
-        self.recorded = record_step(self.manager, device, list(batches), self.run_actions)
+        done: list[torch.cuda.Event] = []
+        self.recorded = record_step(self.manager, device, list(batches), lambda b: self._record_actions(b, done))
+        self.recorded.rank_done = done or None
         return self._launch_recorded()
+
+    def _record_actions(self, batches: Sequence[Batch], done: list[torch.cuda.Event]) -> torch.Tensor:
+        """`run_actions` under the step graph's capture. With rank streams, an external event is recorded on
+        each rank's stream after that rank's last work (an event-record node of the graph), appended to
+        `done`: its commit waits for that event, not for the whole graph."""
+        with self._fork_join():
+            loss = self._actions(batches, None)
+            for s in self.rank_streams or ():
+                event = torch.cuda.Event(external=True)
+                event.record(s)
+                done.append(event)
+        return loss
 
     def _replayed_step(self, batches: Sequence[Batch]) -> torch.Tensor:
         """The batches into the recorded step's inputs; stale FP8 weight caches cast; one launch of its
@@ -345,8 +359,7 @@ class SingleProcessPipeline:
         the host's first call to the device's last kernel). The check still gates the commit: a step whose
         bookkeeping is refused, or issues other work, raises before any parameter or optimizer state takes
         it; its actions' device writes (activations, staged gradients, FP8 amax histories) are the recorded
-        step's on this step's batches. The commit runs after the whole graph, not beside the other ranks'
-        last actions as in an ordinary step."""
+        step's on this step's batches."""
         rec = self.recorded
         load_batches(rec, batches)
         for r in self.ranks:  # what each stage's first F does, before the graph that reads the caches
@@ -367,8 +380,25 @@ class SingleProcessPipeline:
         rec.replays += 1
 
     def _commit_recorded(self, rec: RecordedStep) -> torch.Tensor:
-        self.commit()
+        """The commit after a step graph's launch. With rank streams and no global norm, each rank commits
+        on its stream once the graph's event for that rank has fired, beside the other ranks' remaining
+        actions, as in an ordinary step; a global norm needs every rank's gradients first (the whole graph)."""
+        if rec.rank_done is None or self._wants_norm():
+            self.commit()
+        else:
+            self._switch.begin(self.rank_streams[0].device)
+            try:
+                self.host.call(HANDOFF, self._wait_for, rec.rank_done)
+                self._commit_ranks()
+                self.host.call(HANDOFF, self._after_rank_streams)
+            finally:
+                self._switch.end()
         return rec.loss.clone()  # the next replay rewrites it
+
+    def _wait_for(self, done: Sequence[torch.cuda.Event]) -> None:
+        """Each rank stream after its event of the step graph (recorded after all that came before the graph)."""
+        for s, event in zip(self.rank_streams, done, strict=True):
+            s.wait_event(event)
 
     def settle(self) -> None:
         """Every rank's parameters and optimizer state up to date, for a reader outside the steps."""
