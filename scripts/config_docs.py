@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -112,12 +113,17 @@ def _escape(text: str) -> str:
 
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Literal and len(typing.get_args(annotation)) == 1:
+        (value,) = typing.get_args(annotation)
+        return f'`"{value}"`' if isinstance(value, str) else f"`{value}`"
     if origin is typing.Literal:
         return "one of " + ", ".join(f'`"{v}"`' if isinstance(v, str) else f"`{v}`"
                                      for v in typing.get_args(annotation))
     if origin is list:
         (item,) = typing.get_args(annotation)
         return f"list of {_type_name(item)}s"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
     names = {int: "integer", float: "number", bool: "boolean", str: "string"}
     if annotation in names:
         return names[annotation]

@@ -83,7 +83,7 @@ def test_report_schema_round_trip(profiled) -> None:
     assert report.rounds == 2 and "--rounds 2" in report.command
     assert report.result("native-eager").losses_equal_native is None
     assert [c.name for c in report.configs] == ["native-eager", "qeffect-eager", "captured-copy", "captured-direct",
-                                                "captured-zbv-direct", "captured-direct-step-graph", "te-graphed",
+                                                "captured-zbv-direct", "captured-direct-launched", "te-graphed",
                                                 "te-graphed-model", "te-graphed-mcore", "megatron-graphs"]
 
 

@@ -28,7 +28,7 @@ def test_few_environment_names_remain_in_the_source() -> None:
 def test_run_settings_are_the_bit_changing_settings_and_the_runtime_section() -> None:
     cfg = load_config().with_overrides(**{"fp8.margin": 2, "runtime.rank_streams": False, "train.steps": 3})
     settings = run_settings(cfg)
-    assert settings == {**bit_changing_settings(cfg), "runtime.rank_streams": False, "runtime.step_graph": False,
+    assert settings == {**bit_changing_settings(cfg), "runtime.rank_streams": False, "runtime.step_graph": "auto",
                         "runtime.graph_pools": "private"}
     assert list(settings)[:len(bit_changing_fields())] == list(bit_changing_fields())
     assert settings["fp8.margin"] == 2 and "train.steps" not in settings  # the run length changes no bits

@@ -187,3 +187,36 @@ def test_a_step_graph_needs_captured_direct_without_offload(path: str, offload: 
     cfg = load_config().with_overrides(**{"runtime.step_graph": True, "offload.mode": offload})
     with pytest.raises(UserError, match="runtime.step_graph records captured-direct steps without offload"):
         path_runtime(cfg, path, "cuda", native=False, direct=True)
+
+
+@pytest.mark.parametrize(("path", "offload", "device", "one_process", "applies"), [
+    ("captured-direct", "off", "cuda", True, True),
+    ("captured-direct", "off", "cpu", True, False),
+    ("captured-copy", "off", "cuda", True, False),
+    ("captured-direct", "release", "cuda", True, False),
+    ("captured-direct", "off", "cuda", False, False),
+])
+def test_step_graph_auto_applies_to_one_process_captured_direct_on_cuda(path, offload, device, one_process,
+                                                                         applies) -> None:
+    from qeffect.runtime.build import step_graph_applies
+
+    cfg = load_config()
+    assert cfg.runtime.step_graph == "auto"
+    assert step_graph_applies(cfg, path, device, offload=offload, one_process=one_process) is applies
+    off = cfg.with_overrides(**{"runtime.step_graph": False})
+    assert step_graph_applies(off, path, device, offload=offload, one_process=one_process) is False
+    on = cfg.with_overrides(**{"runtime.step_graph": True})
+    if applies:
+        assert step_graph_applies(on, path, device, offload=offload, one_process=one_process) is True
+    elif device == "cuda":  # required where it cannot apply: a clear error
+        with pytest.raises(UserError, match="runtime.step_graph records"):
+            step_graph_applies(on, path, device, offload=offload, one_process=one_process)
+
+
+def test_the_step_graph_setting_takes_auto_true_and_false_only() -> None:
+    from qeffect.config import apply_sets
+
+    assert apply_sets(load_config(), ["runtime.step_graph=auto"]).runtime.step_graph == "auto"
+    assert apply_sets(load_config(), ["runtime.step_graph=false"]).runtime.step_graph is False
+    with pytest.raises(UserError, match="runtime.step_graph"):
+        apply_sets(load_config(), ["runtime.step_graph=sometimes"])

@@ -35,6 +35,7 @@ def _bits(description: str, default: Any, **kw: Any) -> Any:
 
 AttentionKind = Literal["auto", "flash", "efficient"]  # model.attention (`model.attention.resolve_attention`)
 GraphPools = Literal["private", "shared"]  # runtime.graph_pools (`graphs.captured`)
+StepGraph = Literal["auto"] | bool  # runtime.step_graph (`graphs.step_graph`)
 WgradAccumulation = Literal["add", "fused"]  # pipeline.wgrad_accumulation (`fp8` backends, `runtime.build`)
 
 
@@ -237,14 +238,14 @@ class RuntimeConfig(_Strict):
         True, description="One-process captured pipelines without offload: launch each rank's actions and "
         "optimizer step on its own CUDA stream, ordered by events at hand-offs, so ranks overlap on the "
         "device. False keeps one stream (less host work per step). Same bits either way.")
-    step_graph: bool = Field(
-        False, description="One-process captured-direct pipelines without offload: after two ordinary steps, "
-        "record the next step's actions as one CUDA graph (each action's graph a child node, hand-offs as "
-        "edges) and launch it once per later step, after the host has run the step's bookkeeping without "
-        "issuing anything and checked that it issues what the recorded step issued. Cuts the host's launches, "
-        "events and input copies per step to one launch and the batch copies. Same bits. Experimental: "
-        "it cuts the host's queue time by a quarter to a third but lengthens the step by 7-10% (the GPU "
-        "waits for the dry bookkeeping, and the optimizer for the whole graph), so it stays off.")
+    step_graph: StepGraph = Field(
+        "auto", description="Captured-direct pipelines: after two ordinary steps, record the next step's actions "
+        "as one CUDA graph (each action's graph a child node, hand-offs as edges) and launch it once per later "
+        "step; the host then runs the step's bookkeeping without issuing anything while the device works, and "
+        "checks that it issues what the recorded step issued before the commit. Cuts the host's launches, "
+        "events and input copies per step to one launch and the batch copies. Same bits. 'auto': where it "
+        "applies (one process, a CUDA device, captured-direct, no offload); true: required (an error "
+        "elsewhere); false: every action launched by the host.")
     graph_pools: GraphPools = Field(
         "private", description="Captured paths: the memory pools of a stage's action graphs. 'private': a pool "
         "per graph, so any replay order is safe, and each graph keeps the temporaries of its capture reserved. "

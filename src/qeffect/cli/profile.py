@@ -216,8 +216,8 @@ def profile(
                               "and summarize where a step's time goes: GPU busy/idle, host aten time, top kernels (under torchrun: every rank)."),
     microbatches: str | None = typer.Option(None, "--microbatches", help="Also analyse resources for these M, e.g. 2,4,8,16."),
     configs: str | None = typer.Option(None, "--configs", help="Comma-separated subset (default: all): native-eager, qeffect-eager, captured-copy, "
-                                "captured-direct, captured-zbv-direct, captured-direct-step-graph (captured-direct launched as one recorded graph per "
-                                "step: an extra row), te-graphed (TE's graphed layers alone, as docs/design.md §8 describes them: "
+                                "captured-direct, captured-zbv-direct, captured-direct-launched (captured-direct with every action launched by the host, "
+                                "no step graph: an extra row), te-graphed (TE's graphed layers alone, as docs/design.md §8 describes them: "
                                 "the TE anchor), te-graphed-model (the same graphs in the whole model, fp32 masters: an extra row), "
                                 "te-graphed-mcore (te-graphed-model as Megatron-LM sets TE up: fused wgrad accumulation, FP8 weights cached per step: "
                                 "an extra row), megatron-graphs (Megatron-Core's fastest working CUDA-graph mode, a child process: an anchor)."),

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import torch
 
-from qeffect.config import RunConfig
+from qeffect.config import RunConfig, StepGraph
 from qeffect.errors import UserError
 from qeffect.fp8.te import clear_global_amax_buffers
 from qeffect.graphs.stats import RUNTIME_PHASE, GraphStats, HostPhases
@@ -86,7 +86,7 @@ class ConfigSpec:
     native: bool = False
     path: str = "eager"  # eager | captured-copy | captured-direct | te | te-model | te-mcore | megatron
     schedule: str | None = "interleaved"
-    step_graph: bool = False  # `runtime.step_graph` (the profile's own per row, whatever the config says)
+    step_graph: StepGraph | None = None  # `runtime.step_graph` of the row; None: the config's
 
     @property
     def captured(self) -> bool:
@@ -106,8 +106,8 @@ CONFIGS: tuple[ConfigSpec, ...] = (
                path="captured-direct"),
     ConfigSpec("captured-zbv-direct", "captured actions, direct placement, ZB-V zero bubble",
                path="captured-direct", schedule="zbv"),
-    ConfigSpec("captured-direct-step-graph", "extra row: captured-direct with each step's actions launched as one "
-               "recorded graph (runtime.step_graph, experimental)", path="captured-direct", step_graph=True),
+    ConfigSpec("captured-direct-launched", "extra row: captured-direct with every action launched by the host, "
+               "no step graph (runtime.step_graph = false)", path="captured-direct", step_graph=False),
     ConfigSpec(TE_ANCHOR, "anchor: Transformer Engine make_graphed_callables per TransformerLayer, the layers "
                "alone (docs/design.md)", path="te", schedule=None),
     ConfigSpec("te-graphed-model", "extra row: the same per-layer TE graphs in the whole model (fp32 masters, "
@@ -163,8 +163,11 @@ class PipelineRunner(GraphCounters):
     def __init__(self, cfg: RunConfig, device: torch.device, spec: ConfigSpec) -> None:
         if spec.schedule is not None:
             cfg = cfg.with_overrides(**{"pipeline.schedule": spec.schedule})
-        if cfg.runtime.step_graph != spec.step_graph:
-            cfg = cfg.with_overrides(**{"runtime.step_graph": spec.step_graph})
+        graph = cfg.runtime.step_graph if spec.step_graph is None else spec.step_graph
+        if graph is True and spec.path != "captured-direct":  # required by the config: where it applies
+            graph = "auto"
+        if cfg.runtime.step_graph != graph:
+            cfg = cfg.with_overrides(**{"runtime.step_graph": graph})
         self.cfg, self.device = cfg, device
         clock = SetupClock(device)
         self.pipe = build_single_process(cfg, native=spec.native, device=device, path=spec.path, clock=clock)

@@ -140,7 +140,7 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
     pipe.manager = manager
     pipe.offload = offload
     pipe.rank_streams = rank_streams_for(cfg, manager, offload, device, len(ranks))
-    if manager is not None and cfg.runtime.step_graph:
+    if manager is not None and step_graph_applies(cfg, path, device, offload=cfg.offload.mode):
         pipe.step_graph_after = STEP_GRAPH_AFTER
     if capture and manager is not None:
         with phase("capture"):
@@ -184,18 +184,31 @@ def offload_config(cfg: RunConfig, *, native: bool = False) -> OffloadConfig:
     return cfg.offload.model_copy(update={"mode": "off"}) if native else cfg.offload
 
 
+def step_graph_applies(cfg: RunConfig, path: str, device: str | torch.device, *, offload: str,
+                       one_process: bool = True) -> bool:
+    """Whether a captured build records step graphs (`runtime.step_graph`): "auto" where they apply (one
+    process, a CUDA device, captured-direct, no offload), true there and a `UserError` elsewhere, false never."""
+    setting = cfg.runtime.step_graph
+    if setting is False:
+        return False
+    if setting is True and not one_process:
+        raise UserError("runtime.step_graph records one-process pipelines only (this is one rank per process)")
+    if setting is True and (path != "captured-direct" or offload != "off"):
+        raise UserError(f"runtime.step_graph records captured-direct steps without offload; got train.path = "
+                        f"{path}, offload.mode = {offload}")
+    return one_process and path == "captured-direct" and offload == "off" and torch.device(device).type == "cuda"
+
+
 def path_runtime(cfg: RunConfig, path: str, device: str | torch.device, *, native: bool,
-                 direct: bool) -> tuple[GraphManager | None, OffloadManager | None, bool]:
+                 direct: bool, one_process: bool = True) -> tuple[GraphManager | None, OffloadManager | None, bool]:
     """What an action path needs on `device`, checked first: the graph manager and offload manager of a
-    captured path (None, None on the eager path and for native) and the `direct` flag it implies."""
+    captured path (None, None on the eager path and for native) and the `direct` flag it implies.
+    `one_process`: every rank in this process (`step_graph_applies`)."""
     config = offload_config(cfg, native=native)
     check_path("eager" if native else path, device, config.mode)
     if native or path == "eager":
         return None, None, direct
-    step_graph = cfg.runtime.step_graph
-    if step_graph and (path != "captured-direct" or config.mode != "off"):
-        raise UserError(f"runtime.step_graph records captured-direct steps without offload; got train.path = "
-                        f"{path}, offload.mode = {config.mode}")
+    step_graph = step_graph_applies(cfg, path, device, offload=config.mode, one_process=one_process)
     offload = make_offload_manager(config, device, cap=cap_bytes(torch.device(device))) \
         if config.mode != "off" else None
     # stream-ordered: graphs launched on the caller's stream (no cross-stream edge per replay; the same

@@ -203,9 +203,8 @@ class DistributedPipeline:
             self.schedule = schedule_of(cfg, native=native)
         self.device = torch.device(cfg.train.device, _local_rank()) if cfg.train.device == "cuda" else torch.device("cpu")
         self.manager: GraphManager | None
-        if cfg.runtime.step_graph and not native and path != "eager":
-            raise UserError("runtime.step_graph records one-process pipelines only (this is one rank per process)")
-        self.manager, self.offload, direct = path_runtime(cfg, path, self.device, native=native, direct=direct)
+        self.manager, self.offload, direct = path_runtime(cfg, path, self.device, native=native, direct=direct,
+                                                          one_process=False)
         phase = phase_of(clock)
         chunks = build_chunks_for(cfg, self.device, phase, stages=self.schedule.stages_of(self.topo.pp_rank))
         self.reductions = ReductionTracker(f"rank{self.topo.rank}.reductions")
