@@ -34,7 +34,8 @@ def test_a_step_graph_keeps_the_bits_of_native_eager(schedule: str, backend: str
         pytest.importorskip("transformer_engine")
     cfg = _cfg(schedule, backend, rank_streams)
     native = build_single_process(cfg, native=True, device="cuda")
-    ordinary = build_single_process(cfg, native=False, device="cuda", path="captured-direct")
+    ordinary = build_single_process(cfg.with_overrides(**{"runtime.step_graph": False}), native=False,
+                                    device="cuda", path="captured-direct")
     graphed = build_single_process(cfg.with_overrides(**{"runtime.step_graph": True}), native=False,
                                    device="cuda", path="captured-direct")
     assert graphed.step_graph_after == STEP_GRAPH_AFTER and ordinary.step_graph_after is None
