@@ -151,7 +151,7 @@ def test_ran_configurations_have_raw_timings_and_summaries(profiled) -> None:
 
 def test_not_run_records_say_why(profiled) -> None:
     _, report = profiled
-    for name in ("captured-copy", "captured-direct", "captured-zbv-direct"):
+    for name in ("captured-copy", "captured-direct", "captured-zbv-direct", "captured-direct-launched"):
         c = report.result(name)
         assert c.status == "not run" and "needs a CUDA device" in c.reason
         assert c.step_seconds == [] and c.median_step_seconds is None and c.setup_seconds is None
@@ -365,7 +365,7 @@ def test_profile_on_cuda(capsys, tmp_path) -> None:
     assert rc == 0
     report = ProfileReport.model_validate_json(out.read_text())
     p = load_config(None).pipeline
-    for name in ("captured-copy", "captured-direct", "captured-zbv-direct"):
+    for name in ("captured-copy", "captured-direct", "captured-zbv-direct", "captured-direct-launched"):
         c = report.result(name)
         assert c.status == "ok", c.reason
         assert c.graphs_per_rank <= 3 * p.microbatches * p.chunks_per_rank  # bounded by liveness
@@ -376,10 +376,14 @@ def test_profile_on_cuda(capsys, tmp_path) -> None:
         # the capture is a phase of its own, after every rank is built; it holds the graphs' capture host time
         assert list(c.setup_phases) == ["modules", "values", "ranks", "capture"]
         assert c.setup_phases["capture"] >= c.capture_host_seconds > 0
-        # the host's phases: a launch per replay, the commit once a step, rank streams' switches and hand-offs
+        # the host's phases: a launch per replay (with a step graph, runtime.step_graph = auto on one-process
+        # captured-direct, one launch and no input copies), the commit once a step, stream switches and hand-offs
         calls = c.host_phase_calls
-        assert calls["graph launches"] == c.replays_per_step and calls["optimizer"] == 1
-        assert calls["input copies"] > 0 and calls["streams and hand-offs"] > 0
+        if name in ("captured-direct", "captured-zbv-direct"):
+            assert calls["graph launches"] == 1 and calls["input copies"] == 0
+        else:
+            assert calls["graph launches"] == c.replays_per_step and calls["input copies"] > 0
+        assert calls["optimizer"] == 1 and calls["streams and hand-offs"] > 0
         assert all(min(v) >= 0 for v in c.host_phase_seconds.values())
     for c in report.configs:
         if c.status == "ok":
