@@ -242,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"synthetic {n:4d} kernels{' forked' if fork else '':7s}: {row['device_ops']:4d} device ops, "
                   f"{row['host_us_per_replay']:7.1f} us per launch", flush=True)
     stem = Path(a.config).stem
+    # the action graphs as the host launches them one by one (no step graph)
     cfg = load_config(a.config).with_overrides(**{"fp8.backend": a.backend, "train.device": "cuda",
-                                                  "pipeline.schedule": a.schedule})
+                                                  "pipeline.schedule": a.schedule, "runtime.step_graph": False})
     pipe = build_single_process(cfg, native=False, device=device, path=a.path)
     for i in range(a.warmup):
         pipe.step(synthetic_batches(cfg, i, device))

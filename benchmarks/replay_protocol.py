@@ -69,7 +69,9 @@ def main() -> int:
     ap.add_argument("--trace-steps", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cfg = load_config(args.config).with_overrides(**{"fp8.backend": args.backend, "pipeline.schedule": args.schedule})
+    # the protocols order per-action replays: every action launched by the host, no step graph
+    cfg = load_config(args.config).with_overrides(**{"fp8.backend": args.backend, "pipeline.schedule": args.schedule,
+                                                     "runtime.step_graph": False})
     device = torch.device(cfg.train.device)
     pipes = {}
     for p in PROTOCOLS:

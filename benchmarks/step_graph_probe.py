@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = load_config(a.config).with_overrides(**{"fp8.backend": a.backend, "train.device": "cuda",
                                                   "pipeline.schedule": a.schedule})
-    pipe_a = build_single_process(cfg, native=False, device=device, path="captured-direct")
+    pipe_a = build_single_process(cfg.with_overrides(**{"runtime.step_graph": False}), native=False, device=device,
+                                  path="captured-direct")
     pipe_b = build_single_process(cfg.with_overrides(**{"runtime.step_graph": True}), native=False, device=device,
                                   path="captured-direct")
     pipe_b.step_graph_after = a.record_step

@@ -195,8 +195,10 @@ def main() -> int:
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    # each action's launch is labelled by its phase, so every action is launched by the host (no step graph)
     cfg = load_config(a.config).with_overrides(**{"train.device": dev.type, "pipeline.schedule": a.schedule,
-                                                  "offload.mode": a.offload, "fp8.backend": a.backend})
+                                                  "offload.mode": a.offload, "fp8.backend": a.backend,
+                                                  "runtime.step_graph": False})
 
     def sync() -> None:
         if cuda:
