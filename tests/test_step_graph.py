@@ -220,3 +220,67 @@ def test_the_step_graph_setting_takes_auto_true_and_false_only() -> None:
     assert apply_sets(load_config(), ["runtime.step_graph=false"]).runtime.step_graph is False
     with pytest.raises(UserError, match="runtime.step_graph"):
         apply_sets(load_config(), ["runtime.step_graph=sometimes"])
+
+
+def _verify_with_step_graphs(monkeypatch, record=fake_record_step):
+    """`run_verify_state` on fake graphs whose captured-direct pipelines record their third step (as
+    `runtime.step_graph = "auto"` does on CUDA)."""
+    from qeffect.verify import state as state_mod
+
+    monkeypatch.setattr(single_mod, "record_step", record)
+    monkeypatch.setattr(TritonAdamW, "use_graph", lambda self, enabled=True: None)
+    fake = _fake_captured_build(build_mod.build_single_process, manager=StepExecManager)
+
+    def build(cfg, **kw):
+        pipe = fake(cfg, **kw)
+        if not kw.get("native") and kw.get("path") == "captured-direct":
+            pipe.step_graph_after = build_mod.STEP_GRAPH_AFTER
+        return pipe
+
+    monkeypatch.setattr(state_mod, "build_single_process", build)
+    return state_mod.run_verify_state
+
+
+def test_verify_state_trains_a_step_graph_pipeline_and_compares_it_with_native_eager(monkeypatch) -> None:
+    run = _verify_with_step_graphs(monkeypatch)
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 4})
+    report = run(cfg, steps=5, path="captured-direct")
+    check = report.step_graph
+    assert check is not None and report.passed, (report.first_divergence, check)
+    assert check.recorded_at_step == 2 and check.replays == 3  # steps 2, 3 and 4 launched as one graph
+    assert check.mismatches == 0 and check.compared > 5  # five losses, then every state tensor
+    # not where the step graph does not apply, nor with an injection
+    assert run(cfg, steps=3, path="captured-copy").step_graph is None
+
+
+def test_verify_state_fails_a_step_graph_that_replays_other_work(monkeypatch) -> None:
+    def drop_last(manager, device, batches, run):  # the recorded graph misses its last device operation
+        rec = fake_record_step(manager, device, batches, run)
+        rec.graph.work = rec.graph.work[:-1]
+        return rec
+
+    run = _verify_with_step_graphs(monkeypatch, record=drop_last)
+    cfg = load_config().with_overrides(**{**BASE, "pipeline.microbatches": 4})
+    report = run(cfg, steps=5, path="captured-direct")
+    assert report.step_graph is not None and not report.step_graph.passed and not report.passed
+    assert report.step_graph.first_divergence.startswith("loss at step 2")
+    assert all(c.mismatches == 0 for c in report.categories)  # the action-by-action comparison passed
+
+
+def test_verify_state_prints_the_step_graph_check_in_one_line() -> None:
+    from rich.console import Console
+
+    from qeffect.cli.verify_state import _print_step_graph
+    from qeffect.verify.state import StepGraphCheck
+
+    console = Console(record=True, width=300)
+    _print_step_graph(StepGraphCheck(recorded_at_step=2, replays=18, compared=500, mismatches=1,
+                                     first_divergence="parameters at step 19: s0.fc1.weight", passed=False), console)
+    _print_step_graph(StepGraphCheck(recorded_at_step=None, replays=0, compared=8, mismatches=0, passed=True), console)
+    _print_step_graph(None, console)
+    lines = console.export_text().splitlines()
+    assert lines == ["step graph: recorded at step 2, 18 steps launched as one graph; losses and final state: 500 "
+                     "tensors compared, 1 mismatches",
+                     "step graph: first divergence: parameters at step 19: s0.fc1.weight",
+                     "step graph: not recorded (a step graph records the third step: run more steps); 8 tensors "
+                     "compared, 0 mismatches"]

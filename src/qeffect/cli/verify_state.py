@@ -147,9 +147,25 @@ def verify_state(
         d = report.first_divergence
         console.print(f"[red]first divergence: step {d.step}, action {d.action}, stage {d.stage}, "
                       f"microbatch {d.microbatch}, {d.category}: {d.tensor}[/red]")
+    _print_step_graph(report.step_graph, console)
     _print_non_finite(report, console)
     raise typer.Exit(_conclude(report, "PASS: bitwise equal" if report.passed else "[red]FAIL[/red]", json_out,
                                console))
+
+
+def _print_step_graph(check, console: Console) -> None:
+    """The step graph's check (`verify.state.StepGraphCheck`) in one line, where it ran."""
+    if check is None:
+        return
+    if check.recorded_at_step is None:
+        console.print("step graph: not recorded (a step graph records the third step: run more steps); "
+                      f"{check.compared} tensors compared, {check.mismatches} mismatches", highlight=False)
+    else:
+        console.print(f"step graph: recorded at step {check.recorded_at_step}, {check.replays} steps launched as "
+                      f"one graph; losses and final state: {check.compared} tensors compared, "
+                      f"{check.mismatches} mismatches", highlight=False)
+    if check.first_divergence:
+        console.print(f"[red]step graph: first divergence: {check.first_divergence}[/red]")
 
 
 def _category_table(title: str, categories) -> Table:

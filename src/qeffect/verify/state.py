@@ -16,6 +16,12 @@ clipping's global norm is reduced as in training. The schedule's horizon is the 
 with `optim.decay_steps = 0` ends at the last step compared, as it would in a training run of that
 length).
 
+The step graph (`runtime.step_graph`): a step launched as one recorded graph cannot be compared action by
+action, so where the config's step graph applies (captured-direct) a second captured-direct pipeline
+then trains the same steps through `SingleProcessPipeline.step`, recording its graph and replaying it as
+training does; each step's loss is compared with the reference's and, after the last step, every
+parameter, AdamW moment and FP8 state tensor with the reference's (`StepGraphCheck`).
+
 `resume`: both pipelines start from a checkpoint (`qeffect.checkpoint`), loaded into the current config's
 layout (which may differ from the one that wrote it), and the steps compared are the checkpoint's step
 S to S + steps - 1 (synthetic batches and epochs numbered on from S): any state, at any step, in any
@@ -25,6 +31,7 @@ layout, checked against native eager started from the same numbers.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -83,6 +90,17 @@ class Rollover(BaseModel):
     rolled_over: bool
 
 
+class StepGraphCheck(BaseModel):
+    """The step graph held to native eager: losses every step, the whole state after the last one."""
+
+    recorded_at_step: int | None  # the step recorded as one graph (None: the run was too short to record)
+    replays: int  # steps launched as that graph (the recorded one included)
+    compared: int
+    mismatches: int
+    first_divergence: str | None = None  # "<category> at step <n>: <tensor>"
+    passed: bool
+
+
 class VerifyReport(BaseModel):
     schema_version: int = 1
     kind: Literal["verify-state"] = "verify-state"
@@ -110,6 +128,7 @@ class VerifyReport(BaseModel):
     # diverged are equal and still wrong (NaN losses are written as JSON null)
     non_finite_losses: int = 0
     graphs: dict | None = None  # captured paths: graph count, replays, handoffs, memory growth
+    step_graph: StepGraphCheck | None = None  # where the config's step graph applies (module docstring)
     seconds: float
     torch_version: str
     passed: bool
@@ -471,12 +490,14 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
     tally = _Tally(fault=oracle_fault)
     checker = _QEffectChecker(ref, tally, qeff.schedule)
     losses: list[float] = []
+    ref_losses: list[torch.Tensor] = []
     f_per_stage = 0
     for step in range(start, start + steps):
         batches = synthetic_batches(cfg, step, device)
         ref.records = {}
         ref.step = step
         ref_loss = native.run_actions(batches, ref).clone()
+        ref_losses.append(ref_loss)
         native.commit(before_step=ref.before_step)
         for r in native.ranks:
             ref.after_commit(r)
@@ -531,6 +552,13 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                                  "bank_plan_kind": o.config.bank_plan, "kept": [g.name for g in o.kept],
                                  "search_prefer": o.config.search_prefer if o.config.bank_plan == "search" else None}
         passed = passed and graphs["graphs_per_rank"] == graphs["expected_per_rank"]
+    step_graph = None
+    if qeff.step_graph_after is not None and injection is None and oracle_fault is None:
+        ref.records = {}  # the last step's fingerprints and the observed pipeline: memory back first
+        del qeff, checker
+        release_memory(torch.device(device))
+        step_graph = check_step_graph(cfg, native, ref_losses, start=start, folder=folder)
+        passed = passed and step_graph.passed
     non_finite = non_finite_count(losses)
     passed = passed and non_finite == 0
     return VerifyReport(
@@ -538,5 +566,46 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
         schedule=cfg.pipeline.schedule, path=path, backend=cfg.fp8.backend, device=str(device), steps=steps,
         pp=sched.pp, chunks_per_rank=cfg.pipeline.chunks_per_rank, microbatches=cfg.pipeline.microbatches,
         settings=run_settings(cfg), injection=injection, oracle_fault=_fault_text(tally), categories=cats, first_divergence=tally.first, amax_rollover=rollover,
-        losses=losses, non_finite_losses=non_finite, graphs=graphs, seconds=time.perf_counter() - t0, torch_version=torch.__version__, passed=passed,
+        losses=losses, non_finite_losses=non_finite, graphs=graphs, step_graph=step_graph, seconds=time.perf_counter() - t0, torch_version=torch.__version__, passed=passed,
     )
+
+
+def release_memory(device: torch.device) -> None:
+    """A dropped pipeline's device memory back before the next one is built."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def check_step_graph(cfg: RunConfig, native: SingleProcessPipeline, ref_losses: list[torch.Tensor], *,
+                     start: int, folder: Path | None) -> StepGraphCheck:
+    """A captured-direct pipeline with the config's step graph trains the steps `native` trained, through
+    `step` as training does; each step loss against `ref_losses`, then every parameter, AdamW moment and
+    FP8 state tensor against `native`'s, which has trained them all."""
+    device = cfg.train.device
+    graphed = build_single_process(cfg, native=False, device=device, path="captured-direct", capture=folder is None)
+    if folder is not None:  # numbers first, then graphs (they hold the loaded tensors by address)
+        from qeffect.checkpoint import load_checkpoint
+        from qeffect.runtime.build import capture_graphs
+
+        load_checkpoint(graphed, folder, cfg)
+        capture_graphs(cfg, graphed)
+    tally = _Tally()
+    recorded_at = None
+    for i, ref_loss in enumerate(ref_losses):
+        step = start + i
+        loss = graphed.step(synthetic_batches(cfg, step, device))
+        if recorded_at is None and graphed.recorded is not None:
+            recorded_at = step
+        tally.compare((step, "step", None, None), "loss", {"step_loss": ref_loss}, {"step_loss": loss})
+    last = (start + len(ref_losses) - 1, "state", None, None)
+    for category, of in (("parameters", _all_params), ("optimizer_state", _optimizer_state), ("fp8_state", _fp8)):
+        tally.compare(last, category, {k: v for r in native.ranks for k, v in of(r).items()},
+                      {k: v for r in graphed.ranks for k, v in of(r).items()})
+    d = tally.first
+    mismatches = sum(tally.mismatches.values())
+    return StepGraphCheck(
+        recorded_at_step=recorded_at, replays=0 if graphed.recorded is None else graphed.recorded.replays,
+        compared=sum(tally.compared.values()), mismatches=mismatches,
+        first_divergence=None if d is None else f"{d.category} at step {d.step}: {d.tensor}", passed=mismatches == 0)
