@@ -7,7 +7,9 @@ host/GPU ratio). This benchmark isolates the host side on a CPU: the pipeline of
 stages, microbatches and parameters; the hidden sizes shrunk, since no tensor work runs) is built with the
 real graph manager on a backend whose capture runs the body once and whose graphs replay nothing. The optimizer step is left out (on the GPU it is one graph replay). The step
 time is then the runtime's host cost; `--phases N` times N more steps by phase (input copies, launches,
-hand-offs, commit, the rest), `--profile N` prints the functions it goes to (cProfile).
+hand-offs, commit, the rest), `--profile N` prints the functions it goes to (cProfile). `--step-graph`
+times steps as `runtime.step_graph` runs them from the fourth on: batch copies, one launch, the dry
+bookkeeping and its check, the commit.
 
     python3 benchmarks/host_overhead.py --config examples/configs/h2048.toml --steps 50 --profile 25 \
         --out benchmarks/results/host-overhead-h2048-cpu.json
@@ -36,9 +38,18 @@ from qeffect.cli.common import write_json
 from qeffect.config import apply_sets, load_config
 from qeffect.graphs.handshake import git_revision
 from qeffect.graphs.manager import GraphManager
+from qeffect.graphs.step_graph import RecordedStep
 from qeffect.profile.matrix import time_phases
 from qeffect.profile.report import ConfigResult
-from qeffect.runtime.build import build_chunks_for, build_rank, capture_ranks, link_stages, schedule_of
+from qeffect.runtime import single as single_mod
+from qeffect.runtime.build import (
+    STEP_GRAPH_AFTER,
+    build_chunks_for,
+    build_rank,
+    capture_ranks,
+    link_stages,
+    schedule_of,
+)
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.verify.state import synthetic_batches
 
@@ -103,10 +114,26 @@ class NullGraphBackend:
     def synchronize(self) -> None:
         pass
 
+    def add_to_capture(self, graph: Any) -> None:
+        pass
 
-def build(cfg) -> SingleProcessPipeline:
+
+def null_record_step(manager: GraphManager, device: Any, batches: list, run: Any) -> RecordedStep:
+    """`graphs.step_graph.record_step` on `NullGraphBackend`: the step's bookkeeping in record mode, and an
+    outer graph that replays nothing (`--step-graph`)."""
+    manager.set_step_mode("record")
+    try:
+        loss = run(batches)
+    finally:
+        manager.set_step_mode("launch")
+    return RecordedStep(_Null(), list(batches), loss, list(manager.issued))
+
+
+def build(cfg, *, step_graph: bool = False) -> SingleProcessPipeline:
     """The captured-direct pipeline of `cfg` on the CPU, its graph manager on `NullGraphBackend`, the
-    optimizer's update taken out (the commit's bookkeeping stays)."""
+    optimizer's update taken out (the commit's bookkeeping stays). `step_graph`: its third step recorded
+    (`null_record_step`) and every later one replayed as a step graph's: the batch copies, the launch, the
+    dry bookkeeping and its check, the commit."""
     mgr = GraphManager("cpu", protocol="stream-ordered", backend=NullGraphBackend())
     schedule = schedule_of(cfg)
     chunks = build_chunks_for(cfg, "cpu")
@@ -119,6 +146,8 @@ def build(cfg) -> SingleProcessPipeline:
     pipe.manager = mgr
     link_stages(ranks)  # as `runtime.build.capture_graphs` does
     capture_ranks(ranks, pipe.order, None, cfg.model.microbatch_size, cfg.model.seq_len)
+    if step_graph:
+        pipe.step_graph_after = STEP_GRAPH_AFTER
     return pipe
 
 
@@ -154,12 +183,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, default=0, help="profiled steps after the timed ones (0: none)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sort", default="tottime", help="pstats order of --profile's table (tottime, cumulative, ...)")
+    ap.add_argument("--step-graph", action="store_true",
+                    help="steps after the third replayed as a step graph's (runtime.step_graph): dry bookkeeping")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     cfg = load_config(a.config).with_overrides(**{**SHRINK, "train.device": "cpu", "fp8.backend": "reference"})
     cfg = apply_sets(cfg, a.set)
+    saved = single_mod.record_step
+    if a.step_graph:  # the library's recording needs CUDA: this one runs the bookkeeping only
+        single_mod.record_step = null_record_step
+    try:
+        return _run(a, cfg, argv)
+    finally:
+        single_mod.record_step = saved
+
+
+def _run(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
     torch.manual_seed(0)
-    pipe = build(cfg)
+    pipe = build(cfg, step_graph=a.step_graph)
     actions = 3 * cfg.pipeline.microbatches * cfg.pipeline.num_stages
     data = [synthetic_batches(cfg, i, "cpu") for i in range(a.warmup + a.steps + a.phases + a.profile)]
     times = []
@@ -194,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             "git_revision": git_revision(), "device": "cpu", "cpu": platform.processor() or platform.machine(),
             "python": platform.python_version(), "torch_version": torch.__version__,
             "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "config": cfg.model_dump(),
-            "actions_per_step": actions, "warmup": a.warmup, "step_seconds": times, "median_step_seconds": med,
+            "step_graph": a.step_graph, "actions_per_step": actions, "warmup": a.warmup, "step_seconds": times, "median_step_seconds": med,
             "host_phases": phases, "profile_top": top})
     return 0
 

@@ -233,6 +233,15 @@ def test_the_host_overhead_benchmark_times_the_captured_runtime_and_its_phases(t
     assert phases["calls_per_step"]["graph launches"] == report["actions_per_step"]
     assert phases["calls_per_step"]["optimizer"] == 1
     assert all(len(v) == 2 and min(v) >= 0 for v in phases["seconds"].values()) and "runtime" in phases["seconds"]
+    # --step-graph: from the fourth step on, a step graph's replay: one launch, no input copies, dry bookkeeping
+    from qeffect.runtime import single
+
+    recorder = single.record_step
+    assert bench.main(["--steps", "3", "--warmup", "3", "--phases", "2", "--step-graph", "--out", str(out)]) == 0
+    assert single.record_step is recorder  # the library's recording is back
+    report = json.loads(out.read_text())
+    calls = report["host_phases"]["calls_per_step"]
+    assert report["step_graph"] and calls["graph launches"] == 1 and calls["input copies"] == 0
 
 
 def test_the_stream_switch_sets_a_stream_only_where_it_changes_and_restores_it(monkeypatch) -> None:
