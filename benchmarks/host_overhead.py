@@ -38,7 +38,7 @@ from qeffect.cli.common import write_json
 from qeffect.config import apply_sets, load_config
 from qeffect.graphs.handshake import git_revision
 from qeffect.graphs.manager import GraphManager
-from qeffect.graphs.step_graph import RecordedStep
+from qeffect.graphs.step_graph import RecordedStep, recording
 from qeffect.profile.matrix import time_phases
 from qeffect.profile.report import ConfigResult
 from qeffect.runtime import single as single_mod
@@ -121,11 +121,8 @@ class NullGraphBackend:
 def null_record_step(manager: GraphManager, device: Any, batches: list, run: Any) -> RecordedStep:
     """`graphs.step_graph.record_step` on `NullGraphBackend`: the step's bookkeeping in record mode, and an
     outer graph that replays nothing (`--step-graph`)."""
-    manager.set_step_mode("record")
-    try:
+    with recording(manager):
         loss = run(batches)
-    finally:
-        manager.set_step_mode("launch")
     return RecordedStep(_Null(), list(batches), loss, list(manager.issued))
 
 

@@ -20,7 +20,7 @@ import torch
 from qeffect.config import load_config
 from qeffect.errors import UserError
 from qeffect.graphs.manager import GraphManager
-from qeffect.graphs.step_graph import RecordedStep, check_issued, load_batches
+from qeffect.graphs.step_graph import RecordedStep, check_issued, load_batches, recording
 from qeffect.runtime import build as build_mod
 from qeffect.runtime import single as single_mod
 from qeffect.runtime.adamw import TritonAdamW
@@ -79,12 +79,9 @@ class _Replay:
 
 def fake_record_step(manager: StepExecManager, device, batches, run) -> RecordedStep:
     """`graphs.step_graph.record_step` without CUDA: the deferred work is the outer graph."""
-    manager.set_step_mode("record")
     manager.deferred = []
-    try:
+    with recording(manager):
         loss = run(batches)
-    finally:
-        manager.set_step_mode("launch")
     return RecordedStep(_Replay(manager.deferred), list(batches), loss, list(manager.issued))
 
 

@@ -50,14 +50,20 @@ def record_step(manager: GraphManager, device: torch.device, batches: list[tuple
     caller = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(caller)
-    manager.set_step_mode("record")
-    try:
-        with torch.cuda.graph(outer, stream=side):
-            loss = run(batches)
-    finally:
-        manager.set_step_mode("launch")
+    with torch.cuda.graph(outer, stream=side), recording(manager):
+        loss = run(batches)
     caller.wait_stream(side)
     return RecordedStep(outer, list(batches), loss, list(manager.issued))
+
+
+@contextmanager
+def recording(manager: GraphManager) -> Iterator[None]:
+    """A step's bookkeeping while its graph records (`GraphManager.mode = "record"`)."""
+    manager.set_step_mode("record")
+    try:
+        yield
+    finally:
+        manager.set_step_mode("launch")
 
 
 @contextmanager

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import gc
 import platform
 import re
 import statistics
@@ -67,6 +66,7 @@ from qeffect.profile.resources import resource_rows
 from qeffect.profile.targets import TargetSpec, with_targets
 from qeffect.profile.trace import sync_device
 from qeffect.runtime.build import build_chunks_for, build_single_process, dtype_of
+from qeffect.runtime.memory_cap import release_device_memory
 from qeffect.runtime.phases import SetupClock
 from qeffect.schedule import build_schedule
 from qeffect.verify.state import synthetic_batches
@@ -225,10 +225,7 @@ def release_memory(device: torch.device) -> None:
     delayed-scaling buffers emptied (`fp8.te.clear_global_amax_buffers`: else every TE autocast exit of the
     next configuration, captured ones included, updates the last one's modules too)."""
     clear_global_amax_buffers()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    release_device_memory(device)
 
 
 def time_runner(result: ConfigResult, make: Callable[[], Runner], device: torch.device, *, steps: int,

@@ -166,12 +166,14 @@ class SingleProcessPipeline:
         return self._switch.use(self.rank_streams[rank])
 
     @contextmanager
-    def _fork_join(self) -> Iterator[None]:
-        """Rank streams after the caller's stream at the start, the caller's after all of them at the end."""
+    def _fork_join(self, after: Sequence[torch.cuda.Event] | None = None) -> Iterator[None]:
+        """Rank streams after the caller's stream at the start, the caller's after all of them at the end.
+        `after`: each rank stream starts after its own event instead (a step graph's, recorded after that
+        rank's last work in the graph, which itself comes after all the caller queued before it)."""
         if self.rank_streams is None:
             yield
             return
-        self.host.call(HANDOFF, self._fork)
+        self.host.call(HANDOFF, self._fork, after)
         try:
             yield
         finally:
@@ -180,11 +182,15 @@ class SingleProcessPipeline:
             finally:
                 self._switch.end()
 
-    def _fork(self) -> None:
-        """Every rank stream after the caller's (the step's start)."""
+    def _fork(self, after: Sequence[torch.cuda.Event] | None = None) -> None:
+        """Every rank stream after the caller's (the step's start), or after its event of `after`."""
         caller = self._switch.begin(self.rank_streams[0].device)
-        for s in self.rank_streams:
-            s.wait_stream(caller)
+        if after is None:
+            for s in self.rank_streams:
+                s.wait_stream(caller)
+        else:
+            for s, event in zip(self.rank_streams, after, strict=True):
+                s.wait_event(event)
 
     def _step_transport(self) -> LocalTransport:
         """The transport of a step: the last step's (its events are reused per hand-off slot) unless that
@@ -383,22 +389,9 @@ class SingleProcessPipeline:
         """The commit after a step graph's launch. With rank streams and no global norm, each rank commits
         on its stream once the graph's event for that rank has fired, beside the other ranks' remaining
         actions, as in an ordinary step; a global norm needs every rank's gradients first (the whole graph)."""
-        if rec.rank_done is None or self._wants_norm():
-            self.commit()
-        else:
-            self._switch.begin(self.rank_streams[0].device)
-            try:
-                self.host.call(HANDOFF, self._wait_for, rec.rank_done)
-                self._commit_ranks()
-                self.host.call(HANDOFF, self._after_rank_streams)
-            finally:
-                self._switch.end()
+        with self._fork_join(after=None if self._wants_norm() else rec.rank_done):
+            self._commit_ranks()
         return rec.loss.clone()  # the next replay rewrites it
-
-    def _wait_for(self, done: Sequence[torch.cuda.Event]) -> None:
-        """Each rank stream after its event of the step graph (recorded after all that came before the graph)."""
-        for s, event in zip(self.rank_streams, done, strict=True):
-            s.wait_event(event)
 
     def settle(self) -> None:
         """Every rank's parameters and optimizer state up to date, for a reader outside the steps."""

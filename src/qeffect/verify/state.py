@@ -31,7 +31,6 @@ layout, checked against native eager started from the same numbers.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from pydantic import BaseModel
 from qeffect.config import RunConfig
 from qeffect.graphs.handshake import run_settings
 from qeffect.runtime.build import build_single_process, schedule_of
+from qeffect.runtime.memory_cap import release_device_memory
 from qeffect.runtime.rank import BaseRank, NativeRank, QEffectRank
 from qeffect.runtime.single import SingleProcessPipeline
 from qeffect.schedule import Action, ActionKind, Schedule, validate
@@ -451,6 +451,19 @@ def grad_capture(rank: BaseRank, into: dict[str, torch.Tensor]) -> Callable[[], 
     return hook
 
 
+def _build(cfg: RunConfig, folder: Path | None, **kw: Any) -> SingleProcessPipeline:
+    """`build_single_process(cfg, **kw)`, started from the checkpoint `folder` if given: numbers first, then
+    graphs (they hold the loaded tensors by address)."""
+    pipe = build_single_process(cfg, capture=folder is None, **kw)
+    if folder is not None:
+        from qeffect.checkpoint import load_checkpoint
+        from qeffect.runtime.build import capture_graphs
+
+        load_checkpoint(pipe, folder, cfg)
+        capture_graphs(cfg, pipe)
+    return pipe
+
+
 def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
                      injection: Injection | None = None,
                      progress: Callable[[int, float], None] | None = None,
@@ -464,20 +477,13 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
     start, folder, layout = resume_start(cfg, resume)
     cfg = cfg.with_overrides(**{"train.steps": start + steps})  # the schedule's horizon (module docstring)
     device = cfg.train.device
-    native = build_single_process(cfg, native=True, device=device)
-    qeff = build_single_process(cfg, native=False, direct=(path != "captured-copy"), device=device,
-                                fixed_order_sum=(injection != "swap-dw"), path=path, capture=folder is None,
-                                # the swapped dW order needs one arena view per microbatch
-                                accumulate=False if injection in ("swap-dw", "swap-dw-fixed") else None,
-                                # chains bounded by the built schedule's liveness would not fit the swapped one
-                                bounded_slots=injection not in ("swap-dw", "swap-dw-fixed"))
-    if folder is not None:  # numbers first, then graphs (they hold the loaded tensors by address)
-        from qeffect.checkpoint import load_checkpoint
-        from qeffect.runtime.build import capture_graphs
-
-        load_checkpoint(native, folder, cfg)
-        load_checkpoint(qeff, folder, cfg)
-        capture_graphs(cfg, qeff)
+    native = _build(cfg, folder, native=True, device=device)
+    qeff = _build(cfg, folder, native=False, direct=(path != "captured-copy"), device=device,
+                  fixed_order_sum=(injection != "swap-dw"), path=path,
+                  # the swapped dW order needs one arena view per microbatch
+                  accumulate=False if injection in ("swap-dw", "swap-dw-fixed") else None,
+                  # chains bounded by the built schedule's liveness would not fit the swapped one
+                  bounded_slots=injection not in ("swap-dw", "swap-dw-fixed"))
     if injection in ("swap-dw", "swap-dw-fixed"):
         if cfg.pipeline.microbatches < 3:
             raise ValueError("the swap-dw injection needs at least 3 microbatches")
@@ -556,7 +562,7 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
     if qeff.step_graph_after is not None and injection is None and oracle_fault is None:
         ref.records = {}  # the last step's fingerprints and the observed pipeline: memory back first
         del qeff, checker
-        release_memory(torch.device(device))
+        release_device_memory(torch.device(device))
         step_graph = check_step_graph(cfg, native, ref_losses, start=start, folder=folder)
         passed = passed and step_graph.passed
     non_finite = non_finite_count(losses)
@@ -570,27 +576,13 @@ def run_verify_state(cfg: RunConfig, *, steps: int = 20, path: str = "eager",
     )
 
 
-def release_memory(device: torch.device) -> None:
-    """A dropped pipeline's device memory back before the next one is built."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
 def check_step_graph(cfg: RunConfig, native: SingleProcessPipeline, ref_losses: list[torch.Tensor], *,
                      start: int, folder: Path | None) -> StepGraphCheck:
     """A captured-direct pipeline with the config's step graph trains the steps `native` trained, through
     `step` as training does; each step loss against `ref_losses`, then every parameter, AdamW moment and
     FP8 state tensor against `native`'s, which has trained them all."""
     device = cfg.train.device
-    graphed = build_single_process(cfg, native=False, device=device, path="captured-direct", capture=folder is None)
-    if folder is not None:  # numbers first, then graphs (they hold the loaded tensors by address)
-        from qeffect.checkpoint import load_checkpoint
-        from qeffect.runtime.build import capture_graphs
-
-        load_checkpoint(graphed, folder, cfg)
-        capture_graphs(cfg, graphed)
+    graphed = _build(cfg, folder, native=False, device=device, path="captured-direct")
     tally = _Tally()
     recorded_at = None
     for i, ref_loss in enumerate(ref_losses):
