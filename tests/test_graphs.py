@@ -97,6 +97,9 @@ class FakeBackend:
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         self.log.append(("record_stream", stream.name, float(tensor.flatten()[0])))
 
+    def add_to_capture(self, graph: FakeGraph) -> None:
+        self.log.append(("child", self.current.name, graph.name))
+
     def memory_allocated(self) -> int:
         return self.allocated
 
@@ -255,6 +258,37 @@ def test_a_held_constant_is_copied_again_once_anything_may_have_changed_the_buff
     mgr.replay(action, {"a": seed})
     assert _copies(be) == [float(seed[0])]
     assert torch.equal(action.static_inputs["a"], seed)
+
+
+def test_dry_steps_issue_the_recorded_copies_into_a_buffer_two_graphs_share() -> None:
+    """A stage's fold mode word is one buffer that each of its dW graphs reads: a step copies `first` into
+    it for one graph and `later` for the other. A dry step copies nothing, but counts each copy the step
+    graph makes as a write to the buffer (its version), as the recorded step's copies did: else the next
+    dry step takes the buffer for still holding `first` and leaves out the copy the recorded step made."""
+    mgr, be = _manager("stream-ordered")
+    buf = torch.zeros(3)
+    x = mgr.capture("x", lambda: buf * 2, static_inputs={"a": buf}, warmup=0)
+    y = mgr.capture("y", lambda: buf * 3, static_inputs={"a": buf.detach()}, warmup=0)  # one version counter
+    first, later = torch.full((3,), 1.0), torch.full((3,), 2.0)
+    mgr.mark_constant(first, later)
+
+    def step(mode: str) -> list:
+        mgr.set_step_mode(mode)
+        try:
+            for action, src in ((x, first), (y, later), (y, later)):
+                mgr.replay(action, {"a": src})
+        finally:
+            mgr.set_step_mode("launch")
+        return list(mgr.issued)
+
+    mgr.replay(x, {"a": first})
+    mgr.replay(y, {"a": later})
+    recorded = step("record")
+    assert recorded == [("x", (("a", first.data_ptr()),)), ("y", (("a", later.data_ptr()),)), ("y", ())]
+    be.log.clear()
+    for _ in range(3):
+        assert step("dry") == recorded
+    assert _copies(be) == []  # a dry step issues nothing
 
 
 def test_a_buffer_the_graph_writes_is_never_taken_as_holding_a_constant() -> None:

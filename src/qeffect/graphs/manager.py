@@ -38,6 +38,7 @@ from typing import Any, Literal, Protocol, get_args
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from qeffect.contracts import completion_ledger
 from qeffect.graphs.cuda_driver import CaptureInserter
@@ -496,7 +497,10 @@ class GraphManager:
         stream, when it is not the caller's) keeps each source's memory alive until its copy is done.
         A constant source the buffer still holds is not copied again (`HeldInputs`). Returns the copies made.
         `keys` (a step graph's record or dry run): each copy's input name and source address is appended;
-        a dry run copies nothing and keeps the held inputs as if it had."""
+        a dry run copies nothing and keeps the held inputs as if it had, the buffer's version step included:
+        buffers that share one version counter (views of one tensor, such as a stage's fold mode word that
+        each of its dW graphs reads) must see the write, or a later dry step would take a buffer another
+        graph's copy overwrote for one that still holds its constant, and skip a copy the recorded step made."""
         be, held = self.backend, self.held
         dry = self.mode == "dry"
         copied = 0
@@ -518,6 +522,8 @@ class GraphManager:
                 be.copy_(dst, src)
                 if stream is not None:
                     be.record_stream(src, stream)
+            else:  # the step graph's replay makes this copy: count its write as the copy would have
+                increment_version(dst)
             copied += 1
             if constant:
                 held.copied(dst, src)
