@@ -98,4 +98,5 @@ def check_issued(step: RecordedStep, issued: list) -> None:
     got = issued[first] if first < len(issued) else "nothing"
     want = step.issued[first] if first < len(step.issued) else "nothing"
     raise RuntimeError(f"step graph: this step issues other work than the recorded step, from replay {first} "
-                       f"on: {got} instead of {want}")
+                       f"on: {got} instead of {want}; the step was not committed (`runtime.step_graph = false` "
+                       "launches every action instead)")
