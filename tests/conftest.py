@@ -1,4 +1,4 @@
-"""Under pytest-xdist, each worker's share of the CPU threads; on GPU machines, Transformer Engine imported
+"""Under pytest-xdist, each worker's share of the CPU threads and the slow tests first; on GPU machines, Transformer Engine imported
 before any test makes torch load cuDNN.
 
 Why TE first: on the H200 image TE opens the system cuDNN libraries; once torch has loaded its own cuDNN
@@ -30,3 +30,10 @@ if torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") 
         import transformer_engine.pytorch  # noqa: F401
     except Exception:  # noqa: BLE001 - qeffect.fp8.te.require_te names the cause in the failing test
         pass
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001, ARG001 - pytest's hook
+    """Tests marked `slow` first, in their collected order, then the rest. Under pytest-xdist each worker
+    takes more tests as it finishes; a long test collected late would run alone at the end while the other
+    workers idle, whereas started first the short ones fill in around it."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -206,6 +206,7 @@ print(n_cases, bad)
 
 
 @pytest.mark.skipif(find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["right", "wrong"])
 def test_transition_in_the_pass_under_the_interpreter(variant: str) -> None:
     """`quantize_transition`'s kernel (run by Triton's interpreter on the CPU) against the sequence it

@@ -20,6 +20,7 @@ def qeffect(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
+@pytest.mark.slow
 def test_default_train_learns(tmp_path: Path) -> None:
     """The README's first command: `qeffect train` with no arguments, on the CPU."""
     proc = qeffect(tmp_path, "train")

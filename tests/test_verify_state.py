@@ -9,6 +9,7 @@ from qeffect.graphs.handshake import run_settings
 from qeffect.verify.state import CATEGORIES, run_verify_state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_twenty_steps_bitwise_equal(schedule: str) -> None:
     cfg = load_config().with_overrides(**{"pipeline.schedule": schedule})
