@@ -10,8 +10,10 @@ contracts and the checks of what a dry step issues are the real code."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -163,6 +165,42 @@ def test_a_replayed_step_launches_before_its_bookkeeping_and_commits_after(step_
     first = events.index("bookkeeping")
     assert events[:first] == ["cast 0", "cast 1", "launch"]
     assert set(events[first:-2]) == {"bookkeeping"} and events[-2:] == ["commit", "commit"]
+
+
+def _host_overhead_bench():
+    """benchmarks/host_overhead.py, whose graph backend issues nothing: the real `GraphManager` on a CPU."""
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("host_overhead", root / "benchmarks" / "host_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize(("schedule", "microbatches", "extra"), [
+    ("interleaved", 4, {}),
+    ("zbv", 6, {"pipeline.wgrad_staging": 3}),
+    ("interleaved", 6, {"pipeline.wgrad_staging": 1, "optim.clip_grad_norm": 1.0}),
+    ("interleaved", 4, {"pipeline.wgrad_staging_by_liveness": True}),
+    ("zbv", 6, {"pipeline.wgrad_staging_by_liveness": True}),
+    ("interleaved", 16, {"pipeline.wgrad_staging_by_liveness": True, "runtime.graph_pools": "shared"}),
+    ("zbv", 4, {"pipeline.wgrad_accumulation": "fused"}),
+    ("interleaved", 4, {"model.family": "llama", "model.kv_heads": 1, "pipeline.wgrad_staging_by_liveness": True}),
+])
+def test_every_dry_step_of_the_real_manager_issues_what_the_recorded_step_did(monkeypatch, schedule: str,
+                                                                               microbatches: int, extra: dict) -> None:
+    """The real `GraphManager` and pipeline (on host_overhead.py's backend, which issues nothing): two
+    ordinary steps, one recorded, five dry; each dry step must issue the recorded step's graphs and copies
+    (`check_issued`), across schedules, staging depths that do and do not divide M, staging by liveness
+    (one fold mode word per stage for all its dW graphs), clipping, fused accumulation and Llama."""
+    bench = _host_overhead_bench()
+    monkeypatch.setattr(single_mod, "record_step", bench.null_record_step)
+    cfg = load_config().with_overrides(**{**bench.SHRINK, "train.device": "cpu", "fp8.backend": "reference",
+                                          "pipeline.schedule": schedule, "pipeline.microbatches": microbatches,
+                                          **extra})
+    pipe = bench.build(cfg, step_graph=True)
+    for i in range(8):
+        pipe.step(synthetic_batches(cfg, i, "cpu"))
+    assert pipe.recorded is not None and pipe.recorded.replays == 6  # the recorded step's own launch too
 
 
 def test_check_issued_names_the_first_difference() -> None:
