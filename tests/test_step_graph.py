@@ -10,10 +10,8 @@ contracts and the checks of what a dry step issues are the real code."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +27,7 @@ from qeffect.runtime import single as single_mod
 from qeffect.runtime.adamw import TritonAdamW
 from qeffect.runtime.build import path_runtime
 from qeffect.verify.state import synthetic_batches
+from script_modules import script_module
 from test_graph_binding_bitwise import BASE, ExecManager, _Action, _copy_into, _fake_captured_build
 
 
@@ -167,15 +166,6 @@ def test_a_replayed_step_launches_before_its_bookkeeping_and_commits_after(step_
     assert set(events[first:-2]) == {"bookkeeping"} and events[-2:] == ["commit", "commit"]
 
 
-def _host_overhead_bench():
-    """benchmarks/host_overhead.py, whose graph backend issues nothing: the real `GraphManager` on a CPU."""
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("host_overhead", root / "benchmarks" / "host_overhead.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 @pytest.mark.parametrize(("schedule", "microbatches", "extra"), [
     ("interleaved", 4, {}),
     ("zbv", 6, {"pipeline.wgrad_staging": 3}),
@@ -192,12 +182,12 @@ def test_every_dry_step_of_the_real_manager_issues_what_the_recorded_step_did(mo
     ordinary steps, one recorded, five dry; each dry step must issue the recorded step's graphs and copies
     (`check_issued`), across schedules, staging depths that do and do not divide M, staging by liveness
     (one fold mode word per stage for all its dW graphs), clipping, fused accumulation and Llama."""
-    bench = _host_overhead_bench()
-    monkeypatch.setattr(single_mod, "record_step", bench.null_record_step)
-    cfg = load_config().with_overrides(**{**bench.SHRINK, "train.device": "cpu", "fp8.backend": "reference",
-                                          "pipeline.schedule": schedule, "pipeline.microbatches": microbatches,
-                                          **extra})
-    pipe = bench.build(cfg, step_graph=True)
+    with script_module("benchmarks/host_overhead.py") as bench:
+        monkeypatch.setattr(single_mod, "record_step", bench.null_record_step)
+        cfg = load_config().with_overrides(**{**bench.SHRINK, "train.device": "cpu", "fp8.backend": "reference",
+                                              "pipeline.schedule": schedule, "pipeline.microbatches": microbatches,
+                                              **extra})
+        pipe = bench.build(cfg, step_graph=True)
     for i in range(8):
         pipe.step(synthetic_batches(cfg, i, "cpu"))
     assert pipe.recorded is not None and pipe.recorded.replays == 6  # the recorded step's own launch too
