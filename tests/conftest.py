@@ -1,5 +1,5 @@
-"""Under pytest-xdist, each worker's share of the CPU threads and the slow tests first; on GPU machines, Transformer Engine imported
-before any test makes torch load cuDNN.
+"""Under pytest-xdist, each worker's share of the CPU threads and the slow tests first; on GPU machines,
+Transformer Engine imported before any test makes torch load cuDNN.
 
 Why TE first: on the H200 image TE opens the system cuDNN libraries; once torch has loaded its own cuDNN
 sub-libraries (a captured pipeline does), TE's import fails with an undefined cuDNN symbol
