@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -23,6 +24,9 @@ from qeffect.cli.common import (
 )
 from qeffect.cli.root import app
 from qeffect.errors import UserError
+
+if TYPE_CHECKING:
+    from qeffect.verify.state import StepGraphCheck
 
 
 def _faults(json_out: Path | None, console: Console) -> int:
@@ -153,7 +157,7 @@ def verify_state(
                                console))
 
 
-def _print_step_graph(check, console: Console) -> None:
+def _print_step_graph(check: StepGraphCheck | None, console: Console) -> None:
     """The step graph's check (`verify.state.StepGraphCheck`) in one line, where it ran."""
     if check is None:
         return

@@ -140,7 +140,7 @@ def build_single_process(cfg: RunConfig, *, native: bool, direct: bool = True,
     pipe.manager = manager
     pipe.offload = offload
     pipe.rank_streams = rank_streams_for(cfg, manager, offload, device, len(ranks))
-    if manager is not None and step_graph_applies(cfg, path, device, offload=cfg.offload.mode):
+    if manager is not None and manager.keep_graphs:  # `path_runtime` keeps the graphs where step graphs apply
         pipe.step_graph_after = STEP_GRAPH_AFTER
     if capture and manager is not None:
         with phase("capture"):
