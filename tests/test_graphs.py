@@ -222,6 +222,13 @@ def test_replay_rejects_unknown_or_mismatched_inputs_and_duplicate_names() -> No
         GraphManager("cuda", protocol="three-way", backend=FakeBackend())  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_manager_says_whether_its_graphs_are_kept_for_a_step_graph(keep: bool) -> None:
+    # `build_single_process` reads this to decide whether a step graph records (`path_runtime` sets it)
+    mgr = GraphManager("cuda", backend=FakeBackend(), keep_graphs=keep)  # type: ignore[arg-type]
+    assert mgr.keep_graphs is keep
+
+
 def _copies(be: FakeBackend) -> list[float]:
     return [op[2] for op in be.log if op[0] == "copy"]
 

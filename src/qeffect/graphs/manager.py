@@ -289,6 +289,8 @@ class GraphManager:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
         self.protocol: HandshakeProtocol = protocol
+        # whether each graph keeps its `cudaGraph_t`, which a step graph's child nodes need
+        self.keep_graphs = keep_graphs
         self.backend: GraphBackend = (backend if backend is not None
                                       else TorchCudaBackend(device, keep_graphs=keep_graphs))
         self.stream = self.backend.new_stream()
