@@ -246,6 +246,22 @@ def test_step_graph_auto_applies_to_one_process_captured_direct_on_cuda(path, of
             step_graph_applies(on, path, device, offload=offload, one_process=one_process)
 
 
+@pytest.mark.parametrize("applies", [True, False])
+def test_the_real_build_records_a_step_graph_exactly_where_path_runtime_decided(monkeypatch, applies: bool) -> None:
+    # The other tests here replace `build_single_process`; this one runs it and `path_runtime` for real,
+    # with only the CUDA parts swapped: the path check, the device test and the graph backend.
+    with script_module("benchmarks/host_overhead.py") as bench:
+        monkeypatch.setattr(build_mod, "check_path", lambda *a, **k: None)
+        monkeypatch.setattr(build_mod, "step_graph_applies", lambda *a, **k: applies)
+        monkeypatch.setattr(build_mod, "GraphManager",
+                            lambda device, **kw: GraphManager("cpu", backend=bench.NullGraphBackend(), **kw))
+        cfg = load_config().with_overrides(**{"runtime.rank_streams": False})  # streams are CUDA's
+        pipe = build_mod.build_single_process(cfg, native=False, device="cpu", path="captured-direct",
+                                              capture=False)
+    assert pipe.manager is not None and pipe.manager.keep_graphs is applies
+    assert pipe.step_graph_after == (build_mod.STEP_GRAPH_AFTER if applies else None)
+
+
 def test_the_step_graph_setting_takes_auto_true_and_false_only() -> None:
     from qeffect.config import apply_sets
 
