@@ -163,7 +163,7 @@ def test_llama_resume_is_bitwise_equal(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_llama_tiny_trains_on_the_bundled_asset(tmp_path: Path) -> None:
     """The acceptance run: `qeffect train -c examples/configs/llama-tiny.toml` learns (last ten / first ten
-    training cross-entropy < 0.8); about 35 s on two idle cores, the bound is three minutes."""
+    training cross-entropy < 0.8); about 30 s on two idle cores, the bound is three minutes."""
     proc = _qeffect(tmp_path, "train", "-c", str(LLAMA_TINY))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
