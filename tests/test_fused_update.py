@@ -41,6 +41,9 @@ CASES = textwrap.dedent("""
                             and torch.equal(s1.view(torch.int32), s2.view(torch.int32))
                             and torch.equal(inv.view(torch.int32), s0.reciprocal().view(torch.int32)))
                     n, bad = n + 1, bad + (not same)
+                    if bad and most_recent_for_max:  # caught: the rest would only be caught again
+                        print(n, bad)
+                        sys.exit(0)
     print(n, bad)
 """)
 
@@ -61,5 +64,4 @@ def test_kernel_arithmetic_under_the_interpreter(variant: str) -> None:
     out = subprocess.run([sys.executable, "-c", CASES, variant], capture_output=True, text=True, env=env,
                          timeout=300, check=True).stdout.split()
     n, bad = int(out[-2]), int(out[-1])
-    assert n == 96
-    assert (bad == 0) if variant == "right" else (bad > 0)
+    assert (n, bad) == (96, 0) if variant == "right" else (0 < bad <= n <= 96)
