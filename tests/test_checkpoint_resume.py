@@ -76,7 +76,7 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("torchrun", [
-    pytest.param(False, id="single-process", marks=pytest.mark.slow),
+    pytest.param(False, id="single-process"),
     pytest.param(True, id="torchrun-pp2", marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])

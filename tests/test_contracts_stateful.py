@@ -351,10 +351,8 @@ class ArenaMachine(RuleBasedStateMachine):
 
 TestTapePoolModel = TapePoolMachine.TestCase
 TestTapePoolModel.settings = SETTINGS
-TestTapePoolModel.pytestmark = [pytest.mark.slow]  # 1000 derandomized runs: 25-30 s on one core
 TestArenaModel = ArenaMachine.TestCase
 TestArenaModel.settings = SETTINGS
-TestArenaModel.pytestmark = [pytest.mark.slow]
 
 
 def test_model_catches_a_broken_pool(monkeypatch):

@@ -53,7 +53,6 @@ def test_llama_verify_state_catches_a_perturbed_scale() -> None:
     assert {c.category: c.mismatches for c in report.categories}["fp8_state"] > 0
 
 
-@pytest.mark.slow
 def test_llama_verify_state_cli(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = _qeffect(tmp_path, "verify-state", "-c", str(LLAMA_TINY), "--schedule", "zbv", "--steps", "6",
@@ -131,7 +130,6 @@ def test_llama_captured_actions_protocol_with_faked_replays() -> None:
 
 
 # ------------------------------------------------------------------------------------- checkpoints
-@pytest.mark.slow
 def test_llama_resume_is_bitwise_equal(tmp_path: Path) -> None:
     """Uninterrupted 6 steps against 3 steps, then a fresh process resuming to 6: identical checkpoints
     (parameters, AdamW, the FP8 state of all 21 linears, rolled over) and losses."""
