@@ -1,16 +1,18 @@
 """Fresh-process resume through `qeffect train`, bitwise against an uninterrupted run.
 
 For each schedule (Interleaved, ZB-V) and launch (one process; torchrun PP=2 over gloo):
-  a) `train --steps 8 --checkpoint-every 8`: the uninterrupted run;
-  b) `train --steps 3 --checkpoint-every 3`: saves at step 3 and exits;
-  c) a NEW process `train --steps 8 --resume b/checkpoints --checkpoint-every 8 --checkpoint-dir c-checkpoints`.
+  a) `train --steps 8 --checkpoint-every 3`: the uninterrupted run, saving at steps 3, 6 and 8;
+  c) a NEW process `train --steps 8 --resume a/checkpoints/step-00000003 --checkpoint-every 8
+     --checkpoint-dir c-checkpoints`.
 The step-8 checkpoints of a) and c) must be identical tensor by tensor, bit for bit (parameters, AdamW
 state, FP8 amax histories and scales, rolled over: history length 4 < 8 steps), with equal step, epochs,
-data position and RNG, and the losses of steps 4..8 in metrics.jsonl must be equal floats.
+data position and RNG, and the losses of steps 4..8 in metrics.jsonl must be equal floats. A checkpoint
+taken on the way is what a run that stopped there would have saved (the constant learning rate of the
+default does not depend on `--steps`); resuming the folder of a run that exited (its `latest`) is
+`test_llama_pipeline.py`'s and `test_multinode.py`'s case.
 
 The tiny default configuration: in one process exactly as `qeffect train` runs it (held-out evaluation
-included: it must leave training untouched); under torchrun without evaluation, to keep CI fast. The two
-runs a) and b) of one case run concurrently.
+included: it must leave training untouched); under torchrun without evaluation, to keep CI fast.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _start(out: Path, args: list[str], torchrun: bool) -> subprocess.Popen:
 
 
 def _run_all(jobs: list[tuple[Path, list[str]]], torchrun: bool) -> None:
-    """Run the jobs side by side. A torchrun launch whose rendezvous port was taken between `free_port`
+    """Run the jobs side by side (one job here; kept general). A torchrun launch whose rendezvous port was taken between `free_port`
     and its bind (EADDRINUSE: concurrent launches on one machine) starts nothing, so it is relaunched on
     a new port, at most twice."""
     procs = [(out, args, _start(out, args, torchrun)) for out, args in jobs]
@@ -88,13 +90,15 @@ def test_fresh_process_resume_is_bitwise_equal(schedule: str, torchrun: bool, tm
         assert "eval_every = 20" in text
         (tmp_path / "no-eval.toml").write_text(text.replace("eval_every = 20", "eval_every = 0"))
         common += ["--config", str(tmp_path / "no-eval.toml")]
-    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    _run_all([(a, [*common, "--steps", "8", "--checkpoint-every", "8"]),
-              (b, [*common, "--steps", "3", "--checkpoint-every", "3"])], torchrun)
-    assert (b / "checkpoints" / "latest").read_text().strip() == "step-00000003"
+    a, c = tmp_path / "a", tmp_path / "c"
+    _run_all([(a, [*common, "--steps", "8", "--checkpoint-every", "3"])], torchrun)
+    saved = sorted(x.name for x in (a / "checkpoints").iterdir() if x.is_dir())
+    assert saved == ["step-00000003", "step-00000006", "step-00000008"]
+    assert (a / "checkpoints" / "latest").read_text().strip() == "step-00000008"
+    b = a / "checkpoints" / "step-00000003"
     c_ck = tmp_path / "c-checkpoints"
     _run_all([(c, [*common, "--steps", "8", "--checkpoint-every", "8", "--checkpoint-dir", str(c_ck),
-                   "--resume", str(b / "checkpoints")])], torchrun)
+                   "--resume", str(b)])], torchrun)
 
     ref, resumed = a / "checkpoints" / "step-00000008", c_ck / "step-00000008"
     assert (c_ck / "latest").read_text().strip() == "step-00000008" and not (c / "checkpoints").exists()
@@ -124,7 +128,7 @@ def test_fresh_process_resume_is_bitwise_equal(schedule: str, torchrun: bool, tm
     assert rc == 0 and CheckpointReport.model_validate_json(out).qeffect_runtime_state_bytes > 0
     rc, out = _cli(capsys, "inspect-checkpoint", str(ref), "--diff", str(resumed))
     assert rc == 0 and "IDENTICAL" in out
-    rc, out = _cli(capsys, "inspect-checkpoint", str(ref), "--diff", str(b / "checkpoints"))
+    rc, out = _cli(capsys, "inspect-checkpoint", str(ref), "--diff", str(b))
     assert rc == 1 and "step: 8 vs 3" in out
 
 

@@ -83,15 +83,32 @@ def _bad_shards(tmp_path: Path) -> dict[str, tuple[str, str]]:
 @pytest.mark.parametrize("case", ["missing data", "empty shard", "malformed line", "malformed gz line", "heads",
                                   "unknown field", "microbatches", "world size", "captured on cpu",
                                   "offload without capture"])
-def test_bad_input_one_line_exit_2_writes_nothing(tmp_path: Path, case: str) -> None:
+def test_bad_input_one_line_exit_2_writes_nothing(tmp_path: Path, case: str, capsys, monkeypatch) -> None:
+    """In this process (a process start per case would double the file's time); the command line's own
+    process is the next test's."""
+    from qeffect.cli.app import main
+
     arg, needle = _bad_shards(tmp_path)[case]
     out = tmp_path / "run"
-    proc = qeffect(tmp_path, "train", arg, "--steps", "2", "--out", str(out))
-    assert proc.returncode == 2, proc.stderr
-    err = proc.stderr.strip()
+    monkeypatch.chdir(tmp_path)  # the default run folder would be ./runs
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["train", arg, "--steps", "2", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2, err
     assert len(err.splitlines()) == 1 and err.startswith("qeffect: error:"), err
     assert needle in err
     assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+def test_bad_input_in_its_own_process_exits_2_with_one_line(tmp_path: Path) -> None:
+    """The same as a user sees it: the process's exit status and its stderr."""
+    arg, needle = _bad_shards(tmp_path)["malformed line"]
+    proc = qeffect(tmp_path, "train", arg, "--steps", "2", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("qeffect: error:") and needle in err, err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.gpu
