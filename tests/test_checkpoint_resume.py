@@ -54,22 +54,16 @@ def _start(out: Path, args: list[str], torchrun: bool) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def _run_all(jobs: list[tuple[Path, list[str]]], torchrun: bool) -> None:
-    """Run the jobs side by side (one job here; kept general). A torchrun launch whose rendezvous port was taken between `free_port`
-    and its bind (EADDRINUSE: concurrent launches on one machine) starts nothing, so it is relaunched on
-    a new port, at most twice."""
-    procs = [(out, args, _start(out, args, torchrun)) for out, args in jobs]
-    failures = []
-    for out, args, p in procs:
+def _run(out: Path, args: list[str], torchrun: bool) -> None:
+    """Run one `qeffect train` to its end. A torchrun launch whose rendezvous port was taken between
+    `free_port` and its bind (EADDRINUSE: concurrent launches on one machine) starts nothing, so it is
+    relaunched on a new port, at most twice."""
+    for _ in range(3):
+        p = _start(out, args, torchrun)
         text, _ = p.communicate(timeout=TIMEOUT)
-        for _ in range(2):
-            if p.returncode == 0 or not torchrun or "EADDRINUSE" not in text:
-                break
-            p = _start(out, args, torchrun)
-            text, _ = p.communicate(timeout=TIMEOUT)
-        if p.returncode != 0:
-            failures.append(f"{out.name}: exit {p.returncode}\n{text[-3000:]}")
-    assert not failures, "\n".join(failures)
+        if p.returncode == 0 or not torchrun or "EADDRINUSE" not in text:
+            break
+    assert p.returncode == 0, f"{out.name}: exit {p.returncode}\n{text[-3000:]}"
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -91,14 +85,14 @@ def test_fresh_process_resume_is_bitwise_equal(schedule: str, torchrun: bool, tm
         (tmp_path / "no-eval.toml").write_text(text.replace("eval_every = 20", "eval_every = 0"))
         common += ["--config", str(tmp_path / "no-eval.toml")]
     a, c = tmp_path / "a", tmp_path / "c"
-    _run_all([(a, [*common, "--steps", "8", "--checkpoint-every", "3"])], torchrun)
+    _run(a, [*common, "--steps", "8", "--checkpoint-every", "3"], torchrun)
     saved = sorted(x.name for x in (a / "checkpoints").iterdir() if x.is_dir())
     assert saved == ["step-00000003", "step-00000006", "step-00000008"]
     assert (a / "checkpoints" / "latest").read_text().strip() == "step-00000008"
     b = a / "checkpoints" / "step-00000003"
     c_ck = tmp_path / "c-checkpoints"
-    _run_all([(c, [*common, "--steps", "8", "--checkpoint-every", "8", "--checkpoint-dir", str(c_ck),
-                   "--resume", str(b)])], torchrun)
+    _run(c, [*common, "--steps", "8", "--checkpoint-every", "8", "--checkpoint-dir", str(c_ck), "--resume", str(b)],
+         torchrun)
 
     ref, resumed = a / "checkpoints" / "step-00000008", c_ck / "step-00000008"
     assert (c_ck / "latest").read_text().strip() == "step-00000008" and not (c / "checkpoints").exists()

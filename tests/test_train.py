@@ -84,8 +84,8 @@ def _bad_shards(tmp_path: Path) -> dict[str, tuple[str, str]]:
                                   "unknown field", "microbatches", "world size", "captured on cpu",
                                   "offload without capture"])
 def test_bad_input_one_line_exit_2_writes_nothing(tmp_path: Path, case: str, capsys, monkeypatch) -> None:
-    """In this process (a process start per case would double the file's time); the command line's own
-    process is the next test's."""
+    """In the test's own process: a process per case would cost each about 4 s of CPU to import torch and
+    its pipelining; the exit of a real process is the next test's."""
     from qeffect.cli.app import main
 
     arg, needle = _bad_shards(tmp_path)[case]
