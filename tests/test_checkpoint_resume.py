@@ -18,52 +18,28 @@ included: it must leave training untouched); under torchrun without evaluation, 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from importlib import resources
 from pathlib import Path
 
 import pytest
 
-from launch import torchrun as torchrun_cmd
+import launch
 from qeffect.checkpoint import CheckpointReport, diff_checkpoints, inspect_checkpoint
 from qeffect.cli.app import main
-
-TIMEOUT = 600
 
 
 def _command(out: Path, args: list[str], torchrun: bool) -> list[str]:
     train = ["train", "--out", str(out), *args]
     if not torchrun:
         return [sys.executable, "-m", "qeffect", *train]
-    return torchrun_cmd(2, "-m", "qeffect", *train)
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"  # two runs share the CI machine's cores; same setting in every run
-    env["COLUMNS"] = "200"
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    return env
-
-
-def _start(out: Path, args: list[str], torchrun: bool) -> subprocess.Popen:
-    return subprocess.Popen(_command(out, args, torchrun), env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return launch.torchrun(2, "-m", "qeffect", *train)
 
 
 def _run(out: Path, args: list[str], torchrun: bool) -> None:
-    """Run one `qeffect train` to its end. A torchrun launch whose rendezvous port was taken between
-    `free_port` and its bind (EADDRINUSE: concurrent launches on one machine) starts nothing, so it is
-    relaunched on a new port, at most twice."""
-    for _ in range(3):
-        p = _start(out, args, torchrun)
-        text, _ = p.communicate(timeout=TIMEOUT)
-        if p.returncode == 0 or not torchrun or "EADDRINUSE" not in text:
-            break
-    assert p.returncode == 0, f"{out.name}: exit {p.returncode}\n{text[-3000:]}"
+    """One `qeffect train` to its end (`launch.run`: one thread a process, a taken port relaunched)."""
+    proc = launch.run(_command(out, args, torchrun), out.parent)
+    assert proc.returncode == 0, f"{out.name}: exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-3000:]}"
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -89,9 +65,9 @@ def test_fresh_process_resume_is_bitwise_equal(schedule: str, torchrun: bool, tm
     saved = sorted(x.name for x in (a / "checkpoints").iterdir() if x.is_dir())
     assert saved == ["step-00000003", "step-00000006", "step-00000008"]
     assert (a / "checkpoints" / "latest").read_text().strip() == "step-00000008"
-    b = a / "checkpoints" / "step-00000003"
+    step3 = a / "checkpoints" / "step-00000003"
     c_ck = tmp_path / "c-checkpoints"
-    _run(c, [*common, "--steps", "8", "--checkpoint-every", "8", "--checkpoint-dir", str(c_ck), "--resume", str(b)],
+    _run(c, [*common, "--steps", "8", "--checkpoint-every", "8", "--checkpoint-dir", str(c_ck), "--resume", str(step3)],
          torchrun)
 
     ref, resumed = a / "checkpoints" / "step-00000008", c_ck / "step-00000008"
@@ -122,7 +98,7 @@ def test_fresh_process_resume_is_bitwise_equal(schedule: str, torchrun: bool, tm
     assert rc == 0 and CheckpointReport.model_validate_json(out).qeffect_runtime_state_bytes > 0
     rc, out = _cli(capsys, "inspect-checkpoint", str(ref), "--diff", str(resumed))
     assert rc == 0 and "IDENTICAL" in out
-    rc, out = _cli(capsys, "inspect-checkpoint", str(ref), "--diff", str(b))
+    rc, out = _cli(capsys, "inspect-checkpoint", str(ref), "--diff", str(step3))
     assert rc == 1 and "step: 8 vs 3" in out
 
 
