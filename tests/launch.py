@@ -1,4 +1,5 @@
-"""Shared by the torchrun tests: the launcher command on a free loopback port."""
+"""Shared by the torchrun tests: the launcher command on a free loopback port, and a smaller vocabulary
+for tests of launch, layout and resume mechanics."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
 ROOT = Path(__file__).resolve().parent.parent
+# The tiny default's 32768-row token table and output head are most of its CPU step (and of its checkpoint
+# bytes). Tests of mechanics that hold for any vocabulary run the same model with a 64th of the rows.
+SMALL_VOCAB = 512
+SMALL = ["--set", f"model.vocab_size={SMALL_VOCAB}"]
 # One thread per worker; ./src first but the caller's PYTHONPATH kept (on the GPU machine it names the
 # site with pydantic, TE and the rest).
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -37,3 +44,21 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
             return proc
         args = [f"--master-port={free_port()}" if a.startswith("--master-port=") else a for a in args]
     return subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def small_tokenizer(folder: Path) -> Path:
+    """A byte-level tokenizer (the 256 bytes and <|endoftext|>, no merges) written into `folder`: `qeffect train`
+    refuses a model.vocab_size below the tokenizer's, so a SMALL_VOCAB run on real text needs one this small."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    path = folder / "bytes-tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def small_train(folder: Path) -> list[str]:
+    """`qeffect train` arguments for a SMALL_VOCAB model on the bundled text: `small_tokenizer` and the setting."""
+    return ["--tokenizer", str(small_tokenizer(folder)), *SMALL]

@@ -5,7 +5,8 @@ One torchrun PP=2 run trains 5 steps and saves at steps 3 and 5. Then: 4 process
 from step 3 to 5 (the layout change named in one line, on global rank 0 only) and verify-state from step 3
 passes bitwise (replicas identical, reductions tracked); one process trains from step 3 to 5 and its
 step-5 checkpoint equals the torchrun run's tensor by tensor, bit for bit; one process's verify-state from
-step 3 passes.
+step 3 passes. The model is the tiny default with launch.SMALL_VOCAB rows (the checkpoint fixes it for the
+resumed runs).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import run, torchrun
+from launch import SMALL, run, small_train, torchrun
 from qeffect.checkpoint import diff_checkpoints
 from qeffect.cli.app import main
 
@@ -35,20 +36,20 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def test_torchrun_pp2_checkpoint_into_pp2_dp2_and_into_one_process(tmp_path: Path, capsys) -> None:
-    a = tmp_path / "a"
-    _ok(run(torchrun(2, "-m", "qeffect", "train", "--steps", "5", "--checkpoint-every", "3", *NO_EVAL,
+    a, small = tmp_path / "a", small_train(tmp_path)
+    _ok(run(torchrun(2, "-m", "qeffect", "train", "--steps", "5", "--checkpoint-every", "3", *NO_EVAL, *small,
                      "--out", str(a)), tmp_path))
     ck, last = a / "checkpoints" / "step-00000003", a / "checkpoints" / "step-00000005"
     assert ck.is_dir() and last.is_dir()
 
     # PP=2 x DP=2: train on, then verify from the same checkpoint
     out = _ok(run(torchrun(4, "-m", "qeffect", "train", "--resume", str(ck), "--dp", "2", "--steps", "5",
-                           *NO_EVAL, "--out", str(tmp_path / "dp2"), "--json", str(tmp_path / "dp2.json")), tmp_path))
+                           *NO_EVAL, *small, "--out", str(tmp_path / "dp2"), "--json", str(tmp_path / "dp2.json")), tmp_path))
     assert out.count(LINE) == 1  # global rank 0 only
     summary = json.loads((tmp_path / "dp2.json").read_text())
     assert summary["world_size"] == 4 and summary["start_step"] == 3 and summary["resumed_layout"] == LINE
     assert _steps(tmp_path / "dp2") == [4, 5]
-    out = _ok(run(torchrun(4, "-m", "qeffect", "verify-state", "--resume", str(ck), "--dp", "2", "--steps", "3",
+    out = _ok(run(torchrun(4, "-m", "qeffect", "verify-state", "--resume", str(ck), "--dp", "2", "--steps", "3", *SMALL,
                            "--json", str(tmp_path / "v-dp2.json")), tmp_path))
     assert "PASS: bitwise equal" in out and out.count(LINE) == 1
     r = json.loads((tmp_path / "v-dp2.json").read_text())
@@ -60,11 +61,12 @@ def test_torchrun_pp2_checkpoint_into_pp2_dp2_and_into_one_process(tmp_path: Pat
     # workers: CPU reductions such as a bias gradient's sum split by thread count), and the oracle from step 3
     one = tmp_path / "one"
     _ok(run([sys.executable, "-m", "qeffect", "train", "--resume", str(ck), "--steps", "5", "--checkpoint-every",
-             "5", *NO_EVAL, "--out", str(one)], tmp_path))
+             "5", *NO_EVAL, *small, "--out", str(one)], tmp_path))
     assert _steps(one) == [4, 5]
     diff = diff_checkpoints(last, one / "checkpoints" / "step-00000005")
     assert not diff.tensors_differing and not diff.only_in_a and not diff.only_in_b and diff.tensors_compared > 300
-    assert _main(capsys, "verify-state", "--resume", str(ck), "--steps", "3", "--json", str(tmp_path / "v1.json")) == 0
+    assert _main(capsys, "verify-state", "--resume", str(ck), "--steps", "3", *SMALL, "--json",
+                 str(tmp_path / "v1.json")) == 0
     r = json.loads((tmp_path / "v1.json").read_text())
     assert r["passed"] and r["start_step"] == 3 and r["resumed_layout"] is None
 

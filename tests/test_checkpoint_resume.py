@@ -12,7 +12,8 @@ default does not depend on `--steps`); resuming the folder of a run that exited 
 `test_llama_pipeline.py`'s and `test_multinode.py`'s case.
 
 The tiny default configuration: in one process exactly as `qeffect train` runs it (held-out evaluation
-included: it must leave training untouched); under torchrun without evaluation, to keep CI fast.
+included: it must leave training untouched); under torchrun without evaluation and with launch.SMALL_VOCAB
+rows (a byte-level tokenizer), to keep CI fast.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def test_fresh_process_resume_is_bitwise_equal(schedule: str, torchrun: bool, tm
         text = resources.files("qeffect.configs").joinpath("tiny.toml").read_text()
         assert "eval_every = 20" in text
         (tmp_path / "no-eval.toml").write_text(text.replace("eval_every = 20", "eval_every = 0"))
-        common += ["--config", str(tmp_path / "no-eval.toml")]
+        common += ["--config", str(tmp_path / "no-eval.toml"), *launch.small_train(tmp_path)]
     a, c = tmp_path / "a", tmp_path / "c"
     _run(a, [*common, "--steps", "8", "--checkpoint-every", "3"], torchrun)
     saved = sorted(x.name for x in (a / "checkpoints").iterdir() if x.is_dir())

@@ -1,5 +1,6 @@
 """torchrun on CPU (gloo): the distributed executor is bitwise equal to the single-process executor,
-and data-parallel replicas stay bitwise identical with every reduction finished before each commit."""
+and data-parallel replicas stay bitwise identical with every reduction finished before each commit. On CPU
+the tiny default with launch.SMALL_VOCAB rows."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import torchrun
+from launch import SMALL_VOCAB, torchrun
 from qeffect.config import load_config
 from qeffect.runtime.build import build_single_process
 from qeffect.verify.state import bitwise_equal, synthetic_batches
 
 WORKER = Path(__file__).parent / "dist" / "run_pipeline.py"
 pytestmark = pytest.mark.slow
+VOCAB = ["--vocab-size", str(SMALL_VOCAB)]
 
 
 
@@ -33,9 +35,9 @@ def test_pp2_torchrun_equals_single_process(tmp_path: Path, schedule: str, untag
     """`untagged`: NCCL's matching (a pair's messages in posting order, tags ignored). ZB-V's rank 1 wants a
     gradient before an activation rank 0 sent earlier; receiving in its own order swapped them silently."""
     steps = 3
-    _torchrun(2, tmp_path, "--schedule", schedule, "--pp", "2", "--steps", str(steps),
+    _torchrun(2, tmp_path, "--schedule", schedule, "--pp", "2", "--steps", str(steps), *VOCAB,
               *(["--untagged"] if untagged else []))
-    cfg = load_config().with_overrides(**{"pipeline.schedule": schedule})
+    cfg = load_config().with_overrides(**{"pipeline.schedule": schedule, "model.vocab_size": SMALL_VOCAB})
     # CPU kernels split reductions by thread count (embedding backward, bias sums): the workers run with
     # OMP_NUM_THREADS=1, so the single-process reference must too, or the bits legitimately differ.
     threads = torch.get_num_threads()
@@ -63,7 +65,7 @@ def test_pp2_torchrun_equals_single_process(tmp_path: Path, schedule: str, untag
 
 def test_pp2_dp2_replicas_identical(tmp_path: Path) -> None:
     steps = 3
-    _torchrun(4, tmp_path, "--pp", "2", "--dp", "2", "--steps", str(steps))
+    _torchrun(4, tmp_path, "--pp", "2", "--dp", "2", "--steps", str(steps), *VOCAB)
     states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     for res in states:
         assert res["replicas_equal"] == [True] * steps
@@ -71,7 +73,7 @@ def test_pp2_dp2_replicas_identical(tmp_path: Path) -> None:
         assert res["reductions_run"] == steps  # one tracked reduction finished before each commit
     # Replica 1 (ranks 2, 3) saw other data than replica 0, so equality proves the all-reduce happened:
     # without it the replicas would differ. And the run did move away from the initial parameters.
-    cfg = load_config()
+    cfg = load_config().with_overrides(**{"model.vocab_size": SMALL_VOCAB})
     init = build_single_process(cfg, native=False)
     p0 = dict(init.ranks[0].chunks[0].named_parameters())["blocks.0.qkv.weight"]
     assert not bitwise_equal(p0.detach(), states[0]["state"]["s0.blocks.0.qkv.weight"])

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launch import ROOT, torchrun
+from launch import ROOT, SMALL, small_train, torchrun
 from launch import run as _run
 from qeffect.config import load_config
 from qeffect.verify.state import CATEGORIES, run_verify_state
@@ -56,7 +56,7 @@ def test_llama_verify_state_catches_a_perturbed_scale() -> None:
 def test_llama_verify_state_cli(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = _qeffect(tmp_path, "verify-state", "-c", str(LLAMA_TINY), "--schedule", "zbv", "--steps", "6",
-                    "--json", str(out))
+                    *SMALL, "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["passed"] and r["settings"]["model.family"] == "llama" and r["settings"]["model.kv_heads"] == 2
@@ -69,7 +69,7 @@ def test_llama_verify_state_under_torchrun_pp2(tmp_path: Path, schedule: str) ->
     out = tmp_path / "report.json"
     proc = _run(torchrun(2, "-m", "qeffect", "verify-state", "--config", str(LLAMA_TINY),
                          "--schedule", schedule,
-                         "--steps", "6", "--json", str(out)), tmp_path)
+                         "--steps", "6", *SMALL, "--json", str(out)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["kind"] == "verify-state-distributed" and r["world_size"] == 2 and r["passed"]
@@ -132,10 +132,10 @@ def test_llama_captured_actions_protocol_with_faked_replays() -> None:
 # ------------------------------------------------------------------------------------- checkpoints
 def test_llama_resume_is_bitwise_equal(tmp_path: Path) -> None:
     """Uninterrupted 6 steps against 3 steps, then a fresh process resuming to 6: identical checkpoints
-    (parameters, AdamW, the FP8 state of all 21 linears, rolled over) and losses."""
+    (parameters, AdamW, the FP8 state of all 21 linears, rolled over) and losses. launch.SMALL_VOCAB rows."""
     from qeffect.checkpoint import diff_checkpoints, inspect_checkpoint
 
-    common = ["-c", str(LLAMA_TINY), "--set", "train.eval_every=0"]
+    common = ["-c", str(LLAMA_TINY), "--set", "train.eval_every=0", *small_train(tmp_path)]
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     for out, args in ((a, ["--steps", "6", "--checkpoint-every", "6"]),
                       (b, ["--steps", "3", "--checkpoint-every", "3"])):

@@ -5,6 +5,7 @@ rendezvous (gloo), as docs/multinode.md launches them: `qeffect train` trains an
 c10d assigns global ranks in rendezvous order (`--node-rank` is for static rendezvous only), so either
 node may hold global rank 0: exactly one node's output carries the run's lines, the other none of them.
 Both nodes get a terminal-like output (`TTY_COMPATIBLE=1`), so a progress bar would show where it printed.
+The model is the tiny default with launch.SMALL_VOCAB rows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import ENV, free_port
+from launch import ENV, SMALL, free_port, small_train
 
 pytestmark = pytest.mark.slow
 # What qeffect prints (lines of the run, a progress bar's escape codes); torchrun's own notes may appear anywhere
@@ -49,7 +50,7 @@ def _only_one_prints(outs: list[str], expected: str) -> str:
 def test_two_nodes_train_and_verify_state(tmp_path: Path) -> None:
     run = tmp_path / "run"
     outs = _nodes(tmp_path, "train", "train", "--steps", "3", "--checkpoint-every", "3", "--set",
-                  "train.eval_every=0", "--out", str(run))
+                  "train.eval_every=0", *small_train(tmp_path), "--out", str(run))
     text = _only_one_prints(outs, "run folder")
     assert "median step" in text
     summary = json.loads((run / "summary.json").read_text())
@@ -58,7 +59,7 @@ def test_two_nodes_train_and_verify_state(tmp_path: Path) -> None:
 
     report = tmp_path / "verify.json"
     outs = _nodes(tmp_path, "verify", "verify-state", "--steps", "2", "--resume", str(run / "checkpoints"),
-                  "--json", str(report))
+                  *SMALL, "--json", str(report))
     _only_one_prints(outs, "PASS: bitwise equal")
     r = json.loads(report.read_text())
     assert r["passed"] and r["world_size"] == 2 and r["start_step"] == 3

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from launch import ENV, torchrun
+from launch import ENV, SMALL, torchrun
 from launch import run as _run
 from qeffect.runtime.step_timing import (
     CATEGORIES,
@@ -208,7 +208,7 @@ def test_breakdown_by_rank_and_one_process_under_torchrun(tmp_path: Path) -> Non
     """PP=2 (gloo): every rank's breakdown sums to its step; the one-process run is the same work."""
     out = tmp_path / "t.json"
     proc = _run(torchrun(2, str(SCRIPT), "--device", "cpu", "--steps", "2", "--warmup", "1", "--breakdown", "2",
-                         "--one-gpu", "--out", str(out)), tmp_path)
+                         "--one-gpu", *SMALL, "--out", str(out)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     b = r["breakdown"]
@@ -235,7 +235,7 @@ def test_breakdown_charges_the_data_parallel_reduction(tmp_path: Path) -> None:
     """PP=1 x DP=2 (gloo): the replicas' gradient all-reduce is its own category."""
     out = tmp_path / "d.json"
     proc = _run(torchrun(2, str(SCRIPT), "--device", "cpu", "--steps", "1", "--warmup", "1", "--breakdown", "1",
-                         "--set", "pipeline.pp=1", "--set", "pipeline.dp=2", "--out", str(out)), tmp_path)
+                         "--set", "pipeline.pp=1", "--set", "pipeline.dp=2", *SMALL, "--out", str(out)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert [x["dp_rank"] for x in r["breakdown"]["by_rank"]] == [0, 1] and "one_gpu_step_seconds" not in r

@@ -1,5 +1,6 @@
 """verify-state under torchrun (gloo, 2 processes): native eager and qeffect with the same rank mapping,
-compared bitwise after every step on every rank; and an injected fault is caught."""
+compared bitwise after every step on every rank; and an injected fault is caught. On CPU the tiny default
+with launch.SMALL_VOCAB rows."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT, torchrun
+from launch import ROOT, SMALL, SMALL_VOCAB, torchrun
 from launch import run as _run
 
 pytestmark = pytest.mark.slow
+VOCAB = ["--vocab-size", str(SMALL_VOCAB)]
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_cli_under_torchrun_is_bitwise_equal(tmp_path: Path, schedule: str) -> None:
     out = tmp_path / "report.json"
-    proc = _run(torchrun(2, "-m", "qeffect", "verify-state", "--schedule", schedule, "--steps", "3",
+    proc = _run(torchrun(2, "-m", "qeffect", "verify-state", "--schedule", schedule, "--steps", "3", *SMALL,
                          "--json", str(out)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -34,7 +36,7 @@ def test_pp4_zbv_under_torchrun_is_bitwise_equal(tmp_path: Path) -> None:
     """PP=4 with ZB-V (4 processes, 2 chunks each: 8 stages), against native eager with the same placement
     and, for the loss, native Interleaved on its own placement."""
     out = tmp_path / "report.json"
-    proc = _run(torchrun(4, "-m", "qeffect", "verify-state", "--pp", "4", "--schedule", "zbv", "--steps", "3",
+    proc = _run(torchrun(4, "-m", "qeffect", "verify-state", "--pp", "4", "--schedule", "zbv", "--steps", "3", *SMALL,
                          "--json", str(out)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -49,7 +51,7 @@ def test_pp4_zbv_under_torchrun_is_bitwise_equal(tmp_path: Path) -> None:
 def test_injected_scale_is_caught(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = _run(torchrun(2, str(ROOT / "tests/dist/run_verify.py"), "--steps", "3", "--inject", "perturb-scale",
-                         "--out", str(out)), tmp_path)
+                         *VOCAB, "--out", str(out)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert not r["passed"]
@@ -65,7 +67,7 @@ def test_pp2_dp2_is_bitwise_equal_with_replicas_identical(tmp_path: Path, schedu
     replicas identical to data-parallel rank 0 after every step, one reduction finished per commit."""
     out = tmp_path / "report.json"
     proc = _run(torchrun(4, "-m", "qeffect", "verify-state", "--steps", "3", "--schedule", schedule,
-                         "--config", str(_dp2(tmp_path)), "--json", str(out)), tmp_path)
+                         "--config", str(_dp2(tmp_path)), *SMALL, "--json", str(out)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["passed"] and (r["pp"], r["dp"], r["world_size"]) == (2, 2, 4)
@@ -82,7 +84,7 @@ def test_zbv_with_nccl_order_fault_is_caught_by_the_interleaved_loss(tmp_path: P
     native Interleaved (its own placement, an order that happens to match) shows it."""
     out = tmp_path / "report.json"
     proc = _run(torchrun(2, str(ROOT / "tests/dist/run_verify.py"), "--steps", "2", "--schedule", "zbv",
-                         "--nccl-order-fault", "--out", str(out)), tmp_path)
+                         "--nccl-order-fault", *VOCAB, "--out", str(out)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     by = {c["category"]: c["mismatches"] for c in r["categories"]}
@@ -96,7 +98,7 @@ def test_zbv_with_a_microbatch_count_interleaved_refuses_notes_the_skipped_check
     cfg.write_text("[pipeline]\nmicrobatches = 5\n")
     out = tmp_path / "report.json"
     proc = _run(torchrun(2, "-m", "qeffect", "verify-state", "--schedule", "zbv", "--steps", "2",
-                         "--config", str(cfg), "--json", str(out)), tmp_path)
+                         "--config", str(cfg), *SMALL, "--json", str(out)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["passed"] and r["microbatches"] == 5
@@ -108,7 +110,7 @@ def test_zbv_with_a_microbatch_count_interleaved_refuses_notes_the_skipped_check
 def test_desynchronized_replica_is_caught(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = _run(torchrun(4, str(ROOT / "tests/dist/run_verify.py"), "--steps", "3", "--dp", "2",
-                         "--inject", "desync-replica", "--out", str(out)), tmp_path)
+                         "--inject", "desync-replica", *VOCAB, "--out", str(out)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert not r["passed"]

@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default=None, help="run config TOML (default: the embedded tiny one)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="model.vocab_size (default: the config's)")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per process)")
     ap.add_argument("--path", default="eager", help="eager, captured-copy or captured-direct (cuda)")
     ap.add_argument("--untagged", action="store_true",
@@ -46,6 +47,8 @@ def main() -> None:
         P2PTransport._tag = lambda self, kind, stage, m: 0
     cfg = load_config(a.config).with_overrides(**{"pipeline.schedule": a.schedule, "pipeline.pp": a.pp,
                                                   "pipeline.dp": a.dp, "train.device": a.device})
+    if a.vocab_size is not None:
+        cfg = cfg.with_overrides(**{"model.vocab_size": a.vocab_size})
     init_from_env(a.device)
     pipe = DistributedPipeline(cfg, path=a.path)
     losses, replicas_equal, reductions_done = [], [], []

@@ -19,6 +19,7 @@ def main() -> None:
     ap.add_argument("--inject", default=None)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--vocab-size", type=int, default=None, help="model.vocab_size (default: the config's)")
     ap.add_argument("--nccl-order-fault", action="store_true",
                     help="the transport as it was: receive in the own program's order, tags ignored (NCCL's matching)")
     a = ap.parse_args()
@@ -40,6 +41,8 @@ def main() -> None:
 
         P2PTransport.finish = finish_unchecked
     cfg = load_config().with_overrides(**{"pipeline.schedule": a.schedule, "pipeline.dp": a.dp})
+    if a.vocab_size is not None:
+        cfg = cfg.with_overrides(**{"model.vocab_size": a.vocab_size})
     init_from_env("cpu")
     report = run_verify_distributed(cfg, steps=a.steps, injection=a.inject)
     if dist.get_rank() == 0:
