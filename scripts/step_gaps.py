@@ -59,9 +59,9 @@ def label_phases(pipe) -> None:
         rank.run = labelled_run
         rank.optimizer.step = labelled_step
         if load is not None:
-            def labelled_load(_load=load, _r=r):
+            def labelled_load(*a, _load=load, _r=r, **k):  # the rank passes defer= (a global norm folds first)
                 with _label(f"fold.r{_r}"):
-                    return _load()
+                    return _load(*a, **k)
             rank._load_grads = labelled_load
         commit = rank.commit
 
