@@ -111,6 +111,47 @@ def test_bad_input_in_its_own_process_exits_2_with_one_line(tmp_path: Path) -> N
     assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
 
 
+def _taken(tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone's")
+    return out
+
+
+def test_a_taken_run_folder_is_refused_before_the_data_and_the_build(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A folder that is not empty stops the run in one line before anything costly (data, model) starts."""
+    from qeffect.cli.app import main
+    from qeffect.runtime import train
+
+    def not_reached(*a, **k):
+        raise AssertionError("reached past the run folder's check")
+
+    monkeypatch.setattr(train, "_prepare_data", not_reached)
+    monkeypatch.setattr(train, "build_single_process", not_reached)
+    out = _taken(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--steps", "2", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and err == f"qeffect: error: {out}: run folder exists and is not empty", err
+    assert [x.name for x in out.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.slow
+def test_a_taken_run_folder_under_torchrun_is_rank_zeros_one_line(tmp_path: Path) -> None:
+    """Under torchrun the other rank waits in the rendezvous until the launcher stops it: no second error
+    about a peer that left."""
+    from launch import run, torchrun
+
+    out = _taken(tmp_path)
+    proc = run(torchrun(2, "-m", "qeffect", "train", "--steps", "2", "--out", str(out)), tmp_path)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert text.count(f"qeffect: error: {out}: run folder exists and is not empty") == 1, text[-3000:]
+    assert "[rank1]" not in text and "Connection closed" not in text, text[-3000:]
+    assert [x.name for x in out.iterdir()] == ["notes.txt"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_training_equals_eager_training(tmp_path: Path) -> None:

@@ -275,6 +275,10 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
     elif p.dp != 1:
         raise UserError(f"pipeline.dp = {p.dp} needs {p.pp * p.dp} processes: launch with "
                         f"torchrun --nproc-per-node {p.pp * p.dp} -m qeffect train ...")
+    # The run folder is global rank 0's; it is judged before the data, the process group and the model,
+    # so a taken folder costs no build, and under torchrun the other ranks wait in the rendezvous until
+    # the launcher stops them instead of failing on a peer that left.
+    planned_dir = _new_run_dir(cfg, out, reuse=reuse) if os.environ.get("RANK", "0") == "0" else None
     # A seeded run is reproducible down to the global RNG state that checkpoints save (torch seeds the
     # default generator randomly per process); nothing in training draws from it today.
     torch.manual_seed(cfg.train.seed)
@@ -316,7 +320,7 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
         if start >= cfg.train.steps:
             raise UserError(f"--resume {folder}: the checkpoint is at step {start}; train.steps = "
                             f"{cfg.train.steps} leaves nothing to train")
-    run_dir = _new_run_dir(cfg, out, reuse=reuse) if rank0 else None
+    run_dir = _new_run_dir(cfg, planned_dir, reuse=reuse) if rank0 else None  # again: the build took time
     kept: list[str] = []
     if run_dir is not None:
         if reuse:  # an earlier attempt's run folder: its records up to the checkpoint stay, its summary goes
