@@ -412,6 +412,12 @@ def test_diff(saved, tmp_path, capsys) -> None:
     assert "model.tok_emb.weight" in keys and "fp8.head.input_amax_history" in keys
     rc, out, _ = _cli(capsys, "inspect-checkpoint", str(path), "--diff", str(later))
     assert rc == 1 and "DIFFERENT" in out and "model.tok_emb.weight" in out
+    # a checkpoint that cannot be read is trouble (2, as diff(1)), never a difference (1)
+    (tmp_path / "empty").mkdir()
+    for other in (tmp_path / "missing", tmp_path / "empty"):
+        for a, b in ((path, other), (other, path)):
+            rc, out, err = _cli(capsys, "inspect-checkpoint", str(a), "--diff", str(b))
+            assert rc == 2 and not out and len(err.strip().splitlines()) == 1 and other.name in err, err
 
 
 def test_diff_is_bitwise() -> None:

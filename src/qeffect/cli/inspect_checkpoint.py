@@ -8,7 +8,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from qeffect.cli.root import app
+from qeffect.cli.root import app, fail
+from qeffect.errors import ReportError, UserError
 
 
 def _mib(n: int) -> str:
@@ -107,7 +108,8 @@ def inspect_checkpoint(
     path: Path = typer.Argument(..., help="Checkpoint folder (or a checkpoint root with a `latest` file)."),
     json_flag: bool = typer.Option(False, "--json", help="Print the report as JSON (CheckpointReport) instead."),
     diff: Path | None = typer.Option(
-        None, "--diff", help="Compare with another checkpoint, tensor by tensor (bitwise); exit 1 if they differ."),
+        None, "--diff", help="Compare with another checkpoint, tensor by tensor (bitwise); exit 1 if they differ, "
+        "2 if either cannot be read."),
     modules: int = typer.Option(12, "--modules", min=0, help="FP8 modules to list in the table (0: all)."),
 ) -> None:
     """Summarize a checkpoint without building a model: step and epochs, recipe, configuration, sizes
@@ -115,16 +117,20 @@ def inspect_checkpoint(
 
     With --diff OTHER: every tensor is loaded from both and compared on its bits, and the step, epochs,
     data position, RNG, recipe and run-shape configuration are compared; exit 0 when identical, 1
-    otherwise (other config fields such as steps or paths are listed but not counted). A folder that is
-    not a checkpoint, a missing or truncated or corrupted file, or an unknown schema version: one line
-    on stderr, exit 1.
+    otherwise (other config fields such as steps or paths are listed but not counted), 2 when either
+    cannot be read (as diff(1), so that a script never reads a missing checkpoint as a difference). A
+    folder that is not a checkpoint, a missing or truncated or corrupted file, or an unknown schema
+    version: one line on stderr, exit 1 (2 with --diff).
     """
     from qeffect.checkpoint import diff_checkpoints
     from qeffect.checkpoint import inspect_checkpoint as run_inspect
 
     console = Console()
     if diff is not None:
-        result = diff_checkpoints(path, diff)
+        try:
+            result = diff_checkpoints(path, diff)
+        except (ReportError, UserError) as err:  # exit 1 means "they differ" here
+            fail(str(err).replace("\n", " "), 2)
         if json_flag:
             typer.echo(result.model_dump_json(indent=2))
         else:
