@@ -9,6 +9,7 @@ from rich.console import Console
 
 from qeffect.cli.common import write_json
 from qeffect.cli.root import app
+from qeffect.runtime.outputs import check_report_target
 
 
 @app.command("audit-megatron")
@@ -36,6 +37,7 @@ def audit_megatron(
     from qeffect.audit.report import render
 
     pipelines = parse_pipelines(pipeline)
+    check_report_target(json_out)
     gpus = check_environment()
     shape, source = shape_from_config(config)
     console = Console()

@@ -11,6 +11,7 @@ from rich.table import Table
 from qeffect.cli.common import SET_HELP, SET_METAVAR, Backend, PathMode, Schedule, config_from_cli, write_json
 from qeffect.cli.root import app, fail
 from qeffect.errors import UserError
+from qeffect.runtime.outputs import check_report_target
 
 
 @app.command("capture")
@@ -36,6 +37,7 @@ def capture(
     one-way showed stale reads (the check can see the race) and the other two none.
     """
     cfg = None if handshake_check else _config(config, path, schedule, backend, sets)  # its errors first
+    check_report_target(json_out)
     import torch
 
     if not torch.cuda.is_available():

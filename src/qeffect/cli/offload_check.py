@@ -12,6 +12,7 @@ from qeffect.cli.common import config_from_cli, write_json
 from qeffect.cli.root import app
 from qeffect.config import OffloadConfig
 from qeffect.errors import UserError
+from qeffect.runtime.outputs import check_report_target
 
 
 def offload_check_config(config: Path | None) -> OffloadConfig:
@@ -52,6 +53,7 @@ def offload_check(
     if bad:
         raise UserError(f"qeffect offload-check: unknown --only {', '.join(bad)} (known: {', '.join(CHECKS)})")
     offload = offload_check_config(config)  # a bad config file fails first, with or without a GPU
+    check_report_target(json_out)
     if not torch.cuda.is_available():
         raise UserError("qeffect offload-check needs a CUDA device; none is available")
     console = Console()

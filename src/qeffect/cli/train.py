@@ -21,6 +21,7 @@ from qeffect.cli.common import (
     write_json,
 )
 from qeffect.cli.root import app
+from qeffect.runtime.outputs import check_report_target
 
 
 @app.command("train")
@@ -73,6 +74,7 @@ def train(
     Output: with a terminal, a progress bar; without one (a log file, a pipe), a plain line every
     train.log_every steps and at the last, and one per held-out evaluation. Only global rank 0 prints.
     """
+    check_report_target(json_out)
     cfg = config_from_cli(config, sets=sets, **{
         "train.steps": steps, "train.seed": seed, "pipeline.schedule": schedule.value if schedule else None,
         "fp8.backend": backend.value if backend else None, "train.device": device.value if device else None,

@@ -24,6 +24,7 @@ from qeffect.cli.common import (
 )
 from qeffect.cli.root import app
 from qeffect.errors import UserError
+from qeffect.runtime.outputs import check_report_target
 
 if TYPE_CHECKING:
     from qeffect.verify.state import StepGraphCheck
@@ -110,6 +111,7 @@ def verify_state(
     train.path). With --resume CKPT both start from a checkpoint, laid out as this run's config says
     (--pp, --dp, pipeline.chunks_per_rank, --schedule may differ from the run that saved it).
     """
+    check_report_target(json_out)
     console = Console()
     if resume is not None and (faults or oracle_check):
         raise UserError("--resume compares a run started from a checkpoint; --faults and --oracle-check "
