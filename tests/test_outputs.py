@@ -1,5 +1,5 @@
-"""Output paths are judged before any work: a report or run folder that cannot be created is one line,
-exit 2, before a verification, a build or a GPU check (not an OSError after minutes of work)."""
+"""Output paths are judged before any work: a report, run or checkpoint folder that cannot be created is
+one line, exit 2, before a verification, a build or a GPU check (not an OSError after minutes of work)."""
 
 from __future__ import annotations
 
@@ -35,13 +35,14 @@ def test_check_report_target(tmp_path: Path) -> None:
 @pytest.mark.parametrize("argv", [
     ["train", "--steps", "1", "--json", "{bad}/s.json"],
     ["train", "--steps", "1", "--out", "{bad}/run"],
+    ["train", "--steps", "1", "--checkpoint-every", "1", "--checkpoint-dir", "{bad}/ck"],
     ["verify-state", "--steps", "1", "--json", "{bad}/v.json"],
     ["profile", "--report", REPORT, "--json", "{bad}/p.json"],
     ["profile", "--report", REPORT, "--plot", "{bad}/plots"],
     ["capture", "--json", "{bad}/c.json"],
     ["offload-check", "--json", "{bad}/o.json"],
     ["audit-megatron", "--json", "{bad}/a.json"],
-], ids=["train-json", "train-out", "verify-state-json", "profile-json", "profile-plot", "capture-json",
+], ids=["train-json", "train-out", "train-checkpoint-dir", "verify-state-json", "profile-json", "profile-plot", "capture-json",
         "offload-check-json", "audit-megatron-json"])
 def test_an_output_under_a_file_is_one_line_before_any_work(argv: list[str], tmp_path: Path, capsys,
                                                             monkeypatch) -> None:

@@ -216,6 +216,8 @@ def _checkpoint_root(cfg: RunConfig) -> Path | None:
     root = Path(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
     if root is not None and root.exists() and not root.is_dir():
         raise UserError(f"train.checkpoint_dir {root}: exists and is not a folder")
+    if root is not None and not root.exists():
+        check_creatable(root, "train.checkpoint_dir")
     return root
 
 
@@ -282,6 +284,7 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
     # so a taken folder costs no build, and under torchrun the other ranks wait in the rendezvous until
     # the launcher stops them instead of failing on a peer that left.
     planned_dir = _new_run_dir(cfg, out, reuse=reuse) if os.environ.get("RANK", "0") == "0" else None
+    ck_root = _checkpoint_root(cfg)  # every rank writes its shards there
     # A seeded run is reproducible down to the global RNG state that checkpoints save (torch seeds the
     # default generator randomly per process); nothing in training draws from it today.
     torch.manual_seed(cfg.train.seed)
@@ -302,7 +305,6 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
         # Captured: state is loaded (resume) before any graph exists, then every action is captured.
         pipe = build_single_process(cfg, native=False, path=cfg.train.path, capture=resume is None)
     checkpointing = bool(cfg.train.checkpoint_every or cfg.train.checkpoint_dir)
-    ck_root = _checkpoint_root(cfg)
     start, resumed_from, resumed_layout = 0, None, None
     if resume is not None:
         from qeffect.checkpoint import layout_change, load_checkpoint, resolve_checkpoint
