@@ -10,7 +10,7 @@ import pytest
 from qeffect.cli.app import main
 from qeffect.errors import UserError
 from qeffect.runtime import outputs
-from qeffect.runtime.outputs import check_creatable, check_report_target
+from qeffect.runtime.outputs import check_creatable, check_folder_target, check_report_target
 
 REPORT = "saved.json"  # not read: the output is judged first
 
@@ -23,6 +23,14 @@ def test_check_creatable(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(outputs.os, "access", lambda path, mode: False)  # a read-only folder (root may write any)
     with pytest.raises(UserError, match=r"cannot create the run folder: .* is not writable"):
         check_creatable(tmp_path / "run", "the run folder")
+
+
+def test_check_folder_target(tmp_path: Path) -> None:
+    check_folder_target(tmp_path, "the plot folder")
+    check_folder_target(tmp_path / "new", "the plot folder")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match=r"file: the plot folder exists and is not a folder"):
+        check_folder_target(tmp_path / "file", "the plot folder")
 
 
 def test_check_report_target(tmp_path: Path) -> None:

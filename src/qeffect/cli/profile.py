@@ -12,7 +12,7 @@ from rich.table import Table
 from qeffect.cli.common import SET_HELP, SET_METAVAR, Backend, Device, config_from_cli, write_json
 from qeffect.cli.root import app
 from qeffect.errors import ReportError, UserError
-from qeffect.runtime.outputs import check_creatable, check_report_target
+from qeffect.runtime.outputs import check_folder_target, check_report_target
 
 
 def _ms(x: float | None) -> str:
@@ -255,10 +255,8 @@ def profile(
     schedule, and the step counts, are profile's own (--configs, --steps, --warmup), not the config's.
     """
     check_report_target(json_out)
-    if plot is not None and plot.exists() and not plot.is_dir():
-        raise UserError(f"{plot}: is a file; --plot wants a folder")
-    if plot is not None and not plot.exists():
-        check_creatable(plot, "the plot folder")
+    if plot is not None:
+        check_folder_target(plot, "the plot folder")
     console = Console()
     if plot is not None:
         from qeffect.profile.plot import require_matplotlib

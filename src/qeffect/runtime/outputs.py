@@ -23,6 +23,14 @@ def check_creatable(path: Path, what: str) -> None:
         raise UserError(f"{path}: cannot create {what}: {ancestor} is not writable")
 
 
+def check_folder_target(path: Path, what: str) -> None:
+    """A folder to write into: an existing folder, or one that can be created."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{path}: {what} exists and is not a folder")
+    if not path.exists():
+        check_creatable(path, what)
+
+
 def check_report_target(path: Path | None) -> None:
     """A `--json` report file: creatable, and not an existing folder."""
     if path is None:

@@ -40,7 +40,7 @@ from qeffect.errors import ReportError, UserError
 from qeffect.graphs.handshake import run_settings
 from qeffect.runtime.build import build_single_process, capture_graphs
 from qeffect.runtime.memory_cap import apply_memory_fraction, refuse_out_of_memory
-from qeffect.runtime.outputs import check_creatable
+from qeffect.runtime.outputs import check_creatable, check_folder_target
 
 SCHEMA_VERSION = 1
 
@@ -214,10 +214,8 @@ def evaluate(chunks: dict[int, torch.nn.Module], num_stages: int, batches, get, 
 def _checkpoint_root(cfg: RunConfig) -> Path | None:
     """The configured checkpoint folder (None: under the run folder); refuse one that is a file."""
     root = Path(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
-    if root is not None and root.exists() and not root.is_dir():
-        raise UserError(f"train.checkpoint_dir {root}: exists and is not a folder")
-    if root is not None and not root.exists():
-        check_creatable(root, "train.checkpoint_dir")
+    if root is not None:
+        check_folder_target(root, "train.checkpoint_dir")
     return root
 
 
