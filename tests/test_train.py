@@ -137,6 +137,22 @@ def test_a_taken_run_folder_is_refused_before_the_data_and_the_build(tmp_path: P
     assert [x.name for x in out.iterdir()] == ["notes.txt"]
 
 
+def test_a_rank_variable_outside_torchrun_leaves_the_run_folder_alone(tmp_path: Path, monkeypatch) -> None:
+    """RANK alone (some cluster launchers export it) is not torchrun: the one process writes to --out."""
+    from launch import small_train
+    from qeffect.cli.app import main
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--steps", "1", "--set", "train.eval_every=0", *small_train(tmp_path), "--out", str(out)])
+    assert exc.value.code == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 1 and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow
 def test_a_taken_run_folder_under_torchrun_is_rank_zeros_one_line(tmp_path: Path) -> None:
     """Under torchrun the other rank waits in the rendezvous until the launcher stops it: no second error

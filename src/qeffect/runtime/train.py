@@ -281,7 +281,8 @@ def _train(cfg: RunConfig, *, out: Path | None, on_step: Callable[[StepMetrics],
     # The run folder is global rank 0's; it is judged before the data, the process group and the model,
     # so a taken folder costs no build, and under torchrun the other ranks wait in the rendezvous until
     # the launcher stops them instead of failing on a peer that left.
-    planned_dir = _new_run_dir(cfg, out, reuse=reuse) if os.environ.get("RANK", "0") == "0" else None
+    first = not distributed or os.environ.get("RANK") == "0"  # global rank 0 (torchrun's RANK)
+    planned_dir = _new_run_dir(cfg, out, reuse=reuse) if first else None
     ck_root = _checkpoint_root(cfg)  # every rank writes its shards there
     # A seeded run is reproducible down to the global RNG state that checkpoints save (torch seeds the
     # default generator randomly per process); nothing in training draws from it today.
