@@ -40,7 +40,7 @@ from qeffect.errors import ReportError, UserError
 from qeffect.graphs.handshake import run_settings
 from qeffect.runtime.build import build_single_process, capture_graphs
 from qeffect.runtime.memory_cap import apply_memory_fraction, refuse_out_of_memory
-from qeffect.runtime.outputs import check_creatable, check_folder_target
+from qeffect.runtime.outputs import check_folder_target
 
 SCHEMA_VERSION = 1
 
@@ -144,13 +144,10 @@ def _new_run_dir(cfg: RunConfig, out: Path | None, *, reuse: bool = False) -> Pa
     if out is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         out = Path(cfg.train.run_dir) / f"{stamp}-{cfg.pipeline.schedule}-{cfg.fp8.backend}"
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: run folder exists and is not a folder")
+    check_folder_target(out, "run folder")
     if out.exists() and any(out.iterdir()) and not (reuse and (out / "config.json").is_file()):
         raise UserError(f"{out}: run folder exists and is not empty" +
                         (" (and is not a run folder)" if reuse else ""))
-    if not out.exists():
-        check_creatable(out, "the run folder")
     return out
 
 
